@@ -1,0 +1,3 @@
+from onnx2soap.cli import main
+
+raise SystemExit(main())

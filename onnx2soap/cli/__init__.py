@@ -1,0 +1,38 @@
+"""The ``onnx2soap`` command: inspect, plan, simulate, machine.
+
+Every user error is printed as one line on stderr and exits with code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from onnx2soap.cli import inspect_cmd, plan_cmd
+from onnx2soap.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onnx2soap",
+        description="Find SOAP parallelization plans for ONNX models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (inspect_cmd, plan_cmd):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except UserError as e:
+        print(f"onnx2soap: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("onnx2soap: interrupted", file=sys.stderr)
+        return 130

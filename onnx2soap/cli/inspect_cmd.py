@@ -1,0 +1,96 @@
+"""``onnx2soap inspect MODEL``: ops, shapes, SOAP dims with kinds, FLOPs, parameters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from onnx2soap.cli.common import add_model_options, human, loss_choice
+from onnx2soap.importer import load_model
+from onnx2soap.ir import Graph, Op
+from onnx2soap.soap import DimKind, SoapDim, analyze
+
+
+def register(sub) -> None:
+    p = sub.add_parser("inspect", help="show the ops and their parallelizable dims")
+    add_model_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run)
+
+
+def op_params(op: Op, graph: Graph) -> int:
+    return sum(graph.tensors[t].numel for t in op.inputs if t in {w.name for w in graph.weights})
+
+
+def report(graph: Graph, model: str) -> dict:
+    space = analyze(graph)
+    return {
+        "model": model,
+        "batch": graph.batch,
+        "loss": graph.loss.value,
+        "ops": [
+            {
+                "name": op.name,
+                "type": op.type.value,
+                "output_shape": list(graph.tensors[op.output].shape),
+                "flops": op.nest.flops,
+                "params": op_params(op, graph),
+                "dims": [
+                    {
+                        "name": d.name,
+                        "size": d.size,
+                        "kind": d.kind.value,
+                        "axis": d.axis,
+                        "splittable": d.splittable,
+                    }
+                    for d in space[op.name]
+                ],
+            }
+            for op in graph.ops
+        ],
+    }
+
+
+_KIND_LETTER = {
+    DimKind.SAMPLE: "S",
+    DimKind.ATTRIBUTE: "A",
+    DimKind.PARAMETER: "P",
+    DimKind.REDUCTION: "R",
+}
+
+
+def _dim_text(d: SoapDim) -> str:
+    mark = "" if d.splittable else "-"
+    return f"{d.name}={d.size}:{_KIND_LETTER[d.kind]}{mark}"
+
+
+def table(doc: dict, graph: Graph) -> str:
+    space = analyze(graph)
+    rows = [("op", "type", "output", "dims (S/A/P/R; - = not splittable)", "FLOPs", "params")]
+    for op, entry in zip(graph.ops, doc["ops"], strict=True):
+        rows.append(
+            (
+                op.name,
+                op.type.value,
+                "x".join(map(str, entry["output_shape"])) or "scalar",
+                " ".join(_dim_text(d) for d in space[op.name]),
+                human(entry["flops"]),
+                human(entry["params"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    total_flops = sum(o["flops"] for o in doc["ops"])
+    total_params = sum(o["params"] for o in doc["ops"])
+    lines.append(
+        f"{len(graph.ops)} ops, batch {graph.batch}, loss {graph.loss.value}: "
+        f"{human(total_flops)} forward FLOPs, {human(total_params)} parameters"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_model(args.model, args.batch, loss_choice(args.loss))
+    doc = report(model.graph, args.model)
+    print(json.dumps(doc, indent=2) if args.json else table(doc, model.graph))
+    return 0

@@ -1,0 +1,198 @@
+"""Turn prepared ONNX nodes into a training ``Graph``: roles, converters, loss."""
+
+from __future__ import annotations
+
+import onnx
+
+from onnx2soap.errors import ModelError
+from onnx2soap.importer import converters
+from onnx2soap.importer.converters import CONVERTERS, NodeContext
+from onnx2soap.importer.prepare import Prepared
+from onnx2soap.ir import DType, Graph, LossAttrs, LossKind, Op, Tensor, TensorRole
+
+_DTYPES = {
+    onnx.TensorProto.FLOAT: DType.FLOAT32,
+    onnx.TensorProto.DOUBLE: DType.FLOAT64,
+    onnx.TensorProto.INT64: DType.INT64,
+}
+_LOSS_OPS = {"SoftmaxCrossEntropyLoss"}
+
+
+def _dtype(p: Prepared, name: str) -> DType:
+    elem = p.types[name].elem_type
+    if elem not in _DTYPES:
+        raise ModelError(
+            f"{p.path}: tensor '{name}' has element type "
+            f"{onnx.TensorProto.DataType.Name(elem)}; supported: float, double, int64"
+        )
+    return _DTYPES[elem]
+
+
+def _check_supported(p: Prepared) -> None:
+    bad = [
+        n
+        for n in p.nodes
+        if n.domain not in ("", "ai.onnx") or n.op_type not in CONVERTERS
+    ]
+    if bad:
+        listed = ", ".join(
+            f"'{n.name or n.output[0]}' ({n.op_type}, domain {n.domain or 'ai.onnx'}, "
+            f"opset {p.opset})"
+            for n in bad
+        )
+        raise ModelError(
+            f"{p.path}: {len(bad)} unsupported node{'s' if len(bad) > 1 else ''}: {listed}; "
+            f"supported ops: {', '.join(sorted(CONVERTERS))}"
+        )
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+class _Builder:
+    """Walks the nodes once, giving every tensor its role and every node its ``Op``."""
+
+    def __init__(self, p: Prepared) -> None:
+        self.p = p
+        self.tensors: dict[str, Tensor] = {}
+        self.aliases: dict[str, str] = {}  # Identity outputs that are just a weight
+        self.ops: list[Op] = []
+        floats = [n for n in p.graph_inputs if _dtype(p, n).is_float]
+        if len(floats) != 1:
+            raise ModelError(
+                f"{p.path}: expected exactly one float data input, found {len(floats)}: "
+                f"{floats}"
+            )
+        self.input = floats[0]
+        self._add(self.input, TensorRole.INPUT)
+
+    def _add(self, name: str, role: TensorRole) -> Tensor:
+        if name not in self.p.types:
+            raise ModelError(f"{self.p.path}: tensor '{name}' has no static shape after inference")
+        t = Tensor(name, self.p.types[name].shape, _dtype(self.p, name), role)
+        self.tensors[name] = t
+        return t
+
+    def _operand(self, node: onnx.NodeProto, name: str) -> Tensor | None:
+        name = self.aliases.get(name, name)
+        if not name or name in self.p.constants:
+            return None
+        if name in self.tensors:
+            return self.tensors[name]
+        if name in self.p.float_initializers:
+            return self._add(name, TensorRole.WEIGHT)
+        if name in self.p.graph_inputs:
+            role = TensorRole.LABELS if node.op_type in _LOSS_OPS else None
+            if role is None:
+                raise ModelError(
+                    f"{self.p.path}: node '{node.name}' reads graph input '{name}', which "
+                    f"is neither the data input '{self.input}' nor the loss's labels"
+                )
+            return self._add(name, role)
+        raise ModelError(f"{self.p.path}: node '{node.name}' reads '{name}', which nothing writes")
+
+    def convert(self, node: onnx.NodeProto) -> None:
+        name = node.name or node.output[0]
+        extra = [o for o in node.output[1:] if o]
+        if extra and any(o in n.input for n in self.p.nodes for o in extra):
+            raise ModelError(
+                f"node '{name}' ({node.op_type}): only its first output is supported, but "
+                f"{extra} are used"
+            )
+        inputs = tuple(self._operand(node, i) for i in node.input)
+        if node.op_type == "Identity" and inputs[0] and inputs[0].role is TensorRole.WEIGHT:
+            self.aliases[node.output[0]] = inputs[0].name
+            return
+        ctx = NodeContext(
+            name=name,
+            op_type=node.op_type,
+            inputs=inputs,
+            constants=tuple(self.p.constants.get(i) for i in node.input),
+            output=self._add(node.output[0], TensorRole.ACTIVATION),
+        )
+        try:
+            op = CONVERTERS[node.op_type](ctx, **_attributes(node))
+        except TypeError as e:
+            raise ctx.fail(f"unexpected attributes {sorted(_attributes(node))}: {e}") from e
+        self.ops.append(op)
+
+
+def _prune(ops: list[Op], keep: str) -> list[Op]:
+    """Drop ops that neither the loss nor the output depends on."""
+    needed, kept = {keep}, []
+    for op in reversed(ops):
+        if op.output in needed:
+            kept.append(op)
+            needed.update(op.inputs)
+    return kept[::-1]
+
+
+def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
+    name = "loss"
+    while name in b.tensors:
+        name += "_"
+    labels_name = "labels"
+    while labels_name in b.tensors:
+        labels_name += "_"
+    p = b.p
+    if loss is LossKind.CROSS_ENTROPY:
+        if len(output.shape) != 2:
+            raise ModelError(
+                f"{p.path}: cross-entropy needs a [batch, classes] output, but "
+                f"'{output.name}' is {list(output.shape)} (choose --loss mse or none)"
+            )
+        labels = Tensor(labels_name, (output.shape[0],), DType.INT64, TensorRole.LABELS)
+    else:
+        labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS)
+    scalar = Tensor(name, (), output.dtype, TensorRole.ACTIVATION)
+    b.tensors.update({labels.name: labels, scalar.name: scalar})
+    ctx = NodeContext(name, "loss", (output, labels), (None, None), scalar)
+    if loss is LossKind.CROSS_ENTROPY:
+        return converters.cross_entropy_op(ctx, output, labels, LossAttrs())
+    return converters.mse_op(ctx, output, labels)
+
+
+def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
+    _check_supported(p)
+    b = _Builder(p)
+    for node in p.nodes:
+        b.convert(node)
+    own = [op for op in b.ops if op.is_loss]
+    if len(p.graph_outputs) != 1 and not own:
+        raise ModelError(
+            f"{p.path}: expected one graph output, found {len(p.graph_outputs)}: "
+            f"{list(p.graph_outputs)}"
+        )
+    if own:
+        if loss not in (None, LossKind.MODEL):
+            raise ModelError(
+                f"{p.path}: the model computes its own loss (node '{own[0].name}'); "
+                f"drop --loss {loss.value} to train with it"
+            )
+        loss_op = own[0]
+        ops = _prune([op for op in b.ops if op is not loss_op], loss_op.inputs[0])
+        ops.append(loss_op)
+        kind, output, labels = LossKind.MODEL, loss_op.inputs[0], loss_op.inputs[1]
+    else:
+        kind = loss or LossKind.CROSS_ENTROPY
+        output = b.aliases.get(p.graph_outputs[0], p.graph_outputs[0])
+        ops = _prune(b.ops, output)
+        labels = None
+        if kind is not LossKind.NONE:
+            if output not in b.tensors or b.tensors[output].role is not TensorRole.ACTIVATION:
+                raise ModelError(f"{p.path}: graph output '{output}' is not computed by any op")
+            loss_op = _attach_loss(b, b.tensors[output], kind)
+            ops.append(loss_op)
+            labels = loss_op.inputs[1]
+    used = {t for op in ops for t in op.inputs} | {op.output for op in ops}
+    return Graph(
+        name=p.path.stem,
+        tensors={k: v for k, v in b.tensors.items() if k in used},
+        ops=tuple(ops),
+        input=b.input,
+        output=output,
+        labels=labels,
+        loss=kind,
+        batch=p.batch,
+    )

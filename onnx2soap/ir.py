@@ -1,0 +1,294 @@
+"""The graph the importer produces and everything downstream reads.
+
+Every operator is described once, as a loop nest over named iteration dims with an access
+map per operand axis. Dim kinds, splittability, FLOPs, task regions and halos are all
+derived from this description (see ``onnx2soap.soap``); nothing downstream lists them by
+op type.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class DType(Enum):
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    INT64 = "int64"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 8
+
+    @property
+    def is_float(self) -> bool:
+        return self is not DType.INT64
+
+
+class TensorRole(Enum):
+    INPUT = "input"  # the data input; its axis 0 is the batch
+    LABELS = "labels"  # the loss's targets; axis 0 is the batch
+    WEIGHT = "weight"  # trainable float initializer
+    ACTIVATION = "activation"  # written by an op
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    role: TensorRole
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# --- access maps: how one operand axis is indexed by the iteration dims -----------------
+
+
+@dataclass(frozen=True)
+class Affine:
+    """Operand index = sum(coef * dim) + offset, every coefficient positive.
+
+    Identity is ``Affine(((d, 1),), 0)``; a convolution window is
+    ``Affine(((out, stride), (kernel, dilation)), -pad_begin)``; the input of a Concat at
+    offset ``o`` along the axis is ``Affine(((d, 1),), -o)``.
+    """
+
+    terms: tuple[tuple[int, int], ...]
+    offset: int = 0
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(d for d, _ in self.terms)
+
+    @property
+    def is_identity(self) -> bool:
+        return len(self.terms) == 1 and self.terms[0][1] == 1 and self.offset == 0
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """A size-1 operand axis read at index 0 whatever the dims (numpy broadcasting)."""
+
+
+@dataclass(frozen=True)
+class Whole:
+    """The operand axis is read whole by every task.
+
+    ``dims`` are the iteration dims the index depends on in a way no affine map
+    expresses (a Reshape's merged axes, the channel group of a grouped Conv): splitting
+    them would need global coordinates in the kernel, so they are never split.
+    """
+
+    dims: tuple[int, ...] = ()
+
+
+AxisMap = Affine | Broadcast | Whole
+
+
+def identity(dim: int) -> Affine:
+    return Affine(((dim, 1),), 0)
+
+
+@dataclass(frozen=True)
+class IterDim:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One input of a loop nest.
+
+    ``pad_value`` is what a task's buffer holds where the access map reaches outside the
+    tensor (0 for Conv, -inf for MaxPool). ``None`` means the buffer is clipped to the
+    tensor instead: the map never reaches outside it, or (Concat) what lies outside is
+    simply not this operand's part.
+    """
+
+    tensor: str
+    axes: tuple[AxisMap, ...]
+    pad_value: float | None = None
+
+
+@dataclass(frozen=True)
+class LoopNest:
+    """``output[out_dims] (+)= f(inputs)`` over the iteration space ``dims``.
+
+    Output axis ``i`` is indexed by dim ``out_dims[i]`` (identity), or is a size-1 axis
+    where the entry is None. Dims absent from ``out_dims`` are reductions. ``flops_per_point`` counts the forward FLOPs of one point
+    of the iteration space.
+    """
+
+    dims: tuple[IterDim, ...]
+    inputs: tuple[Operand, ...]
+    out_dims: tuple[int | None, ...]
+    flops_per_point: int = 1
+
+    @property
+    def points(self) -> int:
+        return math.prod(d.size for d in self.dims)
+
+    @property
+    def flops(self) -> int:
+        return self.points * self.flops_per_point
+
+    def dim_index(self, name: str) -> int:
+        for i, d in enumerate(self.dims):
+            if d.name == name:
+                return i
+        raise KeyError(name)
+
+
+# --- op attributes: one frozen dataclass per op family, with the ONNX spec's defaults ----
+
+
+class OpType(Enum):
+    GEMM = "Gemm"
+    MATMUL = "MatMul"
+    ADD = "Add"
+    RELU = "Relu"
+    IDENTITY = "Identity"
+    CONV = "Conv"
+    MAXPOOL = "MaxPool"
+    AVERAGEPOOL = "AveragePool"
+    GLOBALAVERAGEPOOL = "GlobalAveragePool"
+    FLATTEN = "Flatten"
+    RESHAPE = "Reshape"
+    CONCAT = "Concat"
+    SOFTMAX_CROSS_ENTROPY = "SoftmaxCrossEntropyLoss"
+    MSE_LOSS = "MeanSquaredError"  # attached by onnx2soap, not an ONNX op
+
+
+@dataclass(frozen=True)
+class NoAttrs:
+    pass
+
+
+@dataclass(frozen=True)
+class GemmAttrs:
+    alpha: float = 1.0
+    beta: float = 1.0
+    trans_a: bool = False
+    trans_b: bool = False
+
+
+@dataclass(frozen=True)
+class MatMulAttrs:
+    """``a_batch``/``b_batch``: how many leading batch axes each operand has (it may have
+    fewer than the output, numpy-style)."""
+
+    a_batch: int
+    b_batch: int
+
+
+@dataclass(frozen=True)
+class ConvAttrs:
+    kernel_shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads_begin: tuple[int, ...]
+    pads_end: tuple[int, ...]
+    group: int = 1
+
+
+class PoolKind(Enum):
+    MAX = "max"
+    AVERAGE = "average"
+
+
+@dataclass(frozen=True)
+class PoolAttrs:
+    kind: PoolKind
+    kernel_shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads_begin: tuple[int, ...]
+    pads_end: tuple[int, ...]
+    ceil_mode: bool = False
+    count_include_pad: bool = False
+
+
+@dataclass(frozen=True)
+class ConcatAttrs:
+    axis: int
+
+
+class LossReduction(Enum):
+    MEAN = "mean"
+    SUM = "sum"
+
+
+@dataclass(frozen=True)
+class LossAttrs:
+    reduction: LossReduction = LossReduction.MEAN
+    ignore_index: int | None = None
+
+
+OpAttrs = (
+    NoAttrs | GemmAttrs | MatMulAttrs | ConvAttrs | PoolAttrs | ConcatAttrs | LossAttrs
+)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One compute op. ``inputs`` are the operand tensors, in the order of ``nest.inputs``."""
+
+    name: str
+    type: OpType
+    inputs: tuple[str, ...]
+    output: str
+    attrs: OpAttrs
+    nest: LoopNest
+
+    @property
+    def is_loss(self) -> bool:
+        return self.type in (OpType.SOFTMAX_CROSS_ENTROPY, OpType.MSE_LOSS)
+
+
+class LossKind(Enum):
+    CROSS_ENTROPY = "cross-entropy"
+    MSE = "mse"
+    NONE = "none"
+    MODEL = "model"  # the ONNX graph computes its own loss
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A training graph: ops in topological order, the loss op (if any) last."""
+
+    name: str
+    tensors: dict[str, Tensor]
+    ops: tuple[Op, ...]
+    input: str
+    output: str
+    labels: str | None
+    loss: LossKind
+    batch: int
+
+    def op(self, name: str) -> Op:
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KeyError(name)
+
+    @property
+    def loss_op(self) -> Op | None:
+        return self.ops[-1] if self.ops and self.ops[-1].is_loss else None
+
+    def producer(self, tensor: str) -> Op | None:
+        for op in self.ops:
+            if op.output == tensor:
+                return op
+        return None
+
+    def consumers(self, tensor: str) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if tensor in op.inputs)
+
+    @property
+    def weights(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors.values() if t.role is TensorRole.WEIGHT)

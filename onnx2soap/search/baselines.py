@@ -1,0 +1,97 @@
+"""Strategies built by rule, not search: data parallel, model parallel, expert, random."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from enum import Enum
+
+import numpy as np
+
+from onnx2soap.ir import Graph, Op, OpType, TensorRole
+from onnx2soap.soap.dims import DimKind, SoapDim
+from onnx2soap.soap.partition import ParallelConfig
+from onnx2soap.soap.strategy import Strategy
+
+Space = Mapping[str, tuple[SoapDim, ...]]
+
+
+class Rule(Enum):
+    DATA_PARALLEL = "data-parallel"
+    MODEL_PARALLEL = "model-parallel"
+    EXPERT = "expert"
+    RANDOM = "random"
+
+
+def _split_one(dims: tuple[SoapDim, ...], kind: DimKind, devices: int) -> ParallelConfig:
+    """Split the first splittable dim of ``kind`` over up to ``devices`` devices."""
+    degrees = [1] * len(dims)
+    for i, d in enumerate(dims):
+        if d.kind is kind and d.splittable:
+            degrees[i] = min(devices, d.size)
+            break
+    return ParallelConfig(tuple(degrees), tuple(range(math.prod(degrees))))
+
+
+def data_parallel(graph: Graph, space: Space, devices: int) -> Strategy:
+    return Strategy(
+        devices, {op.name: _split_one(space[op.name], DimKind.SAMPLE, devices) for op in graph.ops}
+    )
+
+
+def _is_fully_connected(op: Op, graph: Graph) -> bool:
+    return op.type in (OpType.GEMM, OpType.MATMUL) and any(
+        graph.tensors[t].role is TensorRole.WEIGHT for t in op.inputs
+    )
+
+
+def expert(graph: Graph, space: Space, devices: int) -> Strategy:
+    """Krizhevsky's "one weird trick": data parallel everywhere except fully connected
+    layers, which split their output features (model parallel)."""
+    configs = {}
+    for op in graph.ops:
+        kind = DimKind.PARAMETER if _is_fully_connected(op, graph) else DimKind.SAMPLE
+        configs[op.name] = _split_one(space[op.name], kind, devices)
+    return Strategy(devices, configs)
+
+
+def model_parallel(graph: Graph, space: Space, devices: int) -> Strategy:
+    """Classic model parallelism: every op whole on one device, the ops in graph order cut
+    into ``devices`` consecutive groups of about equal FLOPs."""
+    flops = np.array([max(op.nest.flops, 1) for op in graph.ops], dtype=float)
+    ends = np.cumsum(flops) - flops / 2  # each op's FLOP midpoint
+    share = flops.sum() / devices
+    configs = {}
+    for op, mid in zip(graph.ops, ends, strict=True):
+        device = min(int(mid // share), devices - 1)
+        configs[op.name] = ParallelConfig((1,) * len(space[op.name]), (device,))
+    return Strategy(devices, configs)
+
+
+def random_config(dims: tuple[SoapDim, ...], devices: int, rng: np.random.Generator) -> ParallelConfig:
+    """Any valid config: mixed degrees (up to ``devices`` tasks) on any devices, several
+    tasks of an op possibly on one device."""
+    degrees = [1] * len(dims)
+    for i in rng.permutation(len(dims)):
+        room = devices // math.prod(degrees)
+        if dims[i].splittable and room > 1:
+            degrees[i] = int(rng.integers(1, min(room, dims[i].size) + 1))
+    tasks = math.prod(degrees)
+    placement = rng.integers(0, devices, size=tasks)
+    return ParallelConfig(tuple(degrees), tuple(int(d) for d in placement))
+
+
+def random_strategy(graph: Graph, space: Space, devices: int, rng: np.random.Generator) -> Strategy:
+    return Strategy(
+        devices, {op.name: random_config(space[op.name], devices, rng) for op in graph.ops}
+    )
+
+
+def by_rule(rule: Rule, graph: Graph, space: Space, devices: int, seed: int = 0) -> Strategy:
+    if rule is Rule.DATA_PARALLEL:
+        return data_parallel(graph, space, devices)
+    if rule is Rule.MODEL_PARALLEL:
+        return model_parallel(graph, space, devices)
+    if rule is Rule.EXPERT:
+        return expert(graph, space, devices)
+    return random_strategy(graph, space, devices, np.random.default_rng(seed))

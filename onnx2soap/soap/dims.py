@@ -1,0 +1,101 @@
+"""Parallelizable dims of every op, with FlexFlow's kinds inferred from the loop nests.
+
+- **sample**: the dim traces back to the batch axis of the data input (or the labels);
+- **parameter**: a kept dim that indexes an axis of a trainable weight;
+- **attribute**: any other kept dim;
+- **reduction**: absent from the output.
+
+A dim is *splittable* when a task can compute its share from its own input regions with
+no combination across tasks: kept, and never hidden in a ``Whole`` access. The loss is
+the one exception: its sample dim is split and the scalar partial losses are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from onnx2soap.ir import Affine, Graph, Op, TensorRole, Whole
+
+
+class DimKind(Enum):
+    SAMPLE = "sample"
+    ATTRIBUTE = "attribute"
+    PARAMETER = "parameter"
+    REDUCTION = "reduction"
+
+
+@dataclass(frozen=True)
+class SoapDim:
+    name: str
+    size: int
+    kind: DimKind
+    axis: int | None  # the output axis this dim indexes; None for reductions
+    splittable: bool
+
+
+def _direct_dim(m) -> int | None:
+    """The dim an axis map reads one-to-one, if it is a plain (possibly offset) copy."""
+    if isinstance(m, Affine) and len(m.terms) == 1 and m.terms[0][1] == 1:
+        return m.terms[0][0]
+    return None
+
+
+def _sample_dims(op: Op, batch_axes: dict[str, frozenset[int]]) -> set[int]:
+    found = set()
+    for operand in op.nest.inputs:
+        axes = batch_axes.get(operand.tensor, frozenset())
+        for a, m in enumerate(operand.axes):
+            d = _direct_dim(m)
+            if d is not None and a in axes:
+                found.add(d)
+    return found
+
+
+def _parameter_dims(op: Op, graph: Graph) -> set[int]:
+    found = set()
+    for operand in op.nest.inputs:
+        if graph.tensors[operand.tensor].role is TensorRole.WEIGHT:
+            found.update(d for m in operand.axes if (d := _direct_dim(m)) is not None)
+    return found
+
+
+def _hidden_dims(op: Op) -> set[int]:
+    return {d for o in op.nest.inputs for m in o.axes if isinstance(m, Whole) for d in m.dims}
+
+
+def op_dims(op: Op, graph: Graph, batch_axes: dict[str, frozenset[int]]) -> tuple[SoapDim, ...]:
+    nest = op.nest
+    samples = _sample_dims(op, batch_axes)
+    params = _parameter_dims(op, graph)
+    hidden = _hidden_dims(op)
+    axis_of = {d: a for a, d in enumerate(nest.out_dims) if d is not None}
+    dims = []
+    for i, d in enumerate(nest.dims):
+        kept = i in axis_of
+        if i in samples and (kept or op.is_loss):
+            kind = DimKind.SAMPLE
+        elif not kept:
+            kind = DimKind.REDUCTION
+        elif i in params:
+            kind = DimKind.PARAMETER
+        else:
+            kind = DimKind.ATTRIBUTE
+        splittable = (kept or kind is DimKind.SAMPLE) and i not in hidden and d.size > 1
+        dims.append(SoapDim(d.name, d.size, kind, axis_of.get(i), splittable))
+    return tuple(dims)
+
+
+def analyze(graph: Graph) -> dict[str, tuple[SoapDim, ...]]:
+    """The SOAP dims of every op, keyed by op name, in graph order."""
+    batch_axes: dict[str, frozenset[int]] = {graph.input: frozenset({0})}
+    if graph.labels:
+        batch_axes[graph.labels] = frozenset({0})
+    result = {}
+    for op in graph.ops:
+        dims = op_dims(op, graph, batch_axes)
+        result[op.name] = dims
+        batch_axes[op.output] = frozenset(
+            d.axis for d in dims if d.kind is DimKind.SAMPLE and d.axis is not None
+        )
+    return result

@@ -1,0 +1,205 @@
+"""The one partition math: task boxes, operand regions, overlaps, weight replica groups.
+
+The simulator turns these into tasks and bytes, the executor into kernels, sends and
+receives; neither recomputes them.
+
+Coordinates are half-open intervals ``(lo, hi)``; a ``Rect`` has one per tensor axis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import product
+
+from onnx2soap.ir import Affine, AxisMap, Broadcast, LoopNest, Op, Whole
+
+Interval = tuple[int, int]
+Rect = tuple[Interval, ...]
+
+
+def chunk(size: int, degree: int, index: int) -> Interval:
+    """Chunk ``index`` of ``degree`` balanced chunks of ``range(size)`` (numpy.array_split)."""
+    base, extra = divmod(size, degree)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (1 if index < extra else 0)
+
+
+def rect_volume(rect: Rect) -> int:
+    return math.prod(max(0, hi - lo) for lo, hi in rect)
+
+
+def rect_shape(rect: Rect) -> tuple[int, ...]:
+    return tuple(max(0, hi - lo) for lo, hi in rect)
+
+
+def intersect(a: Rect, b: Rect) -> Rect | None:
+    out = []
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
+        lo, hi = max(alo, blo), min(ahi, bhi)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def task_coords(degrees: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Task grid coordinates in row-major order (task index = position in this order)."""
+    return product(*(range(d) for d in degrees))
+
+
+def task_box(nest: LoopNest, degrees: Sequence[int], coord: Sequence[int]) -> Rect:
+    return tuple(
+        chunk(dim.size, deg, c) for dim, deg, c in zip(nest.dims, degrees, coord, strict=True)
+    )
+
+
+def output_rect(nest: LoopNest, box: Rect) -> Rect:
+    return tuple((0, 1) if d is None else box[d] for d in nest.out_dims)
+
+
+def _image(m: AxisMap, box: Rect, size: int) -> Interval:
+    if isinstance(m, Broadcast):
+        return 0, 1
+    if isinstance(m, Whole):
+        return 0, size
+    lo = m.offset + sum(c * box[d][0] for d, c in m.terms)
+    hi = m.offset + sum(c * (box[d][1] - 1) for d, c in m.terms) + 1
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class Region:
+    """What one task reads of one operand.
+
+    ``data`` is the part inside the tensor (what has to be on the task's device);
+    ``buffer`` is the span of the task's input buffer: equal to ``data``, or, for window
+    operands with a pad value, reaching past the tensor where the buffer holds the pad
+    value. An empty ``data`` (a Concat input outside the task's box) has zero extent.
+    """
+
+    buffer: Rect
+    data: Rect
+    pad_value: float | None
+
+    @property
+    def empty(self) -> bool:
+        return rect_volume(self.data) == 0
+
+    @property
+    def valid(self) -> tuple[Interval, ...]:
+        """Where ``data`` lies inside the buffer, in buffer-local coordinates."""
+        return tuple(
+            (dlo - blo, dhi - blo) for (blo, _), (dlo, dhi) in zip(self.buffer, self.data, strict=True)
+        )
+
+
+def input_region(nest: LoopNest, operand: int, box: Rect, shape: Sequence[int]) -> Region:
+    spec = nest.inputs[operand]
+    images = [_image(m, box, size) for m, size in zip(spec.axes, shape, strict=True)]
+    data = []
+    for (lo, hi), size in zip(images, shape, strict=True):
+        clo = min(max(lo, 0), size)
+        data.append((clo, max(clo, min(hi, size))))
+    if spec.pad_value is None:
+        return Region(tuple(data), tuple(data), None)
+    return Region(tuple(images), tuple(data), spec.pad_value)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one op is split: a degree per iteration dim (1 for dims not split) and the
+    device of every task, tasks in row-major order of the degree grid."""
+
+    degrees: tuple[int, ...]
+    devices: tuple[int, ...]
+
+    @property
+    def tasks(self) -> int:
+        return len(self.devices)
+
+
+@dataclass(frozen=True)
+class Task:
+    op: str
+    index: int
+    device: int
+    box: Rect
+    output: Rect
+    inputs: tuple[Region, ...]
+
+    @property
+    def points(self) -> int:
+        return rect_volume(self.box)
+
+
+def op_tasks(op: Op, config: ParallelConfig, shapes: Sequence[Sequence[int]]) -> tuple[Task, ...]:
+    """The tasks of ``op`` under ``config``; ``shapes`` are the operand tensor shapes."""
+    nest = op.nest
+    tasks = []
+    for index, coord in enumerate(task_coords(config.degrees)):
+        box = task_box(nest, config.degrees, coord)
+        regions = tuple(input_region(nest, i, box, s) for i, s in enumerate(shapes))
+        tasks.append(
+            Task(op.name, index, config.devices[index], box, output_rect(nest, box), regions)
+        )
+    return tuple(tasks)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """``rect`` of a tensor moves from a producer task to a consumer task's operand."""
+
+    src_task: int
+    dst_task: int
+    operand: int
+    rect: Rect
+
+
+def overlaps(
+    producers: Sequence[Task], consumers: Sequence[Task], operand: int
+) -> tuple[Overlap, ...]:
+    """Which producer tiles feed which consumer regions. The producer tiles partition the
+    tensor, so the overlaps of one consumer region cover it exactly once."""
+    found = []
+    for c in consumers:
+        region = c.inputs[operand]
+        if region.empty:
+            continue
+        for p in producers:
+            rect = intersect(p.output, region.data)
+            if rect is not None:
+                found.append(Overlap(p.index, c.index, operand, rect))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Tasks of one op that read the same Rect of a weight; their gradients are summed
+    over ``devices`` (distinct, sorted), each of which holds one copy of the Rect."""
+
+    weight: str
+    operand: int
+    rect: Rect
+    tasks: tuple[int, ...]
+    devices: tuple[int, ...]
+
+
+def replica_groups(op: Op, tasks: Sequence[Task], weight_operands: Sequence[int]) -> tuple[ReplicaGroup, ...]:
+    groups = []
+    for operand in weight_operands:
+        by_rect: dict[Rect, list[Task]] = {}
+        for t in tasks:
+            by_rect.setdefault(t.inputs[operand].data, []).append(t)
+        for rect, members in by_rect.items():
+            groups.append(
+                ReplicaGroup(
+                    weight=op.inputs[operand],
+                    operand=operand,
+                    rect=rect,
+                    tasks=tuple(t.index for t in members),
+                    devices=tuple(sorted({t.device for t in members})),
+                )
+            )
+    return tuple(groups)

@@ -1,0 +1,99 @@
+"""A whole graph under a strategy: every op's tasks, every edge's overlaps, every weight's
+replica groups. Built by a ``Partitioner``, which memoizes per op and per edge so that a
+search re-partitions only what a proposal changed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from onnx2soap.ir import Graph, Op, TensorRole
+from onnx2soap.soap.partition import (
+    Overlap,
+    ParallelConfig,
+    ReplicaGroup,
+    Task,
+    op_tasks,
+    overlaps,
+    replica_groups,
+)
+from onnx2soap.soap.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Tensor ``tensor`` written by op ``producer`` and read as operand ``operand`` of op
+    ``consumer``; ``overlaps`` say which tile goes from which task to which."""
+
+    tensor: str
+    producer: str
+    consumer: str
+    operand: int
+    overlaps: tuple[Overlap, ...]
+
+
+@dataclass(frozen=True)
+class PartitionedGraph:
+    graph: Graph
+    strategy: Strategy
+    tasks: Mapping[str, tuple[Task, ...]]
+    edges: tuple[Edge, ...]  # in consumer order, then operand order
+    groups: Mapping[str, tuple[ReplicaGroup, ...]]
+
+    def edges_into(self, op: str) -> tuple[Edge, ...]:
+        return tuple(e for e in self.edges if e.consumer == op)
+
+    def edges_from(self, op: str) -> tuple[Edge, ...]:
+        return tuple(e for e in self.edges if e.producer == op)
+
+
+class Partitioner:
+    """Partition math for one graph, memoized per (op, config) and per edge."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._producer = {op.output: op for op in graph.ops}
+        self._tasks: dict[tuple[str, ParallelConfig], tuple[Task, ...]] = {}
+        self._overlaps: dict[tuple, tuple[Overlap, ...]] = {}
+        self._groups: dict[tuple[str, ParallelConfig], tuple[ReplicaGroup, ...]] = {}
+
+    def tasks(self, op: Op, config: ParallelConfig) -> tuple[Task, ...]:
+        key = (op.name, config)
+        if key not in self._tasks:
+            shapes = [self.graph.tensors[t].shape for t in op.inputs]
+            self._tasks[key] = op_tasks(op, config, shapes)
+        return self._tasks[key]
+
+    def groups(self, op: Op, config: ParallelConfig) -> tuple[ReplicaGroup, ...]:
+        key = (op.name, config)
+        if key not in self._groups:
+            weights = [
+                i
+                for i, t in enumerate(op.inputs)
+                if self.graph.tensors[t].role is TensorRole.WEIGHT
+            ]
+            self._groups[key] = replica_groups(op, self.tasks(op, config), weights)
+        return self._groups[key]
+
+    def edge(self, producer: Op, pconf: ParallelConfig, consumer: Op, cconf: ParallelConfig, operand: int) -> Edge:
+        key = (producer.name, pconf, consumer.name, cconf, operand)
+        if key not in self._overlaps:
+            self._overlaps[key] = overlaps(
+                self.tasks(producer, pconf), self.tasks(consumer, cconf), operand
+            )
+        tensor = consumer.inputs[operand]
+        return Edge(tensor, producer.name, consumer.name, operand, self._overlaps[key])
+
+    def partition(self, strategy: Strategy) -> PartitionedGraph:
+        tasks, edges, groups = {}, [], {}
+        for op in self.graph.ops:
+            config = strategy[op.name]
+            tasks[op.name] = self.tasks(op, config)
+            groups[op.name] = self.groups(op, config)
+            for operand, tensor in enumerate(op.inputs):
+                producer = self._producer.get(tensor)
+                if producer is not None:
+                    edges.append(
+                        self.edge(producer, strategy[producer.name], op, config, operand)
+                    )
+        return PartitionedGraph(self.graph, strategy, tasks, tuple(edges), groups)
