@@ -1,0 +1,51 @@
+"""The execution simulator: machine model, cost models, task graph, simulation, memory.
+
+    ev = Simulator(machine, RooflineCost()).evaluate(partitioned_graph)
+    ev.step_time_s, ev.peak_memory_bytes, ev.bytes_moved, ev.fits
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onnx2soap.sim.costs import CostModel, RooflineCost
+from onnx2soap.sim.machine import Machine
+from onnx2soap.sim.memory import peak_memory
+from onnx2soap.sim.presets import resolve_machine
+from onnx2soap.sim.simulate import Timeline, simulate
+from onnx2soap.sim.taskgraph import TaskGraph, build_task_graph
+from onnx2soap.soap import PartitionedGraph
+
+__all__ = [
+    "CostModel",
+    "Evaluation",
+    "Machine",
+    "RooflineCost",
+    "Simulator",
+    "resolve_machine",
+]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step_time_s: float
+    peak_memory_bytes: tuple[int, ...]
+    bytes_moved: int
+    fits: bool  # every device's peak memory within its capacity
+
+
+@dataclass(frozen=True)
+class Simulator:
+    machine: Machine
+    cost: CostModel
+    itemsize: int = 4
+
+    def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
+        return build_task_graph(pg, self.machine, self.cost, self.itemsize, names)
+
+    def evaluate(self, pg: PartitionedGraph) -> Evaluation:
+        tg = self.task_graph(pg)
+        timeline: Timeline = simulate(tg)
+        memory = peak_memory(pg, self.machine.size, self.itemsize)
+        fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))
+        return Evaluation(timeline.makespan, memory, int(tg.nbytes.sum()), fits)

@@ -1,0 +1,3 @@
+from executor.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""Compile a partitioned graph into each rank's static instruction list.
+
+All ranks derive their lists from one global order, so message matching is
+deterministic and nothing can deadlock:
+
+    forward,  ops in graph order:   per task: wait for its input tiles, compute, send
+                                    its output tiles to the tasks that read them;
+    backward, ops in reverse order: per task: wait for its output-gradient pieces,
+                                    compute, send input-gradient pieces to producers;
+    then all-reduce every weight replica group (graph order); then the SGD update.
+
+Sends are nonblocking and every receive is posted at the start of the step, so a rank
+only ever waits for data whose send comes earlier in the global order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.partition import Rect
+
+
+class Phase(Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One overlap as seen by the task that assembles it.
+
+    Forward: a tile piece of input ``operand`` of the consumer task, coming from the
+    output of producer task ``peer``. Backward: a piece of the producer task's output
+    gradient, coming from input-gradient ``operand`` of consumer task ``peer``.
+    ``tag`` is set when the piece crosses devices (it is then received, not copied).
+    """
+
+    rect: Rect
+    operand: int
+    peer: tuple[int, int]  # (op index, task index)
+    tag: int | None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    tag: int
+    phase: Phase
+    src: int
+    dst: int
+    rect: Rect
+    operand: int
+    producer: tuple[int, int]  # (op index, task index) of the forward producer
+    consumer: tuple[int, int]  # (op index, task index) of the forward consumer
+
+
+@dataclass(frozen=True)
+class Compute:
+    phase: Phase
+    op: int
+    task: int
+    pieces: tuple[Piece, ...]  # forward: input tiles; backward: output-gradient pieces
+
+
+@dataclass(frozen=True)
+class Send:
+    transfer: Transfer
+
+
+@dataclass(frozen=True)
+class Wait:
+    transfer: Transfer
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    op: int
+    group: int  # index into PartitionedGraph.groups[op name]
+    devices: tuple[int, ...]
+
+
+Instruction = Compute | Send | Wait | AllReduce
+
+
+@dataclass(frozen=True)
+class Program:
+    rank: int
+    instructions: tuple[Instruction, ...]
+    receives: tuple[Transfer, ...]  # posted at the start of every step
+
+
+def _transfers(pg: PartitionedGraph) -> tuple[list[Transfer], list[Transfer]]:
+    """Every overlap crossing devices, once per phase, tagged in a fixed order."""
+    index = {op.name: i for i, op in enumerate(pg.graph.ops)}
+    crossing = []
+    for edge in pg.edges:
+        producers, consumers = pg.tasks[edge.producer], pg.tasks[edge.consumer]
+        for o in edge.overlaps:
+            p, c = producers[o.src_task], consumers[o.dst_task]
+            if p.device != c.device:
+                ends = ((index[edge.producer], p.index), (index[edge.consumer], c.index))
+                crossing.append((p.device, c.device, o.rect, edge.operand, *ends))
+    fwd = [Transfer(i, Phase.FORWARD, *x) for i, x in enumerate(crossing)]
+    n = len(fwd)
+    bwd = [
+        Transfer(n + i, Phase.BACKWARD, c, p, rect, k, prod, cons)
+        for i, (p, c, rect, k, prod, cons) in enumerate(crossing)
+    ]
+    return fwd, bwd
+
+
+def _pieces(pg: PartitionedGraph, fwd: list[Transfer]) -> dict[tuple, list[Piece]]:
+    """Pieces each (phase, op, task) assembles, in edge and overlap order."""
+    index = {op.name: i for i, op in enumerate(pg.graph.ops)}
+    tags = {(t.producer, t.consumer, t.operand, t.rect): t.tag for t in fwd}
+    n = len(fwd)
+    pieces: dict[tuple, list[Piece]] = {}
+    for edge in pg.edges:
+        for o in edge.overlaps:
+            prod = (index[edge.producer], o.src_task)
+            cons = (index[edge.consumer], o.dst_task)
+            tag = tags.get((prod, cons, edge.operand, o.rect))
+            back = None if tag is None else tag + n
+            key_f, key_b = (Phase.FORWARD, *cons), (Phase.BACKWARD, *prod)
+            pieces.setdefault(key_f, []).append(Piece(o.rect, edge.operand, prod, tag))
+            pieces.setdefault(key_b, []).append(Piece(o.rect, edge.operand, cons, back))
+    return pieces
+
+
+def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
+    """Every instruction of a step, with the device that executes it, in global order."""
+    graph = pg.graph
+    fwd, bwd = _transfers(pg)
+    pieces = _pieces(pg, fwd)
+    waits: dict[tuple, list[Transfer]] = {}
+    sends: dict[tuple, list[Transfer]] = {}
+    for t in fwd:
+        waits.setdefault((Phase.FORWARD, *t.consumer), []).append(t)
+        sends.setdefault((Phase.FORWARD, *t.producer), []).append(t)
+    for t in bwd:
+        waits.setdefault((Phase.BACKWARD, *t.producer), []).append(t)
+        sends.setdefault((Phase.BACKWARD, *t.consumer), []).append(t)
+
+    order: list[tuple[int, Instruction]] = []
+    indexed = list(enumerate(graph.ops))
+    for phase, ops in ((Phase.FORWARD, indexed), (Phase.BACKWARD, indexed[::-1])):
+        for i, op in ops:
+            for task in pg.tasks[op.name]:
+                key = (phase, i, task.index)
+                order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
+                compute = Compute(phase, i, task.index, tuple(pieces.get(key, [])))
+                order.append((task.device, compute))
+                order += [(t.src, Send(t)) for t in sends.get(key, [])]
+    for i, op in indexed:
+        for g, group in enumerate(pg.groups[op.name]):
+            if len(group.devices) > 1:
+                order += [(d, AllReduce(i, g, group.devices)) for d in group.devices]
+    return order
+
+
+def compile_program(pg: PartitionedGraph, rank: int) -> Program:
+    mine = tuple(ins for device, ins in global_order(pg) if device == rank)
+    receives = tuple(ins.transfer for ins in mine if isinstance(ins, Wait))
+    return Program(rank, mine, receives)

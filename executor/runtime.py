@@ -1,0 +1,180 @@
+"""Run one rank's program: a training step = forward, backward, all-reduce, SGD update.
+
+The rank holds only what its tasks need: the weight Rects they read (one copy per Rect,
+shared by the rank's tasks of a replica group), their input buffers, output tiles and
+gradients. What it moves, and where to, comes from the compiled program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from executor.buffers import empty_buffer, global_slices, local_slices, slice_from_full
+from executor.kernels import kernel_for
+from executor.kernels.base import TaskArgs
+from executor.program import AllReduce, Compute, Phase, Piece, Program, Send, Transfer, Wait
+from executor.transport import Transport
+from onnx2soap.ir import Graph, LossReduction, OpType, TensorRole
+from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.partition import Rect, Task, rect_shape
+
+TaskKey = tuple[int, int]  # (op index, task index)
+WeightKey = tuple[str, Rect]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's data, whole on every rank (each task cuts its own region); the input
+    already in the run's dtype."""
+
+    input: np.ndarray
+    labels: np.ndarray
+
+
+def loss_scale(graph: Graph, labels: np.ndarray) -> float:
+    """The divisor of a mean loss over the whole batch (each kernel sees only its part)."""
+    loss = graph.loss_op
+    if loss.attrs.reduction is LossReduction.SUM:
+        return 1.0
+    if loss.type is OpType.MSE_LOSS:
+        return float(labels.size)
+    ignore = loss.attrs.ignore_index
+    counted = labels.size if ignore is None else int((labels != ignore).sum())
+    return float(max(counted, 1))
+
+
+class Runtime:
+    def __init__(
+        self,
+        pg: PartitionedGraph,
+        program: Program,
+        transport: Transport,
+        weights: dict[str, np.ndarray],
+        dtype: np.dtype,
+    ) -> None:
+        self.pg, self.graph, self.program = pg, pg.graph, program
+        self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
+        self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
+        self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
+        self.shards: dict[WeightKey, np.ndarray] = {}
+        for op in self.graph.ops:
+            for group in pg.groups[op.name]:
+                if self.rank in group.devices:
+                    part = weights[group.weight][global_slices(group.rect)]
+                    self.shards[(group.weight, group.rect)] = np.array(part, dtype=self.dtype)
+        transport.make_groups(
+            g.devices for op in self.graph.ops for g in pg.groups[op.name] if len(g.devices) > 1
+        )
+
+    def task(self, key: TaskKey) -> Task:
+        return self.tasks[key[0]][key[1]]
+
+    def step(self, batch: Batch, lr: float) -> float:
+        """Run one SGD step; returns the sum of this rank's partial losses."""
+        state = _Step(self, batch)
+        for ins in self.program.instructions:
+            if isinstance(ins, Compute):
+                state.forward(ins) if ins.phase is Phase.FORWARD else state.backward(ins)
+            elif isinstance(ins, Send):
+                state.send(ins.transfer)
+            elif isinstance(ins, Wait):
+                state.received[ins.transfer.tag][0].Wait()
+            elif isinstance(ins, AllReduce):
+                group = self.pg.groups[self.graph.ops[ins.op].name][ins.group]
+                self.transport.allreduce_sum(state.grads[(group.weight, group.rect)], ins.devices)
+        for request, _ in state.sent:
+            request.Wait()
+        for key, shard in self.shards.items():
+            shard -= lr * state.grads[key]
+        return state.loss
+
+
+class _Step:
+    """The buffers of one step on one rank."""
+
+    def __init__(self, rt: Runtime, batch: Batch) -> None:
+        self.rt, self.batch = rt, batch
+        self.inputs: dict[TaskKey, list[np.ndarray]] = {}
+        self.outputs: dict[TaskKey, np.ndarray] = {}
+        self.input_grads: dict[TaskKey, tuple[np.ndarray | None, ...]] = {}
+        self.grads = {k: np.zeros_like(v) for k, v in rt.shards.items()}
+        self.sent: list[tuple[object, np.ndarray]] = []
+        self.loss = 0.0
+        self.scale = loss_scale(rt.graph, batch.labels) if rt.graph.loss_op else 1.0
+        self.received = {}
+        for t in rt.program.receives:
+            buf = np.empty(rect_shape(t.rect), dtype=rt.dtype)
+            self.received[t.tag] = (rt.transport.irecv(buf, t.src, t.tag), buf)
+
+    def _piece(self, piece: Piece, source: np.ndarray, origin: Rect) -> np.ndarray:
+        if piece.tag is not None:
+            return self.received[piece.tag][1]
+        return source[local_slices(piece.rect, origin)]
+
+    def _assemble_inputs(self, ins: Compute, task: Task) -> list[np.ndarray]:
+        op = self.rt.graph.ops[ins.op]
+        buffers = []
+        for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
+            region = task.inputs[k]
+            if role is TensorRole.WEIGHT:
+                buffers.append(self.rt.shards[(name, region.data)])
+            elif role is TensorRole.INPUT:
+                buffers.append(slice_from_full(np, self.batch.input, region))
+            elif role is TensorRole.LABELS:
+                buffers.append(slice_from_full(np, self.batch.labels, region))
+            else:
+                buffers.append(empty_buffer(np, region, self.rt.dtype))
+        for piece in ins.pieces:
+            producer = self.rt.task(piece.peer)
+            tile = self._piece(piece, self.outputs.get(piece.peer), producer.output)
+            buffers[piece.operand][local_slices(piece.rect, task.inputs[piece.operand].buffer)] = tile
+        return buffers
+
+    def _args(self, task: Task) -> TaskArgs:
+        return TaskArgs(rect_shape(task.output), tuple(r.valid for r in task.inputs), self.scale)
+
+    def forward(self, ins: Compute) -> None:
+        key = (ins.op, ins.task)
+        op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
+        buffers = self._assemble_inputs(ins, task)
+        out = kernel_for(op.type).forward(np, op.attrs, buffers, self._args(task))
+        self.inputs[key], self.outputs[key] = buffers, out
+        if op.is_loss:
+            self.loss += float(out)
+
+    def _grad_output(self, ins: Compute, task: Task) -> np.ndarray:
+        op = self.rt.graph.ops[ins.op]
+        if op.is_loss:
+            return np.ones((), dtype=self.rt.dtype)
+        grad = np.zeros(rect_shape(task.output), dtype=self.rt.dtype)
+        for piece in ins.pieces:
+            consumer = self.rt.task(piece.peer)
+            source = self.input_grads[piece.peer][piece.operand] if piece.tag is None else None
+            origin = consumer.inputs[piece.operand].buffer
+            grad[local_slices(piece.rect, task.output)] += self._piece(piece, source, origin)
+        return grad
+
+    def backward(self, ins: Compute) -> None:
+        key = (ins.op, ins.task)
+        op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
+        grad_out = self._grad_output(ins, task)
+        kernel = kernel_for(op.type)
+        grads = kernel.backward(
+            np, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(task)
+        )
+        self.input_grads[key] = grads
+        for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
+            if role is TensorRole.WEIGHT:
+                self.grads[(name, task.inputs[k].data)] += grads[k]
+
+    def send(self, t: Transfer) -> None:
+        if t.phase is Phase.FORWARD:
+            tile = self.outputs[t.producer][local_slices(t.rect, self.rt.task(t.producer).output)]
+        else:
+            consumer = self.rt.task(t.consumer)
+            origin = consumer.inputs[t.operand].buffer
+            tile = self.input_grads[t.consumer][t.operand][local_slices(t.rect, origin)]
+        tile = np.ascontiguousarray(tile)
+        self.sent.append((self.rt.transport.isend(tile, t.dst, t.tag), tile))

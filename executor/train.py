@@ -1,0 +1,169 @@
+"""Load a plan and its model on every rank, agree that all is well, and train.
+
+``train(comm, options)`` is the whole run with the communicator injected: the CLI passes
+``MPI.COMM_WORLD``; tests pass ``MPI.COMM_SELF`` for the one-device reference.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from executor.data import FileData, SyntheticData, load_npz
+from executor.program import compile_program
+from executor.runtime import Runtime
+from executor.transport import Transport
+from onnx2soap.errors import UserError
+from onnx2soap.importer import ImportedModel, file_sha256, load_model
+from onnx2soap.ir import DType, Graph, LossKind
+from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, load_plan
+from onnx2soap.soap.partition import rect_shape
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    plan: Path
+    model: Path | None = None
+    steps: int = 10
+    lr: float = 0.01
+    seed: int = 0
+    dtype: DType = DType.FLOAT32
+    data: Path | None = None
+    save_weights: Path | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    time_s: float
+
+
+@dataclass(frozen=True)
+class RunResult:
+    steps: tuple[StepRecord, ...]
+    bytes_sent: tuple[int, ...]  # per rank, over all steps
+    weights: dict[str, np.ndarray] | None  # gathered on rank 0 when asked
+
+
+@dataclass(frozen=True)
+class _Setup:
+    plan: Plan
+    model: ImportedModel
+    pg: PartitionedGraph
+    data: SyntheticData | FileData
+
+
+def _loss_choice(plan: Plan) -> LossKind | None:
+    if plan.loss is LossKind.NONE:
+        raise UserError(f"{plan.model_path}: the plan has no loss (loss 'none'); nothing to train")
+    return None if plan.loss is LossKind.MODEL else plan.loss
+
+
+def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
+    plan = load_plan(options.plan)
+    if comm.Get_size() != plan.devices:
+        raise UserError(
+            f"{options.plan}: the plan is for {plan.devices} devices but {comm.Get_size()} "
+            f"ranks were started (run mpiexec -n {plan.devices})"
+        )
+    path = options.model or plan.model_path
+    if not Path(path).is_file():
+        raise UserError(f"{path}: model file not found (pass --model PATH)")
+    digest = file_sha256(Path(path))
+    if digest != plan.model_sha256:
+        raise UserError(
+            f"{path}: sha256 {digest[:12]}… differs from the plan's {plan.model_sha256[:12]}…; "
+            "the plan was made for another model file"
+        )
+    model = load_model(path, plan.batch, _loss_choice(plan))
+    strategy = plan.strategy(model.graph, analyze(model.graph))
+    pg = Partitioner(model.graph).partition(strategy)
+    dtype = np.dtype(options.dtype.value)
+    if options.data is not None:
+        data = load_npz(Path(options.data), model.graph, dtype)
+    else:
+        data = SyntheticData(model.graph, options.seed, dtype)
+    return _Setup(plan, model, pg, data)
+
+
+def agreed_setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
+    """Every rank sets up; if any fails, all raise the first error (no rank hangs)."""
+    setup, error = None, None
+    try:
+        setup = _setup(comm, options)
+    except UserError as e:
+        error = str(e)
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    return setup
+
+
+def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.ndarray] | None:
+    """Assemble every weight on rank 0 from the lowest device of each replica group."""
+    rank = comm.Get_rank()
+    full = {w.name: np.empty(w.shape, dtype=rt.dtype) for w in graph.weights} if rank == 0 else {}
+    tag = 0
+    for op in graph.ops:
+        for group in rt.pg.groups[op.name]:
+            owner, key = group.devices[0], (group.weight, group.rect)
+            where = tuple(slice(lo, hi) for lo, hi in group.rect)
+            if rank == 0 and owner == 0:
+                full[group.weight][where] = rt.shards[key]
+            elif rank == 0:
+                buf = np.empty(rect_shape(group.rect), dtype=rt.dtype)
+                comm.Recv(buf, source=owner, tag=tag)
+                full[group.weight][where] = buf
+            elif rank == owner:
+                comm.Send(rt.shards[key], dest=0, tag=tag)
+            tag += 1
+    return full if rank == 0 else None
+
+
+def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    path = Path(path)
+    blob = io.BytesIO()
+    np.savez(blob, **arrays)
+    tmp = path.with_name(f".{path.name}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_bytes(blob.getvalue())
+    tmp.replace(path)
+
+
+def train(
+    comm: MPI.Comm,
+    options: RunOptions,
+    on_step: Callable[[StepRecord], None] | None = None,
+    gather: bool = False,
+) -> RunResult:
+    s = agreed_setup(comm, options)
+    rank = comm.Get_rank()
+    transport = Transport(comm)
+    program = compile_program(s.pg, rank)
+    rt = Runtime(s.pg, program, transport, s.model.weights, np.dtype(options.dtype.value))
+    records = []
+    total = np.zeros(1)
+    for step in range(options.steps):
+        batch = s.data.batch(step)
+        start = time.perf_counter()
+        partial = rt.step(batch, options.lr)
+        comm.Allreduce(np.array([partial]), total, op=MPI.SUM)
+        record = StepRecord(step + 1, float(total[0]), time.perf_counter() - start)
+        records.append(record)
+        if on_step is not None and rank == 0:
+            on_step(record)
+    counts = np.zeros(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([transport.bytes_sent], dtype=np.int64), counts)
+    weights = None
+    if gather or options.save_weights:
+        weights = gather_weights(comm, rt, s.model.graph)
+        if rank == 0 and options.save_weights:
+            save_npz_atomic(options.save_weights, weights)
+    return RunResult(tuple(records), tuple(int(c) for c in counts), weights)

@@ -1,0 +1,188 @@
+"""MCMC search over the SOAP space (FlexFlow §6).
+
+A proposal replaces the config of one op, drawn uniformly, by a candidate drawn uniformly
+(a symmetric proposal); Metropolis–Hastings accepts it with probability
+``min(1, exp(-beta * (cost(new) - cost(current)) / scale))`` where ``scale`` is the
+data-parallel cost, so ``beta`` does not depend on the model's units. Chains start from
+data parallelism, the expert strategy and random strategies and run interleaved, one
+proposal each per round. A chain stops when its best has not improved for half of its
+evaluations (after a minimum); the search stops when every chain has stopped, at the
+time budget, or at ``max_evals``. Everything random comes from the seed: a search that
+ends by convergence or by ``max_evals`` is reproducible.
+
+The cost of a strategy is its simulated step time, or infinity when it does not fit in
+device memory, so an infeasible plan is never returned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx2soap.errors import UserError
+from onnx2soap.ir import Graph
+from onnx2soap.search.baselines import Rule, by_rule
+from onnx2soap.sim import Evaluation, Simulator
+from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    budget_s: float = 30.0
+    seed: int = 0
+    beta: float = 200.0
+    max_evals: int | None = None
+    random_starts: int = 1
+    min_chain_evals: int = 200
+
+
+@dataclass(frozen=True)
+class Progress:
+    elapsed_s: float
+    budget_s: float
+    evaluated: int
+    best_step_time_s: float
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Strategy
+    evaluation: Evaluation
+    baselines: Mapping[str, Evaluation]
+    evaluated: int
+    time_s: float
+
+
+class _Evaluator:
+    """Simulates strategies, remembering every one it has seen."""
+
+    def __init__(self, graph: Graph, simulator: Simulator) -> None:
+        self.partitioner = Partitioner(graph)
+        self.simulator = simulator
+        self.seen: dict[Strategy, Evaluation] = {}
+        self.evaluated = 0
+
+    def __call__(self, strategy: Strategy) -> Evaluation:
+        if strategy not in self.seen:
+            self.seen[strategy] = self.simulator.evaluate(self.partitioner.partition(strategy))
+            self.evaluated += 1
+        return self.seen[strategy]
+
+
+def cost_of(ev: Evaluation) -> float:
+    return ev.step_time_s if ev.fits else math.inf
+
+
+@dataclass
+class _Chain:
+    rng: np.random.Generator
+    current: Strategy
+    cost: float
+    best_cost: float
+    evals: int = 0
+    last_improvement: int = 0
+    active: bool = True
+
+
+class _Search:
+    def __init__(self, graph, space, simulator, options: SearchOptions) -> None:
+        self.graph, self.space, self.options = graph, space, options
+        self.devices = simulator.machine.size
+        self.evaluate = _Evaluator(graph, simulator)
+        self.ops = [op.name for op in graph.ops]
+        self.moves: dict[str, tuple[ParallelConfig, ...]] = {
+            name: candidates(space[name], self.devices) for name in self.ops
+        }
+        self.best: Strategy | None = None
+        self.best_cost = math.inf
+
+    def consider(self, strategy: Strategy, cost: float) -> None:
+        if cost < self.best_cost:
+            self.best, self.best_cost = strategy, cost
+
+    def start(self, rule: Rule, rng: np.random.Generator) -> _Chain:
+        if rule is Rule.RANDOM:  # a random point of the search space
+            strategy = Strategy(
+                self.devices,
+                {n: self.moves[n][int(rng.integers(len(self.moves[n])))] for n in self.ops},
+            )
+        else:
+            strategy = by_rule(rule, self.graph, self.space, self.devices)
+        cost = cost_of(self.evaluate(strategy))
+        self.consider(strategy, cost)
+        return _Chain(rng, strategy, cost, cost)
+
+    def _accept(self, rng: np.random.Generator, old: float, new: float, scale: float) -> bool:
+        if new <= old:
+            return True
+        if not math.isfinite(new):
+            return False
+        if not math.isfinite(old):
+            return True
+        return rng.random() < math.exp(-self.options.beta * (new - old) / scale)
+
+    def propose(self, chain: _Chain, scale: float) -> None:
+        rng = chain.rng
+        chain.evals += 1
+        name = self.ops[int(rng.integers(len(self.ops)))]
+        moves = self.moves[name]
+        config = moves[int(rng.integers(len(moves)))]
+        if config != chain.current[name]:
+            proposal = chain.current.replace(name, config)
+            cost = cost_of(self.evaluate(proposal))
+            if self._accept(rng, chain.cost, cost, scale):
+                chain.current, chain.cost = proposal, cost
+            if cost < chain.best_cost:
+                chain.best_cost, chain.last_improvement = cost, chain.evals
+            self.consider(proposal, cost)
+        stalled = chain.evals - chain.last_improvement >= chain.evals / 2
+        if chain.evals >= self.options.min_chain_evals and stalled:
+            chain.active = False
+
+
+def mcmc(
+    graph: Graph,
+    space: Mapping[str, tuple[SoapDim, ...]],
+    simulator: Simulator,
+    options: SearchOptions,
+    progress: Callable[[Progress], None] | None = None,
+) -> SearchResult:
+    began = time.perf_counter()
+    search = _Search(graph, space, simulator, options)
+    rngs = [np.random.default_rng(s) for s in np.random.SeedSequence(options.seed).spawn(2 + options.random_starts)]
+    rules = [Rule.DATA_PARALLEL, Rule.EXPERT] + [Rule.RANDOM] * options.random_starts
+    chains = [search.start(rule, rng) for rule, rng in zip(rules, rngs, strict=True)]
+    baselines = {
+        rule.value: search.evaluate(chain.current)
+        for rule, chain in zip(rules[:2], chains[:2], strict=True)
+    }
+    scale = next((c.cost for c in chains if math.isfinite(c.cost)), 1.0)
+    last_report = 0.0
+    while any(c.active for c in chains):
+        elapsed = time.perf_counter() - began
+        if elapsed >= options.budget_s:
+            break
+        if options.max_evals is not None and search.evaluate.evaluated >= options.max_evals:
+            break
+        for chain in chains:
+            if chain.active:
+                search.propose(chain, scale)
+        if progress is not None and elapsed - last_report >= 0.2:
+            last_report = elapsed
+            progress(Progress(elapsed, options.budget_s, search.evaluate.evaluated, search.best_cost))
+    if search.best is None:
+        raise UserError(
+            "no strategy found fits in device memory; use a machine with more memory or "
+            "more devices, or a smaller batch"
+        )
+    return SearchResult(
+        best=search.best,
+        evaluation=search.evaluate(search.best),
+        baselines=baselines,
+        evaluated=search.evaluate.evaluated,
+        time_s=time.perf_counter() - began,
+    )

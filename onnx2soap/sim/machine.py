@@ -1,0 +1,185 @@
+"""The machine model: compute devices, links, and the route between every device pair.
+
+Links are one-directional resources that transfers queue on (FIFO), so an intra-node
+NVLink, a PCIe switch port and a node's NIC are separate resources and contention on
+each is modelled. A transfer holds every link of its route for its whole duration
+(cut-through, like a pipelined DMA), not hop after hop.
+
+Machine file (YAML)::
+
+    name: my-cluster
+    devices:
+      - {name: gpu0, peak_flops: 9.3e12, memory_bandwidth: 7.3e11, memory: 17179869184,
+         kernel_overhead: 5.0e-6}
+    links:
+      - {name: nvlink-0-1, bandwidth: 2.0e10, latency: 1.0e-6}
+    routes:
+      - {src: 0, dst: 1, links: [nvlink-0-1]}
+
+Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
+route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import yaml
+
+from onnx2soap.errors import MachineError
+
+
+@dataclass(frozen=True)
+class ComputeDevice:
+    name: str
+    peak_flops: float
+    memory_bandwidth: float
+    memory: int
+    kernel_overhead: float = 5e-6  # fixed cost of launching one task
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    devices: tuple[ComputeDevice, ...]
+    links: tuple[Link, ...]
+    routes: Mapping[tuple[int, int], tuple[int, ...]]  # (src, dst) -> link indices
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    def route(self, src: int, dst: int) -> tuple[int, ...]:
+        return self.routes[(src, dst)]
+
+    def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
+        """Unloaded time of one transfer: the slowest link's rate plus every latency."""
+        links = [self.links[i] for i in self.route(src, dst)]
+        return sum(link.latency for link in links) + nbytes / min(x.bandwidth for x in links)
+
+
+# --- YAML -----------------------------------------------------------------------------------
+
+
+def _number(doc: Mapping, key: str, where: str, source: str, integer: bool = False) -> float:
+    value = doc.get(key) if isinstance(doc, Mapping) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise MachineError(f"{source}: {where}.{key}: must be {kind}, got {value!r}")
+    if integer and int(value) != value:
+        raise MachineError(f"{source}: {where}.{key}: must be an integer, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _name(doc: Mapping, where: str, source: str) -> str:
+    value = doc.get("name") if isinstance(doc, Mapping) else None
+    if not isinstance(value, str) or not value:
+        raise MachineError(f"{source}: {where}.name: must be a non-empty string")
+    return value
+
+
+def _list(doc: Mapping, key: str, source: str) -> list:
+    value = doc.get(key)
+    if not isinstance(value, list) or not value and key != "routes":
+        raise MachineError(f"{source}: {key}: must be a non-empty list")
+    return value
+
+
+def machine_from_dict(doc: Mapping, source: str) -> Machine:
+    if not isinstance(doc, Mapping):
+        raise MachineError(f"{source}: a machine file must be a mapping")
+    devices = []
+    for i, d in enumerate(_list(doc, "devices", source)):
+        w = f"devices[{i}]"
+        overhead = d.get("kernel_overhead", 5e-6) if isinstance(d, Mapping) else None
+        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0:
+            raise MachineError(f"{source}: {w}.kernel_overhead: must be a number >= 0")
+        devices.append(
+            ComputeDevice(
+                _name(d, w, source),
+                _number(d, "peak_flops", w, source),
+                _number(d, "memory_bandwidth", w, source),
+                int(_number(d, "memory", w, source, integer=True)),
+                float(overhead),
+            )
+        )
+    links = []
+    for i, x in enumerate(doc.get("links") or []):
+        w = f"links[{i}]"
+        latency = x.get("latency") if isinstance(x, Mapping) else None
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+            raise MachineError(f"{source}: {w}.latency: must be a number >= 0, got {latency!r}")
+        links.append(Link(_name(x, w, source), _number(x, "bandwidth", w, source), float(latency)))
+    by_name = {x.name: i for i, x in enumerate(links)}
+    if len(by_name) != len(links):
+        raise MachineError(f"{source}: links: names must be unique")
+    routes = {}
+    for i, r in enumerate(doc.get("routes") or []):
+        w = f"routes[{i}]"
+        src, dst = (r.get("src"), r.get("dst")) if isinstance(r, Mapping) else (None, None)
+        for key, v in (("src", src), ("dst", dst)):
+            if not isinstance(v, int) or not 0 <= v < len(devices):
+                raise MachineError(f"{source}: {w}.{key}: must be a device index 0..{len(devices) - 1}")
+        names = r.get("links")
+        if not isinstance(names, list) or not names:
+            raise MachineError(f"{source}: {w}.links: must be a non-empty list of link names")
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise MachineError(f"{source}: {w}.links: unknown links {unknown}")
+        routes[(src, dst)] = tuple(by_name[n] for n in names)
+    missing = [
+        (a, b) for a in range(len(devices)) for b in range(len(devices)) if a != b and (a, b) not in routes
+    ]
+    if missing:
+        raise MachineError(f"{source}: routes: no route for device pairs {missing[:4]}…")
+    return Machine(str(doc.get("name") or Path(source).stem), tuple(devices), tuple(links), routes)
+
+
+def machine_to_dict(m: Machine) -> dict:
+    return {
+        "name": m.name,
+        "devices": [
+            {
+                "name": d.name,
+                "peak_flops": d.peak_flops,
+                "memory_bandwidth": d.memory_bandwidth,
+                "memory": d.memory,
+                "kernel_overhead": d.kernel_overhead,
+            }
+            for d in m.devices
+        ],
+        "links": [
+            {"name": x.name, "bandwidth": x.bandwidth, "latency": x.latency} for x in m.links
+        ],
+        "routes": [
+            {"src": s, "dst": d, "links": [m.links[i].name for i in r]}
+            for (s, d), r in sorted(m.routes.items())
+        ],
+    }
+
+
+def load_machine_file(path: Path) -> Machine:
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise MachineError(f"{path}: no such machine file") from e
+    except yaml.YAMLError as e:
+        raise MachineError(f"{path}: not YAML ({str(e).splitlines()[0]})") from e
+    return machine_from_dict(doc, str(path))
+
+
+def dump_machine(m: Machine) -> str:
+    return yaml.safe_dump(machine_to_dict(m), sort_keys=False, default_flow_style=None)

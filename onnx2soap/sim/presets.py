@@ -1,0 +1,152 @@
+"""Named machines: the papers' clusters, a DGX H100 pod, and this host's MPI ranks.
+
+``NAME:N`` means N nodes (N ranks for ``cpu``). Device figures are FP32 datasheet peaks
+(the executor trains in float32); links are one per direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from onnx2soap.errors import MachineError
+from onnx2soap.sim.machine import ComputeDevice, Link, Machine, load_machine_file
+
+GiB = 1 << 30
+
+
+class Fabric(Enum):
+    PAIRWISE = "pairwise"  # a dedicated link per ordered GPU pair (P100 NVLink mesh)
+    SWITCH = "switch"  # one port per GPU and direction into a switch (NVSwitch)
+    PCIE = "pcie"  # one PCIe port per GPU and direction; inter-node traffic crosses it too
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    description: str
+    gpu: ComputeDevice
+    gpus: int
+    fabric: Fabric
+    intra_bandwidth: float
+    intra_latency: float
+    nic_bandwidth: float
+    nic_latency: float
+    nic_per_gpu: bool = False
+
+
+P100 = ComputeDevice("P100", 10.6e12, 732e9, 16 * GiB, 5e-6)
+K80 = ComputeDevice("K80", 4.37e12, 240e9, 12 * GiB, 5e-6)  # one GK210 die
+V100 = ComputeDevice("V100", 15.7e12, 900e9, 16 * GiB, 5e-6)
+H100 = ComputeDevice("H100", 67e12, 3.35e12, 80 * GiB, 4e-6)
+
+CLUSTERS = {
+    "flexflow-p100": NodeSpec(
+        "N nodes x 4 P100 on NVLink, 100 Gb/s InfiniBand between nodes (FlexFlow paper)",
+        P100, 4, Fabric.PAIRWISE, 20e9, 1e-6, 12.5e9, 2e-6,
+    ),
+    "flexflow-k80": NodeSpec(
+        "N nodes x 4 K80 on PCIe, 56 Gb/s InfiniBand between nodes (FlexFlow paper)",
+        K80, 4, Fabric.PCIE, 12e9, 5e-6, 7e9, 2e-6,
+    ),
+    "alpa-v100": NodeSpec(
+        "N nodes x 8 V100 on NVLink, 25 Gb/s Ethernet between nodes (Alpa paper)",
+        V100, 8, Fabric.SWITCH, 150e9, 1e-6, 3.125e9, 25e-6,
+    ),
+    "dgx-h100": NodeSpec(
+        "N nodes x 8 H100 on NVSwitch, one 400 Gb/s InfiniBand NIC per GPU",
+        H100, 8, Fabric.SWITCH, 450e9, 1e-6, 50e9, 3e-6, nic_per_gpu=True,
+    ),
+}
+
+CPU_RANK = ComputeDevice("cpu-rank", 2e10, 8e9, 2 * GiB, 30e-6)
+CPU_DESCRIPTION = "N MPI ranks on this host (shared memory); `machine probe` measures real figures"
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.links: list[Link] = []
+        self.routes: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def link(self, name: str, bandwidth: float, latency: float) -> int:
+        self.links.append(Link(name, bandwidth, latency))
+        return len(self.links) - 1
+
+
+def _ports(b: _Builder, prefix: str, count: int, bw: float, lat: float) -> tuple[list, list]:
+    up = [b.link(f"{prefix}{i}-out", bw, lat) for i in range(count)]
+    down = [b.link(f"{prefix}{i}-in", bw, lat) for i in range(count)]
+    return up, down
+
+
+def cluster(name: str, spec: NodeSpec, nodes: int) -> Machine:
+    g = spec.gpus
+    total = nodes * g
+    devices = tuple(
+        ComputeDevice(f"node{n}-{spec.gpu.name.lower()}{i}", *_fields(spec.gpu))
+        for n in range(nodes)
+        for i in range(g)
+    )
+    b = _Builder()
+    pair = {}
+    if spec.fabric is Fabric.PAIRWISE:
+        for a in range(total):
+            for c in range(total):
+                if a != c and a // g == c // g:
+                    pair[(a, c)] = b.link(f"nvlink-{a}-{c}", spec.intra_bandwidth, spec.intra_latency)
+    else:
+        port = "pcie" if spec.fabric is Fabric.PCIE else "nvswitch"
+        up, down = _ports(b, f"{port}-gpu", total, spec.intra_bandwidth, spec.intra_latency)
+    nic_count = total if spec.nic_per_gpu else nodes
+    nic_out, nic_in = _ports(b, "nic", nic_count, spec.nic_bandwidth, spec.nic_latency)
+    for a in range(total):
+        for c in range(total):
+            if a == c:
+                continue
+            if a // g == c // g:
+                b.routes[(a, c)] = (pair[(a, c)],) if pair else (up[a], down[c])
+                continue
+            na, nc = (a, c) if spec.nic_per_gpu else (a // g, c // g)
+            hops = (nic_out[na], nic_in[nc])
+            b.routes[(a, c)] = (up[a], *hops, down[c]) if spec.fabric is Fabric.PCIE else hops
+    return Machine(f"{name}:{nodes}", devices, tuple(b.links), b.routes)
+
+
+def _fields(d: ComputeDevice) -> tuple:
+    return d.peak_flops, d.memory_bandwidth, d.memory, d.kernel_overhead
+
+
+def cpu(ranks: int, device: ComputeDevice = CPU_RANK, bandwidth: float = 4e9, latency: float = 5e-6) -> Machine:
+    b = _Builder()
+    out, into = _ports(b, "rank", ranks, bandwidth, latency)
+    for a in range(ranks):
+        for c in range(ranks):
+            if a != c:
+                b.routes[(a, c)] = (out[a], into[c])
+    devices = tuple(ComputeDevice(f"rank{i}", *_fields(device)) for i in range(ranks))
+    return Machine(f"cpu:{ranks}", devices, tuple(b.links), b.routes)
+
+
+def preset_names() -> dict[str, str]:
+    return {**{k: v.description for k, v in CLUSTERS.items()}, "cpu": CPU_DESCRIPTION}
+
+
+def preset(text: str) -> Machine:
+    name, _, count = text.partition(":")
+    if name not in preset_names():
+        raise MachineError(
+            f"unknown machine '{text}'; presets: {', '.join(f'{n}:N' for n in preset_names())} "
+            "(or a machine file path)"
+        )
+    if count and (not count.isdigit() or int(count) < 1):
+        raise MachineError(f"machine '{text}': N must be a positive integer")
+    n = int(count) if count else 1
+    return cpu(n) if name == "cpu" else cluster(name, CLUSTERS[name], n)
+
+
+def resolve_machine(text: str) -> Machine:
+    """A preset name (``flexflow-p100:4``) or the path of a machine file."""
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        return load_machine_file(path)
+    return preset(text)
