@@ -71,6 +71,21 @@ class Runtime:
     def task(self, key: TaskKey) -> Task:
         return self.tasks[key[0]][key[1]]
 
+    def forward(self, batch: Batch) -> dict[tuple[str, int], np.ndarray]:
+        """Only the forward phase; the output tile of every local task, by (op, task)."""
+        state = _Step(self, batch, forward_only=True)
+        for ins in self.program.instructions:
+            if isinstance(ins, Compute) and ins.phase is Phase.FORWARD:
+                state.forward(ins)
+            elif isinstance(ins, Send) and ins.transfer.phase is Phase.FORWARD:
+                state.send(ins.transfer)
+            elif isinstance(ins, Wait) and ins.transfer.phase is Phase.FORWARD:
+                state.received[ins.transfer.tag][0].Wait()
+        for request, _ in state.sent:
+            request.Wait()
+        names = [op.name for op in self.graph.ops]
+        return {(names[op], task): tile for (op, task), tile in state.outputs.items()}
+
     def step(self, batch: Batch, lr: float) -> float:
         """Run one SGD step; returns the sum of this rank's partial losses."""
         state = _Step(self, batch)
@@ -94,7 +109,7 @@ class Runtime:
 class _Step:
     """The buffers of one step on one rank."""
 
-    def __init__(self, rt: Runtime, batch: Batch) -> None:
+    def __init__(self, rt: Runtime, batch: Batch, forward_only: bool = False) -> None:
         self.rt, self.batch = rt, batch
         self.inputs: dict[TaskKey, list[np.ndarray]] = {}
         self.outputs: dict[TaskKey, np.ndarray] = {}
@@ -105,6 +120,8 @@ class _Step:
         self.scale = loss_scale(rt.graph, batch.labels) if rt.graph.loss_op else 1.0
         self.received = {}
         for t in rt.program.receives:
+            if forward_only and t.phase is not Phase.FORWARD:
+                continue
             buf = np.empty(rect_shape(t.rect), dtype=rt.dtype)
             self.received[t.tag] = (rt.transport.irecv(buf, t.src, t.tag), buf)
 

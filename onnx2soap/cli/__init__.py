@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from onnx2soap.cli import inspect_cmd, plan_cmd
+from onnx2soap.cli import inspect_cmd, machine_cmd, plan_cmd, simulate_cmd
 from onnx2soap.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find SOAP parallelization plans for ONNX models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (inspect_cmd, plan_cmd):
+    for module in (inspect_cmd, plan_cmd, simulate_cmd, machine_cmd):
         module.register(sub)
     return parser
 

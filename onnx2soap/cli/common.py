@@ -27,3 +27,17 @@ def human(n: float) -> str:
             return f"{n:.3g}{unit}"
         n /= 1000
     return f"{n:.3g}E"
+
+
+def seconds(t: float) -> str:
+    if t != t or t == float("inf"):
+        return "inf"
+    if t >= 1:
+        return f"{t:.3f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3f} ms"
+    return f"{t * 1e6:.1f} us"
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.3f} GiB" if n >= 1 << 28 else f"{n / (1 << 20):.2f} MiB"

@@ -1,35 +1,86 @@
-"""``onnx2soap plan MODEL``: write a plan file."""
+"""``onnx2soap plan MODEL``: find (or build by rule) a plan and write the plan file.
+
+Without ``--strategy`` the plan is found by MCMC search over the simulator of
+``--machine``; with ``--strategy`` it is built by that rule and only simulated.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 
-from onnx2soap.cli.common import add_model_options, loss_choice
+from onnx2soap.cli.common import add_model_options, loss_choice, seconds
 from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import Rule, by_rule
-from onnx2soap.soap import Plan, analyze, plan_ops, save_plan, validate
+from onnx2soap.search.mcmc import Progress, SearchOptions, mcmc
+from onnx2soap.sim import Evaluation, RooflineCost, Simulator, resolve_machine
+from onnx2soap.soap import Partitioner, Plan, Predicted, SearchInfo, analyze, plan_ops, save_plan
+from onnx2soap.soap import validate as validate_strategy
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="write a plan file for a model")
+    p = sub.add_parser("plan", help="find a plan for a model and write the plan file")
     add_model_options(p)
-    p.add_argument("--devices", type=int, required=True, help="number of devices (MPI ranks)")
+    p.add_argument("--machine", help="preset (e.g. flexflow-p100:4, cpu:4) or machine file")
+    p.add_argument("--devices", type=int, help="shorthand for --machine cpu:N")
     p.add_argument(
         "--strategy",
         choices=[r.value for r in Rule],
-        default=Rule.DATA_PARALLEL.value,
-        help="rule that builds the plan (default: data-parallel)",
+        help="build the plan by this rule instead of searching",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for --strategy random")
+    p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
+    p.add_argument("--budget", type=float, default=30.0, help="search time budget in seconds")
+    p.add_argument("--max-evals", type=int, help="stop the search after this many simulations")
+    p.add_argument("--beta", type=float, default=SearchOptions.beta, help="MCMC inverse temperature")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search / random strategy")
     p.add_argument("-o", "--output", required=True, help="plan file to write")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
+def machine_spec(machine: str | None, devices: int | None) -> str:
+    if devices is not None and devices < 1:
+        raise UserError(f"--devices must be >= 1, got {devices}")
+    if machine and devices is not None:
+        m = resolve_machine(machine)
+        if m.size != devices:
+            raise UserError(f"--devices {devices} disagrees with --machine {machine} ({m.size} devices)")
+    if machine:
+        return machine
+    if devices is None:
+        raise UserError("give --machine PRESET|FILE (or --devices N for this host's MPI ranks)")
+    return f"cpu:{devices}"
+
+
+def _progress_bar(p: Progress) -> None:
+    width = 30
+    filled = min(width, int(width * p.elapsed_s / p.budget_s)) if p.budget_s > 0 else width
+    bar = "#" * filled + "." * (width - filled)
+    sys.stderr.write(
+        f"\r[{bar}] {p.elapsed_s:5.1f}/{p.budget_s:.0f}s  {p.evaluated} simulated  "
+        f"best {seconds(p.best_step_time_s)}   "
+    )
+    sys.stderr.flush()
+
+
+def _mode(args) -> tuple[Rule | None, bool]:
+    if args.strategy and args.search == "mcmc":
+        raise UserError("--strategy builds a plan by rule; it cannot be combined with --search mcmc")
+    if args.strategy:
+        return Rule(args.strategy), False
+    if args.search == "none":
+        return Rule.DATA_PARALLEL, False
+    return None, True
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.devices < 1:
-        raise UserError(f"--devices must be >= 1, got {args.devices}")
+    rule, searching = _mode(args)
+    spec = machine_spec(args.machine, args.devices)
+    machine = resolve_machine(spec)
     model = load_model(args.model, args.batch, loss_choice(args.loss))
     graph = model.graph
     if graph.loss_op is None:
@@ -38,16 +89,67 @@ def run(args: argparse.Namespace) -> int:
             "choose --loss cross-entropy or mse"
         )
     space = analyze(graph)
-    strategy = by_rule(Rule(args.strategy), graph, space, args.devices, args.seed)
-    validate(graph, space, strategy)
+    simulator = Simulator(machine, RooflineCost())
+    partitioner = Partitioner(graph)
+
+    def evaluate(strategy) -> Evaluation:
+        return simulator.evaluate(partitioner.partition(strategy))
+
+    search_info = None
+    if searching:
+        options = SearchOptions(args.budget, args.seed, args.beta, args.max_evals)
+        show = None if args.quiet or args.json or not sys.stderr.isatty() else _progress_bar
+        result = mcmc(graph, space, simulator, options, show)
+        if show:
+            sys.stderr.write("\n")
+        strategy, chosen = result.best, result.evaluation
+        baselines = dict(result.baselines)
+        search_info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated, result.time_s)
+    else:
+        strategy = by_rule(rule, graph, space, machine.size, args.seed)
+        validate_strategy(graph, space, strategy)
+        chosen = evaluate(strategy)
+        baselines = {r.value: evaluate(by_rule(r, graph, space, machine.size)) for r in (Rule.DATA_PARALLEL, Rule.EXPERT)}
+        if not chosen.fits:
+            print(f"onnx2soap: warning: the {rule.value} plan does not fit in device memory", file=sys.stderr)
+    predicted = Predicted(
+        step_time_s=chosen.step_time_s,
+        peak_memory_bytes=chosen.peak_memory_bytes,
+        bytes_moved=chosen.bytes_moved,
+        baselines=tuple((k, v.step_time_s) for k, v in baselines.items()),
+    )
     plan = Plan(
         model_path=Path(args.model),
         model_sha256=model.sha256,
         batch=graph.batch,
         loss=graph.loss,
-        devices=args.devices,
+        devices=machine.size,
         ops=plan_ops(strategy, graph, space),
+        machine=spec,
+        predicted=predicted,
+        search=search_info,
     )
     save_plan(plan, args.output)
-    print(f"wrote {args.output}: {args.strategy} plan for {args.devices} devices")
+    _report(args, plan, machine.name, searching)
     return 0
+
+
+def _report(args, plan: Plan, machine: str, searching: bool) -> None:
+    p, s = plan.predicted, plan.search
+    baselines = dict(p.baselines)
+    if args.json:
+        doc = {
+            "plan": str(args.output),
+            "predicted_step_time_s": p.step_time_s,
+            "baselines": baselines,
+            "evaluated": s.evaluated if s else 1,
+            "search_time_s": s.search_time_s if s else 0.0,
+        }
+        print(json.dumps(doc))
+        return
+    how = f"MCMC ({s.evaluated} strategies simulated in {s.search_time_s:.1f}s)" if searching else args.strategy or "data-parallel"
+    print(f"wrote {args.output}: {how} on {machine}")
+    print(f"  predicted step time  {seconds(p.step_time_s)}")
+    for name, t in baselines.items():
+        speedup = t / p.step_time_s if p.step_time_s > 0 else float("inf")
+        print(f"  {name:<20} {seconds(t)}  ({speedup:.2f}x)")

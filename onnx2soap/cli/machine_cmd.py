@@ -1,0 +1,83 @@
+"""``onnx2soap machine list|show|probe``: the machines plans are made for."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from onnx2soap.cli.common import gib, human
+from onnx2soap.errors import MachineError, UserError
+from onnx2soap.sim.machine import dump_machine
+from onnx2soap.sim.presets import preset_names, resolve_machine
+
+
+def register(sub) -> None:
+    p = sub.add_parser("machine", help="list, show or probe machines")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    verbs.add_parser("list", help="the presets").set_defaults(run=run_list)
+    show = verbs.add_parser("show", help="describe a preset or machine file")
+    show.add_argument("name", help="preset (e.g. flexflow-p100:4) or machine file")
+    show.add_argument("--yaml", action="store_true", help="print it as a machine file")
+    show.set_defaults(run=run_show)
+    probe = verbs.add_parser("probe", help="measure this host's MPI ranks into a machine file")
+    probe.add_argument("-n", "--ranks", type=int, required=True, help="number of MPI ranks")
+    probe.add_argument("-o", "--output", required=True, help="machine file to write")
+    probe.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
+    probe.set_defaults(run=run_probe)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    for name, description in preset_names().items():
+        print(f"{name + ':N':<18} {description}")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    m = resolve_machine(args.name)
+    if args.yaml:
+        print(dump_machine(m), end="")
+        return 0
+    kinds: dict[tuple, int] = {}
+    for d in m.devices:
+        key = (d.peak_flops, d.memory_bandwidth, d.memory, d.kernel_overhead)
+        kinds[key] = kinds.get(key, 0) + 1
+    print(f"{m.name}: {m.size} devices, {len(m.links)} links")
+    for (flops, bw, mem, overhead), count in kinds.items():
+        print(
+            f"  {count} x {human(flops)}FLOP/s, {human(bw)}B/s memory, {gib(mem)}, "
+            f"{overhead * 1e6:.1f} us per task"
+        )
+    for src, dst in sorted({(0, d) for d in range(1, m.size)}):
+        hops = ", ".join(f"{m.links[i].name} ({human(m.links[i].bandwidth)}B/s)" for i in m.route(src, dst))
+        print(f"  route {src} -> {dst}: {hops}")
+    return 0
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise UserError("mpiexec not found: install the project (pip install .) to get MPICH")
+    return found
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    if args.ranks < 1:
+        raise UserError(f"-n must be >= 1, got {args.ranks}")
+    command = [
+        _mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "onnx2soap.sim.probe",
+        "-o", args.output, "--seconds", str(args.seconds),
+    ]
+    env = dict(os.environ)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")  # as the executor runs: one BLAS thread per rank
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise MachineError(f"probe under mpiexec failed ({done.returncode}): {last}")
+    print(f"wrote {args.output}: {args.ranks} ranks measured")
+    return 0

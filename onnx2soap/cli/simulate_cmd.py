@@ -1,0 +1,68 @@
+"""``onnx2soap simulate PLAN``: predicted step time, memory and traffic of a plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from onnx2soap.cli.common import gib, seconds
+from onnx2soap.errors import UserError
+from onnx2soap.importer import file_sha256, load_model
+from onnx2soap.ir import LossKind
+from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
+from onnx2soap.sim.simulate import simulate
+from onnx2soap.sim.trace import write_trace
+from onnx2soap.soap import Partitioner, analyze, load_plan
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="simulate one training step of a plan")
+    p.add_argument("plan", help="plan file")
+    p.add_argument("--machine", help="preset or machine file (default: the plan's, else cpu:N)")
+    p.add_argument("--model", help="model file (default: the plan's)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace of the timeline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    path = args.model or plan.model_path
+    if file_sha256_or_none(path) != plan.model_sha256:
+        raise UserError(f"{path}: not the model the plan was made for (sha256 differs or file missing)")
+    loss = None if plan.loss in (LossKind.MODEL, LossKind.NONE) else plan.loss
+    graph = load_model(path, plan.batch, loss).graph
+    strategy = plan.strategy(graph, analyze(graph))
+    machine = resolve_machine(args.machine or plan.machine or f"cpu:{plan.devices}")
+    simulator = Simulator(machine, RooflineCost())
+    pg = Partitioner(graph).partition(strategy)
+    ev = simulator.evaluate(pg)
+    if args.trace:
+        tg = simulator.task_graph(pg, names=True)
+        write_trace(args.trace, tg, simulate(tg), machine)
+    if args.json:
+        doc = {
+            "step_time_s": ev.step_time_s,
+            "peak_memory_bytes": list(ev.peak_memory_bytes),
+            "bytes_moved": ev.bytes_moved,
+            "fits": ev.fits,
+            "machine": machine.name,
+        }
+        print(json.dumps(doc))
+        return 0
+    print(f"{args.plan} on {machine.name}: step time {seconds(ev.step_time_s)}")
+    print(f"  moved per step   {ev.bytes_moved} bytes")
+    for d, (m, dev) in enumerate(zip(ev.peak_memory_bytes, machine.devices, strict=False)):
+        flag = "" if m <= dev.memory else "  EXCEEDS"
+        print(f"  device {d:<3} peak {gib(m)} of {gib(dev.memory)}{flag}")
+    if args.trace:
+        print(f"  trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def file_sha256_or_none(path) -> str | None:
+    try:
+        return file_sha256(Path(path))
+    except OSError:
+        return None

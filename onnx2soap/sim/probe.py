@@ -1,0 +1,124 @@
+"""Measure this host's MPI ranks and write a machine file (``onnx2soap machine probe``).
+
+Run under mpiexec (``python -m onnx2soap.sim.probe -o FILE.yaml``); every rank measures
+at the same time, so ranks sharing cores see the rates they will see when training:
+matmul FLOP/s, copy bandwidth, the fixed cost of a tiny task, and rank-to-rank latency
+and bandwidth (ping-pong between rank 0 and every other rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnx2soap.sim.machine import ComputeDevice, dump_machine
+from onnx2soap.sim.presets import cpu
+from onnx2soap.soap.plan import write_atomic
+
+
+def _rate(work: Callable[[], None], seconds: float) -> float:
+    """Calls per second of ``work``, measured over about ``seconds``."""
+    work()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or calls < 3:
+        work()
+        calls += 1
+    return calls / elapsed
+
+
+def _compute_rates(seconds: float) -> tuple[float, float, float]:
+    rng = np.random.default_rng(0)
+    n = 384
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    flops = _rate(lambda: a @ b, seconds) * 2 * n**3
+    big = np.ones(1 << 23, dtype=np.float32)  # 32 MiB
+    out = np.empty_like(big)
+    bandwidth = _rate(lambda: np.copyto(out, big), seconds) * 2 * big.nbytes
+    tiny = np.ones((2, 3), dtype=np.float32)
+
+    def task() -> None:  # what a task costs beyond its arithmetic: a few small array ops
+        buf = np.zeros((2, 3), dtype=np.float32)
+        buf[:, :] = tiny
+        np.maximum(buf, 0, out=buf)
+        buf.sum()
+
+    overhead = 1.0 / _rate(task, seconds)
+    return flops, bandwidth, overhead
+
+
+def _ping_pong(comm, peer: int, nbytes: int, rounds: int) -> float:
+    """Seconds per one-way message between rank 0 and ``peer``."""
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    rank = comm.Get_rank()
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            comm.Send(buf, dest=peer)
+            comm.Recv(buf, source=peer)
+        elif rank == peer:
+            comm.Recv(buf, source=0)
+            comm.Send(buf, dest=0)
+    return (time.perf_counter() - start) / (2 * rounds)
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    latency: float
+    bandwidth: float
+
+
+def _links(comm) -> LinkFigures:
+    latencies, bandwidths = [], []
+    size = 4 << 20
+    for peer in range(1, comm.Get_size()):
+        small = _ping_pong(comm, peer, 8, 200)
+        large = _ping_pong(comm, peer, size, 10)
+        latencies.append(small)
+        bandwidths.append(size / max(large - small, 1e-9))
+    if not latencies:
+        return LinkFigures(5e-6, 4e9)
+    return LinkFigures(float(np.median(latencies)), float(np.median(bandwidths)))
+
+
+def probe(comm, seconds: float = 0.3) -> str:
+    """Measure and return the machine file's YAML (on every rank)."""
+    comm.Barrier()
+    flops, bandwidth, overhead = _compute_rates(seconds)
+    rates = comm.allgather((flops, bandwidth, overhead))
+    links = _links(comm)
+    links = comm.bcast(links, root=0)
+    ranks = comm.Get_size()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+    device = ComputeDevice(
+        "cpu-rank",
+        peak_flops=float(min(r[0] for r in rates)),
+        memory_bandwidth=float(min(r[1] for r in rates)),
+        memory=int(memory),
+        kernel_overhead=float(max(r[2] for r in rates)),
+    )
+    machine = cpu(ranks, device, links.bandwidth, links.latency)
+    return dump_machine(machine)
+
+
+def main() -> int:
+    from mpi4py import MPI
+
+    parser = argparse.ArgumentParser(prog="python -m onnx2soap.sim.probe")
+    parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
+    args = parser.parse_args()
+    text = probe(MPI.COMM_WORLD, args.seconds)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        write_atomic(Path(args.output), text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

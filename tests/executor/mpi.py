@@ -1,0 +1,80 @@
+"""Run the executor under a real mpiexec and compare with the one-device reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from executor.train import RunOptions, train
+from onnx2soap.cli import main as onnx2soap_main
+from onnx2soap.ir import DType
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    losses: tuple[float, ...]
+    weights: dict[str, np.ndarray] | None
+    bytes_sent: tuple[int, ...]
+    stdout: str
+    stderr: str
+
+
+def make_plan(model: Path, plan: Path, devices: int, batch: int, strategy: str, seed: int = 0) -> None:
+    code = onnx2soap_main(
+        [
+            "plan", str(model), "--devices", str(devices), "--batch", str(batch),
+            "--strategy", strategy, "--seed", str(seed), "-o", str(plan),
+        ]
+    )
+    assert code == 0
+
+
+def mpirun(
+    plan: Path, ranks: int, workdir: Path, *args: str, timeout: float = 180, script: list[str] | None = None
+) -> Run:
+    """``mpiexec -n ranks python -m executor run plan --json ...``, weights saved."""
+    weights = workdir / f"weights-{ranks}-{plan.stem}.npz"
+    entry = script or ["-m", "executor"]
+    command = [
+        str(MPIEXEC), "-n", str(ranks), sys.executable, *entry, "run", str(plan),
+        "--json", "--save-weights", str(weights), *args,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    losses, sent = [], ()
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            doc = json.loads(line)
+            if "loss" in doc:
+                losses.append(doc["loss"])
+            if "summary" in doc:
+                sent = tuple(doc["summary"]["bytes_sent"])
+    saved = None
+    if done.returncode == 0 and weights.exists():
+        with np.load(weights) as f:
+            saved = {k: f[k] for k in f.files}
+    return Run(done.returncode, tuple(losses), saved, sent, done.stdout, done.stderr)
+
+
+def reference(plan: Path, steps: int, dtype: DType, lr: float, seed: int = 0):
+    """The same training on one device, in this process (MPI.COMM_SELF)."""
+    options = RunOptions(plan=plan, steps=steps, lr=lr, seed=seed, dtype=dtype)
+    result = train(MPI.COMM_SELF, options, gather=True)
+    return tuple(r.loss for r in result.steps), result.weights
+
+
+def assert_same_training(run: Run, ref_losses, ref_weights, rtol: float) -> None:
+    assert run.returncode == 0, run.stderr[-3000:]
+    np.testing.assert_allclose(run.losses, ref_losses, rtol=rtol, atol=0)
+    assert run.weights is not None and set(run.weights) == set(ref_weights)
+    for name, w in ref_weights.items():
+        scale = max(float(np.abs(w).max()), 1e-30)
+        np.testing.assert_allclose(run.weights[name], w, rtol=rtol, atol=rtol * scale, err_msg=name)

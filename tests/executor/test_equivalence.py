@@ -1,0 +1,63 @@
+"""Any valid plan trains on N MPI ranks exactly like one device (the executor's contract).
+
+Random plans (``onnx2soap plan --strategy random``: mixed degrees, several tasks of an op
+on one device, any devices) for 1..4 ranks under a real mpiexec; K SGD steps must give
+the one-device losses and final weights within 1e-10 (float64) or 1e-5 (float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from onnx2soap.ir import DType
+from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
+
+STEPS, LR = 3, 0.05
+MODELS = {"mlp": 8, "cnn": 4, "spatial": 4}  # model -> batch
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def references(export_model, tmp_path_factory):
+    """One-device losses and weights per (model, dtype), computed once."""
+    directory = tmp_path_factory.mktemp("references")
+    cache = {}
+
+    def get(name: str, dtype: DType):
+        if (name, dtype) not in cache:
+            model = export_model(name)
+            plan = directory / f"{name}-1.json"
+            make_plan(model, plan, 1, MODELS[name], "data-parallel")
+            cache[(name, dtype)] = (model, reference(plan, STEPS, dtype, LR))
+        return cache[(name, dtype)]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@settings(
+    max_examples=5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ranks=st.integers(1, 4), seed=st.integers(0, 10_000))
+def test_random_plans_train_like_one_device_float64(references, tmp_path: Path, name, ranks, seed):
+    model, (losses, weights) = references(name, DType.FLOAT64)
+    plan = tmp_path / f"{name}-{ranks}-{seed}.json"
+    make_plan(model, plan, ranks, MODELS[name], "random", seed)
+    run = mpirun(plan, ranks, tmp_path, "--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    assert_same_training(run, losses, weights, rtol=1e-10)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_random_plan_float32(references, tmp_path: Path, ranks):
+    model, (losses, weights) = references("cnn", DType.FLOAT32)
+    plan = tmp_path / "cnn32.json"
+    make_plan(model, plan, ranks, MODELS["cnn"], "random", seed=ranks)
+    run = mpirun(plan, ranks, tmp_path, "--steps", str(STEPS), "--lr", str(LR))
+    assert_same_training(run, losses, weights, rtol=1e-5)
