@@ -37,7 +37,7 @@ def _check_supported(p: Prepared) -> None:
     if bad:
         listed = ", ".join(
             f"'{n.name or n.output[0]}' ({n.op_type}, domain {n.domain or 'ai.onnx'}, "
-            f"opset {p.opset})"
+            f"opset {p.opsets.get(n.domain or 'ai.onnx', '?')})"
             for n in bad
         )
         raise ModelError(
@@ -114,7 +114,10 @@ class _Builder:
         try:
             op = CONVERTERS[node.op_type](ctx, **_attributes(node))
         except TypeError as e:
-            raise ctx.fail(f"unexpected attributes {sorted(_attributes(node))}: {e}") from e
+            error = ctx.fail(f"unexpected attributes {sorted(_attributes(node))}: {e}")
+            raise ModelError(f"{self.p.path}: {error}") from e
+        except ModelError as e:
+            raise ModelError(f"{self.p.path}: {e}") from e
         self.ops.append(op)
 
 

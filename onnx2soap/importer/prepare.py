@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from onnx.external_data_helper import load_external_data_for_model
 from onnx.reference import ReferenceEvaluator
 
 from onnx2soap.errors import ModelError
@@ -34,6 +35,7 @@ class Prepared:
     path: Path
     sha256: str
     opset: int
+    opsets: dict[str, int]  # every imported domain's version ("ai.onnx" for the default)
     batch: int
     nodes: tuple[onnx.NodeProto, ...]
     types: dict[str, TensorType]
@@ -55,11 +57,10 @@ def read_model(path: Path) -> onnx.ModelProto:
     if not path.is_file():
         raise ModelError(f"{path}: no such model file")
     try:
-        model = onnx.load(str(path), load_external_data=True)
-    except FileNotFoundError as e:
-        raise ModelError(f"{path}: external weight file missing: {e.filename or e}") from e
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises several unrelated types on garbage input
         raise ModelError(f"{path}: not a valid ONNX model ({type(e).__name__}: {e})") from e
+    _load_external_data(model, path)
     if not model.graph.node:
         raise ModelError(f"{path}: not a valid ONNX model (the graph has no nodes)")
     try:
@@ -68,6 +69,25 @@ def read_model(path: Path) -> onnx.ModelProto:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "validation failed"
         raise ModelError(f"{path}: not a valid ONNX model ({first})") from e
     return model
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Load weights kept beside the model (the dynamo exporter's ``.data`` file)."""
+    locations = {
+        entry.value
+        for t in model.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for entry in t.external_data
+        if entry.key == "location"
+    }
+    for location in sorted(locations):
+        if not (path.parent / location).is_file():
+            raise ModelError(f"{path}: external weight file missing: {path.parent / location}")
+    if locations:
+        try:
+            load_external_data_for_model(model, str(path.parent))
+        except Exception as e:
+            raise ModelError(f"{path}: cannot read external weights ({e})") from e
 
 
 def default_opset(model: onnx.ModelProto, path: Path) -> int:
@@ -211,6 +231,7 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         path=path,
         sha256=file_sha256(path),
         opset=opset,
+        opsets={imp.domain or "ai.onnx": imp.version for imp in model.opset_import},
         batch=batch,
         nodes=tuple(model.graph.node),
         types=_types(model),
