@@ -1,0 +1,63 @@
+"""Helpers shared by the kernels: broadcasting reductions and window taps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import product
+
+from executor.kernels.base import Array
+
+
+def unbroadcast(xp, grad: Array, shape: Sequence[int]) -> Array:
+    """Sum ``grad`` over the axes numpy broadcasting added or stretched to reach its shape
+    from ``shape``. Always a fresh array: two operands of one op must never share (and so
+    accumulate into) the same gradient buffer."""
+    shape = tuple(shape)
+    lead = grad.ndim - len(shape)
+    if lead:
+        grad = grad.sum(axis=tuple(range(lead)))
+    stretched = tuple(i for i, s in enumerate(shape) if s == 1 and grad.shape[i] != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    if lead or stretched:
+        return grad.reshape(shape)
+    return grad.copy()
+
+
+def strided(start: int, count: int, step: int) -> slice:
+    """The slice of ``count`` indices ``start, start + step, ...`` (empty for ``count == 0``,
+    where ``start + (count - 1) * step + 1`` would run backwards)."""
+    stop = start + (count - 1) * step + 1 if count else start
+    return slice(start, stop, step)
+
+
+def window_taps(attrs, out_spatial: Sequence[int]) -> Iterator[tuple[slice, ...]]:
+    """Per kernel position, row-major (the scan order that decides MaxPool ties), the
+    spatial slices of a window buffer that all outputs of the tile read at that position.
+
+    ``attrs`` is a ``ConvAttrs`` or ``PoolAttrs``. The buffer starts at the first window's
+    first tap (halo and padding included), so position ``k`` of output ``j`` is buffer index
+    ``j * stride + k * dilation``: no global coordinate is needed.
+    """
+    for pos in product(*(range(k) for k in attrs.kernel_shape)):
+        yield tuple(
+            strided(k * d, o, s)
+            for k, d, s, o in zip(pos, attrs.dilations, attrs.strides, out_spatial, strict=True)
+        )
+
+
+def check_window_buffer(op: str, attrs, buffer_shape: Sequence[int], out_spatial) -> None:
+    """Refuse a buffer too small for the tile's windows: numpy and cupy would silently
+    clip the strided slices and the error would surface far from its cause."""
+    need = tuple(
+        (o - 1) * s + (k - 1) * d + 1 if o else 0
+        for o, k, s, d in zip(
+            out_spatial, attrs.kernel_shape, attrs.strides, attrs.dilations, strict=True
+        )
+    )
+    have = tuple(buffer_shape[2:])
+    if any(h < n for h, n in zip(have, need, strict=True)):
+        raise ValueError(
+            f"{op}: window buffer spatial shape {list(have)} is smaller than the "
+            f"{list(need)} that output tile {list(out_spatial)} reads"
+        )
