@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
-from onnx2soap.ir import Affine, AxisMap, Broadcast, LoopNest, Op, Whole
+from onnx2soap.ir import AxisMap, Broadcast, LoopNest, Op, Whole
 
 Interval = tuple[int, int]
 Rect = tuple[Interval, ...]
@@ -89,9 +89,14 @@ class Region:
 
     @property
     def valid(self) -> tuple[Interval, ...]:
-        """Where ``data`` lies inside the buffer, in buffer-local coordinates."""
+        """Where ``data`` lies inside the buffer, in buffer-local coordinates.
+
+        Where the data is empty (a task whose windows read only padding) the interval is
+        empty and may lie outside the buffer; it still marks where the tensor's edge is,
+        which is what an average pool's divisor needs."""
         return tuple(
-            (dlo - blo, dhi - blo) for (blo, _), (dlo, dhi) in zip(self.buffer, self.data, strict=True)
+            (dlo - blo, dhi - blo)
+            for (blo, _), (dlo, dhi) in zip(self.buffer, self.data, strict=True)
         )
 
 
@@ -186,7 +191,9 @@ class ReplicaGroup:
     devices: tuple[int, ...]
 
 
-def replica_groups(op: Op, tasks: Sequence[Task], weight_operands: Sequence[int]) -> tuple[ReplicaGroup, ...]:
+def replica_groups(
+    op: Op, tasks: Sequence[Task], weight_operands: Sequence[int]
+) -> tuple[ReplicaGroup, ...]:
     groups = []
     for operand in weight_operands:
         by_rect: dict[Rect, list[Task]] = {}

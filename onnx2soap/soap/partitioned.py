@@ -75,7 +75,9 @@ class Partitioner:
             self._groups[key] = replica_groups(op, self.tasks(op, config), weights)
         return self._groups[key]
 
-    def edge(self, producer: Op, pconf: ParallelConfig, consumer: Op, cconf: ParallelConfig, operand: int) -> Edge:
+    def edge(
+        self, producer: Op, pconf: ParallelConfig, consumer: Op, cconf: ParallelConfig, operand: int
+    ) -> Edge:
         key = (producer.name, pconf, consumer.name, cconf, operand)
         if key not in self._overlaps:
             self._overlaps[key] = overlaps(
@@ -93,7 +95,5 @@ class Partitioner:
             for operand, tensor in enumerate(op.inputs):
                 producer = self._producer.get(tensor)
                 if producer is not None:
-                    edges.append(
-                        self.edge(producer, strategy[producer.name], op, config, operand)
-                    )
+                    edges.append(self.edge(producer, strategy[producer.name], op, config, operand))
         return PartitionedGraph(self.graph, strategy, tasks, tuple(edges), groups)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +87,9 @@ class Plan:
         return strategy
 
 
-def plan_ops(strategy: Strategy, graph: Graph, space: Mapping[str, tuple[SoapDim, ...]]) -> tuple[OpPlan, ...]:
+def plan_ops(
+    strategy: Strategy, graph: Graph, space: Mapping[str, tuple[SoapDim, ...]]
+) -> tuple[OpPlan, ...]:
     out = []
     for op in graph.ops:
         config = strategy[op.name]
@@ -144,7 +146,9 @@ def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the new, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: never reuse a stray file; mode 0o666 minus the umask, like a plain open().
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -221,10 +225,14 @@ def _read_predicted(r: _Reader, doc: Mapping) -> Predicted | None:
     if p is None:
         return None
     mem = r.get(p, "peak_memory_bytes", list, "predicted.peak_memory_bytes")
+    for i, _ in enumerate(mem):
+        r.get(dict(enumerate(mem)), i, int, f"predicted.peak_memory_bytes[{i}]")
     baselines = r.get(p, "baselines", dict, "predicted.baselines", optional=True) or {}
+    for name in baselines:
+        r.get(baselines, name, (int, float), f"predicted.baselines.{name}")
     return Predicted(
         step_time_s=float(r.get(p, "step_time_s", (int, float), "predicted.step_time_s")),
-        peak_memory_bytes=tuple(int(m) for m in mem),
+        peak_memory_bytes=tuple(mem),
         bytes_moved=r.get(p, "bytes_moved", int, "predicted.bytes_moved"),
         baselines=tuple((str(k), float(v)) for k, v in baselines.items()),
     )

@@ -38,7 +38,9 @@ class Strategy:
         )
 
 
-def validate_config(op: str, dims: tuple[SoapDim, ...], config: ParallelConfig, devices: int) -> None:
+def validate_config(
+    op: str, dims: tuple[SoapDim, ...], config: ParallelConfig, devices: int
+) -> None:
     where = f"op '{op}'"
     if len(config.degrees) != len(dims):
         raise PlanError(f"{where}: {len(config.degrees)} degrees for {len(dims)} dims")
