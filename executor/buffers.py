@@ -6,16 +6,13 @@ soap's partition math, never here.
 
 from __future__ import annotations
 
-from onnx2soap.soap.partition import Rect, Region, rect_shape
-
 from executor.kernels.base import Array
+from onnx2soap.soap.partition import Rect, Region, rect_shape
 
 
 def local_slices(rect: Rect, origin: Rect) -> tuple[slice, ...]:
     """Where ``rect`` lies inside a buffer whose global extent is ``origin``."""
-    return tuple(
-        slice(lo - olo, hi - olo) for (lo, hi), (olo, _) in zip(rect, origin, strict=True)
-    )
+    return tuple(slice(lo - olo, hi - olo) for (lo, hi), (olo, _) in zip(rect, origin, strict=True))
 
 
 def empty_buffer(xp, region: Region, dtype) -> Array:

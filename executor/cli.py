@@ -43,7 +43,9 @@ def _printer(as_json: bool):
         if as_json:
             print(json.dumps({"step": record.step, "loss": record.loss, "time_s": record.time_s}))
         else:
-            print(f"step {record.step:4d}  loss {record.loss:.6f}  time {record.time_s * 1e3:8.2f} ms")
+            print(
+                f"step {record.step:4d}  loss {record.loss:.6f}  time {record.time_s * 1e3:8.2f} ms"
+            )
         sys.stdout.flush()
 
     return show

@@ -146,7 +146,9 @@ class _Step:
         for piece in ins.pieces:
             producer = self.rt.task(piece.peer)
             tile = self._piece(piece, self.outputs.get(piece.peer), producer.output)
-            buffers[piece.operand][local_slices(piece.rect, task.inputs[piece.operand].buffer)] = tile
+            buffers[piece.operand][local_slices(piece.rect, task.inputs[piece.operand].buffer)] = (
+                tile
+            )
         return buffers
 
     def _args(self, task: Task) -> TaskArgs:

@@ -120,8 +120,8 @@ class LoopNest:
     """``output[out_dims] (+)= f(inputs)`` over the iteration space ``dims``.
 
     Output axis ``i`` is indexed by dim ``out_dims[i]`` (identity), or is a size-1 axis
-    where the entry is None. Dims absent from ``out_dims`` are reductions. ``flops_per_point`` counts the forward FLOPs of one point
-    of the iteration space.
+    where the entry is None. Dims absent from ``out_dims`` are reductions.
+    ``flops_per_point`` counts the forward FLOPs of one point of the iteration space.
     """
 
     dims: tuple[IterDim, ...]
@@ -178,15 +178,6 @@ class GemmAttrs:
 
 
 @dataclass(frozen=True)
-class MatMulAttrs:
-    """``a_batch``/``b_batch``: how many leading batch axes each operand has (it may have
-    fewer than the output, numpy-style)."""
-
-    a_batch: int
-    b_batch: int
-
-
-@dataclass(frozen=True)
 class ConvAttrs:
     kernel_shape: tuple[int, ...]
     strides: tuple[int, ...]
@@ -229,9 +220,7 @@ class LossAttrs:
     ignore_index: int | None = None
 
 
-OpAttrs = (
-    NoAttrs | GemmAttrs | MatMulAttrs | ConvAttrs | PoolAttrs | ConcatAttrs | LossAttrs
-)
+OpAttrs = NoAttrs | GemmAttrs | ConvAttrs | PoolAttrs | ConcatAttrs | LossAttrs
 
 
 @dataclass(frozen=True)

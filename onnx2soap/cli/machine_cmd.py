@@ -52,7 +52,9 @@ def run_show(args: argparse.Namespace) -> int:
             f"{overhead * 1e6:.1f} us per task"
         )
     for src, dst in sorted({(0, d) for d in range(1, m.size)}):
-        hops = ", ".join(f"{m.links[i].name} ({human(m.links[i].bandwidth)}B/s)" for i in m.route(src, dst))
+        hops = ", ".join(
+            f"{m.links[i].name} ({human(m.links[i].bandwidth)}B/s)" for i in m.route(src, dst)
+        )
         print(f"  route {src} -> {dst}: {hops}")
     return 0
 
@@ -69,8 +71,16 @@ def run_probe(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise UserError(f"-n must be >= 1, got {args.ranks}")
     command = [
-        _mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "onnx2soap.sim.probe",
-        "-o", args.output, "--seconds", str(args.seconds),
+        _mpiexec(),
+        "-n",
+        str(args.ranks),
+        sys.executable,
+        "-m",
+        "onnx2soap.sim.probe",
+        "-o",
+        args.output,
+        "--seconds",
+        str(args.seconds),
     ]
     env = dict(os.environ)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -34,7 +34,9 @@ def register(sub) -> None:
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
     p.add_argument("--budget", type=float, default=30.0, help="search time budget in seconds")
     p.add_argument("--max-evals", type=int, help="stop the search after this many simulations")
-    p.add_argument("--beta", type=float, default=SearchOptions.beta, help="MCMC inverse temperature")
+    p.add_argument(
+        "--beta", type=float, default=SearchOptions.beta, help="MCMC inverse temperature"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the search / random strategy")
     p.add_argument("-o", "--output", required=True, help="plan file to write")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -48,7 +50,9 @@ def machine_spec(machine: str | None, devices: int | None) -> str:
     if machine and devices is not None:
         m = resolve_machine(machine)
         if m.size != devices:
-            raise UserError(f"--devices {devices} disagrees with --machine {machine} ({m.size} devices)")
+            raise UserError(
+                f"--devices {devices} disagrees with --machine {machine} ({m.size} devices)"
+            )
     if machine:
         return machine
     if devices is None:
@@ -69,7 +73,9 @@ def _progress_bar(p: Progress) -> None:
 
 def _mode(args) -> tuple[Rule | None, bool]:
     if args.strategy and args.search == "mcmc":
-        raise UserError("--strategy builds a plan by rule; it cannot be combined with --search mcmc")
+        raise UserError(
+            "--strategy builds a plan by rule; it cannot be combined with --search mcmc"
+        )
     if args.strategy:
         return Rule(args.strategy), False
     if args.search == "none":
@@ -109,9 +115,15 @@ def run(args: argparse.Namespace) -> int:
         strategy = by_rule(rule, graph, space, machine.size, args.seed)
         validate_strategy(graph, space, strategy)
         chosen = evaluate(strategy)
-        baselines = {r.value: evaluate(by_rule(r, graph, space, machine.size)) for r in (Rule.DATA_PARALLEL, Rule.EXPERT)}
+        baselines = {
+            r.value: evaluate(by_rule(r, graph, space, machine.size))
+            for r in (Rule.DATA_PARALLEL, Rule.EXPERT)
+        }
         if not chosen.fits:
-            print(f"onnx2soap: warning: the {rule.value} plan does not fit in device memory", file=sys.stderr)
+            print(
+                f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
+                file=sys.stderr,
+            )
     predicted = Predicted(
         step_time_s=chosen.step_time_s,
         peak_memory_bytes=chosen.peak_memory_bytes,
@@ -147,7 +159,11 @@ def _report(args, plan: Plan, machine: str, searching: bool) -> None:
         }
         print(json.dumps(doc))
         return
-    how = f"MCMC ({s.evaluated} strategies simulated in {s.search_time_s:.1f}s)" if searching else args.strategy or "data-parallel"
+    how = (
+        f"MCMC ({s.evaluated} strategies simulated in {s.search_time_s:.1f}s)"
+        if searching
+        else args.strategy or "data-parallel"
+    )
     print(f"wrote {args.output}: {how} on {machine}")
     print(f"  predicted step time  {seconds(p.step_time_s)}")
     for name, t in baselines.items():

@@ -30,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     path = args.model or plan.model_path
     if file_sha256_or_none(path) != plan.model_sha256:
-        raise UserError(f"{path}: not the model the plan was made for (sha256 differs or file missing)")
+        raise UserError(
+            f"{path}: not the model the plan was made for (sha256 differs or file missing)"
+        )
     loss = None if plan.loss in (LossKind.MODEL, LossKind.NONE) else plan.loss
     graph = load_model(path, plan.batch, loss).graph
     strategy = plan.strategy(graph, analyze(graph))

@@ -1,8 +1,8 @@
 """ONNX -> ``Graph``: load, bind the batch, fold constants, convert nodes, attach the loss.
 
-    model = load_model(Path("cnn.onnx"), batch=64)
-    model.graph   # onnx2soap.ir.Graph
-    model.weights # initial values of the trainable weights, by initializer name
+model = load_model(Path("cnn.onnx"), batch=64)
+model.graph   # onnx2soap.ir.Graph
+model.weights # initial values of the trainable weights, by initializer name
 """
 
 from __future__ import annotations

@@ -29,11 +29,7 @@ def _dtype(p: Prepared, name: str) -> DType:
 
 
 def _check_supported(p: Prepared) -> None:
-    bad = [
-        n
-        for n in p.nodes
-        if n.domain not in ("", "ai.onnx") or n.op_type not in CONVERTERS
-    ]
+    bad = [n for n in p.nodes if n.domain not in ("", "ai.onnx") or n.op_type not in CONVERTERS]
     if bad:
         listed = ", ".join(
             f"'{n.name or n.output[0]}' ({n.op_type}, domain {n.domain or 'ai.onnx'}, "
@@ -61,8 +57,7 @@ class _Builder:
         floats = [n for n in p.graph_inputs if _dtype(p, n).is_float]
         if len(floats) != 1:
             raise ModelError(
-                f"{p.path}: expected exactly one float data input, found {len(floats)}: "
-                f"{floats}"
+                f"{p.path}: expected exactly one float data input, found {len(floats)}: {floats}"
             )
         self.input = floats[0]
         self._add(self.input, TensorRole.INPUT)
@@ -109,7 +104,7 @@ class _Builder:
             op_type=node.op_type,
             inputs=inputs,
             constants=tuple(self.p.constants.get(i) for i in node.input),
-            output=self._add(node.output[0], TensorRole.ACTIVATION),
+            output=node.output[0],
         )
         try:
             op = CONVERTERS[node.op_type](ctx, **_attributes(node))
@@ -118,7 +113,25 @@ class _Builder:
             raise ModelError(f"{self.p.path}: {error}") from e
         except ModelError as e:
             raise ModelError(f"{self.p.path}: {e}") from e
+        out = converters.output_tensor(op, self.tensors)
+        self._cross_check(node, op, out)
+        self.tensors[out.name] = out
         self.ops.append(op)
+
+    def _cross_check(self, node: onnx.NodeProto, op: Op, out: Tensor) -> None:
+        """Our shape must be ONNX's wherever ONNX saw the same input shapes, except for
+        ceil_mode pools, where ONNX before opset 22 keeps a window onnxruntime drops."""
+        inferred = self.p.types.get(out.name)
+        same_inputs = all(
+            self.p.types.get(t) is not None and self.p.types[t].shape == self.tensors[t].shape
+            for t in op.inputs
+        )
+        ceil_pool = any(a.name == "ceil_mode" and a.i for a in node.attribute)
+        if inferred and same_inputs and not ceil_pool and inferred.shape != out.shape:
+            raise ModelError(
+                f"{self.p.path}: node '{op.name}' ({node.op_type}): output shape "
+                f"{list(out.shape)} disagrees with ONNX shape inference {list(inferred.shape)}"
+            )
 
 
 def _prune(ops: list[Op], keep: str) -> list[Op]:
@@ -148,12 +161,14 @@ def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
         labels = Tensor(labels_name, (output.shape[0],), DType.INT64, TensorRole.LABELS)
     else:
         labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS)
-    scalar = Tensor(name, (), output.dtype, TensorRole.ACTIVATION)
-    b.tensors.update({labels.name: labels, scalar.name: scalar})
-    ctx = NodeContext(name, "loss", (output, labels), (None, None), scalar)
+    b.tensors[labels.name] = labels
+    ctx = NodeContext(name, "loss", (output, labels), (None, None), name)
     if loss is LossKind.CROSS_ENTROPY:
-        return converters.cross_entropy_op(ctx, output, labels, LossAttrs())
-    return converters.mse_op(ctx, output, labels)
+        op = converters.cross_entropy_op(ctx, output, labels, LossAttrs())
+    else:
+        op = converters.mse_op(ctx, output, labels)
+    b.tensors[name] = converters.output_tensor(op, b.tensors)
+    return op
 
 
 def build_graph(p: Prepared, loss: LossKind | None) -> Graph:

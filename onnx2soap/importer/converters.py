@@ -7,6 +7,7 @@ with the node's name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,6 @@ from onnx2soap.ir import (
     LoopNest,
     LossAttrs,
     LossReduction,
-    MatMulAttrs,
     NoAttrs,
     Op,
     Operand,
@@ -32,6 +32,7 @@ from onnx2soap.ir import (
     PoolAttrs,
     PoolKind,
     Tensor,
+    TensorRole,
     Whole,
     identity,
 )
@@ -40,13 +41,17 @@ from onnx2soap.ir import (
 @dataclass(frozen=True)
 class NodeContext:
     """What a converter sees of one node. ``inputs[i]`` is None for an omitted optional
-    input or one that is a folded constant (its value is then in ``constants[i]``)."""
+    input or one that is a folded constant (its value is then in ``constants[i]``).
+
+    Converters compute the output shape from the op's definition (ONNX shape inference is
+    only a cross-check: before opset 22 it keeps ceil_mode pooling windows that start in
+    the end padding, which onnxruntime and PyTorch drop)."""
 
     name: str
     op_type: str
     inputs: tuple[Tensor | None, ...]
     constants: tuple[np.ndarray | None, ...]
-    output: Tensor
+    output: str
 
     def fail(self, what: str) -> ModelError:
         return ModelError(f"node '{self.name}' ({self.op_type}): {what}")
@@ -90,20 +95,21 @@ def _make_op(ctx: NodeContext, op_type: OpType, operands, attrs, dims, out_dims,
         out_dims=tuple(out_dims),
         flops_per_point=fpp,
     )
-    expected = tuple(1 if d is None else nest.dims[d].size for d in nest.out_dims)
-    if expected != ctx.output.shape:
-        raise ctx.fail(
-            f"output shape {list(ctx.output.shape)} from shape inference disagrees with "
-            f"{list(expected)} from the operator's definition"
-        )
     return Op(
         name=ctx.name,
         type=op_type,
         inputs=tuple(o.tensor for o in operands),
-        output=ctx.output.name,
+        output=ctx.output,
         attrs=attrs,
         nest=nest,
     )
+
+
+def output_tensor(op: Op, tensors: dict[str, Tensor]) -> Tensor:
+    """The op's output, its shape from the loop nest, its dtype the first float input's."""
+    shape = tuple(1 if d is None else op.nest.dims[d].size for d in op.nest.out_dims)
+    dtype = next(tensors[t].dtype for t in op.inputs if tensors[t].dtype.is_float)
+    return Tensor(op.output, shape, dtype, TensorRole.ACTIVATION)
 
 
 # --- elementwise ------------------------------------------------------------------------
@@ -119,8 +125,16 @@ def _broadcast_operand(t: Tensor, out_shape: tuple[int, ...]) -> Operand:
     return Operand(t.name, tuple(axes))
 
 
+def _broadcast_shape(ctx: NodeContext, operands: list[Tensor]) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in np.broadcast_shapes(*(t.shape for t in operands)))
+    except ValueError as e:
+        shapes = [list(t.shape) for t in operands]
+        raise ctx.fail(f"shapes {shapes} do not broadcast") from e
+
+
 def _elementwise(ctx: NodeContext, op_type: OpType, operands: list[Tensor], fpp: int) -> Op:
-    shape = ctx.output.shape
+    shape = _broadcast_shape(ctx, operands)
     dims = list(zip(axis_names(len(shape)), shape, strict=True))
     ops = [_broadcast_operand(t, shape) for t in operands]
     return _make_op(ctx, op_type, ops, NoAttrs(), dims, range(len(shape)), fpp)
@@ -146,7 +160,9 @@ def gemm(ctx: NodeContext, *, alpha=1.0, beta=1.0, transA=0, transB=0) -> Op:
     if len(a.shape) != 2 or len(b.shape) != 2:
         raise ctx.fail(f"A and B must be 2-D, got {list(a.shape)} and {list(b.shape)}")
     m, k = a.shape[::-1] if transA else a.shape
-    n = b.shape[0] if transB else b.shape[1]
+    kb, n = b.shape[::-1] if transB else b.shape
+    if k != kb:
+        raise ctx.fail(f"A' {[m, k]} and B' {[kb, n]} do not multiply")
     N, CO, CI = 0, 1, 2  # dims: rows (n), output features (co), reduction (ci)
     a_axes = (identity(CI), identity(N)) if transA else (identity(N), identity(CI))
     b_axes = (identity(CO), identity(CI)) if transB else (identity(CI), identity(CO))
@@ -164,9 +180,15 @@ def matmul(ctx: NodeContext) -> Op:
         raise ctx.fail(
             f"both operands must have rank >= 2 (got {list(a.shape)} and {list(b.shape)})"
         )
-    out = ctx.output.shape
+    if a.shape[-1] != b.shape[-2]:
+        raise ctx.fail(f"{list(a.shape)} @ {list(b.shape)}: inner dims differ")
+    batch = _broadcast_shape(
+        ctx,
+        [Tensor("a", a.shape[:-2], a.dtype, a.role), Tensor("b", b.shape[:-2], b.dtype, b.role)],
+    )
+    out = (*batch, a.shape[-2], b.shape[-1])
     nb = len(out) - 2
-    batch_names = ("n", *(f"b{i}" for i in range(1, nb)))
+    batch_names = ("n", *(f"b{i}" for i in range(1, nb)))[:nb]
     row_name = "m" if nb else "n"
     dims = [*zip(batch_names, out[:nb], strict=True), (row_name, out[-2]), ("co", out[-1])]
     dims.append(("ci", a.shape[-1]))
@@ -183,8 +205,7 @@ def matmul(ctx: NodeContext) -> Op:
         Operand(a.name, (*batch_axes(a), identity(M), identity(CI))),
         Operand(b.name, (*batch_axes(b), identity(CI), identity(CO))),
     ]
-    attrs = MatMulAttrs(a_batch=len(a.shape) - 2, b_batch=len(b.shape) - 2)
-    return _make_op(ctx, OpType.MATMUL, operands, attrs, dims, range(nb + 2), 2)
+    return _make_op(ctx, OpType.MATMUL, operands, NoAttrs(), dims, range(nb + 2), 2)
 
 
 # --- convolution and pooling ------------------------------------------------------------------
@@ -201,9 +222,7 @@ def _resolve_pads(ctx, auto_pad, pads, in_sizes, kernel, strides, dilations):
     if auto_pad == "VALID":
         return (0,) * rank, (0,) * rank
     if auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
-        raise ctx.fail(
-            f"auto_pad '{auto_pad}' is not one of NOTSET, VALID, SAME_UPPER, SAME_LOWER"
-        )
+        raise ctx.fail(f"auto_pad '{auto_pad}' is not one of NOTSET, VALID, SAME_UPPER, SAME_LOWER")
     begin, end = [], []
     for size, k, s, d in zip(in_sizes, kernel, strides, dilations, strict=True):
         out = -(-size // s)
@@ -212,6 +231,21 @@ def _resolve_pads(ctx, auto_pad, pads, in_sizes, kernel, strides, dilations):
         begin.append(small if auto_pad == "SAME_UPPER" else big)
         end.append(big if auto_pad == "SAME_UPPER" else small)
     return tuple(begin), tuple(end)
+
+
+def _window_outputs(ctx, sizes, kernel, strides, dilations, pb, pe, ceil_mode) -> tuple[int, ...]:
+    """Output sizes of a sliding window (ONNX Conv/pool, PyTorch's ceil_mode rule: a last
+    window that would start in the end padding is dropped)."""
+    out = []
+    for size, k, s, d, b, e in zip(sizes, kernel, strides, dilations, pb, pe, strict=True):
+        span = size + b + e - d * (k - 1) - 1
+        if span < 0:
+            raise ctx.fail(f"the window ({k} with dilation {d}) is larger than the padded input")
+        n = (-(-span // s) if ceil_mode else span // s) + 1
+        if ceil_mode and (n - 1) * s >= size + b:
+            n -= 1
+        out.append(n)
+    return tuple(out)
 
 
 def _window_axes(first_out: int, first_kernel: int, strides, dilations, pads_begin):
@@ -244,7 +278,7 @@ def conv(
     co, ci = w.shape[0], w.shape[1]
     if x.shape[1] != ci * group or co % group:
         raise ctx.fail(f"channels of X {list(x.shape)} and W {list(w.shape)} vs group {group}")
-    out_sp = ctx.output.shape[2:]
+    out_sp = _window_outputs(ctx, x.shape[2:], kernel, strides, dilations, pb, pe, False)
     names = _spatial_names(rank)
     # dims: n, co, spatial outputs..., ci, kernel positions...
     dims = [("n", x.shape[0]), ("co", co), *zip(names, out_sp, strict=True), ("ci", ci)]
@@ -271,8 +305,11 @@ def _pool(ctx, kind, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
     strides = tuple(strides) if strides is not None else (1,) * rank
     dilations = tuple(dilations) if dilations is not None else (1,) * rank
     pb, pe = _resolve_pads(ctx, auto_pad, pads, x.shape[2:], kernel, strides, dilations)
+    if any(p >= k for p, k in zip((*pb, *pe), kernel * 2, strict=True)):
+        raise ctx.fail(f"pads {[*pb, *pe]} must be smaller than kernel_shape {list(kernel)}")
+    out_sp = _window_outputs(ctx, x.shape[2:], kernel, strides, dilations, pb, pe, ceil_mode)
     names = _spatial_names(rank)
-    dims = [("n", x.shape[0]), ("c", x.shape[1]), *zip(names, ctx.output.shape[2:], strict=True)]
+    dims = [("n", x.shape[0]), ("c", x.shape[1]), *zip(names, out_sp, strict=True)]
     dims += [(f"k{n}", k) for n, k in zip(names, kernel, strict=True)]
     K0 = 2 + rank
     x_axes = (identity(0), identity(1), *_window_axes(2, K0, strides, dilations, pb))
@@ -335,8 +372,8 @@ def globalaveragepool(ctx: NodeContext) -> Op:
 # --- layout -----------------------------------------------------------------------------
 
 
-def _batch_preserving(ctx: NodeContext, op_type: OpType, detail: str) -> Op:
-    x, out = ctx.tensor(0), ctx.output.shape
+def _batch_preserving(ctx: NodeContext, op_type: OpType, out: tuple[int, ...], detail: str) -> Op:
+    x = ctx.tensor(0)
     if not out or out[0] != x.shape[0]:
         raise ctx.fail(
             f"only batch-preserving reshapes are supported: input {list(x.shape)} becomes "
@@ -353,7 +390,22 @@ def _batch_preserving(ctx: NodeContext, op_type: OpType, detail: str) -> Op:
 def flatten(ctx: NodeContext, *, axis=1) -> Op:
     if axis != 1:
         raise ctx.fail(f"axis={axis} merges or splits the batch axis; only axis=1 is supported")
-    return _batch_preserving(ctx, OpType.FLATTEN, "")
+    x = ctx.tensor(0)
+    return _batch_preserving(ctx, OpType.FLATTEN, (x.shape[0], math.prod(x.shape[1:])), "")
+
+
+def _reshaped(ctx: NodeContext, source: tuple[int, ...], shape: list[int], allowzero: int):
+    out = [source[i] if s == 0 and not allowzero else s for i, s in enumerate(shape)]
+    if out.count(-1) > 1 or any(s < -1 for s in out):
+        raise ctx.fail(f"shape {shape} is not a valid Reshape target")
+    known = math.prod(s for s in out if s != -1)
+    if -1 in out:
+        if known == 0 or math.prod(source) % known:
+            raise ctx.fail(f"cannot reshape {list(source)} to {shape}")
+        out[out.index(-1)] = math.prod(source) // known
+    if math.prod(out) != math.prod(source):
+        raise ctx.fail(f"cannot reshape {list(source)} ({math.prod(source)} elements) to {shape}")
+    return tuple(out)
 
 
 def reshape(ctx: NodeContext, *, allowzero=0) -> Op:
@@ -364,14 +416,23 @@ def reshape(ctx: NodeContext, *, allowzero=0) -> Op:
             f" (its shape input {shape} fixes the batch at {shape[0]}: export with a dynamic "
             f"batch axis, or plan with --batch {shape[0]})"
         )
-    del allowzero  # shape inference has resolved 0 entries already
-    return _batch_preserving(ctx, OpType.RESHAPE, detail)
+    out = _reshaped(ctx, ctx.tensor(0).shape, shape, allowzero)
+    return _batch_preserving(ctx, OpType.RESHAPE, out, detail)
 
 
 def concat(ctx: NodeContext, *, axis) -> Op:
     parts = [ctx.tensor(i) for i in range(len(ctx.inputs))]
-    out = ctx.output.shape
-    axis = axis + len(out) if axis < 0 else axis
+    rank = len(parts[0].shape)
+    axis = axis + rank if axis < 0 else axis
+    if not 0 <= axis < rank or any(
+        len(t.shape) != rank
+        or t.shape[:axis] + t.shape[axis + 1 :]
+        != parts[0].shape[:axis] + parts[0].shape[axis + 1 :]
+        for t in parts
+    ):
+        raise ctx.fail(f"inputs {[list(t.shape) for t in parts]} cannot be joined on axis {axis}")
+    out = list(parts[0].shape)
+    out[axis] = sum(t.shape[axis] for t in parts)
     if axis == 0:
         raise ctx.fail("concatenation along the batch axis is not supported")
     dims = list(zip(axis_names(len(out)), out, strict=True))
@@ -400,9 +461,7 @@ def softmaxcrossentropyloss(ctx: NodeContext, *, ignore_index=None, reduction="m
             f"scores must be [N, C] and labels [N]; got {list(scores.shape)} and "
             f"{list(labels.shape)}"
         )
-    return cross_entropy_op(
-        ctx, scores, labels, LossAttrs(LossReduction(reduction), ignore_index)
-    )
+    return cross_entropy_op(ctx, scores, labels, LossAttrs(LossReduction(reduction), ignore_index))
 
 
 def cross_entropy_op(ctx: NodeContext, scores: Tensor, labels: Tensor, attrs: LossAttrs) -> Op:
@@ -438,4 +497,3 @@ CONVERTERS: dict[str, Converter] = {
     "Reshape": reshape,
     "SoftmaxCrossEntropyLoss": softmaxcrossentropyloss,
 }
-

@@ -121,8 +121,7 @@ def _bind_batch(model: onnx.ModelProto, path: Path, batch: int | None) -> int:
         if symbolic:
             name, param = symbolic[0]
             raise ModelError(
-                f"{path}: input '{name}' has a symbolic batch dimension '{param}'; "
-                f"pass --batch B"
+                f"{path}: input '{name}' has a symbolic batch dimension '{param}'; pass --batch B"
             )
         if not static:
             raise ModelError(f"{path}: cannot tell the batch size; pass --batch B")

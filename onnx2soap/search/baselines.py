@@ -68,7 +68,9 @@ def model_parallel(graph: Graph, space: Space, devices: int) -> Strategy:
     return Strategy(devices, configs)
 
 
-def random_config(dims: tuple[SoapDim, ...], devices: int, rng: np.random.Generator) -> ParallelConfig:
+def random_config(
+    dims: tuple[SoapDim, ...], devices: int, rng: np.random.Generator
+) -> ParallelConfig:
     """Any valid config: mixed degrees (up to ``devices`` tasks) on any devices, several
     tasks of an op possibly on one device."""
     degrees = [1] * len(dims)

@@ -153,7 +153,10 @@ def mcmc(
 ) -> SearchResult:
     began = time.perf_counter()
     search = _Search(graph, space, simulator, options)
-    rngs = [np.random.default_rng(s) for s in np.random.SeedSequence(options.seed).spawn(2 + options.random_starts)]
+    rngs = [
+        np.random.default_rng(s)
+        for s in np.random.SeedSequence(options.seed).spawn(2 + options.random_starts)
+    ]
     rules = [Rule.DATA_PARALLEL, Rule.EXPERT] + [Rule.RANDOM] * options.random_starts
     chains = [search.start(rule, rng) for rule, rng in zip(rules, rngs, strict=True)]
     baselines = {
@@ -173,7 +176,9 @@ def mcmc(
                 search.propose(chain, scale)
         if progress is not None and elapsed - last_report >= 0.2:
             last_report = elapsed
-            progress(Progress(elapsed, options.budget_s, search.evaluate.evaluated, search.best_cost))
+            progress(
+                Progress(elapsed, options.budget_s, search.evaluate.evaluated, search.best_cost)
+            )
     if search.best is None:
         raise UserError(
             "no strategy found fits in device memory; use a machine with more memory or "

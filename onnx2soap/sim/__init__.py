@@ -1,7 +1,7 @@
 """The execution simulator: machine model, cost models, task graph, simulation, memory.
 
-    ev = Simulator(machine, RooflineCost()).evaluate(partitioned_graph)
-    ev.step_time_s, ev.peak_memory_bytes, ev.bytes_moved, ev.fits
+ev = Simulator(machine, RooflineCost()).evaluate(partitioned_graph)
+ev.step_time_s, ev.peak_memory_bytes, ev.bytes_moved, ev.fits
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def _name(doc: Mapping, where: str, source: str) -> str:
 
 def _list(doc: Mapping, key: str, source: str) -> list:
     value = doc.get(key)
-    if not isinstance(value, list) or not value and key != "routes":
+    if not isinstance(value, list) or (not value and key != "routes"):
         raise MachineError(f"{source}: {key}: must be a non-empty list")
     return value
 
@@ -132,7 +132,9 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         src, dst = (r.get("src"), r.get("dst")) if isinstance(r, Mapping) else (None, None)
         for key, v in (("src", src), ("dst", dst)):
             if not isinstance(v, int) or not 0 <= v < len(devices):
-                raise MachineError(f"{source}: {w}.{key}: must be a device index 0..{len(devices) - 1}")
+                raise MachineError(
+                    f"{source}: {w}.{key}: must be a device index 0..{len(devices) - 1}"
+                )
         names = r.get("links")
         if not isinstance(names, list) or not names:
             raise MachineError(f"{source}: {w}.links: must be a non-empty list of link names")
@@ -141,7 +143,10 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
             raise MachineError(f"{source}: {w}.links: unknown links {unknown}")
         routes[(src, dst)] = tuple(by_name[n] for n in names)
     missing = [
-        (a, b) for a in range(len(devices)) for b in range(len(devices)) if a != b and (a, b) not in routes
+        (a, b)
+        for a in range(len(devices))
+        for b in range(len(devices))
+        if a != b and (a, b) not in routes
     ]
     if missing:
         raise MachineError(f"{source}: routes: no route for device pairs {missing[:4]}…")

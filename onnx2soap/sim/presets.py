@@ -43,19 +43,44 @@ H100 = ComputeDevice("H100", 67e12, 3.35e12, 80 * GiB, 4e-6)
 CLUSTERS = {
     "flexflow-p100": NodeSpec(
         "N nodes x 4 P100 on NVLink, 100 Gb/s InfiniBand between nodes (FlexFlow paper)",
-        P100, 4, Fabric.PAIRWISE, 20e9, 1e-6, 12.5e9, 2e-6,
+        P100,
+        4,
+        Fabric.PAIRWISE,
+        20e9,
+        1e-6,
+        12.5e9,
+        2e-6,
     ),
     "flexflow-k80": NodeSpec(
         "N nodes x 4 K80 on PCIe, 56 Gb/s InfiniBand between nodes (FlexFlow paper)",
-        K80, 4, Fabric.PCIE, 12e9, 5e-6, 7e9, 2e-6,
+        K80,
+        4,
+        Fabric.PCIE,
+        12e9,
+        5e-6,
+        7e9,
+        2e-6,
     ),
     "alpa-v100": NodeSpec(
         "N nodes x 8 V100 on NVLink, 25 Gb/s Ethernet between nodes (Alpa paper)",
-        V100, 8, Fabric.SWITCH, 150e9, 1e-6, 3.125e9, 25e-6,
+        V100,
+        8,
+        Fabric.SWITCH,
+        150e9,
+        1e-6,
+        3.125e9,
+        25e-6,
     ),
     "dgx-h100": NodeSpec(
         "N nodes x 8 H100 on NVSwitch, one 400 Gb/s InfiniBand NIC per GPU",
-        H100, 8, Fabric.SWITCH, 450e9, 1e-6, 50e9, 3e-6, nic_per_gpu=True,
+        H100,
+        8,
+        Fabric.SWITCH,
+        450e9,
+        1e-6,
+        50e9,
+        3e-6,
+        nic_per_gpu=True,
     ),
 }
 
@@ -93,7 +118,9 @@ def cluster(name: str, spec: NodeSpec, nodes: int) -> Machine:
         for a in range(total):
             for c in range(total):
                 if a != c and a // g == c // g:
-                    pair[(a, c)] = b.link(f"nvlink-{a}-{c}", spec.intra_bandwidth, spec.intra_latency)
+                    pair[(a, c)] = b.link(
+                        f"nvlink-{a}-{c}", spec.intra_bandwidth, spec.intra_latency
+                    )
     else:
         port = "pcie" if spec.fabric is Fabric.PCIE else "nvswitch"
         up, down = _ports(b, f"{port}-gpu", total, spec.intra_bandwidth, spec.intra_latency)
@@ -116,7 +143,9 @@ def _fields(d: ComputeDevice) -> tuple:
     return d.peak_flops, d.memory_bandwidth, d.memory, d.kernel_overhead
 
 
-def cpu(ranks: int, device: ComputeDevice = CPU_RANK, bandwidth: float = 4e9, latency: float = 5e-6) -> Machine:
+def cpu(
+    ranks: int, device: ComputeDevice = CPU_RANK, bandwidth: float = 4e9, latency: float = 5e-6
+) -> Machine:
     b = _Builder()
     out, into = _ports(b, "rank", ranks, bandwidth, latency)
     for a in range(ranks):

@@ -35,7 +35,10 @@ def _rate(work: Callable[[], None], seconds: float) -> float:
 def _compute_rates(seconds: float) -> tuple[float, float, float]:
     rng = np.random.default_rng(0)
     n = 384
-    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    a, b = (
+        rng.standard_normal((n, n), dtype=np.float32),
+        rng.standard_normal((n, n), dtype=np.float32),
+    )
     flops = _rate(lambda: a @ b, seconds) * 2 * n**3
     big = np.ones(1 << 23, dtype=np.float32)  # 32 MiB
     out = np.empty_like(big)

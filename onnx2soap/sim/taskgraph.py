@@ -117,13 +117,19 @@ def _compute_tasks(ctx: _Context) -> None:
         for t in ctx.pg.tasks[op.name]:
             seconds = ctx.cost.forward(op, t, devices[t.device])
             ctx.fwd[(op.name, t.index)] = ctx.b.add(
-                TaskKind.FORWARD, seconds, (t.device,), name=lambda o=op, t=t: f"fwd {o.name}[{t.index}]"
+                TaskKind.FORWARD,
+                seconds,
+                (t.device,),
+                name=lambda o=op, t=t: f"fwd {o.name}[{t.index}]",
             )
     for op in reversed(graph.ops):
         for t in ctx.pg.tasks[op.name]:
             seconds = ctx.cost.backward(op, t, devices[t.device])
             task = ctx.b.add(
-                TaskKind.BACKWARD, seconds, (t.device,), name=lambda o=op, t=t: f"bwd {o.name}[{t.index}]"
+                TaskKind.BACKWARD,
+                seconds,
+                (t.device,),
+                name=lambda o=op, t=t: f"bwd {o.name}[{t.index}]",
             )
             ctx.bwd[(op.name, t.index)] = task
             ctx.b.dep(ctx.fwd[(op.name, t.index)], task)
@@ -142,8 +148,12 @@ def _edge_tasks(ctx: _Context) -> None:
                 continue
             nbytes = rect_volume(o.rect) * ctx.itemsize
             what = f"{edge.tensor} {p.device}->{c.device}"
-            x = ctx.transfer(TaskKind.TRANSFER, p.device, c.device, nbytes, lambda w=what: f"send {w}")
-            y = ctx.transfer(TaskKind.TRANSFER, c.device, p.device, nbytes, lambda w=what: f"grad {w}")
+            x = ctx.transfer(
+                TaskKind.TRANSFER, p.device, c.device, nbytes, lambda w=what: f"send {w}"
+            )
+            y = ctx.transfer(
+                TaskKind.TRANSFER, c.device, p.device, nbytes, lambda w=what: f"grad {w}"
+            )
             ctx.b.dep(pf, x)
             ctx.b.dep(x, cf)
             ctx.b.dep(cb, y)
@@ -162,7 +172,10 @@ def _ring(ctx: _Context, group: ReplicaGroup, ready: dict[int, list[int]]) -> di
             lo, hi = chunks[steps[i][s].send_chunk]
             src, dst = devices[i], devices[(i + 1) % k]
             x = ctx.transfer(
-                TaskKind.ALLREDUCE, src, dst, (hi - lo) * ctx.itemsize,
+                TaskKind.ALLREDUCE,
+                src,
+                dst,
+                (hi - lo) * ctx.itemsize,
                 lambda g=group, s=s: f"allreduce {g.weight} step {s}",
             )
             for before in incoming[i]:
@@ -184,7 +197,9 @@ def _weight_tasks(ctx: _Context) -> None:
             numel = rect_volume(group.rect)
             for d in group.devices:
                 u = ctx.b.add(
-                    TaskKind.UPDATE, ctx.cost.update(numel, devices[d]), (d,),
+                    TaskKind.UPDATE,
+                    ctx.cost.update(numel, devices[d]),
+                    (d,),
                     name=lambda g=group: f"update {g.weight}",
                 )
                 for before in done[d]:
@@ -204,4 +219,3 @@ def build_task_graph(
     _edge_tasks(ctx)
     _weight_tasks(ctx)
     return ctx.b.build(machine.size + len(machine.links))
-

@@ -28,25 +28,51 @@ class Run:
     stderr: str
 
 
-def make_plan(model: Path, plan: Path, devices: int, batch: int, strategy: str, seed: int = 0) -> None:
+def make_plan(
+    model: Path, plan: Path, devices: int, batch: int, strategy: str, seed: int = 0
+) -> None:
     code = onnx2soap_main(
         [
-            "plan", str(model), "--devices", str(devices), "--batch", str(batch),
-            "--strategy", strategy, "--seed", str(seed), "-o", str(plan),
+            "plan",
+            str(model),
+            "--devices",
+            str(devices),
+            "--batch",
+            str(batch),
+            "--strategy",
+            strategy,
+            "--seed",
+            str(seed),
+            "-o",
+            str(plan),
         ]
     )
     assert code == 0
 
 
 def mpirun(
-    plan: Path, ranks: int, workdir: Path, *args: str, timeout: float = 180, script: list[str] | None = None
+    plan: Path,
+    ranks: int,
+    workdir: Path,
+    *args: str,
+    timeout: float = 180,
+    script: list[str] | None = None,
 ) -> Run:
     """``mpiexec -n ranks python -m executor run plan --json ...``, weights saved."""
     weights = workdir / f"weights-{ranks}-{plan.stem}.npz"
     entry = script or ["-m", "executor"]
     command = [
-        str(MPIEXEC), "-n", str(ranks), sys.executable, *entry, "run", str(plan),
-        "--json", "--save-weights", str(weights), *args,
+        str(MPIEXEC),
+        "-n",
+        str(ranks),
+        sys.executable,
+        *entry,
+        "run",
+        str(plan),
+        "--json",
+        "--save-weights",
+        str(weights),
+        *args,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     losses, sent = [], ()

@@ -50,7 +50,9 @@ def test_random_plans_train_like_one_device_float64(references, tmp_path: Path, 
     model, (losses, weights) = references(name, DType.FLOAT64)
     plan = tmp_path / f"{name}-{ranks}-{seed}.json"
     make_plan(model, plan, ranks, MODELS[name], "random", seed)
-    run = mpirun(plan, ranks, tmp_path, "--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    run = mpirun(
+        plan, ranks, tmp_path, "--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64"
+    )
     assert_same_training(run, losses, weights, rtol=1e-10)
 
 

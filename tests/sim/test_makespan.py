@@ -1,0 +1,76 @@
+"""Step times computed by hand on 1, 2 and 3 devices, with transfers and an all-reduce.
+
+Model: x [4, 8] -> Gemm(W [8, 4]) -> cross-entropy. FLOPs: Gemm forward 2*4*4*8 = 256,
+loss forward 4 per (sample, class) point = 64; backward twice the forward; the SGD update
+2 per weight element. Devices run 1 GFLOP/s with free memory traffic and no overhead, so
+a task of F FLOPs takes F ns. Every route is two links (the sender's out-port and the
+receiver's in-port), 1 us latency each, 1 byte/us: b bytes take 2 us + b us.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from onnx2soap.sim import RooflineCost, Simulator
+from onnx2soap.sim.simulate import simulate
+from onnx2soap.sim.taskgraph import TaskKind
+from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
+from tests.sim.tiny import round_machine, tiny_graph
+
+NS, US = 1e-9, 1e-6
+
+
+def step_time(graph, strategy: Strategy, devices: int) -> float:
+    sim = Simulator(round_machine(devices), RooflineCost())
+    return sim.evaluate(Partitioner(graph).partition(strategy)).step_time_s
+
+
+def config(graph, op: str, devices, **degrees) -> ParallelConfig:
+    dims = analyze(graph)[op]
+    return ParallelConfig(tuple(degrees.get(d.name, 1) for d in dims), tuple(devices))
+
+
+def test_one_device(tmp_path) -> None:
+    g = tiny_graph(tmp_path)
+    s = Strategy(1, {"gemm": config(g, "gemm", [0]), "loss": config(g, "loss", [0])})
+    # fwd gemm 256 + fwd loss 64 + bwd loss 128 + bwd gemm 512 + update 2*32
+    assert step_time(g, s, 1) == pytest.approx((256 + 64 + 128 + 512 + 64) * NS, rel=1e-9)
+
+
+def test_two_devices_data_parallel_with_ring_all_reduce(tmp_path) -> None:
+    g = tiny_graph(tmp_path)
+    s = Strategy(
+        2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0, 1], n=2)}
+    )
+    compute = (128 + 32 + 64 + 256) * NS  # each device does half of every task
+    # ring all-reduce of W (32 floats) over 2 devices: 2 steps of one 16-float chunk
+    # (64 bytes) each way at once, on disjoint links: 2 * (2 us + 64 us)
+    ring = 2 * (2 + 64) * US
+    update = 64 * NS
+    assert step_time(g, s, 2) == pytest.approx(compute + ring + update, rel=1e-9)
+
+
+def test_three_devices_transfers_queue_on_a_shared_link(tmp_path) -> None:
+    g = tiny_graph(tmp_path)
+    s = Strategy(3, {"gemm": config(g, "gemm", [0, 1], co=2), "loss": config(g, "loss", [2])})
+    # Gemm halves (co) on devices 0 and 1: 128 ns each. Their [4, 2] tiles (32 bytes,
+    # 34 us each) both enter device 2 through its one inbound link: one after the other.
+    t = 128 * NS + 2 * 34 * US
+    t += (64 + 128) * NS  # loss forward and backward on device 2
+    # Gradient pieces leave device 2 through its one outbound link: 34 us, then 34 us;
+    # device 1's piece is second, then its Gemm backward (256 ns) and update (16 weights).
+    t += 2 * 34 * US + 256 * NS + 32 * NS
+    assert step_time(g, s, 3) == pytest.approx(t, rel=1e-9)
+
+
+def test_task_graph_counts_and_bytes(tmp_path) -> None:
+    g = tiny_graph(tmp_path)
+    s = Strategy(3, {"gemm": config(g, "gemm", [0, 1], co=2), "loss": config(g, "loss", [2])})
+    tg = Simulator(round_machine(3), RooflineCost()).task_graph(Partitioner(g).partition(s))
+    kinds = [TaskKind(int(k)) for k in tg.kind]
+    assert kinds.count(TaskKind.FORWARD) == 3 and kinds.count(TaskKind.BACKWARD) == 3
+    assert kinds.count(TaskKind.TRANSFER) == 4  # two tiles forward, two gradients back
+    assert kinds.count(TaskKind.UPDATE) == 2  # two W shards, one device each: no all-reduce
+    assert int(tg.nbytes.sum()) == 4 * 32
+    timeline = simulate(tg)
+    assert timeline.makespan == pytest.approx(step_time(g, s, 3))
