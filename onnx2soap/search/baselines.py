@@ -20,6 +20,7 @@ class Rule(Enum):
     DATA_PARALLEL = "data-parallel"
     MODEL_PARALLEL = "model-parallel"
     EXPERT = "expert"
+    SINGLE_DEVICE = "single-device"
     RANDOM = "random"
 
 
@@ -68,6 +69,13 @@ def model_parallel(graph: Graph, space: Space, devices: int) -> Strategy:
     return Strategy(devices, configs)
 
 
+def single_device(graph: Graph, space: Space, devices: int) -> Strategy:
+    """Everything on device 0: the plan to beat when links are slow and the model small."""
+    return Strategy(
+        devices, {op.name: ParallelConfig((1,) * len(space[op.name]), (0,)) for op in graph.ops}
+    )
+
+
 def random_config(
     dims: tuple[SoapDim, ...], devices: int, rng: np.random.Generator
 ) -> ParallelConfig:
@@ -96,4 +104,6 @@ def by_rule(rule: Rule, graph: Graph, space: Space, devices: int, seed: int = 0)
         return model_parallel(graph, space, devices)
     if rule is Rule.EXPERT:
         return expert(graph, space, devices)
+    if rule is Rule.SINGLE_DEVICE:
+        return single_device(graph, space, devices)
     return random_strategy(graph, space, devices, np.random.default_rng(seed))

@@ -3,12 +3,15 @@
 A proposal replaces the config of one op, drawn uniformly, by a candidate drawn uniformly
 (a symmetric proposal); Metropolis–Hastings accepts it with probability
 ``min(1, exp(-beta * (cost(new) - cost(current)) / scale))`` where ``scale`` is the
-data-parallel cost, so ``beta`` does not depend on the model's units. Chains start from
-data parallelism, the expert strategy and random strategies and run interleaved, one
-proposal each per round. A chain stops when its best has not improved for half of its
-evaluations (after a minimum); the search stops when every chain has stopped, at the
-time budget, or at ``max_evals``. Everything random comes from the seed: a search that
-ends by convergence or by ``max_evals`` is reproducible.
+data-parallel cost, so ``beta`` does not depend on the model's units.
+
+A few chains run interleaved, one proposal each per round. They start from data
+parallelism, the expert strategy and everything on one device; a chain whose best has not
+improved for half of its proposals (after a minimum) is replaced by a chain from a random
+strategy. The search stops at the time budget, at ``max_evals`` simulations, or when the
+overall best has not improved for half of all proposals (after a minimum). Everything
+random comes from the seed, and convergence is counted in proposals, not seconds: a search
+that ends by convergence or by ``max_evals`` is reproducible.
 
 The cost of a strategy is its simulated step time, or infinity when it does not fit in
 device memory, so an infeasible plan is never returned.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +39,9 @@ class SearchOptions:
     seed: int = 0
     beta: float = 200.0
     max_evals: int | None = None
-    random_starts: int = 1
-    min_chain_evals: int = 200
+    chains: int = 3  # chains run side by side; a converged chain is replaced by a random one
+    min_chain_proposals: int = 200
+    min_total_proposals: int = 2000
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,15 @@ class _Search:
                 chain.best_cost, chain.last_improvement = cost, chain.evals
             self.consider(proposal, cost)
         stalled = chain.evals - chain.last_improvement >= chain.evals / 2
-        if chain.evals >= self.options.min_chain_evals and stalled:
+        if chain.evals >= self.options.min_chain_proposals and stalled:
             chain.active = False
+
+
+def _starts(options: SearchOptions) -> Iterator[Rule]:
+    """Data parallel, expert and single device first; then random strategies for ever."""
+    yield from (Rule.DATA_PARALLEL, Rule.EXPERT, Rule.SINGLE_DEVICE)
+    while True:
+        yield Rule.RANDOM
 
 
 def mcmc(
@@ -153,33 +164,38 @@ def mcmc(
 ) -> SearchResult:
     began = time.perf_counter()
     search = _Search(graph, space, simulator, options)
-    rngs = [
-        np.random.default_rng(s)
-        for s in np.random.SeedSequence(options.seed).spawn(2 + options.random_starts)
-    ]
-    rules = [Rule.DATA_PARALLEL, Rule.EXPERT] + [Rule.RANDOM] * options.random_starts
-    chains = [search.start(rule, rng) for rule, rng in zip(rules, rngs, strict=True)]
+    seeds = np.random.SeedSequence(options.seed)
+    starts = _starts(options)
+
+    def new_chain() -> _Chain:
+        return search.start(next(starts), np.random.default_rng(seeds.spawn(1)[0]))
+
+    chains = [new_chain() for _ in range(max(options.chains, 3))]
     baselines = {
-        rule.value: search.evaluate(chain.current)
-        for rule, chain in zip(rules[:2], chains[:2], strict=True)
+        rule.value: search.evaluate(c.current)
+        for rule, c in zip((Rule.DATA_PARALLEL, Rule.EXPERT), chains, strict=False)
     }
     scale = next((c.cost for c in chains if math.isfinite(c.cost)), 1.0)
-    last_report = 0.0
-    while any(c.active for c in chains):
+    proposals, improved_at, best, last_report = 0, 0, search.best_cost, 0.0
+    while True:
         elapsed = time.perf_counter() - began
         if elapsed >= options.budget_s:
             break
         if options.max_evals is not None and search.evaluate.evaluated >= options.max_evals:
             break
-        for chain in chains:
-            if chain.active:
-                search.propose(chain, scale)
+        if proposals >= options.min_total_proposals and proposals - improved_at >= proposals / 2:
+            break  # the best has not improved for half of the search
+        for i, chain in enumerate(chains):
+            search.propose(chain, scale)
+            proposals += 1
+            if not chain.active:
+                chains[i] = new_chain()
+        if search.best_cost < best:
+            best, improved_at = search.best_cost, proposals
         if progress is not None and elapsed - last_report >= 0.2:
             last_report = elapsed
-            progress(
-                Progress(elapsed, options.budget_s, search.evaluate.evaluated, search.best_cost)
-            )
-    if search.best is None:
+            progress(Progress(elapsed, options.budget_s, search.evaluate.evaluated, best))
+    if search.best is None or not math.isfinite(search.best_cost):
         raise UserError(
             "no strategy found fits in device memory; use a machine with more memory or "
             "more devices, or a smaller batch"

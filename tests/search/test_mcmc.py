@@ -1,0 +1,106 @@
+"""MCMC search: finds the brute-force optimum, is reproducible, never exceeds memory."""
+
+from __future__ import annotations
+
+import json
+from itertools import product
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.cli import main as cli
+from onnx2soap.errors import UserError
+from onnx2soap.importer import load_model
+from onnx2soap.search.baselines import Rule, by_rule
+from onnx2soap.search.exhaustive import exhaustive, space_size
+from onnx2soap.search.mcmc import SearchOptions, mcmc
+from onnx2soap.sim import RooflineCost, Simulator
+from onnx2soap.sim.machine import ComputeDevice
+from onnx2soap.sim.memory import peak_memory
+from onnx2soap.sim.presets import cpu, preset
+from onnx2soap.soap import Partitioner, Strategy, analyze, candidates
+from tests.sim.tiny import tiny_graph
+
+
+def hybrid_case(tmp_path: Path):
+    """x [32, 8] -> Gemm(W [8, 256]) -> Relu -> cross-entropy on 4 devices whose links make
+    a hybrid (sample x parameter) split optimal: no start strategy is the optimum."""
+    graph = tiny_graph(tmp_path, batch=32, hidden=256, relu=True)
+    device = ComputeDevice("dev", 1e9, 1e10, 1 << 30, 1e-6)
+    return graph, analyze(graph), Simulator(cpu(4, device, 1e8, 1e-6), RooflineCost())
+
+
+def test_mcmc_finds_the_brute_force_optimum_for_most_seeds(tmp_path: Path) -> None:
+    graph, space, sim = hybrid_case(tmp_path)
+    optimum = exhaustive(graph, space, sim)
+    partitioner = Partitioner(graph)
+    for rule in (Rule.DATA_PARALLEL, Rule.EXPERT, Rule.SINGLE_DEVICE):
+        start = sim.evaluate(partitioner.partition(by_rule(rule, graph, space, 4)))
+        assert start.step_time_s > optimum.evaluation.step_time_s * 1.01, rule
+    budget = 300
+    assert budget < space_size(graph, space, 4) / 2
+    found = 0
+    for seed in range(10):
+        result = mcmc(graph, space, sim, SearchOptions(budget_s=120, seed=seed, max_evals=budget))
+        assert result.evaluated <= budget + 3
+        assert result.evaluation.step_time_s >= optimum.evaluation.step_time_s - 1e-15
+        found += result.evaluation.step_time_s == pytest.approx(
+            optimum.evaluation.step_time_s, rel=1e-12
+        )
+    assert found >= 8
+
+
+def test_same_seed_same_plan(example_onnx: Path) -> None:
+    graph = load_model(example_onnx, batch=8).graph
+    space = analyze(graph)
+    sim = Simulator(preset("flexflow-p100:1"), RooflineCost())
+    options = SearchOptions(budget_s=300, seed=7, max_evals=120)
+    first, second = mcmc(graph, space, sim, options), mcmc(graph, space, sim, options)
+    assert first.best == second.best
+    assert first.evaluated == second.evaluated
+
+
+def test_search_ends_by_convergence_reproducibly(tmp_path: Path) -> None:
+    graph, space, sim = hybrid_case(tmp_path)
+    options = SearchOptions(budget_s=300, seed=3, min_total_proposals=600)
+    first, second = mcmc(graph, space, sim, options), mcmc(graph, space, sim, options)
+    assert first.best == second.best and first.evaluated == second.evaluated
+
+
+def test_a_plan_never_exceeds_device_memory(tmp_path: Path) -> None:
+    graph = tiny_graph(tmp_path, batch=4, hidden=1024, relu=True)  # weight-heavy
+    space = analyze(graph)
+    partitioner = Partitioner(graph)
+    names = [op.name for op in graph.ops]
+    peaks = [
+        max(peak_memory(partitioner.partition(Strategy(4, dict(zip(names, c, strict=True)))), 4))
+        for c in product(*(candidates(space[n], 4) for n in names))
+    ]
+    dp = max(peak_memory(partitioner.partition(by_rule(Rule.DATA_PARALLEL, graph, space, 4)), 4))
+    assert min(peaks) < dp
+    limit = (min(peaks) + dp) // 2  # data parallelism does not fit; some plans do
+    device = ComputeDevice("dev", 1e9, 1e10, limit, 1e-6)
+    tight = Simulator(cpu(4, device, 1e9, 1e-6), RooflineCost())
+    result = mcmc(graph, space, tight, SearchOptions(budget_s=60, seed=0, max_evals=300))
+    assert result.evaluation.fits and max(result.evaluation.peak_memory_bytes) <= limit
+    assert not result.baselines["data-parallel"].fits
+
+    device = ComputeDevice("dev", 1e9, 1e10, min(peaks) - 1, 1e-6)
+    nothing_fits = Simulator(cpu(4, device, 1e9, 1e-6), RooflineCost())
+    with pytest.raises(UserError, match="fits in device memory"):
+        mcmc(graph, space, nothing_fits, SearchOptions(budget_s=60, seed=0, max_evals=50))
+
+
+def test_plan_cli_json(example_onnx: Path, tmp_path: Path, capsys) -> None:
+    plan = tmp_path / "plan.json"
+    args = ["plan", str(example_onnx), "--machine", "flexflow-p100:1", "--batch", "8"]
+    code = cli([*args, "--budget", "60", "--max-evals", "60", "-o", str(plan), "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"plan", "predicted_step_time_s", "baselines", "evaluated", "search_time_s"}
+    assert doc["plan"] == str(plan) and set(doc["baselines"]) == {"data-parallel", "expert"}
+    assert 0 < doc["predicted_step_time_s"] <= min(doc["baselines"].values())
+    assert 0 < doc["evaluated"] <= 63
+    saved = json.loads(plan.read_text())
+    assert saved["predicted"]["step_time_s"] == doc["predicted_step_time_s"]
+    assert saved["search"]["method"] == "mcmc" and saved["machine"] == "flexflow-p100:1"
