@@ -6,14 +6,14 @@ ev.step_time_s, ev.peak_memory_bytes, ev.bytes_moved, ev.fits
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.memory import peak_memory
 from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import Timeline, simulate
-from onnx2soap.sim.taskgraph import TaskGraph, build_task_graph
+from onnx2soap.sim.taskgraph import Memo, TaskGraph, build_task_graph
 from onnx2soap.soap import PartitionedGraph
 
 __all__ = [
@@ -36,16 +36,21 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class Simulator:
+    """Evaluates partitioned graphs on one machine. It remembers task durations between
+    calls (they depend only on the machine and the cost model), which is what makes a
+    search's thousands of evaluations cheap."""
+
     machine: Machine
     cost: CostModel
     itemsize: int = 4
+    memo: Memo = field(default_factory=Memo, compare=False, repr=False)
 
     def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
-        return build_task_graph(pg, self.machine, self.cost, self.itemsize, names)
+        return build_task_graph(pg, self.machine, self.cost, self.itemsize, names, self.memo)
 
     def evaluate(self, pg: PartitionedGraph) -> Evaluation:
         tg = self.task_graph(pg)
         timeline: Timeline = simulate(tg)
-        memory = peak_memory(pg, self.machine.size, self.itemsize)
+        memory = peak_memory(pg, self.machine.size, self.itemsize, self.memo.memory)
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))
         return Evaluation(timeline.makespan, memory, int(tg.nbytes.sum()), fits)

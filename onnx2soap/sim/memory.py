@@ -13,27 +13,40 @@ from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import rect_volume
 
 
-def peak_memory(pg: PartitionedGraph, devices: int, itemsize: int = 4) -> tuple[int, ...]:
+def _op_elements(pg: PartitionedGraph, op) -> tuple[tuple[int, int], ...]:
+    """(device, elements) held for one op: weight shards with gradients, task buffers."""
     graph = pg.graph
+    held: dict[int, int] = {}
+    shards = {(g.weight, g.rect, d) for g in pg.groups[op.name] for d in g.devices}
+    for _, rect, d in shards:
+        held[d] = held.get(d, 0) + 2 * rect_volume(rect)  # weight + gradient
+    weight = [graph.tensors[t].role is TensorRole.WEIGHT for t in op.inputs]
+    for t in pg.tasks[op.name]:
+        buffers = sum(rect_volume(r.buffer) for r, w in zip(t.inputs, weight, strict=True) if not w)
+        held[t.device] = held.get(t.device, 0) + 2 * (buffers + rect_volume(t.output))
+    return tuple(held.items())
+
+
+def peak_memory(
+    pg: PartitionedGraph,
+    devices: int,
+    itemsize: int = 4,
+    memo: dict[tuple, tuple[tuple[int, int], ...]] | None = None,
+) -> tuple[int, ...]:
+    memo = {} if memo is None else memo
     elements = [0] * devices
-    for op in graph.ops:
-        shards = {(g.weight, g.rect, d) for g in pg.groups[op.name] for d in g.devices}
-        for _, rect, d in shards:
-            elements[d] += 2 * rect_volume(rect)  # weight + gradient
-        weight_operand = [graph.tensors[t].role is TensorRole.WEIGHT for t in op.inputs]
-        for t in pg.tasks[op.name]:
-            buffers = sum(
-                rect_volume(r.buffer)
-                for r, is_weight in zip(t.inputs, weight_operand, strict=True)
-                if not is_weight
-            )
-            elements[t.device] += 2 * (buffers + rect_volume(t.output))
+    for op in pg.graph.ops:
+        key = (op.name, pg.strategy[op.name])
+        if key not in memo:
+            memo[key] = _op_elements(pg, op)
+        for d, n in memo[key]:
+            elements[d] += n
     for edge in pg.edges:
         producers, consumers = pg.tasks[edge.producer], pg.tasks[edge.consumer]
         for o in edge.overlaps:
             a, b = producers[o.src_task].device, consumers[o.dst_task].device
             if a != b:
                 # forward: a keeps a send copy, b a receive buffer; backward: the reverse
-                elements[a] += 2 * rect_volume(o.rect)
-                elements[b] += 2 * rect_volume(o.rect)
+                elements[a] += 2 * o.volume
+                elements[b] += 2 * o.volume
     return tuple(e * itemsize for e in elements)

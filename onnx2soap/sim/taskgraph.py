@@ -2,7 +2,8 @@
 
 Tasks: forward and backward compute per op task, a transfer per overlap that crosses
 devices (forward tile and backward gradient piece: the same rects the executor sends),
-a ring all-reduce per weight replica group (link tasks following soap's ring schedule),
+a ring all-reduce per weight replica group (lock-step ring steps following soap's ring
+schedule),
 and an SGD update per weight shard. Resources: compute devices ``0..D-1``, then links
 ``D..D+L-1``; a transfer holds every link of its route.
 """
@@ -94,12 +95,27 @@ class _Builder:
 
 
 @dataclass
+class Memo:
+    """Durations that depend only on (machine, cost model, itemsize), kept across task
+    graphs by whoever builds many of them (the search): a proposal changes one op, so
+    almost every duration of the next graph is already known."""
+
+    compute: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
+    transfers: dict[tuple[int, int, int], tuple[float, tuple[int, ...]]] = field(
+        default_factory=dict
+    )
+    rings: dict[tuple, tuple] = field(default_factory=dict)
+    memory: dict[tuple, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+
+@dataclass
 class _Context:
     pg: PartitionedGraph
     machine: Machine
     cost: CostModel
     itemsize: int
     b: _Builder
+    memo: Memo
     fwd: dict[tuple[str, int], int] = field(default_factory=dict)
     bwd: dict[tuple[str, int], int] = field(default_factory=dict)
 
@@ -107,15 +123,31 @@ class _Context:
         return tuple(self.machine.size + link for link in self.machine.route(src, dst))
 
     def transfer(self, kind: TaskKind, src: int, dst: int, nbytes: int, name) -> int:
-        seconds = self.machine.transfer_time(src, dst, nbytes)
-        return self.b.add(kind, seconds, self.link_resources(src, dst), nbytes, name)
+        key = (src, dst, nbytes)
+        if key not in self.memo.transfers:
+            seconds = self.machine.transfer_time(src, dst, nbytes)
+            self.memo.transfers[key] = (seconds, self.link_resources(src, dst))
+        seconds, resources = self.memo.transfers[key]
+        return self.b.add(kind, seconds, resources, nbytes, name)
+
+    def durations(self, op) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Forward and backward seconds of every task of ``op`` under the strategy."""
+        config = self.pg.strategy[op.name]
+        key = (op.name, config)
+        if key not in self.memo.compute:
+            devices, tasks = self.machine.devices, self.pg.tasks[op.name]
+            self.memo.compute[key] = (
+                tuple(self.cost.forward(op, t, devices[t.device]) for t in tasks),
+                tuple(self.cost.backward(op, t, devices[t.device]) for t in tasks),
+            )
+        return self.memo.compute[key]
 
 
 def _compute_tasks(ctx: _Context) -> None:
-    graph, devices = ctx.pg.graph, ctx.machine.devices
+    graph = ctx.pg.graph
     for op in graph.ops:
-        for t in ctx.pg.tasks[op.name]:
-            seconds = ctx.cost.forward(op, t, devices[t.device])
+        forward, _ = ctx.durations(op)
+        for t, seconds in zip(ctx.pg.tasks[op.name], forward, strict=True):
             ctx.fwd[(op.name, t.index)] = ctx.b.add(
                 TaskKind.FORWARD,
                 seconds,
@@ -123,8 +155,8 @@ def _compute_tasks(ctx: _Context) -> None:
                 name=lambda o=op, t=t: f"fwd {o.name}[{t.index}]",
             )
     for op in reversed(graph.ops):
-        for t in ctx.pg.tasks[op.name]:
-            seconds = ctx.cost.backward(op, t, devices[t.device])
+        _, backward = ctx.durations(op)
+        for t, seconds in zip(ctx.pg.tasks[op.name], backward, strict=True):
             task = ctx.b.add(
                 TaskKind.BACKWARD,
                 seconds,
@@ -146,7 +178,7 @@ def _edge_tasks(ctx: _Context) -> None:
                 ctx.b.dep(pf, cf)
                 ctx.b.dep(cb, pb)
                 continue
-            nbytes = rect_volume(o.rect) * ctx.itemsize
+            nbytes = o.volume * ctx.itemsize
             what = f"{edge.tensor} {p.device}->{c.device}"
             x = ctx.transfer(
                 TaskKind.TRANSFER, p.device, c.device, nbytes, lambda w=what: f"send {w}"
@@ -160,29 +192,48 @@ def _edge_tasks(ctx: _Context) -> None:
             ctx.b.dep(y, pb)
 
 
-def _ring(ctx: _Context, group: ReplicaGroup, ready: dict[int, list[int]]) -> dict[int, list[int]]:
-    """Link tasks of one ring all-reduce; returns, per device, the tasks that finish it."""
-    devices, k = group.devices, len(group.devices)
-    chunks = ring_chunks(rect_volume(group.rect), k)
-    steps = [ring_steps(i, k) for i in range(k)]
-    incoming = {i: ready[devices[i]] for i in range(k)}
-    for s in range(2 * (k - 1)):
-        arrived = {}
-        for i in range(k):
-            lo, hi = chunks[steps[i][s].send_chunk]
-            src, dst = devices[i], devices[(i + 1) % k]
-            x = ctx.transfer(
-                TaskKind.ALLREDUCE,
-                src,
-                dst,
-                (hi - lo) * ctx.itemsize,
-                lambda g=group, s=s: f"allreduce {g.weight} step {s}",
+def _ring_steps(ctx: _Context, devices: tuple[int, ...], numel: int) -> tuple:
+    """(seconds, links, bytes) of each lock-step step of a ring all-reduce."""
+    key = (devices, numel)
+    if key not in ctx.memo.rings:
+        k = len(devices)
+        chunks = ring_chunks(numel, k)
+        steps = [ring_steps(i, k) for i in range(k)]
+        hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
+        links = tuple(sorted({r for src, dst in hops for r in ctx.link_resources(src, dst)}))
+        out = []
+        for s in range(2 * (k - 1)):
+            sizes = []
+            for i in range(k):
+                lo, hi = chunks[steps[i][s].send_chunk]
+                sizes.append((hi - lo) * ctx.itemsize)
+            seconds = max(
+                ctx.machine.transfer_time(a, b, n) for (a, b), n in zip(hops, sizes, strict=True)
             )
-            for before in incoming[i]:
-                ctx.b.dep(before, x)
-            arrived[(i + 1) % k] = [x]
-        incoming = arrived
-    return {devices[i]: incoming[i] for i in range(k)}
+            out.append((seconds, links, sum(sizes)))
+        ctx.memo.rings[key] = tuple(out)
+    return ctx.memo.rings[key]
+
+
+def _ring(ctx: _Context, group: ReplicaGroup, ready: dict[int, list[int]]) -> list[int]:
+    """A ring all-reduce as 2(k-1) lock-step steps (as NCCL runs it): in each step every
+    member sends one chunk to the next, so the step holds every link of the ring and lasts
+    as long as its slowest send. Returns the task that finishes it."""
+    previous = [t for d in group.devices for t in ready[d]]
+    for s, (seconds, links, nbytes) in enumerate(
+        _ring_steps(ctx, group.devices, rect_volume(group.rect))
+    ):
+        step = ctx.b.add(
+            TaskKind.ALLREDUCE,
+            seconds,
+            links,
+            nbytes,
+            name=lambda g=group, s=s: f"allreduce {g.weight} step {s}",
+        )
+        for before in previous:
+            ctx.b.dep(before, step)
+        previous = [step]
+    return previous
 
 
 def _weight_tasks(ctx: _Context) -> None:
@@ -193,7 +244,7 @@ def _weight_tasks(ctx: _Context) -> None:
             ready: dict[int, list[int]] = {d: [] for d in group.devices}
             for i in group.tasks:
                 ready[tasks[i].device].append(ctx.bwd[(op.name, i)])
-            done = _ring(ctx, group, ready) if len(group.devices) > 1 else ready
+            finished = _ring(ctx, group, ready) if len(group.devices) > 1 else None
             numel = rect_volume(group.rect)
             for d in group.devices:
                 u = ctx.b.add(
@@ -202,19 +253,24 @@ def _weight_tasks(ctx: _Context) -> None:
                     (d,),
                     name=lambda g=group: f"update {g.weight}",
                 )
-                for before in done[d]:
+                for before in finished or ready[d]:
                     ctx.b.dep(before, u)
 
 
 def build_task_graph(
-    pg: PartitionedGraph, machine: Machine, cost: CostModel, itemsize: int = 4, names: bool = False
+    pg: PartitionedGraph,
+    machine: Machine,
+    cost: CostModel,
+    itemsize: int = 4,
+    names: bool = False,
+    memo: Memo | None = None,
 ) -> TaskGraph:
     if pg.strategy.devices > machine.size:
         raise PlanError(
             f"the plan uses {pg.strategy.devices} devices but machine '{machine.name}' has "
             f"{machine.size}"
         )
-    ctx = _Context(pg, machine, cost, itemsize, _Builder(names))
+    ctx = _Context(pg, machine, cost, itemsize, _Builder(names), memo or Memo())
     _compute_tasks(ctx)
     _edge_tasks(ctx)
     _weight_tasks(ctx)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import product
 
 from onnx2soap.ir import AxisMap, Broadcast, LoopNest, Op, Whole
@@ -160,6 +161,10 @@ class Overlap:
     dst_task: int
     operand: int
     rect: Rect
+
+    @cached_property
+    def volume(self) -> int:
+        return rect_volume(self.rect)
 
 
 def overlaps(
