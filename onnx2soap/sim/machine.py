@@ -16,6 +16,8 @@ Machine file (YAML)::
     routes:
       - {src: 0, dst: 1, links: [nvlink-0-1]}
 
+    transfers_use_compute: false   # true: a transfer also holds both end devices (CPUs)
+
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
 route.
 """
@@ -50,10 +52,15 @@ class Link:
 
 @dataclass(frozen=True)
 class Machine:
+    """``transfers_use_compute``: a transfer also holds the sending and the receiving
+    device, as on CPU ranks, whose cores copy every message themselves; GPUs have copy
+    engines and NICs, so their transfers overlap with compute."""
+
     name: str
     devices: tuple[ComputeDevice, ...]
     links: tuple[Link, ...]
     routes: Mapping[tuple[int, int], tuple[int, ...]]  # (src, dst) -> link indices
+    transfers_use_compute: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
@@ -150,7 +157,11 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
     ]
     if missing:
         raise MachineError(f"{source}: routes: no route for device pairs {missing[:4]}…")
-    return Machine(str(doc.get("name") or Path(source).stem), tuple(devices), tuple(links), routes)
+    use_compute = doc.get("transfers_use_compute", False)
+    if not isinstance(use_compute, bool):
+        raise MachineError(f"{source}: transfers_use_compute: must be true or false")
+    name = str(doc.get("name") or Path(source).stem)
+    return Machine(name, tuple(devices), tuple(links), routes, use_compute)
 
 
 def machine_to_dict(m: Machine) -> dict:
@@ -173,6 +184,7 @@ def machine_to_dict(m: Machine) -> dict:
             {"src": s, "dst": d, "links": [m.links[i].name for i in r]}
             for (s, d), r in sorted(m.routes.items())
         ],
+        "transfers_use_compute": m.transfers_use_compute,
     }
 
 

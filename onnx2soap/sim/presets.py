@@ -153,7 +153,7 @@ def cpu(
             if a != c:
                 b.routes[(a, c)] = (out[a], into[c])
     devices = tuple(ComputeDevice(f"rank{i}", *_fields(device)) for i in range(ranks))
-    return Machine(f"cpu:{ranks}", devices, tuple(b.links), b.routes)
+    return Machine(f"cpu:{ranks}", devices, tuple(b.links), b.routes, transfers_use_compute=True)
 
 
 def preset_names() -> dict[str, str]:

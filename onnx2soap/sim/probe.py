@@ -33,23 +33,32 @@ def _rate(work: Callable[[], None], seconds: float) -> float:
 
 
 def _compute_rates(seconds: float) -> tuple[float, float, float]:
+    """FLOP/s, bytes/s and per-task seconds as the executor's numpy kernels see them: a
+    convolution by gathered columns and a matrix product, a strided gather like a
+    window's, and the handful of small array operations every task costs whatever its
+    size."""
     rng = np.random.default_rng(0)
-    n = 384
-    a, b = (
-        rng.standard_normal((n, n), dtype=np.float32),
-        rng.standard_normal((n, n), dtype=np.float32),
-    )
-    flops = _rate(lambda: a @ b, seconds) * 2 * n**3
-    big = np.ones(1 << 23, dtype=np.float32)  # 32 MiB
-    out = np.empty_like(big)
-    bandwidth = _rate(lambda: np.copyto(out, big), seconds) * 2 * big.nbytes
-    tiny = np.ones((2, 3), dtype=np.float32)
+    x = rng.standard_normal((16, 16, 34, 34), dtype=np.float32)
+    w = rng.standard_normal((32, 16 * 9), dtype=np.float32)
 
-    def task() -> None:  # what a task costs beyond its arithmetic: a few small array ops
-        buf = np.zeros((2, 3), dtype=np.float32)
-        buf[:, :] = tiny
-        np.maximum(buf, 0, out=buf)
-        buf.sum()
+    def conv() -> None:  # a 3x3 convolution as the kernels run it: gather columns, GEMM
+        taps = [x[:, :, i : i + 32, j : j + 32] for i in range(3) for j in range(3)]
+        cols = np.stack(taps, axis=2).reshape(16, 16 * 9, 32 * 32).transpose(1, 0, 2)
+        w @ cols.reshape(16 * 9, -1)
+
+    flops = _rate(conv, seconds) * 2 * 16 * 32 * 32 * 32 * 16 * 9
+    image = rng.standard_normal((32, 16, 64, 64), dtype=np.float32)
+    window = np.empty((32, 16, 32, 32), dtype=np.float32)
+    bandwidth = _rate(lambda: np.copyto(window, image[:, :, ::2, ::2]), seconds) * 2 * window.nbytes
+    small = rng.standard_normal((2, 3, 4), dtype=np.float32)
+    weight = rng.standard_normal((4, 5), dtype=np.float32)
+
+    def task() -> None:
+        buffer = np.zeros((2, 3, 4), dtype=np.float32)
+        buffer[:, 1:, :] = small[:, 1:, :]
+        out = np.einsum("abc,cd->abd", buffer, weight)
+        np.maximum(out, 0, out=out)
+        out.sum(axis=0)
 
     overhead = 1.0 / _rate(task, seconds)
     return flops, bandwidth, overhead

@@ -5,7 +5,8 @@ devices (forward tile and backward gradient piece: the same rects the executor s
 a ring all-reduce per weight replica group (lock-step ring steps following soap's ring
 schedule),
 and an SGD update per weight shard. Resources: compute devices ``0..D-1``, then links
-``D..D+L-1``; a transfer holds every link of its route.
+``D..D+L-1``; a transfer holds every link of its route (and both end devices on machines
+whose cores copy messages themselves).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class _Context:
     bwd: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def link_resources(self, src: int, dst: int) -> tuple[int, ...]:
-        return tuple(self.machine.size + link for link in self.machine.route(src, dst))
+        links = tuple(self.machine.size + link for link in self.machine.route(src, dst))
+        return (src, dst, *links) if self.machine.transfers_use_compute else links
 
     def transfer(self, kind: TaskKind, src: int, dst: int, nbytes: int, name) -> int:
         key = (src, dst, nbytes)

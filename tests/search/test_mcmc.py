@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from itertools import product
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def hybrid_case(tmp_path: Path):
     a hybrid (sample x parameter) split optimal: no start strategy is the optimum."""
     graph = tiny_graph(tmp_path, batch=32, hidden=256, relu=True)
     device = ComputeDevice("dev", 1e9, 1e10, 1 << 30, 1e-6)
-    return graph, analyze(graph), Simulator(cpu(4, device, 1e8, 1e-6), RooflineCost())
+    machine = replace(cpu(4, device, 1e8, 1e-6), transfers_use_compute=False)
+    return graph, analyze(graph), Simulator(machine, RooflineCost())
 
 
 def test_mcmc_finds_the_brute_force_optimum_for_most_seeds(tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from tests.sim.tiny import round_machine, tiny_graph
 NS, US = 1e-9, 1e-6
 
 
-def step_time(graph, strategy: Strategy, devices: int) -> float:
-    sim = Simulator(round_machine(devices), RooflineCost())
+def step_time(graph, strategy: Strategy, devices: int, use_compute: bool = False) -> float:
+    sim = Simulator(round_machine(devices, use_compute=use_compute), RooflineCost())
     return sim.evaluate(Partitioner(graph).partition(strategy)).step_time_s
 
 
@@ -74,3 +74,14 @@ def test_task_graph_counts_and_bytes(tmp_path) -> None:
     assert int(tg.nbytes.sum()) == 4 * 32
     timeline = simulate(tg)
     assert timeline.makespan == pytest.approx(step_time(g, s, 3))
+
+
+def test_transfers_that_use_compute_queue_behind_kernels(tmp_path) -> None:
+    """On CPU ranks a message is copied by the cores at both ends. Gemm split over samples
+    on devices 0 and 1, loss on device 0: after the loss backward, device 0 runs its Gemm
+    backward (256 ns) and sends device 1 its gradient piece. With copy engines both go at
+    once; when the cores copy, the send waits for the kernel, delaying the end by 256 ns."""
+    g = tiny_graph(tmp_path)
+    s = Strategy(2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0])})
+    overlapped, serialized = step_time(g, s, 2), step_time(g, s, 2, use_compute=True)
+    assert serialized - overlapped == pytest.approx(256 * NS, rel=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,9 @@ def tiny_graph(tmp_path: Path, batch: int = 4, **kw) -> Graph:
     return load_model(gemm_model(tmp_path / "tiny.onnx", **kw), batch=batch).graph
 
 
-def round_machine(devices: int, memory: int = 1 << 30) -> Machine:
-    """Compute-bound devices (memory traffic free), no per-task overhead, slow links."""
+def round_machine(devices: int, memory: int = 1 << 30, use_compute: bool = False) -> Machine:
+    """Compute-bound devices (memory traffic free), no per-task overhead, slow links;
+    transfers use only links unless ``use_compute`` (then they hold both end devices)."""
     device = ComputeDevice("dev", GFLOP, 1e30, memory, 0.0)
-    return cpu(devices, device, LINK_BW, LINK_LATENCY)
+    machine = cpu(devices, device, LINK_BW, LINK_LATENCY)
+    return replace(machine, transfers_use_compute=use_compute)
