@@ -8,10 +8,10 @@ data-parallel cost, so ``beta`` does not depend on the model's units.
 A few chains run interleaved, one proposal each per round. They start from data
 parallelism, the expert strategy and everything on one device; a chain whose best has not
 improved for half of its proposals (after a minimum) is replaced by a chain from a random
-strategy. The search stops at the time budget, at ``max_evals`` simulations, or when the
-overall best has not improved for half of all proposals (after a minimum). Everything
-random comes from the seed, and convergence is counted in proposals, not seconds: a search
-that ends by convergence or by ``max_evals`` is reproducible.
+strategy. The search stops at the time budget or when the best has not improved for half
+of it; with ``max_evals`` also at that many simulations or when the best has not improved
+for half of them. Everything random comes from the seed, so a search that ends on
+``max_evals`` (before the budget) is reproducible: same seed, same plan.
 
 The cost of a strategy is its simulated step time, or infinity when it does not fit in
 device memory, so an infeasible plan is never returned.
@@ -41,7 +41,6 @@ class SearchOptions:
     max_evals: int | None = None
     chains: int = 3  # chains run side by side; a converged chain is replaced by a random one
     min_chain_proposals: int = 200
-    min_total_proposals: int = 2000
 
 
 @dataclass(frozen=True)
@@ -176,22 +175,23 @@ def mcmc(
         for rule, c in zip((Rule.DATA_PARALLEL, Rule.EXPERT), chains, strict=False)
     }
     scale = next((c.cost for c in chains if math.isfinite(c.cost)), 1.0)
-    proposals, improved_at, best, last_report = 0, 0, search.best_cost, 0.0
+    best, last_report = search.best_cost, 0.0
+    improved_s, improved_evals = 0.0, 0
     while True:
-        elapsed = time.perf_counter() - began
-        if elapsed >= options.budget_s:
+        elapsed, evals = time.perf_counter() - began, search.evaluate.evaluated
+        # Stop at the budget, or when the best has not improved for half of it.
+        if elapsed >= options.budget_s or elapsed - improved_s >= options.budget_s / 2:
             break
-        if options.max_evals is not None and search.evaluate.evaluated >= options.max_evals:
+        if options.max_evals is not None and (
+            evals >= options.max_evals or evals - improved_evals >= options.max_evals / 2
+        ):
             break
-        if proposals >= options.min_total_proposals and proposals - improved_at >= proposals / 2:
-            break  # the best has not improved for half of the search
         for i, chain in enumerate(chains):
             search.propose(chain, scale)
-            proposals += 1
             if not chain.active:
                 chains[i] = new_chain()
         if search.best_cost < best:
-            best, improved_at = search.best_cost, proposals
+            best, improved_s, improved_evals = search.best_cost, elapsed, evals
         if progress is not None and elapsed - last_report >= 0.2:
             last_report = elapsed
             progress(Progress(elapsed, options.budget_s, search.evaluate.evaluated, best))
