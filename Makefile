@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean plans
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,12 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis
+
+# The committed example plans (reproducible: searches stop on --max-evals).
+PLAN = $(BIN)/onnx2soap plan examples/cnn.onnx --batch 32
+plans: $(STAMP)
+	$(PLAN) --machine cpu:4 --max-evals 2000 --budget 600 --seed 0 -o plans/example.json
+	$(PLAN) --devices 4 --strategy data-parallel -o plans/cnn-data-parallel-4.json
+	$(PLAN) --devices 4 --strategy expert -o plans/cnn-expert-4.json
+	$(PLAN) --devices 4 --strategy random --seed 1 -o plans/cnn-random-4.json
+	$(PLAN) --machine flexflow-p100:4 --max-evals 3000 --budget 600 --seed 0 -o plans/cnn-p100x4-mcmc.json

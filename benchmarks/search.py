@@ -1,6 +1,6 @@
 """Predicted step time of data parallelism, the expert strategy and MCMC, and search time.
 
-    python benchmarks/search.py [--budget 30] [--models cnn,alexnet,mlp]
+    python -m benchmarks.search [--budget 30] [--models cnn,alexnet,mlp]
         [--machines flexflow-p100:1,flexflow-p100:4] [--seed 0]
 
 All times are the simulator's (analytic roofline on the preset's datasheet figures), so
@@ -10,16 +10,12 @@ this measures the search, not the hardware: speed-ups are ratios of predicted ti
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.models import model_path  # noqa: E402
-from onnx2soap.importer import load_model  # noqa: E402
-from onnx2soap.search.mcmc import SearchOptions, mcmc  # noqa: E402
-from onnx2soap.sim import RooflineCost, Simulator, resolve_machine  # noqa: E402
-from onnx2soap.soap import analyze  # noqa: E402
+from benchmarks.models import model_path
+from onnx2soap.importer import load_model
+from onnx2soap.search.mcmc import SearchOptions, mcmc
+from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
+from onnx2soap.soap import analyze
 
 BATCH = {"cnn": 64, "alexnet": 256, "mlp": 64}
 

@@ -165,7 +165,7 @@ def _report(args, plan: Plan, machine: str, searching: bool) -> None:
         else args.strategy or "data-parallel"
     )
     print(f"wrote {args.output}: {how} on {machine}")
-    print(f"  predicted step time  {seconds(p.step_time_s)}")
+    print(f"  {'predicted step time':<22}{seconds(p.step_time_s):>12}   plan's speed-up")
     for name, t in baselines.items():
         speedup = t / p.step_time_s if p.step_time_s > 0 else float("inf")
-        print(f"  {name:<20} {seconds(t)}  ({speedup:.2f}x)")
+        print(f"  {name:<22}{seconds(t):>12}   {speedup:.2f}x")

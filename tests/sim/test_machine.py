@@ -1,0 +1,114 @@
+"""Machine files and presets: routes, YAML round trip, errors naming the field, probe."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from onnx2soap.cli import main as cli
+from onnx2soap.errors import MachineError
+from onnx2soap.sim.machine import dump_machine, load_machine_file, machine_from_dict
+from onnx2soap.sim.presets import preset, resolve_machine
+
+
+@pytest.mark.parametrize(
+    ("name", "devices"),
+    [
+        ("flexflow-p100:2", 8),
+        ("flexflow-k80:3", 12),
+        ("alpa-v100:2", 16),
+        ("dgx-h100:1", 8),
+        ("cpu:3", 3),
+    ],
+)
+def test_presets_have_a_route_for_every_pair(name: str, devices: int) -> None:
+    m = preset(name)
+    assert m.size == devices
+    for a in range(devices):
+        for b in range(devices):
+            if a != b:
+                assert m.route(a, b), (a, b)
+
+
+def test_intra_node_routes_avoid_the_nic_and_inter_node_routes_use_it() -> None:
+    m = preset("flexflow-p100:2")
+    names = lambda a, b: [m.links[i].name for i in m.route(a, b)]  # noqa: E731
+    assert names(0, 1) == ["nvlink-0-1"]
+    assert names(0, 4) == ["nic0-out", "nic1-in"]
+    k80 = preset("flexflow-k80:2")
+    assert [k80.links[i].name for i in k80.route(0, 5)] == [
+        "pcie-gpu0-out", "nic0-out", "nic1-in", "pcie-gpu5-in",
+    ]  # fmt: skip
+    # the slowest hop sets the rate, every hop adds its latency
+    assert m.transfer_time(0, 4, 12_500_000) == pytest.approx(1e-3 + 2 * 2e-6)
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    for name in ("flexflow-k80:2", "cpu:4"):
+        m = preset(name)
+        path = tmp_path / "m.yaml"
+        path.write_text(dump_machine(m))
+        assert load_machine_file(path) == m
+        assert resolve_machine(str(path)) == m
+
+
+def _doc() -> dict:
+    return yaml.safe_load(dump_machine(preset("cpu:2")))
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["devices"][1].pop("peak_flops"), "devices[1].peak_flops"),
+        (lambda d: d["devices"][0].update(memory=-1), "devices[0].memory"),
+        (lambda d: d["devices"][0].update(memory_bandwidth="fast"), "devices[0].memory_bandwidth"),
+        (lambda d: d["links"][0].update(bandwidth=0), "links[0].bandwidth"),
+        (lambda d: d["links"][1].update(latency=-1), "links[1].latency"),
+        (lambda d: d["routes"][0].update(src=7), "routes[0].src"),
+        (lambda d: d["routes"][1].update(links=["nowhere"]), "routes[1].links"),
+        (lambda d: d["routes"].pop(), "routes"),
+        (lambda d: d.update(devices=[]), "devices"),
+        (lambda d: d.update(transfers_use_compute="yes"), "transfers_use_compute"),
+    ],
+)
+def test_bad_machine_file_names_the_field(edit, field: str) -> None:
+    doc = _doc()
+    edit(doc)
+    with pytest.raises(MachineError, match=re.escape(f"m.yaml: {field}")):
+        machine_from_dict(doc, "m.yaml")
+
+
+def test_unknown_preset_lists_the_presets() -> None:
+    with pytest.raises(MachineError, match="flexflow-p100:N"):
+        preset("tpu-v4:8")
+    with pytest.raises(MachineError, match="positive integer"):
+        preset("cpu:0")
+
+
+def test_machine_cli(capsys, tmp_path: Path) -> None:
+    assert cli(["machine", "list"]) == 0
+    assert "dgx-h100:N" in capsys.readouterr().out
+    assert cli(["machine", "show", "flexflow-p100:1"]) == 0
+    out = capsys.readouterr().out
+    assert "4 devices" in out and "route 0 -> 1: nvlink-0-1" in out
+    assert cli(["machine", "show", "cpu:2", "--yaml"]) == 0
+    path = tmp_path / "cpu2.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert load_machine_file(path) == preset("cpu:2")
+    assert cli(["machine", "show", "nonsense:2"]) == 2
+    assert "unknown machine" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+def test_probe_measures_this_host(tmp_path: Path) -> None:
+    out = tmp_path / "host.yaml"
+    assert cli(["machine", "probe", "-n", "2", "-o", str(out), "--seconds", "0.05"]) == 0
+    m = load_machine_file(out)
+    assert m.size == 2 and m.transfers_use_compute
+    for d in m.devices:
+        assert d.peak_flops > 1e8 and d.memory_bandwidth > 1e8 and d.memory > 0
+        assert 0 < d.kernel_overhead < 1e-2
+    assert all(0 < x.latency < 1e-2 and x.bandwidth > 1e6 for x in m.links)
