@@ -171,6 +171,23 @@ def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
     return op
 
 
+def _refuse_shared_weights(p: Prepared, ops: list[Op], tensors: dict[str, Tensor]) -> None:
+    """Each weight's gradient is summed within its op's replica groups only, so a weight
+    read by several ops (tied weights) would train wrong: refuse it."""
+    readers: dict[str, list[str]] = {}
+    for op in ops:
+        for t in set(op.inputs):
+            if tensors[t].role is TensorRole.WEIGHT:
+                readers.setdefault(t, []).append(op.name)
+    shared = {w: names for w, names in readers.items() if len(names) > 1}
+    if shared:
+        w, names = next(iter(shared.items()))
+        raise ModelError(
+            f"{p.path}: weight '{w}' is read by {len(names)} ops ({', '.join(names)}); "
+            "weights shared by several ops (tied weights) are not supported yet"
+        )
+
+
 def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
     _check_supported(p)
     b = _Builder(p)
@@ -203,6 +220,7 @@ def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
             loss_op = _attach_loss(b, b.tensors[output], kind)
             ops.append(loss_op)
             labels = loss_op.inputs[1]
+    _refuse_shared_weights(p, ops, b.tensors)
     used = {t for op in ops for t in op.inputs} | {op.output for op in ops}
     return Graph(
         name=p.path.stem,
