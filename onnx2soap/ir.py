@@ -160,6 +160,7 @@ class OpType(Enum):
     FLATTEN = "Flatten"
     RESHAPE = "Reshape"
     CONCAT = "Concat"
+    REDUCE_MEAN = "ReduceMean"
     SOFTMAX_CROSS_ENTROPY = "SoftmaxCrossEntropyLoss"
     MSE_LOSS = "MeanSquaredError"  # attached by onnx2soap, not an ONNX op
 
@@ -209,6 +210,12 @@ class ConcatAttrs:
     axis: int
 
 
+@dataclass(frozen=True)
+class ReduceAttrs:
+    axes: tuple[int, ...]  # non-negative, sorted
+    keepdims: bool = True
+
+
 class LossReduction(Enum):
     MEAN = "mean"
     SUM = "sum"
@@ -220,7 +227,7 @@ class LossAttrs:
     ignore_index: int | None = None
 
 
-OpAttrs = NoAttrs | GemmAttrs | ConvAttrs | PoolAttrs | ConcatAttrs | LossAttrs
+OpAttrs = NoAttrs | GemmAttrs | ConvAttrs | PoolAttrs | ConcatAttrs | ReduceAttrs | LossAttrs
 
 
 @dataclass(frozen=True)

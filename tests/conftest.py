@@ -64,8 +64,7 @@ def cnn_onnx(export_model: ExportModel, request: pytest.FixtureRequest) -> Path:
 def spatial_onnx(export_model: ExportModel, request: pytest.FixtureRequest) -> Path:
     """Strided, dilated, padded convs and pools (tests.models.build_spatial).
 
-    The dynamo exporter lowers its global average pool to ReduceMean, which onnx2soap does
-    not convert: only the legacy export imports.
+    The dynamo exporter lowers its global average pool to ReduceMean.
     """
     return export_model("spatial", _exporter(request))
 

@@ -12,7 +12,12 @@ from executor.kernels.elementwise import AddKernel, IdentityKernel, ReluKernel
 from executor.kernels.layout import ConcatKernel, ReshapeKernel
 from executor.kernels.loss import MeanSquaredErrorKernel, SoftmaxCrossEntropyKernel
 from executor.kernels.matmul import GemmKernel, MatMulKernel
-from executor.kernels.pool import AveragePoolKernel, GlobalAveragePoolKernel, MaxPoolKernel
+from executor.kernels.pool import (
+    AveragePoolKernel,
+    GlobalAveragePoolKernel,
+    MaxPoolKernel,
+    ReduceMeanKernel,
+)
 from onnx2soap.errors import ModelError
 from onnx2soap.ir import OpType
 
@@ -28,6 +33,7 @@ KERNELS: dict[OpType, Kernel] = {
     OpType.MAXPOOL: MaxPoolKernel(),
     OpType.AVERAGEPOOL: AveragePoolKernel(),
     OpType.GLOBALAVERAGEPOOL: GlobalAveragePoolKernel(),
+    OpType.REDUCE_MEAN: ReduceMeanKernel(),
     OpType.FLATTEN: ReshapeKernel(),
     OpType.RESHAPE: ReshapeKernel(),
     OpType.CONCAT: ConcatKernel(),

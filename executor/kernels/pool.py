@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from executor.kernels._common import check_window_buffer, window_taps
 from executor.kernels.base import Array, Interval, TaskArgs
-from onnx2soap.ir import PoolAttrs
+from onnx2soap.ir import PoolAttrs, ReduceAttrs
 
 _LEAD = (slice(None), slice(None))  # n and c: read as they are
 
@@ -123,3 +123,17 @@ class GlobalAveragePoolKernel:
         x = inputs[0]
         count = math.prod(x.shape[2:])
         return (xp.zeros_like(x) + grad_output / count,)
+
+
+@dataclass(frozen=True)
+class ReduceMeanKernel:
+    """Reduced dims are reductions, never split: the buffer holds them whole."""
+
+    def forward(self, xp, attrs: ReduceAttrs, inputs: Sequence[Array], args: TaskArgs) -> Array:
+        return inputs[0].mean(axis=attrs.axes, keepdims=True).reshape(args.out_shape)
+
+    def backward(self, xp, attrs: ReduceAttrs, inputs, output, grad_output, args):
+        x = inputs[0]
+        kept = tuple(1 if a in attrs.axes else s for a, s in enumerate(x.shape))
+        count = math.prod(x.shape[a] for a in attrs.axes)
+        return (xp.zeros_like(x) + grad_output.reshape(kept) / count,)

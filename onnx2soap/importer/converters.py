@@ -31,6 +31,7 @@ from onnx2soap.ir import (
     OpType,
     PoolAttrs,
     PoolKind,
+    ReduceAttrs,
     Tensor,
     TensorRole,
     Whole,
@@ -446,6 +447,27 @@ def concat(ctx: NodeContext, *, axis) -> Op:
     return _make_op(ctx, OpType.CONCAT, operands, ConcatAttrs(axis), dims, range(len(out)), 0)
 
 
+def reducemean(ctx: NodeContext, *, axes=None, keepdims=1, noop_with_empty_axes=0) -> Op:
+    x = ctx.tensor(0)
+    rank = len(x.shape)
+    if axes is None and len(ctx.inputs) > 1 and ctx.constants[1] is not None:
+        axes = [int(a) for a in ctx.constant(1)]  # opset 18 moved axes to an input
+    if not axes:
+        if noop_with_empty_axes:
+            return _elementwise(ctx, OpType.IDENTITY, [x], 0)
+        axes = list(range(rank))
+    reduced = tuple(sorted({a + rank if a < 0 else a for a in axes}))
+    if any(not 0 <= a < rank for a in reduced):
+        raise ctx.fail(f"axes {list(axes)} out of range for rank {rank}")
+    if 0 in reduced:
+        raise ctx.fail("reducing over the batch axis (axis 0) is not supported")
+    dims = list(zip(axis_names(rank), x.shape, strict=True))
+    out_dims = [None if a in reduced else a for a in range(rank) if keepdims or a not in reduced]
+    operands = [Operand(x.name, tuple(identity(i) for i in range(rank)))]
+    attrs = ReduceAttrs(reduced, bool(keepdims))
+    return _make_op(ctx, OpType.REDUCE_MEAN, operands, attrs, dims, out_dims, 1)
+
+
 # --- loss -------------------------------------------------------------------------------
 
 
@@ -494,6 +516,7 @@ CONVERTERS: dict[str, Converter] = {
     "MatMul": matmul,
     "MaxPool": maxpool,
     "Relu": relu,
+    "ReduceMean": reducemean,
     "Reshape": reshape,
     "SoftmaxCrossEntropyLoss": softmaxcrossentropyloss,
 }

@@ -198,6 +198,10 @@ CASES = [
     case("avgpool3d", "AveragePool", (1, 2, 5, 4, 5), kernel_shape=[2, 2, 3], pads=[0, 1, 1] * 2),
     case("globalavgpool2d", "GlobalAveragePool", (2, 3, 4, 5)),
     case("globalavgpool1d", "GlobalAveragePool", (3, 2, 5)),
+    case("reducemean_spatial", "ReduceMean", (2, 3, 4, 5), axes=[2, 3]),
+    case("reducemean_dropped", "ReduceMean", (2, 3, 4, 5), axes=[-1, 1], keepdims=0),
+    # opset 18 moved the axes to a constant input (what the dynamo exporter writes)
+    case("reducemean_opset18", "ReduceMean", (2, 3, 4, 5), opset=18, shape_input=[2, 3]),
     # layout
     case("flatten", "Flatten", (2, 3, 4, 5)),
     case("reshape", "Reshape", (2, 3, 4, 5), shape_input=[0, -1, 5]),

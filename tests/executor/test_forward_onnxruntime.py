@@ -24,6 +24,7 @@ CASES = [
     ("cnn", "legacy"),
     ("cnn", "dynamo"),
     ("spatial", "legacy"),
+    ("spatial", "dynamo"),  # AdaptiveAvgPool2d becomes ReduceMean
     ("matmul", "legacy"),
     ("matmul", "dynamo"),
 ]

@@ -14,7 +14,7 @@ from onnx2soap.ir import LossKind, OpType, TensorRole
 from tests.importer.conftest import BATCH
 from tests.importer.helpers import axes, dims_by_op, kinds, ops_of, splittable
 
-CONV_SOURCES = ["example", "cnn-legacy", "cnn-dynamo", "spatial-legacy"]
+CONV_SOURCES = ["example", "cnn-legacy", "cnn-dynamo", "spatial-legacy", "spatial-dynamo"]
 GEMM_SOURCES = ["example", "mlp-legacy", "mlp-dynamo", "cnn-dynamo"]
 MATMUL_SOURCES = ["matmul-legacy", "matmul-dynamo"]
 CONCAT_SOURCES = ["example", "cnn-legacy", "cnn-dynamo"]
@@ -241,3 +241,12 @@ def test_legacy_and_dynamo_exports_give_the_same_dims(load_graph, model: str) ->
         ]
 
     assert signature(legacy) == signature(dynamo)
+
+
+def test_reducemean_dims(load_graph) -> None:
+    """dynamo's global average pool: n sample, c attribute, the reduced h and w reductions."""
+    graph = load_graph("spatial-dynamo").graph
+    (op,) = ops_of(graph, OpType.REDUCE_MEAN)
+    dims = dims_by_op(graph)[op.name]
+    assert kinds(dims) == {"n": "sample", "c": "attribute", "h": "reduction", "w": "reduction"}
+    assert splittable(dims) == {"n": True, "c": True, "h": False, "w": False}
