@@ -43,7 +43,12 @@ def _argmax_taps(xp, attrs: PoolAttrs, x: Array, out_spatial) -> tuple[Array, Ar
 class MaxPoolKernel:
     def forward(self, xp, attrs: PoolAttrs, inputs: Sequence[Array], args: TaskArgs) -> Array:
         x = inputs[0]
-        return _argmax_taps(xp, attrs, x, _out_spatial(attrs, x, args, "MaxPool"))[0]
+        # The maximum alone: which tap holds it matters only to the backward.
+        best = None
+        for sl in window_taps(attrs, _out_spatial(attrs, x, args, "MaxPool")):
+            tap = x[(*_LEAD, *sl)]
+            best = tap.copy() if best is None else xp.maximum(best, tap, out=best)
+        return best
 
     def backward(self, xp, attrs: PoolAttrs, inputs, output, grad_output, args):
         x = inputs[0]
