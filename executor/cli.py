@@ -63,6 +63,8 @@ def _summary(result, as_json: bool) -> None:
     }
     if as_json:
         print(json.dumps({"summary": summary}))
+    elif not result.steps:
+        print("0 steps: nothing trained")
     else:
         mean = summary["mean_step_time_s"]
         print(

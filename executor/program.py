@@ -7,10 +7,12 @@ deterministic and nothing can deadlock:
                                     its output tiles to the tasks that read them;
     backward, ops in reverse order: per task: wait for its output-gradient pieces,
                                     compute, send input-gradient pieces to producers;
-    then all-reduce every weight replica group (graph order); then the SGD update.
+                                    then all-reduce the op's weight replica groups;
+    then the SGD update.
 
 Sends are nonblocking and every receive is posted at the start of the step, so a rank
-only ever waits for data whose send comes earlier in the global order.
+only ever waits for data whose send comes earlier in the global order; an all-reduce
+waits for members that each reach it once everything before it in the order is done.
 """
 
 from __future__ import annotations
@@ -94,13 +96,10 @@ def _transfers(pg: PartitionedGraph) -> tuple[list[Transfer], list[Transfer]]:
     """Every overlap crossing devices, once per phase, tagged in a fixed order."""
     index = {op.name: i for i, op in enumerate(pg.graph.ops)}
     crossing = []
-    for edge in pg.edges:
-        producers, consumers = pg.tasks[edge.producer], pg.tasks[edge.consumer]
-        for o in edge.overlaps:
-            p, c = producers[o.src_task], consumers[o.dst_task]
-            if p.device != c.device:
-                ends = ((index[edge.producer], p.index), (index[edge.consumer], c.index))
-                crossing.append((p.device, c.device, o.rect, edge.operand, *ends))
+    for edge, o, p, c in pg.moves():
+        if p.device != c.device:
+            ends = ((index[edge.producer], p.index), (index[edge.consumer], c.index))
+            crossing.append((p.device, c.device, o.rect, edge.operand, *ends))
     fwd = [Transfer(i, Phase.FORWARD, *x) for i, x in enumerate(crossing)]
     n = len(fwd)
     bwd = [
@@ -116,15 +115,13 @@ def _pieces(pg: PartitionedGraph, fwd: list[Transfer]) -> dict[tuple, list[Piece
     tags = {(t.producer, t.consumer, t.operand, t.rect): t.tag for t in fwd}
     n = len(fwd)
     pieces: dict[tuple, list[Piece]] = {}
-    for edge in pg.edges:
-        for o in edge.overlaps:
-            prod = (index[edge.producer], o.src_task)
-            cons = (index[edge.consumer], o.dst_task)
-            tag = tags.get((prod, cons, edge.operand, o.rect))
-            back = None if tag is None else tag + n
-            key_f, key_b = (Phase.FORWARD, *cons), (Phase.BACKWARD, *prod)
-            pieces.setdefault(key_f, []).append(Piece(o.rect, edge.operand, prod, tag))
-            pieces.setdefault(key_b, []).append(Piece(o.rect, edge.operand, cons, back))
+    for edge, o, p, c in pg.moves():
+        prod, cons = (index[edge.producer], p.index), (index[edge.consumer], c.index)
+        tag = tags.get((prod, cons, edge.operand, o.rect))
+        back = None if tag is None else tag + n
+        key_f, key_b = (Phase.FORWARD, *cons), (Phase.BACKWARD, *prod)
+        pieces.setdefault(key_f, []).append(Piece(o.rect, edge.operand, prod, tag))
+        pieces.setdefault(key_b, []).append(Piece(o.rect, edge.operand, cons, back))
     return pieces
 
 
@@ -152,10 +149,12 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
                 compute = Compute(phase, i, task.index, tuple(pieces.get(key, [])))
                 order.append((task.device, compute))
                 order += [(t.src, Send(t)) for t in sends.get(key, [])]
-    for i, op in indexed:
-        for g, group in enumerate(pg.groups[op.name]):
-            if len(group.devices) > 1:
-                order += [(d, AllReduce(i, g, group.devices)) for d in group.devices]
+            if phase is Phase.BACKWARD:
+                # The op's weight gradients are complete: all-reduce them now, while the
+                # rest of the backward pass is still ahead (as the simulator schedules it).
+                for g, group in enumerate(pg.groups[op.name]):
+                    if len(group.devices) > 1:
+                        order += [(d, AllReduce(i, g, group.devices)) for d in group.devices]
     return order
 
 

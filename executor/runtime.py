@@ -183,10 +183,15 @@ class _Step:
         grads = kernel.backward(
             np, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(task)
         )
-        self.input_grads[key] = grads
         for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
             if role is TensorRole.WEIGHT:
                 self.grads[(name, task.inputs[k].data)] += grads[k]
+        # Keep only what producers still collect: activation gradients.
+        keep = (TensorRole.ACTIVATION,)
+        self.input_grads[key] = tuple(
+            g if role in keep else None
+            for g, role in zip(grads, self.rt.roles[ins.op], strict=True)
+        )
 
     def send(self, t: Transfer) -> None:
         if t.phase is Phase.FORWARD:

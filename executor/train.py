@@ -20,9 +20,10 @@ from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.transport import Transport
 from onnx2soap.errors import UserError
+from onnx2soap.files import write_atomic
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
-from onnx2soap.ir import DType, Graph, LossKind
-from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, load_plan
+from onnx2soap.ir import DType, Graph
+from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
 from onnx2soap.soap.partition import rect_shape
 
 
@@ -60,12 +61,6 @@ class _Setup:
     data: SyntheticData | FileData
 
 
-def _loss_choice(plan: Plan) -> LossKind | None:
-    if plan.loss is LossKind.NONE:
-        raise UserError(f"{plan.model_path}: the plan has no loss (loss 'none'); nothing to train")
-    return None if plan.loss is LossKind.MODEL else plan.loss
-
-
 def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
     plan = load_plan(options.plan)
     if comm.Get_size() != plan.devices:
@@ -82,7 +77,7 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
             f"{path}: sha256 {digest[:12]}… differs from the plan's {plan.model_sha256[:12]}…; "
             "the plan was made for another model file"
         )
-    model = load_model(path, plan.batch, _loss_choice(plan))
+    model = load_model(path, plan.batch, import_loss(plan))
     strategy = plan.strategy(model.graph, analyze(model.graph))
     pg = Partitioner(model.graph).partition(strategy)
     dtype = np.dtype(options.dtype.value)
@@ -127,14 +122,10 @@ def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.nd
     return full if rank == 0 else None
 
 
-def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    path = Path(path)
+def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     blob = io.BytesIO()
     np.savez(blob, **arrays)
-    tmp = path.with_name(f".{path.name}.tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_bytes(blob.getvalue())
-    tmp.replace(path)
+    write_atomic(path, blob.getvalue())
 
 
 def train(
@@ -165,5 +156,5 @@ def train(
     if gather or options.save_weights:
         weights = gather_weights(comm, rt, s.model.graph)
         if rank == 0 and options.save_weights:
-            save_npz_atomic(options.save_weights, weights)
+            save_npz(options.save_weights, weights)
     return RunResult(tuple(records), tuple(int(c) for c in counts), weights)

@@ -266,12 +266,6 @@ class Graph:
     loss: LossKind
     batch: int
 
-    def op(self, name: str) -> Op:
-        for op in self.ops:
-            if op.name == name:
-                return op
-        raise KeyError(name)
-
     @property
     def loss_op(self) -> Op | None:
         return self.ops[-1] if self.ops and self.ops[-1].is_loss else None
@@ -281,9 +275,6 @@ class Graph:
             if op.output == tensor:
                 return op
         return None
-
-    def consumers(self, tensor: str) -> tuple[Op, ...]:
-        return tuple(op for op in self.ops if tensor in op.inputs)
 
     @property
     def weights(self) -> tuple[Tensor, ...]:

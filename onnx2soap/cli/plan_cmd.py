@@ -33,7 +33,11 @@ def register(sub) -> None:
     )
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
     p.add_argument("--budget", type=float, default=30.0, help="search time budget in seconds")
-    p.add_argument("--max-evals", type=int, help="stop the search after this many simulations")
+    p.add_argument(
+        "--max-evals",
+        type=int,
+        help="stop after this many proposals evaluated (revisits included): reproducible",
+    )
     p.add_argument(
         "--beta", type=float, default=SearchOptions.beta, help="MCMC inverse temperature"
     )
@@ -159,11 +163,10 @@ def _report(args, plan: Plan, machine: str, searching: bool) -> None:
         }
         print(json.dumps(doc))
         return
-    how = (
-        f"MCMC ({s.evaluated} strategies simulated in {s.search_time_s:.1f}s)"
-        if searching
-        else args.strategy or "data-parallel"
-    )
+    how = args.strategy or "data-parallel"
+    if searching:
+        noun = "strategy" if s.evaluated == 1 else "strategies"
+        how = f"MCMC ({s.evaluated} {noun} simulated in {s.search_time_s:.1f}s)"
     print(f"wrote {args.output}: {how} on {machine}")
     print(f"  {'predicted step time':<22}{seconds(p.step_time_s):>12}   plan's speed-up")
     for name, t in baselines.items():

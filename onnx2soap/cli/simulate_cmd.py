@@ -9,11 +9,10 @@ from pathlib import Path
 from onnx2soap.cli.common import gib, seconds
 from onnx2soap.errors import UserError
 from onnx2soap.importer import file_sha256, load_model
-from onnx2soap.ir import LossKind
 from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
-from onnx2soap.soap import Partitioner, analyze, load_plan
+from onnx2soap.soap import Partitioner, analyze, import_loss, load_plan
 
 
 def register(sub) -> None:
@@ -33,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"{path}: not the model the plan was made for (sha256 differs or file missing)"
         )
-    loss = None if plan.loss in (LossKind.MODEL, LossKind.NONE) else plan.loss
-    graph = load_model(path, plan.batch, loss).graph
+    graph = load_model(path, plan.batch, import_loss(plan)).graph
     strategy = plan.strategy(graph, analyze(graph))
     machine = resolve_machine(args.machine or plan.machine or f"cpu:{plan.devices}")
     simulator = Simulator(machine, RooflineCost())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import onnx
 
 from onnx2soap.errors import ModelError
@@ -53,6 +55,7 @@ class _Builder:
         self.p = p
         self.tensors: dict[str, Tensor] = {}
         self.aliases: dict[str, str] = {}  # Identity outputs that are just a weight
+        self.names: set[str] = set()  # op names given so far
         self.ops: list[Op] = []
         floats = [n for n in p.graph_inputs if _dtype(p, n).is_float]
         if len(floats) != 1:
@@ -87,8 +90,17 @@ class _Builder:
             return self._add(name, role)
         raise ModelError(f"{self.p.path}: node '{node.name}' reads '{name}', which nothing writes")
 
+    def _unique_name(self, node: onnx.NodeProto) -> str:
+        """The op's name: the node's, made unique (ONNX does not require unique names)."""
+        base = node.name or node.output[0]
+        name, k = base, 1
+        while name in self.names:
+            name, k = f"{base}_{k}", k + 1
+        self.names.add(name)
+        return name
+
     def convert(self, node: onnx.NodeProto) -> None:
-        name = node.name or node.output[0]
+        name = self._unique_name(node)
         extra = [o for o in node.output[1:] if o]
         if extra and any(o in n.input for n in self.p.nodes for o in extra):
             raise ModelError(
@@ -106,11 +118,14 @@ class _Builder:
             constants=tuple(self.p.constants.get(i) for i in node.input),
             output=node.output[0],
         )
+        converter, attrs = CONVERTERS[node.op_type], _attributes(node)
+        known = [k for k in inspect.signature(converter).parameters if k != "ctx"]
+        unknown = sorted(set(attrs) - set(known))
+        if unknown:
+            error = ctx.fail(f"attributes {unknown} are not in the spec; known: {known}")
+            raise ModelError(f"{self.p.path}: {error}")
         try:
-            op = CONVERTERS[node.op_type](ctx, **_attributes(node))
-        except TypeError as e:
-            error = ctx.fail(f"unexpected attributes {sorted(_attributes(node))}: {e}")
-            raise ModelError(f"{self.p.path}: {error}") from e
+            op = converter(ctx, **attrs)
         except ModelError as e:
             raise ModelError(f"{self.p.path}: {e}") from e
         out = converters.output_tensor(op, self.tensors)
@@ -146,8 +161,9 @@ def _prune(ops: list[Op], keep: str) -> list[Op]:
 
 def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
     name = "loss"
-    while name in b.tensors:
+    while name in b.tensors or name in b.names:
         name += "_"
+    b.names.add(name)
     labels_name = "labels"
     while labels_name in b.tensors:
         labels_name += "_"
@@ -176,15 +192,15 @@ def _refuse_shared_weights(p: Prepared, ops: list[Op], tensors: dict[str, Tensor
     read by several ops (tied weights) would train wrong: refuse it."""
     readers: dict[str, list[str]] = {}
     for op in ops:
-        for t in set(op.inputs):
+        for t in op.inputs:  # every occurrence: MatMul(W, W) reads W twice
             if tensors[t].role is TensorRole.WEIGHT:
                 readers.setdefault(t, []).append(op.name)
     shared = {w: names for w, names in readers.items() if len(names) > 1}
     if shared:
         w, names = next(iter(shared.items()))
         raise ModelError(
-            f"{p.path}: weight '{w}' is read by {len(names)} ops ({', '.join(names)}); "
-            "weights shared by several ops (tied weights) are not supported yet"
+            f"{p.path}: weight '{w}' is read {len(names)} times ({', '.join(names)}); "
+            "a weight read more than once (tied weights) is not supported yet"
         )
 
 
@@ -202,8 +218,8 @@ def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
     if own:
         if loss not in (None, LossKind.MODEL):
             raise ModelError(
-                f"{p.path}: the model computes its own loss (node '{own[0].name}'); "
-                f"drop --loss {loss.value} to train with it"
+                f"{p.path}: the model computes its own loss (node '{own[0].name}'); it cannot "
+                f"also get a {loss.value} loss attached"
             )
         loss_op = own[0]
         ops = _prune([op for op in b.ops if op is not loss_op], loss_op.inputs[0])

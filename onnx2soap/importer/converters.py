@@ -58,12 +58,19 @@ class NodeContext:
         return ModelError(f"node '{self.name}' ({self.op_type}): {what}")
 
     def tensor(self, i: int) -> Tensor:
-        t = self.inputs[i] if i < len(self.inputs) else None
+        t = self.optional(i)
         if t is None:
             raise self.fail(f"input {i} must be a tensor computed at run time or a weight")
         return t
 
     def optional(self, i: int) -> Tensor | None:
+        """Input ``i``, or None if it is omitted. A given input that is a folded constant
+        (a Constant node) is refused: dropping it would compute something else."""
+        if i < len(self.constants) and self.constants[i] is not None:
+            raise self.fail(
+                f"input {i} is a constant (a Constant node or a folded expression); only "
+                "weights (float initializers) and computed tensors are supported there"
+            )
         return self.inputs[i] if i < len(self.inputs) else None
 
     def constant(self, i: int) -> np.ndarray:

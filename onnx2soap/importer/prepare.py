@@ -166,9 +166,16 @@ def _types(model: onnx.ModelProto) -> dict[str, TensorType]:
 
 
 def _evaluate(node: onnx.NodeProto, values: list[np.ndarray], opset: int) -> list[np.ndarray]:
-    evaluator = ReferenceEvaluator(node, opsets={"": opset})
-    feeds = {name: v for name, v in zip(node.input, values, strict=True) if name}
-    return [np.asarray(v) for v in evaluator.run(None, feeds)]
+    feeds = {name: v for name, v in zip(node.input, values, strict=False) if name}
+    try:
+        evaluator = ReferenceEvaluator(node, opsets={"": opset})
+        return [np.asarray(v) for v in evaluator.run(None, feeds)]
+    except Exception as e:  # the reference evaluator raises whatever numpy raises
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(
+            f"node '{node.name or node.output[0]}' ({node.op_type}): its inputs are constants, "
+            f"but evaluating it failed: {first}"
+        ) from e
 
 
 def _fold_pass(
@@ -220,7 +227,10 @@ def prepare(path: Path, batch: int | None) -> Prepared:
     float_inits = {i.name for i in model.graph.initializer if i.data_type in _FLOAT_TYPES}
     model = _infer(model, path)
     for _ in range(_MAX_FOLD_PASSES):
-        model, changed = _fold_pass(model, opset, float_inits)
+        try:
+            model, changed = _fold_pass(model, opset, float_inits)
+        except ModelError as e:
+            raise ModelError(f"{path}: {e}") from e
         if not changed:
             break
         model = _infer(model, path)

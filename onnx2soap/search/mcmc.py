@@ -9,9 +9,10 @@ A few chains run interleaved, one proposal each per round. They start from data
 parallelism, the expert strategy and everything on one device; a chain whose best has not
 improved for half of its proposals (after a minimum) is replaced by a chain from a random
 strategy. The search stops at the time budget or when the best has not improved for half
-of it; with ``max_evals`` also at that many simulations or when the best has not improved
-for half of them. Everything random comes from the seed, so a search that ends on
-``max_evals`` (before the budget) is reproducible: same seed, same plan.
+of it; with ``max_evals`` also after that many proposals (each one an evaluation, a
+revisited strategy answered from memory) or when the best has not improved for half of
+them. Everything random comes from the seed, so a search that ends on ``max_evals``
+(before the budget) is reproducible: same seed, same plan.
 
 The cost of a strategy is its simulated step time, or infinity when it does not fit in
 device memory, so an infeasible plan is never returned.
@@ -176,22 +177,24 @@ def mcmc(
     }
     scale = next((c.cost for c in chains if math.isfinite(c.cost)), 1.0)
     best, last_report = search.best_cost, 0.0
-    improved_s, improved_evals = 0.0, 0
-    while True:
-        elapsed, evals = time.perf_counter() - began, search.evaluate.evaluated
+    improved_s, improved_at, proposals = 0.0, 0, 0
+    single = all(len(moves) < 2 for moves in search.moves.values())
+    while not single:  # with one strategy in the whole space there is nothing to search
+        elapsed = time.perf_counter() - began
         # Stop at the budget, or when the best has not improved for half of it.
         if elapsed >= options.budget_s or elapsed - improved_s >= options.budget_s / 2:
             break
         if options.max_evals is not None and (
-            evals >= options.max_evals or evals - improved_evals >= options.max_evals / 2
+            proposals >= options.max_evals or proposals - improved_at >= options.max_evals / 2
         ):
             break
         for i, chain in enumerate(chains):
             search.propose(chain, scale)
+            proposals += 1
             if not chain.active:
                 chains[i] = new_chain()
         if search.best_cost < best:
-            best, improved_s, improved_evals = search.best_cost, elapsed, evals
+            best, improved_s, improved_at = search.best_cost, elapsed, proposals
         if progress is not None and elapsed - last_report >= 0.2:
             last_report = elapsed
             progress(Progress(elapsed, options.budget_s, search.evaluate.evaluated, best))

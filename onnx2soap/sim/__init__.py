@@ -49,7 +49,7 @@ class Simulator:
         return build_task_graph(pg, self.machine, self.cost, self.itemsize, names, self.memo)
 
     def evaluate(self, pg: PartitionedGraph) -> Evaluation:
-        tg = self.task_graph(pg)
+        tg = self.task_graph(pg)  # binds the memo to pg's graph
         timeline: Timeline = simulate(tg)
         memory = peak_memory(pg, self.machine.size, self.itemsize, self.memo.memory)
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))

@@ -17,11 +17,13 @@ from onnx2soap.soap.partition import Task, rect_volume
 
 
 class CostModel(Protocol):
-    def forward(self, op: Op, task: Task, device: ComputeDevice) -> float: ...
+    """Seconds a task takes on a device, its tensors ``itemsize`` bytes an element."""
 
-    def backward(self, op: Op, task: Task, device: ComputeDevice) -> float: ...
+    def forward(self, op: Op, task: Task, device: ComputeDevice, itemsize: int) -> float: ...
 
-    def update(self, numel: int, device: ComputeDevice) -> float: ...
+    def backward(self, op: Op, task: Task, device: ComputeDevice, itemsize: int) -> float: ...
+
+    def update(self, numel: int, device: ComputeDevice, itemsize: int) -> float: ...
 
 
 def task_flops(op: Op, task: Task) -> int:
@@ -38,7 +40,6 @@ def task_bytes(task: Task, itemsize: int) -> int:
 class RooflineCost:
     """Backward costs twice the forward (gradients for inputs and for weights)."""
 
-    itemsize: int = 4
     backward_factor: float = 2.0
 
     def _time(self, flops: float, nbytes: float, device: ComputeDevice) -> float:
@@ -46,14 +47,14 @@ class RooflineCost:
         memory = nbytes / device.memory_bandwidth
         return max(compute, memory) + device.kernel_overhead
 
-    def forward(self, op: Op, task: Task, device: ComputeDevice) -> float:
-        return self._time(task_flops(op, task), task_bytes(task, self.itemsize), device)
+    def forward(self, op: Op, task: Task, device: ComputeDevice, itemsize: int) -> float:
+        return self._time(task_flops(op, task), task_bytes(task, itemsize), device)
 
-    def backward(self, op: Op, task: Task, device: ComputeDevice) -> float:
+    def backward(self, op: Op, task: Task, device: ComputeDevice, itemsize: int) -> float:
         f = self.backward_factor
-        flops, nbytes = task_flops(op, task) * f, task_bytes(task, self.itemsize) * f
+        flops, nbytes = task_flops(op, task) * f, task_bytes(task, itemsize) * f
         return self._time(flops, nbytes, device)
 
-    def update(self, numel: int, device: ComputeDevice) -> float:
+    def update(self, numel: int, device: ComputeDevice, itemsize: int) -> float:
         # SGD reads the weight and its gradient and writes the weight.
-        return self._time(2 * numel, 3 * numel * self.itemsize, device)
+        return self._time(2 * numel, 3 * numel * itemsize, device)

@@ -24,6 +24,7 @@ route.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,9 @@ class Machine:
 
 def _number(doc: Mapping, key: str, where: str, source: str, integer: bool = False) -> float:
     value = doc.get(key) if isinstance(doc, Mapping) else None
+    if isinstance(value, str):  # PyYAML reads 9.3e12 (no sign in the exponent) as a string
+        with contextlib.suppress(ValueError):
+            value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         kind = "a positive integer" if integer else "a positive number"
         raise MachineError(f"{source}: {where}.{key}: must be {kind}, got {value!r}")
@@ -193,6 +197,10 @@ def load_machine_file(path: Path) -> Machine:
         doc = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError as e:
         raise MachineError(f"{path}: no such machine file") from e
+    except OSError as e:
+        raise MachineError(f"{path}: cannot read the machine file ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise MachineError(f"{path}: not a text file ({e.reason})") from e
     except yaml.YAMLError as e:
         raise MachineError(f"{path}: not YAML ({str(e).splitlines()[0]})") from e
     return machine_from_dict(doc, str(path))

@@ -1,9 +1,11 @@
 """Per-device peak memory of one training step, as the executor allocates it.
 
-Per device: every weight Rect it holds, once, plus its gradient (SGD keeps no optimizer
-state); for every task on it: its assembled input buffers (weights excluded), its
-output tile, and their gradients, all kept until the step ends; the receive buffers
-posted at the start of the step and the send copies held until the step ends.
+Per device: the whole batch (input and labels: every rank builds it and cuts its
+regions); every weight Rect it holds, once, plus its gradient (SGD keeps no optimizer
+state); for every task on it: its assembled input buffers (weights excluded) and output
+tile, kept for the backward, and the gradients of both (activation inputs only), kept
+until the step ends; the receive buffers posted at the start of the step and the send
+copies held until it ends. Labels count at their own width (int64 class ids).
 """
 
 from __future__ import annotations
@@ -13,18 +15,33 @@ from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import rect_volume
 
 
-def _op_elements(pg: PartitionedGraph, op) -> tuple[tuple[int, int], ...]:
-    """(device, elements) held for one op: weight shards with gradients, task buffers."""
+def _op_bytes(pg: PartitionedGraph, op, itemsize: int) -> tuple[tuple[int, int], ...]:
+    """(device, bytes) held for one op: weight shards with gradients, task buffers."""
     graph = pg.graph
     held: dict[int, int] = {}
     shards = {(g.weight, g.rect, d) for g in pg.groups[op.name] for d in g.devices}
     for _, rect, d in shards:
-        held[d] = held.get(d, 0) + 2 * rect_volume(rect)  # weight + gradient
-    weight = [graph.tensors[t].role is TensorRole.WEIGHT for t in op.inputs]
+        held[d] = held.get(d, 0) + 2 * rect_volume(rect) * itemsize  # weight + gradient
+    roles = [graph.tensors[t].role for t in op.inputs]
+    widths = [
+        graph.tensors[t].dtype.itemsize if r is TensorRole.LABELS else itemsize
+        for t, r in zip(op.inputs, roles, strict=True)
+    ]
     for t in pg.tasks[op.name]:
-        buffers = sum(rect_volume(r.buffer) for r, w in zip(t.inputs, weight, strict=True) if not w)
-        held[t.device] = held.get(t.device, 0) + 2 * (buffers + rect_volume(t.output))
+        out = rect_volume(t.output) * itemsize
+        total = 2 * out  # the output tile and its gradient
+        for region, role, width in zip(t.inputs, roles, widths, strict=True):
+            if role is not TensorRole.WEIGHT:
+                copies = 2 if role is TensorRole.ACTIVATION else 1  # buffer (+ its gradient)
+                total += copies * rect_volume(region.buffer) * width
+        held[t.device] = held.get(t.device, 0) + total
     return tuple(held.items())
+
+
+def _batch_bytes(graph, itemsize: int) -> int:
+    labels = graph.tensors[graph.labels] if graph.labels else None
+    size = graph.tensors[graph.input].numel * itemsize
+    return size + (labels.numel * labels.dtype.itemsize if labels else 0)
 
 
 def peak_memory(
@@ -34,19 +51,16 @@ def peak_memory(
     memo: dict[tuple, tuple[tuple[int, int], ...]] | None = None,
 ) -> tuple[int, ...]:
     memo = {} if memo is None else memo
-    elements = [0] * devices
+    held = [_batch_bytes(pg.graph, itemsize)] * devices
     for op in pg.graph.ops:
         key = (op.name, pg.strategy[op.name])
         if key not in memo:
-            memo[key] = _op_elements(pg, op)
+            memo[key] = _op_bytes(pg, op, itemsize)
         for d, n in memo[key]:
-            elements[d] += n
-    for edge in pg.edges:
-        producers, consumers = pg.tasks[edge.producer], pg.tasks[edge.consumer]
-        for o in edge.overlaps:
-            a, b = producers[o.src_task].device, consumers[o.dst_task].device
-            if a != b:
-                # forward: a keeps a send copy, b a receive buffer; backward: the reverse
-                elements[a] += 2 * o.volume
-                elements[b] += 2 * o.volume
-    return tuple(e * itemsize for e in elements)
+            held[d] += n
+    for _, o, p, c in pg.moves():
+        if p.device != c.device:
+            # forward: p keeps a send copy, c a receive buffer; backward: the reverse
+            held[p.device] += 2 * o.volume * itemsize
+            held[c.device] += 2 * o.volume * itemsize
+    return tuple(held)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx2soap.files import write_atomic
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
-from onnx2soap.soap.plan import write_atomic
 
 
 def _rate(work: Callable[[], None], seconds: float) -> float:
@@ -115,7 +115,8 @@ def probe(comm, seconds: float = 0.3) -> str:
         memory=int(memory),
         kernel_overhead=float(max(r[2] for r in rates)),
     )
-    machine = cpu(ranks, device, links.bandwidth, links.latency)
+    # A route is two links (out-port, in-port), and a transfer pays every link's latency.
+    machine = cpu(ranks, device, links.bandwidth, links.latency / 2)
     return dump_machine(machine)
 
 

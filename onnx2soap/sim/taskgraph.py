@@ -17,6 +17,7 @@ from enum import IntEnum
 import numpy as np
 
 from onnx2soap.errors import PlanError
+from onnx2soap.ir import Graph
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Machine
 from onnx2soap.soap import PartitionedGraph
@@ -97,16 +98,24 @@ class _Builder:
 
 @dataclass
 class Memo:
-    """Durations that depend only on (machine, cost model, itemsize), kept across task
-    graphs by whoever builds many of them (the search): a proposal changes one op, so
-    almost every duration of the next graph is already known."""
+    """Durations (and per-op memory) kept across the task graphs of one graph on one
+    machine, cost model and item size, by whoever builds many of them (the search): a
+    proposal changes one op, so almost everything in the next graph is already known.
+    Keys are op names, so the memo binds itself to one graph and starts over for another."""
 
+    graph: Graph | None = None
     compute: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
     transfers: dict[tuple[int, int, int], tuple[float, tuple[int, ...]]] = field(
         default_factory=dict
     )
     rings: dict[tuple, tuple] = field(default_factory=dict)
     memory: dict[tuple, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+    def bind(self, graph: Graph) -> None:
+        if self.graph is not graph:
+            self.graph = graph
+            self.compute.clear()
+            self.memory.clear()
 
 
 @dataclass
@@ -138,9 +147,10 @@ class _Context:
         key = (op.name, config)
         if key not in self.memo.compute:
             devices, tasks = self.machine.devices, self.pg.tasks[op.name]
+            size = self.itemsize
             self.memo.compute[key] = (
-                tuple(self.cost.forward(op, t, devices[t.device]) for t in tasks),
-                tuple(self.cost.backward(op, t, devices[t.device]) for t in tasks),
+                tuple(self.cost.forward(op, t, devices[t.device], size) for t in tasks),
+                tuple(self.cost.backward(op, t, devices[t.device], size) for t in tasks),
             )
         return self.memo.compute[key]
 
@@ -170,28 +180,21 @@ def _compute_tasks(ctx: _Context) -> None:
 
 
 def _edge_tasks(ctx: _Context) -> None:
-    for edge in ctx.pg.edges:
-        producers, consumers = ctx.pg.tasks[edge.producer], ctx.pg.tasks[edge.consumer]
-        for o in edge.overlaps:
-            p, c = producers[o.src_task], consumers[o.dst_task]
-            pf, pb = ctx.fwd[(edge.producer, p.index)], ctx.bwd[(edge.producer, p.index)]
-            cf, cb = ctx.fwd[(edge.consumer, c.index)], ctx.bwd[(edge.consumer, c.index)]
-            if p.device == c.device:
-                ctx.b.dep(pf, cf)
-                ctx.b.dep(cb, pb)
-                continue
-            nbytes = o.volume * ctx.itemsize
-            what = f"{edge.tensor} {p.device}->{c.device}"
-            x = ctx.transfer(
-                TaskKind.TRANSFER, p.device, c.device, nbytes, lambda w=what: f"send {w}"
-            )
-            y = ctx.transfer(
-                TaskKind.TRANSFER, c.device, p.device, nbytes, lambda w=what: f"grad {w}"
-            )
-            ctx.b.dep(pf, x)
-            ctx.b.dep(x, cf)
-            ctx.b.dep(cb, y)
-            ctx.b.dep(y, pb)
+    for edge, o, p, c in ctx.pg.moves():
+        pf, pb = ctx.fwd[(edge.producer, p.index)], ctx.bwd[(edge.producer, p.index)]
+        cf, cb = ctx.fwd[(edge.consumer, c.index)], ctx.bwd[(edge.consumer, c.index)]
+        if p.device == c.device:
+            ctx.b.dep(pf, cf)
+            ctx.b.dep(cb, pb)
+            continue
+        nbytes = o.volume * ctx.itemsize
+        what = f"{edge.tensor} {p.device}->{c.device}"
+        x = ctx.transfer(TaskKind.TRANSFER, p.device, c.device, nbytes, lambda w=what: f"send {w}")
+        y = ctx.transfer(TaskKind.TRANSFER, c.device, p.device, nbytes, lambda w=what: f"grad {w}")
+        ctx.b.dep(pf, x)
+        ctx.b.dep(x, cf)
+        ctx.b.dep(cb, y)
+        ctx.b.dep(y, pb)
 
 
 def _ring_steps(ctx: _Context, devices: tuple[int, ...], numel: int) -> tuple:
@@ -251,7 +254,7 @@ def _weight_tasks(ctx: _Context) -> None:
             for d in group.devices:
                 u = ctx.b.add(
                     TaskKind.UPDATE,
-                    ctx.cost.update(numel, devices[d]),
+                    ctx.cost.update(numel, devices[d], ctx.itemsize),
                     (d,),
                     name=lambda g=group: f"update {g.weight}",
                 )
@@ -272,7 +275,9 @@ def build_task_graph(
             f"the plan uses {pg.strategy.devices} devices but machine '{machine.name}' has "
             f"{machine.size}"
         )
-    ctx = _Context(pg, machine, cost, itemsize, _Builder(names), memo or Memo())
+    memo = memo or Memo()
+    memo.bind(pg.graph)
+    ctx = _Context(pg, machine, cost, itemsize, _Builder(names), memo)
     _compute_tasks(ctx)
     _edge_tasks(ctx)
     _weight_tasks(ctx)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from onnx2soap.files import write_atomic
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.simulate import Timeline
 from onnx2soap.sim.taskgraph import TaskGraph, TaskKind
-from onnx2soap.soap.plan import write_atomic
 
 
 def trace_events(tg: TaskGraph, timeline: Timeline, machine: Machine) -> list[dict]:

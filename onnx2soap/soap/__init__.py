@@ -12,7 +12,16 @@ from onnx2soap.soap.candidates import candidates
 from onnx2soap.soap.dims import DimKind, SoapDim, analyze
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.partitioned import Edge, PartitionedGraph, Partitioner
-from onnx2soap.soap.plan import OpPlan, Plan, Predicted, SearchInfo, load_plan, plan_ops, save_plan
+from onnx2soap.soap.plan import (
+    OpPlan,
+    Plan,
+    Predicted,
+    SearchInfo,
+    import_loss,
+    load_plan,
+    plan_ops,
+    save_plan,
+)
 from onnx2soap.soap.strategy import Strategy, validate
 
 __all__ = [
@@ -29,6 +38,7 @@ __all__ = [
     "Strategy",
     "analyze",
     "candidates",
+    "import_loss",
     "load_plan",
     "plan_ops",
     "save_plan",

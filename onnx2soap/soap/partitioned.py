@@ -4,7 +4,7 @@ search re-partitions only what a proposal changed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from onnx2soap.ir import Graph, Op, TensorRole
@@ -40,11 +40,13 @@ class PartitionedGraph:
     edges: tuple[Edge, ...]  # in consumer order, then operand order
     groups: Mapping[str, tuple[ReplicaGroup, ...]]
 
-    def edges_into(self, op: str) -> tuple[Edge, ...]:
-        return tuple(e for e in self.edges if e.consumer == op)
-
-    def edges_from(self, op: str) -> tuple[Edge, ...]:
-        return tuple(e for e in self.edges if e.producer == op)
+    def moves(self) -> Iterator[tuple[Edge, Overlap, Task, Task]]:
+        """Every overlap with its producer and consumer task, in edge order: what the
+        executor sends (where the devices differ) and the simulator times, alike."""
+        for edge in self.edges:
+            producers, consumers = self.tasks[edge.producer], self.tasks[edge.consumer]
+            for o in edge.overlaps:
+                yield edge, o, producers[o.src_task], consumers[o.dst_task]
 
 
 class Partitioner:

@@ -6,8 +6,9 @@
      "ops": [{"name": str, "degrees": {dim: int}, "devices": [int]}],
      "predicted": {...} | null, "search": {...} | null}
 
-The model path is stored relative to the plan file's folder. Loading checks every field
-and names the bad one; writing is atomic (a temporary file renamed over the target).
+The model path (and a machine file's) is stored relative to the plan file's folder.
+Loading checks every field and names the bad one; writing is atomic (a temporary file
+renamed over the target).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from onnx2soap.errors import PlanError
+from onnx2soap.files import write_atomic
 from onnx2soap.ir import Graph, LossKind
 from onnx2soap.soap.dims import SoapDim
 from onnx2soap.soap.partition import ParallelConfig
@@ -33,7 +34,7 @@ VERSION = 1
 @dataclass(frozen=True)
 class OpPlan:
     name: str
-    degrees: tuple[tuple[str, int], ...]  # only dims split with degree > 1
+    degrees: tuple[tuple[str, int], ...]  # written: dims split with degree > 1
     devices: tuple[int, ...]
 
 
@@ -87,6 +88,14 @@ class Plan:
         return strategy
 
 
+def import_loss(plan: Plan) -> LossKind | None:
+    """The ``loss`` argument of ``load_model`` that rebuilds the graph the plan was made
+    for: the model's own loss, or the attached one. A plan always has a loss."""
+    if plan.loss is LossKind.NONE:
+        raise PlanError(f"{plan.model_path}: the plan has no loss (loss 'none'); nothing to train")
+    return None if plan.loss is LossKind.MODEL else plan.loss
+
+
 def plan_ops(
     strategy: Strategy, graph: Graph, space: Mapping[str, tuple[SoapDim, ...]]
 ) -> tuple[OpPlan, ...]:
@@ -103,6 +112,24 @@ def plan_ops(
 # --- JSON -----------------------------------------------------------------------------------
 
 
+def _is_machine_file(spec: str) -> bool:
+    """A machine file rather than a preset name (``flexflow-p100:4``)."""
+    return Path(spec).suffix in (".yaml", ".yml") or "/" in spec
+
+
+def _relative_machine(spec: str | None, plan_dir: Path) -> str | None:
+    """Machine files are stored relative to the plan's folder, like the model."""
+    if spec is None or not _is_machine_file(spec):
+        return spec
+    return os.path.relpath(Path(spec).resolve(), plan_dir.resolve())
+
+
+def _resolved_machine(spec: str | None, plan_dir: Path) -> str | None:
+    if spec is None or not _is_machine_file(spec) or Path(spec).is_absolute():
+        return spec
+    return str(plan_dir / spec)
+
+
 def _to_json(plan: Plan, plan_dir: Path) -> dict:
     try:
         model_path = os.path.relpath(plan.model_path.resolve(), plan_dir.resolve())
@@ -114,7 +141,7 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
         "model": {"path": model_path, "sha256": plan.model_sha256, "batch": plan.batch},
         "loss": plan.loss.value,
         "devices": plan.devices,
-        "machine": plan.machine,
+        "machine": _relative_machine(plan.machine, plan_dir),
         "ops": [
             {"name": o.name, "degrees": dict(o.degrees), "devices": list(o.devices)}
             for o in plan.ops
@@ -140,24 +167,6 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
             "search_time_s": s.search_time_s,
         }
     return doc
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    # O_EXCL: never reuse a stray file; mode 0o666 minus the umask, like a plain open().
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_plan(plan: Plan, path: Path | str) -> None:
@@ -215,8 +224,8 @@ def _read_ops(r: _Reader, doc: Mapping) -> tuple[OpPlan, ...]:
                 f"{where}.devices",
                 f"has {len(devices)} entries; the degrees make {math.prod(degrees.values())} tasks",
             )
-        pairs = tuple((k, v) for k, v in degrees.items() if v > 1)
-        ops.append(OpPlan(name, pairs, tuple(devices)))
+        # Degree-1 entries are kept so that a misspelt dim name is still caught.
+        ops.append(OpPlan(name, tuple(degrees.items()), tuple(devices)))
     return tuple(ops)
 
 
@@ -257,6 +266,8 @@ def load_plan(path: Path | str) -> Plan:
         doc = json.loads(path.read_text())
     except FileNotFoundError as e:
         raise PlanError(f"{path}: no such plan file") from e
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read the plan ({e.strerror or e})") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{path}: not a JSON plan file ({e})") from e
     r = _Reader(str(path))
@@ -282,7 +293,9 @@ def load_plan(path: Path | str) -> Plan:
         loss=LossKind(loss),
         devices=r.positive(doc, "devices", "devices"),
         ops=_read_ops(r, doc),
-        machine=r.get(doc, "machine", str, "machine", optional=True),
+        machine=_resolved_machine(
+            r.get(doc, "machine", str, "machine", optional=True), path.parent
+        ),
         predicted=_read_predicted(r, doc),
         search=_read_search(r, doc),
     )

@@ -209,5 +209,5 @@ def test_a_weight_shared_by_two_ops_is_refused(tmp_path: Path) -> None:
     )
     path = tmp_path / "tied.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    with pytest.raises(ModelError, match=r"weight 'W' is read by 2 ops \(first, second\)"):
+    with pytest.raises(ModelError, match=r"weight 'W' is read 2 times \(first, second\)"):
         load_model(path, batch=2)

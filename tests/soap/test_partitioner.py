@@ -69,9 +69,8 @@ def test_partition_equals_the_unmemoized_functions(strategy: Strategy) -> None:
     )
     for e in pg.edges:
         assert e.overlaps == overlaps(fresh[e.producer], fresh[e.consumer], e.operand)
-    for op in GRAPH.ops:
-        assert pg.edges_into(op.name) == tuple(e for e in pg.edges if e.consumer == op.name)
-        assert pg.edges_from(op.name) == tuple(e for e in pg.edges if e.producer == op.name)
+    moves = [(e.tensor, o, p.index, c.index) for e, o, p, c in pg.moves()]
+    assert moves == [(e.tensor, o, o.src_task, o.dst_task) for e in pg.edges for o in e.overlaps]
 
 
 @settings(max_examples=25, deadline=None)
@@ -120,7 +119,7 @@ def test_known_partition() -> None:
     )
     validate(GRAPH, SPACE, strategy)
     pg = Partitioner(GRAPH).partition(strategy)
-    (into_relu,) = pg.edges_into("relu")
+    (into_relu,) = [e for e in pg.edges if e.consumer == "relu"]
     # concat task k (batch half k, all 7 channels) feeds relu tasks 2k and 2k+1
     assert [(o.src_task, o.dst_task, o.rect) for o in into_relu.overlaps] == [
         (0, 0, ((0, 2), (0, 4), (0, 10))),

@@ -1,0 +1,81 @@
+"""Inputs that once trained wrong or crashed: now refused in one line, or handled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from onnx2soap.cli import main as cli
+from onnx2soap.errors import ModelError
+from onnx2soap.importer import load_model
+from onnx2soap.search.baselines import data_parallel
+from onnx2soap.soap import Partitioner, analyze
+
+
+def save(path: Path, nodes, inits, out_shape=("batch", 4)) -> Path:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, list(out_shape))],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def weight(name: str, shape=(4, 4)) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.ones(shape, np.float32), name)
+
+
+def test_a_bias_from_a_constant_node_is_refused_not_dropped(tmp_path: Path) -> None:
+    const = helper.make_node(
+        "Constant", [], ["c"], value=numpy_helper.from_array(np.full(4, 5.0, np.float32))
+    )
+    gemm = helper.make_node("Gemm", ["x", "W", "c"], ["y"], name="fc")
+    path = save(tmp_path / "m.onnx", [const, gemm], [weight("W")])
+    with pytest.raises(ModelError, match=r"node 'fc' \(Gemm\): input 2 is a constant"):
+        load_model(path, batch=2)
+
+
+def test_a_weight_read_twice_by_one_op_is_refused(tmp_path: Path) -> None:
+    """Add(W, W): each operand's gradient would go to its own copy of W."""
+    nodes = [
+        helper.make_node("Add", ["W", "W"], ["w2"], name="sq"),
+        helper.make_node("MatMul", ["x", "w2"], ["y"], name="mm"),
+    ]
+    path = save(tmp_path / "m.onnx", nodes, [weight("W")])
+    with pytest.raises(ModelError, match=r"weight 'W' is read 2 times \(sq, sq\)"):
+        load_model(path, batch=2)
+
+
+def test_duplicate_and_reserved_node_names_get_unique_op_names(tmp_path: Path) -> None:
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc"),
+        helper.make_node("Relu", ["h"], ["r"], name="loss"),
+        helper.make_node("MatMul", ["r", "W2"], ["y"], name="fc"),
+    ]
+    path = save(tmp_path / "m.onnx", nodes, [weight("W1"), weight("W2")])
+    graph = load_model(path, batch=2).graph
+    names = [op.name for op in graph.ops]
+    assert names == ["fc", "loss", "fc_1", "loss_"]
+    pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 2))
+    assert len(pg.edges) == 3
+
+
+def test_a_constant_expression_that_cannot_be_evaluated_is_one_line(tmp_path: Path, capsys) -> None:
+    six = helper.make_node(
+        "Constant", [], ["six"], value=numpy_helper.from_array(np.zeros(6, np.float32))
+    )
+    target = numpy_helper.from_array(np.array([5], np.int64), "five")
+    bad = helper.make_node("Reshape", ["six", "five"], ["bad"], name="broken")
+    shape = helper.make_node("Shape", ["bad"], ["s"], name="shape")
+    relu = helper.make_node("Relu", ["x"], ["y"], name="relu")
+    path = save(tmp_path / "m.onnx", [six, bad, shape, relu], [target])
+    assert cli(["inspect", str(path), "--batch", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "node 'broken' (Reshape)" in err
