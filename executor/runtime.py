@@ -74,24 +74,26 @@ class Runtime:
     def forward(self, batch: Batch) -> dict[tuple[str, int], np.ndarray]:
         """Only the forward phase; the output tile of every local task, by (op, task)."""
         state = _Step(self, batch, forward_only=True)
-        for ins in self.program.instructions:
-            if isinstance(ins, Compute) and ins.phase is Phase.FORWARD:
-                state.forward(ins)
-            elif isinstance(ins, Send) and ins.transfer.phase is Phase.FORWARD:
-                state.send(ins.transfer)
-            elif isinstance(ins, Wait) and ins.transfer.phase is Phase.FORWARD:
-                state.received[ins.transfer.tag][0].Wait()
-        for request, _ in state.sent:
-            request.Wait()
+        self._run(state, forward_only=True)
         names = [op.name for op in self.graph.ops]
         return {(names[op], task): tile for (op, task), tile in state.outputs.items()}
 
     def step(self, batch: Batch, lr: float) -> float:
         """Run one SGD step; returns the sum of this rank's partial losses."""
         state = _Step(self, batch)
+        self._run(state, forward_only=False)
+        for key, shard in self.shards.items():
+            shard -= lr * state.grads[key]
+        return state.loss
+
+    def _run(self, state: _Step, forward_only: bool) -> None:
         for ins in self.program.instructions:
-            if isinstance(ins, Compute):
-                state.forward(ins) if ins.phase is Phase.FORWARD else state.backward(ins)
+            if forward_only and _phase(ins) is not Phase.FORWARD:
+                continue
+            if isinstance(ins, Compute) and ins.phase is Phase.FORWARD:
+                state.forward(ins)
+            elif isinstance(ins, Compute):
+                state.backward(ins)
             elif isinstance(ins, Send):
                 state.send(ins.transfer)
             elif isinstance(ins, Wait):
@@ -101,9 +103,14 @@ class Runtime:
                 self.transport.allreduce_sum(state.grads[(group.weight, group.rect)], ins.devices)
         for request, _ in state.sent:
             request.Wait()
-        for key, shard in self.shards.items():
-            shard -= lr * state.grads[key]
-        return state.loss
+
+
+def _phase(ins) -> Phase:
+    if isinstance(ins, Compute):
+        return ins.phase
+    if isinstance(ins, Send | Wait):
+        return ins.transfer.phase
+    return Phase.BACKWARD  # all-reduces of weight gradients
 
 
 class _Step:
@@ -187,9 +194,8 @@ class _Step:
             if role is TensorRole.WEIGHT:
                 self.grads[(name, task.inputs[k].data)] += grads[k]
         # Keep only what producers still collect: activation gradients.
-        keep = (TensorRole.ACTIVATION,)
         self.input_grads[key] = tuple(
-            g if role in keep else None
+            g if role is TensorRole.ACTIVATION else None
             for g, role in zip(grads, self.rt.roles[ins.op], strict=True)
         )
 
