@@ -10,6 +10,12 @@ column is filled.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import statistics
 import time

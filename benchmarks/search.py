@@ -9,6 +9,12 @@ this measures the search, not the hardware: speed-ups are ratios of predicted ti
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 
 from benchmarks.models import model_path

@@ -64,7 +64,7 @@ def machine_spec(machine: str | None, devices: int | None) -> str:
     return f"cpu:{devices}"
 
 
-def _progress_bar(p: Progress) -> None:
+def draw_progress(p: Progress) -> None:
     width = 30
     filled = min(width, int(width * p.elapsed_s / p.budget_s)) if p.budget_s > 0 else width
     bar = "#" * filled + "." * (width - filled)
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     search_info = None
     if searching:
         options = SearchOptions(args.budget, args.seed, args.beta, args.max_evals)
-        show = None if args.quiet or args.json or not sys.stderr.isatty() else _progress_bar
+        show = None if args.quiet or args.json or not sys.stderr.isatty() else draw_progress
         result = mcmc(graph, space, simulator, options, show)
         if show:
             sys.stderr.write("\n")

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from onnx2soap.cli import main as cli
+from onnx2soap.cli.plan_cmd import draw_progress
 from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import Rule, by_rule
 from onnx2soap.search.exhaustive import exhaustive, space_size
-from onnx2soap.search.mcmc import SearchOptions, mcmc
+from onnx2soap.search.mcmc import Progress, SearchOptions, mcmc
 from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.machine import ComputeDevice
 from onnx2soap.sim.memory import peak_memory
@@ -107,3 +108,15 @@ def test_plan_cli_json(example_onnx: Path, tmp_path: Path, capsys) -> None:
     saved = json.loads(plan.read_text())
     assert saved["predicted"]["step_time_s"] == doc["predicted_step_time_s"]
     assert saved["search"]["method"] == "mcmc" and saved["machine"] == "flexflow-p100:1"
+
+
+def test_progress_is_reported_and_drawn(tmp_path: Path, capsys) -> None:
+    graph, space, sim = hybrid_case(tmp_path)
+    seen: list[Progress] = []
+    mcmc(graph, space, sim, SearchOptions(budget_s=0.6, seed=0), seen.append)
+    assert seen and all(0 <= p.elapsed_s <= 0.7 and p.evaluated > 0 for p in seen)
+    assert [p.evaluated for p in seen] == sorted(p.evaluated for p in seen)
+    draw_progress(Progress(elapsed_s=3.0, budget_s=12.0, evaluated=321, best_step_time_s=2e-3))
+    bar = capsys.readouterr().err
+    assert bar.startswith("\r[#######.......................]") and "321 simulated" in bar
+    assert "best 2.000 ms" in bar
