@@ -104,8 +104,8 @@ class _Builder:
         extra = [o for o in node.output[1:] if o]
         if extra and any(o in n.input for n in self.p.nodes for o in extra):
             raise ModelError(
-                f"node '{name}' ({node.op_type}): only its first output is supported, but "
-                f"{extra} are used"
+                f"{self.p.path}: node '{name}' ({node.op_type}): only its first output is "
+                f"supported, but {extra} are used"
             )
         inputs = tuple(self._operand(node, i) for i in node.input)
         if node.op_type == "Identity" and inputs[0] and inputs[0].role is TensorRole.WEIGHT:
@@ -167,22 +167,20 @@ def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
     labels_name = "labels"
     while labels_name in b.tensors:
         labels_name += "_"
-    p = b.p
     if loss is LossKind.CROSS_ENTROPY:
         if len(output.shape) != 2:
             raise ModelError(
-                f"{p.path}: cross-entropy needs a [batch, classes] output, but "
+                f"{b.p.path}: cross-entropy needs a [batch, classes] output, but "
                 f"'{output.name}' is {list(output.shape)} (choose --loss mse or none)"
             )
         labels = Tensor(labels_name, (output.shape[0],), DType.INT64, TensorRole.LABELS)
-    else:
-        labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS)
-    b.tensors[labels.name] = labels
-    ctx = NodeContext(name, "loss", (output, labels), (None, None), name)
-    if loss is LossKind.CROSS_ENTROPY:
+        ctx = NodeContext(name, "loss", (output, labels), (None, None), name)
         op = converters.cross_entropy_op(ctx, output, labels, LossAttrs())
     else:
+        labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS)
+        ctx = NodeContext(name, "loss", (output, labels), (None, None), name)
         op = converters.mse_op(ctx, output, labels)
+    b.tensors[labels.name] = labels
     b.tensors[name] = converters.output_tensor(op, b.tensors)
     return op
 
@@ -195,9 +193,9 @@ def _refuse_shared_weights(p: Prepared, ops: list[Op], tensors: dict[str, Tensor
         for t in op.inputs:  # every occurrence: MatMul(W, W) reads W twice
             if tensors[t].role is TensorRole.WEIGHT:
                 readers.setdefault(t, []).append(op.name)
-    shared = {w: names for w, names in readers.items() if len(names) > 1}
-    if shared:
-        w, names = next(iter(shared.items()))
+    for w, names in readers.items():
+        if len(names) < 2:
+            continue
         raise ModelError(
             f"{p.path}: weight '{w}' is read {len(names)} times ({', '.join(names)}); "
             "a weight read more than once (tied weights) is not supported yet"

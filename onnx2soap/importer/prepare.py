@@ -165,8 +165,7 @@ def _types(model: onnx.ModelProto) -> dict[str, TensorType]:
     return types
 
 
-def _evaluate(node: onnx.NodeProto, values: list[np.ndarray], opset: int) -> list[np.ndarray]:
-    feeds = {name: v for name, v in zip(node.input, values, strict=False) if name}
+def _evaluate(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
     try:
         evaluator = ReferenceEvaluator(node, opsets={"": opset})
         return [np.asarray(v) for v in evaluator.run(None, feeds)]
@@ -191,10 +190,12 @@ def _fold_pass(
     kept, changed = [], False
     for node in model.graph.node:
         if node.op_type == "Shape" and node.input[0] in types:
-            shape = np.array(types[node.input[0]].shape, dtype=np.int64)
-            outs = [_evaluate(node, [np.zeros(shape, dtype=np.int8)], opset)[0]]
+            # Python slicing clamps and wraps start/end exactly as the ONNX spec does.
+            attrs = {a.name: a.i for a in node.attribute}
+            window = slice(attrs.get("start", 0), attrs.get("end"))
+            outs = [np.array(types[node.input[0]].shape[window], dtype=np.int64)]
         elif node.domain in ("", "ai.onnx") and all(not n or n in known for n in node.input):
-            outs = _evaluate(node, [known[n] for n in node.input if n], opset)
+            outs = _evaluate(node, {n: known[n] for n in node.input if n}, opset)
         else:
             kept.append(node)
             continue

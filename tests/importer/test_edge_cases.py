@@ -12,6 +12,7 @@ from onnx import helper, numpy_helper
 from onnx2soap.cli import main as cli
 from onnx2soap.errors import ModelError
 from onnx2soap.importer import load_model
+from onnx2soap.ir import LossKind, OpType
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.soap import Partitioner, analyze
 
@@ -79,3 +80,18 @@ def test_a_constant_expression_that_cannot_be_evaluated_is_one_line(tmp_path: Pa
     assert cli(["inspect", str(path), "--batch", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "node 'broken' (Reshape)" in err
+
+
+def test_shape_with_start_folds_into_a_reshape(tmp_path: Path) -> None:
+    """Reshape(x, Concat([-1], Shape(x, start=1))): the shape sub-graph folds to [-1, 4]."""
+    minus_one = numpy_helper.from_array(np.array([-1], np.int64), "minus_one")
+    nodes = [
+        helper.make_node("Shape", ["x"], ["tail"], start=1, name="shape"),
+        helper.make_node("Concat", ["minus_one", "tail"], ["target"], axis=0, name="cat"),
+        helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
+    ]
+    graph = load_model(
+        save(tmp_path / "m.onnx", nodes, [minus_one]), batch=3, loss=LossKind.MSE
+    ).graph
+    (reshape, _) = graph.ops
+    assert reshape.type is OpType.RESHAPE and graph.tensors[reshape.output].shape == (3, 4)
