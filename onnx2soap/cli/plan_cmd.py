@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from onnx2soap.cli.common import add_model_options, loss_choice, seconds
@@ -17,7 +18,16 @@ from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import Rule, by_rule
 from onnx2soap.search.mcmc import Progress, SearchOptions, mcmc
 from onnx2soap.sim import Evaluation, RooflineCost, Simulator, resolve_machine
-from onnx2soap.soap import Partitioner, Plan, Predicted, SearchInfo, analyze, plan_ops, save_plan
+from onnx2soap.soap import (
+    Partitioner,
+    Plan,
+    Predicted,
+    SearchInfo,
+    Strategy,
+    analyze,
+    plan_ops,
+    save_plan,
+)
 from onnx2soap.soap import validate as validate_strategy
 
 
@@ -87,6 +97,45 @@ def _mode(args) -> tuple[Rule | None, bool]:
     return None, True
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    strategy: Strategy
+    chosen: Evaluation
+    baselines: dict[str, Evaluation]
+    search: SearchInfo | None
+
+
+def _search(args, graph, space, simulator: Simulator) -> _Outcome:
+    options = SearchOptions(args.budget, args.seed, args.beta, args.max_evals)
+    show = None if args.quiet or args.json or not sys.stderr.isatty() else draw_progress
+    result = mcmc(graph, space, simulator, options, show)
+    if show:
+        sys.stderr.write("\n")
+    info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated, result.time_s)
+    return _Outcome(result.best, result.evaluation, dict(result.baselines), info)
+
+
+def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
+    partitioner, devices = Partitioner(graph), simulator.machine.size
+
+    def evaluate(strategy: Strategy) -> Evaluation:
+        return simulator.evaluate(partitioner.partition(strategy))
+
+    strategy = by_rule(rule, graph, space, devices, args.seed)
+    validate_strategy(graph, space, strategy)
+    chosen = evaluate(strategy)
+    if not chosen.fits:
+        print(
+            f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
+            file=sys.stderr,
+        )
+    baselines = {
+        r.value: evaluate(by_rule(r, graph, space, devices))
+        for r in (Rule.DATA_PARALLEL, Rule.EXPERT)
+    }
+    return _Outcome(strategy, chosen, baselines, None)
+
+
 def run(args: argparse.Namespace) -> int:
     rule, searching = _mode(args)
     spec = machine_spec(args.machine, args.devices)
@@ -100,39 +149,16 @@ def run(args: argparse.Namespace) -> int:
         )
     space = analyze(graph)
     simulator = Simulator(machine, RooflineCost())
-    partitioner = Partitioner(graph)
-
-    def evaluate(strategy) -> Evaluation:
-        return simulator.evaluate(partitioner.partition(strategy))
-
-    search_info = None
     if searching:
-        options = SearchOptions(args.budget, args.seed, args.beta, args.max_evals)
-        show = None if args.quiet or args.json or not sys.stderr.isatty() else draw_progress
-        result = mcmc(graph, space, simulator, options, show)
-        if show:
-            sys.stderr.write("\n")
-        strategy, chosen = result.best, result.evaluation
-        baselines = dict(result.baselines)
-        search_info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated, result.time_s)
+        outcome = _search(args, graph, space, simulator)
     else:
-        strategy = by_rule(rule, graph, space, machine.size, args.seed)
-        validate_strategy(graph, space, strategy)
-        chosen = evaluate(strategy)
-        baselines = {
-            r.value: evaluate(by_rule(r, graph, space, machine.size))
-            for r in (Rule.DATA_PARALLEL, Rule.EXPERT)
-        }
-        if not chosen.fits:
-            print(
-                f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
-                file=sys.stderr,
-            )
+        outcome = _by_rule(args, rule, graph, space, simulator)
+    chosen = outcome.chosen
     predicted = Predicted(
         step_time_s=chosen.step_time_s,
         peak_memory_bytes=chosen.peak_memory_bytes,
         bytes_moved=chosen.bytes_moved,
-        baselines=tuple((k, v.step_time_s) for k, v in baselines.items()),
+        baselines=tuple((k, v.step_time_s) for k, v in outcome.baselines.items()),
     )
     plan = Plan(
         model_path=Path(args.model),
@@ -140,10 +166,10 @@ def run(args: argparse.Namespace) -> int:
         batch=graph.batch,
         loss=graph.loss,
         devices=machine.size,
-        ops=plan_ops(strategy, graph, space),
+        ops=plan_ops(outcome.strategy, graph, space),
         machine=spec,
         predicted=predicted,
-        search=search_info,
+        search=outcome.search,
     )
     save_plan(plan, args.output)
     _report(args, plan, machine.name, searching)

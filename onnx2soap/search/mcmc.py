@@ -68,12 +68,14 @@ class _Evaluator:
         self.partitioner = Partitioner(graph)
         self.simulator = simulator
         self.seen: dict[Strategy, Evaluation] = {}
-        self.evaluated = 0
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.seen)
 
     def __call__(self, strategy: Strategy) -> Evaluation:
         if strategy not in self.seen:
             self.seen[strategy] = self.simulator.evaluate(self.partitioner.partition(strategy))
-            self.evaluated += 1
         return self.seen[strategy]
 
 
@@ -170,10 +172,10 @@ def mcmc(
     def new_chain() -> _Chain:
         return search.start(next(starts), np.random.default_rng(seeds.spawn(1)[0]))
 
-    chains = [new_chain() for _ in range(max(options.chains, 3))]
+    chains = [new_chain() for _ in range(max(options.chains, 1))]
     baselines = {
-        rule.value: search.evaluate(c.current)
-        for rule, c in zip((Rule.DATA_PARALLEL, Rule.EXPERT), chains, strict=False)
+        rule.value: search.evaluate(by_rule(rule, graph, space, search.devices))
+        for rule in (Rule.DATA_PARALLEL, Rule.EXPERT)
     }
     scale = next((c.cost for c in chains if math.isfinite(c.cost)), 1.0)
     best, last_report = search.best_cost, 0.0
