@@ -23,10 +23,9 @@ import time
 import numpy as np
 
 from executor.buffers import slice_from_full
-from executor.kernels import kernel_for
-from executor.kernels.base import TaskArgs
 from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph, TensorRole
+from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.soap import Partitioner, analyze
 from onnx2soap.soap.partition import rect_shape
@@ -93,7 +92,7 @@ def main() -> int:
     totals = {n: 0.0 for n, _ in modules}
     for op in graph.ops:
         task = pg.tasks[op.name][0]
-        kernel = kernel_for(op.type)
+        kernel = definition(op.type)
         targs = TaskArgs(rect_shape(task.output), tuple(r.valid for r in task.inputs), args.batch)
         row = []
         for name, xp in modules:
@@ -104,7 +103,7 @@ def main() -> int:
             row.append(seconds)
         ratio = f"{row[0] / row[1]:7.1f}x" if len(row) > 1 else ""
         cells = "".join(f"{s * 1e3:>12.3f}" for s in row)
-        print(f"{op.name:<28}{op.type.value:<26}{cells} {ratio}")
+        print(f"{op.name:<28}{op.type:<26}{cells} {ratio}")
     line = "".join(f"{t * 1e3:>12.3f}" for t in totals.values())
     ratio = f"{totals['numpy'] / totals['cupy']:7.1f}x" if cp is not None else ""
     print(f"{'total':<54}{line} {ratio}")

@@ -6,7 +6,7 @@ soap's partition math, never here.
 
 from __future__ import annotations
 
-from executor.kernels.base import Array
+from onnx2soap.ops.base import Array
 from onnx2soap.soap.partition import Rect, Region, rect_shape
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from executor.runtime import Batch
 from onnx2soap.errors import UserError
-from onnx2soap.ir import Graph, OpType
+from onnx2soap.ir import DType, Graph
 
 
 def _label_shape(graph: Graph) -> tuple[int, ...]:
@@ -20,8 +20,9 @@ def _label_shape(graph: Graph) -> tuple[int, ...]:
 
 
 def _classes(graph: Graph) -> int | None:
+    """Class ids are integer labels, below the size of the scores' class axis."""
     loss = graph.loss_op
-    if loss.type is OpType.SOFTMAX_CROSS_ENTROPY:
+    if graph.tensors[graph.labels].dtype is DType.INT64:
         return graph.tensors[loss.inputs[0]].shape[1]
     return None
 

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from executor.buffers import empty_buffer, global_slices, local_slices, slice_from_full
-from executor.kernels import kernel_for
-from executor.kernels.base import TaskArgs
 from executor.program import AllReduce, Compute, Phase, Piece, Program, Send, Transfer, Wait
 from executor.transport import Transport
-from onnx2soap.ir import Graph, LossReduction, OpType, TensorRole
+from onnx2soap.ir import Graph, TensorRole
+from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect, Task, rect_shape
 
@@ -36,13 +35,8 @@ class Batch:
 def loss_scale(graph: Graph, labels: np.ndarray) -> float:
     """The divisor of a mean loss over the whole batch (each kernel sees only its part)."""
     loss = graph.loss_op
-    if loss.attrs.reduction is LossReduction.SUM:
-        return 1.0
-    if loss.type is OpType.MSE_LOSS:
-        return float(labels.size)
-    ignore = loss.attrs.ignore_index
-    counted = labels.size if ignore is None else int((labels != ignore).sum())
-    return float(max(counted, 1))
+    scale = definition(loss.type).loss_scale
+    return scale(loss.attrs, labels, graph.tensors[loss.inputs[0]].shape)
 
 
 class Runtime:
@@ -165,7 +159,7 @@ class _Step:
         key = (ins.op, ins.task)
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
         buffers = self._assemble_inputs(ins, task)
-        out = kernel_for(op.type).forward(np, op.attrs, buffers, self._args(task))
+        out = definition(op.type).forward(np, op.attrs, buffers, self._args(task))
         self.inputs[key], self.outputs[key] = buffers, out
         if op.is_loss:
             self.loss += float(out)
@@ -186,8 +180,7 @@ class _Step:
         key = (ins.op, ins.task)
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
         grad_out = self._grad_output(ins, task)
-        kernel = kernel_for(op.type)
-        grads = kernel.backward(
+        grads = definition(op.type).backward(
             np, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(task)
         )
         for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):

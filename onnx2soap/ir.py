@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class DType(Enum):
@@ -144,106 +145,18 @@ class LoopNest:
         raise KeyError(name)
 
 
-# --- op attributes: one frozen dataclass per op family, with the ONNX spec's defaults ----
-
-
-class OpType(Enum):
-    GEMM = "Gemm"
-    MATMUL = "MatMul"
-    ADD = "Add"
-    RELU = "Relu"
-    IDENTITY = "Identity"
-    CONV = "Conv"
-    MAXPOOL = "MaxPool"
-    AVERAGEPOOL = "AveragePool"
-    GLOBALAVERAGEPOOL = "GlobalAveragePool"
-    FLATTEN = "Flatten"
-    RESHAPE = "Reshape"
-    CONCAT = "Concat"
-    REDUCE_MEAN = "ReduceMean"
-    SOFTMAX_CROSS_ENTROPY = "SoftmaxCrossEntropyLoss"
-    MSE_LOSS = "MeanSquaredError"  # attached by onnx2soap, not an ONNX op
-
-
-@dataclass(frozen=True)
-class NoAttrs:
-    pass
-
-
-@dataclass(frozen=True)
-class GemmAttrs:
-    alpha: float = 1.0
-    beta: float = 1.0
-    trans_a: bool = False
-    trans_b: bool = False
-
-
-@dataclass(frozen=True)
-class ConvAttrs:
-    kernel_shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    pads_begin: tuple[int, ...]
-    pads_end: tuple[int, ...]
-    group: int = 1
-
-
-class PoolKind(Enum):
-    MAX = "max"
-    AVERAGE = "average"
-
-
-@dataclass(frozen=True)
-class PoolAttrs:
-    kind: PoolKind
-    kernel_shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    pads_begin: tuple[int, ...]
-    pads_end: tuple[int, ...]
-    ceil_mode: bool = False
-    count_include_pad: bool = False
-
-
-@dataclass(frozen=True)
-class ConcatAttrs:
-    axis: int
-
-
-@dataclass(frozen=True)
-class ReduceAttrs:
-    axes: tuple[int, ...]  # non-negative, sorted
-    keepdims: bool = True
-
-
-class LossReduction(Enum):
-    MEAN = "mean"
-    SUM = "sum"
-
-
-@dataclass(frozen=True)
-class LossAttrs:
-    reduction: LossReduction = LossReduction.MEAN
-    ignore_index: int | None = None
-
-
-OpAttrs = NoAttrs | GemmAttrs | ConvAttrs | PoolAttrs | ConcatAttrs | ReduceAttrs | LossAttrs
-
-
 @dataclass(frozen=True)
 class Op:
-    """One compute op. ``inputs`` are the operand tensors, in the order of ``nest.inputs``."""
+    """One compute op. ``inputs`` are the operand tensors, in the order of ``nest.inputs``;
+    everything op-specific (attributes, kernels) belongs to its definition."""
 
     name: str
-    type: OpType
+    type: str  # the name of its definition in ``onnx2soap.ops`` (the ONNX op type)
     inputs: tuple[str, ...]
     output: str
-    attrs: OpAttrs
+    attrs: Any  # a frozen dataclass of the op's definition
     nest: LoopNest
-
-    @property
-    def is_loss(self) -> bool:
-        return self.type in (OpType.SOFTMAX_CROSS_ENTROPY, OpType.MSE_LOSS)
+    is_loss: bool = False  # a scalar loss: sample dim split, partial losses summed
 
 
 class LossKind(Enum):

@@ -31,7 +31,7 @@ def report(graph: Graph, model: str) -> dict:
         "ops": [
             {
                 "name": op.name,
-                "type": op.type.value,
+                "type": op.type,
                 "output_shape": list(graph.tensors[op.output].shape),
                 "flops": op.nest.flops,
                 "params": op_params(op, graph),
@@ -71,7 +71,7 @@ def table(doc: dict, graph: Graph) -> str:
         rows.append(
             (
                 op.name,
-                op.type.value,
+                op.type,
                 "x".join(map(str, entry["output_shape"])) or "scalar",
                 " ".join(_dim_text(d) for d in space[op.name]),
                 human(entry["flops"]),

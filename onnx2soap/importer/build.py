@@ -7,17 +7,17 @@ import inspect
 import onnx
 
 from onnx2soap.errors import ModelError
-from onnx2soap.importer import converters
-from onnx2soap.importer.converters import CONVERTERS, NodeContext
 from onnx2soap.importer.prepare import Prepared
-from onnx2soap.ir import DType, Graph, LossAttrs, LossKind, Op, Tensor, TensorRole
+from onnx2soap.ir import DType, Graph, LossKind, Op, Tensor, TensorRole
+from onnx2soap.ops import OpDef, registry
+from onnx2soap.ops.context import NodeContext, output_tensor
+from onnx2soap.ops.defs.losses import LossAttrs, cross_entropy_op, mse_op
 
 _DTYPES = {
     onnx.TensorProto.FLOAT: DType.FLOAT32,
     onnx.TensorProto.DOUBLE: DType.FLOAT64,
     onnx.TensorProto.INT64: DType.INT64,
 }
-_LOSS_OPS = {"SoftmaxCrossEntropyLoss"}
 
 
 def _dtype(p: Prepared, name: str) -> DType:
@@ -30,8 +30,11 @@ def _dtype(p: Prepared, name: str) -> DType:
     return _DTYPES[elem]
 
 
-def _check_supported(p: Prepared) -> None:
-    bad = [n for n in p.nodes if n.domain not in ("", "ai.onnx") or n.op_type not in CONVERTERS]
+def _definitions(p: Prepared) -> list[OpDef]:
+    """The definition reading each node; every node without one is listed in one error."""
+    reg = registry()
+    found = [reg.for_node(n.op_type, n.domain, p.opset) for n in p.nodes]
+    bad = [n for n, d in zip(p.nodes, found, strict=True) if d is None]
     if bad:
         listed = ", ".join(
             f"'{n.name or n.output[0]}' ({n.op_type}, domain {n.domain or 'ai.onnx'}, "
@@ -40,8 +43,9 @@ def _check_supported(p: Prepared) -> None:
         )
         raise ModelError(
             f"{p.path}: {len(bad)} unsupported node{'s' if len(bad) > 1 else ''}: {listed}; "
-            f"supported ops: {', '.join(sorted(CONVERTERS))}"
+            f"supported ops: {reg.listing()}"
         )
+    return found
 
 
 def _attributes(node: onnx.NodeProto) -> dict[str, object]:
@@ -57,6 +61,7 @@ class _Builder:
         self.aliases: dict[str, str] = {}  # Identity outputs that are just a weight
         self.names: set[str] = set()  # op names given so far
         self.ops: list[Op] = []
+        self.loss_types = {d.name for d in registry().onnx_ops() if d.is_loss}
         floats = [n for n in p.graph_inputs if _dtype(p, n).is_float]
         if len(floats) != 1:
             raise ModelError(
@@ -81,7 +86,7 @@ class _Builder:
         if name in self.p.float_initializers:
             return self._add(name, TensorRole.WEIGHT)
         if name in self.p.graph_inputs:
-            role = TensorRole.LABELS if node.op_type in _LOSS_OPS else None
+            role = TensorRole.LABELS if node.op_type in self.loss_types else None
             if role is None:
                 raise ModelError(
                     f"{self.p.path}: node '{node.name}' reads graph input '{name}', which "
@@ -99,14 +104,19 @@ class _Builder:
         self.names.add(name)
         return name
 
-    def convert(self, node: onnx.NodeProto) -> None:
-        name = self._unique_name(node)
-        extra = [o for o in node.output[1:] if o]
-        if extra and any(o in n.input for n in self.p.nodes for o in extra):
+    def _extra_outputs(self, node: onnx.NodeProto, name: str, used: int) -> None:
+        """Refuse outputs past the first ``used`` that a node or the graph reads."""
+        extra = [o for o in node.output[used:] if o]
+        read = {i for n in self.p.nodes for i in n.input} | set(self.p.graph_outputs)
+        if any(o in read for o in extra):
             raise ModelError(
-                f"{self.p.path}: node '{name}' ({node.op_type}): only its first output is "
-                f"supported, but {extra} are used"
+                f"{self.p.path}: node '{name}' ({node.op_type}): only its first "
+                f"{'output is' if used == 1 else f'{used} outputs are'} supported, but "
+                f"{[o for o in extra if o in read]} are used"
             )
+
+    def convert(self, node: onnx.NodeProto, definition: OpDef) -> None:
+        name = self._unique_name(node)
         inputs = tuple(self._operand(node, i) for i in node.input)
         if node.op_type == "Identity" and inputs[0] and inputs[0].role is TensorRole.WEIGHT:
             self.aliases[node.output[0]] = inputs[0].name
@@ -116,22 +126,25 @@ class _Builder:
             op_type=node.op_type,
             inputs=inputs,
             constants=tuple(self.p.constants.get(i) for i in node.input),
-            output=node.output[0],
+            outputs=tuple(node.output),
         )
-        converter, attrs = CONVERTERS[node.op_type], _attributes(node)
-        known = [k for k in inspect.signature(converter).parameters if k != "ctx"]
+        attrs = _attributes(node)
+        known = [k for k in inspect.signature(definition.convert).parameters if k != "ctx"]
         unknown = sorted(set(attrs) - set(known))
         if unknown:
             error = ctx.fail(f"attributes {unknown} are not in the spec; known: {known}")
             raise ModelError(f"{self.p.path}: {error}")
         try:
-            op = converter(ctx, **attrs)
+            made = definition.convert(ctx, **attrs)
         except ModelError as e:
             raise ModelError(f"{self.p.path}: {e}") from e
-        out = converters.output_tensor(op, self.tensors)
-        self._cross_check(node, op, out)
-        self.tensors[out.name] = out
-        self.ops.append(op)
+        ops = made if isinstance(made, tuple) else (made,)
+        self._extra_outputs(node, name, len(ops))
+        for op in ops:
+            out = output_tensor(op, self.tensors)
+            self._cross_check(node, op, out)
+            self.tensors[out.name] = out
+            self.ops.append(op)
 
     def _cross_check(self, node: onnx.NodeProto, op: Op, out: Tensor) -> None:
         """Our shape must be ONNX's wherever ONNX saw the same input shapes, except for
@@ -174,14 +187,14 @@ def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
                 f"'{output.name}' is {list(output.shape)} (choose --loss mse or none)"
             )
         labels = Tensor(labels_name, (output.shape[0],), DType.INT64, TensorRole.LABELS)
-        ctx = NodeContext(name, "loss", (output, labels), (None, None), name)
-        op = converters.cross_entropy_op(ctx, output, labels, LossAttrs())
+        ctx = NodeContext(name, "SoftmaxCrossEntropyLoss", (output, labels), (None, None), (name,))
+        op = cross_entropy_op(ctx, output, labels, LossAttrs())
     else:
         labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS)
-        ctx = NodeContext(name, "loss", (output, labels), (None, None), name)
-        op = converters.mse_op(ctx, output, labels)
+        ctx = NodeContext(name, "MeanSquaredError", (output, labels), (None, None), (name,))
+        op = mse_op(ctx, output, labels)
     b.tensors[labels.name] = labels
-    b.tensors[name] = converters.output_tensor(op, b.tensors)
+    b.tensors[name] = output_tensor(op, b.tensors)
     return op
 
 
@@ -203,10 +216,10 @@ def _refuse_shared_weights(p: Prepared, ops: list[Op], tensors: dict[str, Tensor
 
 
 def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
-    _check_supported(p)
+    found = _definitions(p)
     b = _Builder(p)
-    for node in p.nodes:
-        b.convert(node)
+    for node, definition in zip(p.nodes, found, strict=True):
+        b.convert(node, definition)
     own = [op for op in b.ops if op.is_loss]
     if len(p.graph_outputs) != 1 and not own:
         raise ModelError(

@@ -8,7 +8,7 @@ from enum import Enum
 
 import numpy as np
 
-from onnx2soap.ir import Graph, Op, OpType, TensorRole
+from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.soap.dims import DimKind, SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.strategy import Strategy
@@ -41,7 +41,7 @@ def data_parallel(graph: Graph, space: Space, devices: int) -> Strategy:
 
 
 def _is_fully_connected(op: Op, graph: Graph) -> bool:
-    return op.type in (OpType.GEMM, OpType.MATMUL) and any(
+    return op.type in ("Gemm", "MatMul") and any(
         graph.tensors[t].role is TensorRole.WEIGHT for t in op.inputs
     )
 

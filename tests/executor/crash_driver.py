@@ -10,27 +10,28 @@ import os
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+import dataclasses  # noqa: E402
+
 from mpi4py import MPI  # noqa: E402
 
-from executor import kernels  # noqa: E402
+from executor import runtime  # noqa: E402
 from executor.cli import main  # noqa: E402
-from onnx2soap.ir import OpType  # noqa: E402
+from onnx2soap.ops import OpDef, definition  # noqa: E402
 
 FAILING_RANK = 1
 
 
-class _Failing:
-    def __init__(self, inner) -> None:
-        self.inner = inner
+def _failing_forward(*args):
+    raise RuntimeError("injected kernel failure")
 
-    def forward(self, *args):
-        raise RuntimeError("injected kernel failure")
 
-    def backward(self, *args):
-        return self.inner.backward(*args)
+def _definition_failing_relu(name: str) -> OpDef:
+    """The runtime's lookup, with Relu's forward raising."""
+    found = definition(name)
+    return dataclasses.replace(found, forward=_failing_forward) if name == "Relu" else found
 
 
 if __name__ == "__main__":
     if MPI.COMM_WORLD.Get_rank() == FAILING_RANK:
-        kernels.KERNELS[OpType.RELU] = _Failing(kernels.KERNELS[OpType.RELU])
+        runtime.definition = _definition_failing_relu
     raise SystemExit(main())

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 
-from onnx2soap.ir import Graph, Op, OpType
+from onnx2soap.ir import Graph, Op
 from onnx2soap.soap import SoapDim, analyze
 
 
-def ops_of(graph: Graph, op_type: OpType) -> list[Op]:
-    return [op for op in graph.ops if op.type is op_type]
+def ops_of(graph: Graph, op_type: str) -> list[Op]:
+    return [op for op in graph.ops if op.type == op_type]
 
 
 def dims_by_op(graph: Graph) -> dict[str, dict[str, SoapDim]]:

@@ -15,7 +15,7 @@ from onnx import helper, numpy_helper
 
 from onnx2soap.errors import ModelError
 from onnx2soap.importer import load_model
-from onnx2soap.importer.converters import CONVERTERS
+from onnx2soap.ops import registry
 from tests.importer.helpers import CliResult, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_unsupported_ops_are_all_listed_in_one_line(unsupported_onnx: Path) -> N
     for name, op_type in UNSUPPORTED:
         assert f"'{name}' ({op_type}, domain ai.onnx, opset 17)" in line
     supported = line.split("supported ops: ", 1)[1]
-    assert supported.split(", ") == sorted(CONVERTERS)
+    assert supported.split(", ") == sorted(d.name for d in registry().onnx_ops())
 
 
 def test_supported_ops_are_not_listed_as_unsupported(unsupported_onnx: Path) -> None:

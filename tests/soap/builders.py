@@ -17,22 +17,21 @@ from hypothesis import strategies as st
 from onnx2soap.ir import (
     Affine,
     AxisMap,
-    ConcatAttrs,
     DType,
     Graph,
     IterDim,
     LoopNest,
-    LossAttrs,
     LossKind,
-    NoAttrs,
     Op,
     Operand,
-    OpType,
     Tensor,
     TensorRole,
     Whole,
     identity,
 )
+from onnx2soap.ops.base import NoAttrs
+from onnx2soap.ops.defs.concat import ConcatAttrs
+from onnx2soap.ops.defs.losses import LossAttrs
 from onnx2soap.soap.partition import ParallelConfig, Rect
 
 # --- window geometry ----------------------------------------------------------------------
@@ -121,7 +120,7 @@ def pool_op(
     dims += [IterDim(f"k{n}", w.kernel) for n, w in zip(names, wins, strict=True)]
     axes = (identity(0), identity(1), *_window_axes(2, 2 + r, wins))
     nest = LoopNest(tuple(dims), (Operand(x, axes, pad_value),), tuple(range(2 + r)))
-    return Op(name, OpType.MAXPOOL, (x,), out, NoAttrs(), nest)
+    return Op(name, "MaxPool", (x,), out, NoAttrs(), nest)
 
 
 def conv_op(
@@ -149,7 +148,7 @@ def conv_op(
     if bias is not None:
         operands.append(Operand(bias, (identity(1),)))
     nest = LoopNest(tuple(dims), tuple(operands), tuple(range(2 + r)), 2)
-    return Op(name, OpType.CONV, tuple(o.tensor for o in operands), out, NoAttrs(), nest)
+    return Op(name, "Conv", tuple(o.tensor for o in operands), out, NoAttrs(), nest)
 
 
 def conv_shapes(batch: int, c_in: int, c_out: int, wins: Sequence[Window]) -> dict[str, tuple]:
@@ -173,7 +172,7 @@ def elementwise_op(name: str, inputs: Sequence[str], out: str, shape: Sequence[i
     axes = tuple(identity(i) for i in range(len(shape)))
     operands = tuple(Operand(t, axes) for t in inputs)
     nest = LoopNest(dims, operands, tuple(range(len(shape))))
-    op_type = OpType.RELU if len(inputs) == 1 else OpType.ADD
+    op_type = "Relu" if len(inputs) == 1 else "Add"
     return Op(name, op_type, tuple(inputs), out, NoAttrs(), nest)
 
 
@@ -184,7 +183,7 @@ def gemm_op(name: str, x: str, weight: str, bias: str | None, out: str, n: int, 
     if bias is not None:
         operands.append(Operand(bias, (identity(1),)))
     nest = LoopNest(dims, tuple(operands), (0, 1), 2)
-    return Op(name, OpType.GEMM, tuple(o.tensor for o in operands), out, NoAttrs(), nest)
+    return Op(name, "Gemm", tuple(o.tensor for o in operands), out, NoAttrs(), nest)
 
 
 def concat_op(name: str, parts: Sequence[tuple[str, Sequence[int]]], out: str, axis: int) -> Op:
@@ -201,7 +200,7 @@ def concat_op(name: str, parts: Sequence[tuple[str, Sequence[int]]], out: str, a
         operands.append(Operand(tensor, axes))
         offset += s[axis]
     nest = LoopNest(dims, tuple(operands), tuple(range(len(shape))))
-    return Op(name, OpType.CONCAT, tuple(t for t, _ in parts), out, ConcatAttrs(axis), nest)
+    return Op(name, "Concat", tuple(t for t, _ in parts), out, ConcatAttrs(axis), nest)
 
 
 def flatten_op(name: str, x: str, x_shape: Sequence[int], out: str) -> Op:
@@ -209,14 +208,14 @@ def flatten_op(name: str, x: str, x_shape: Sequence[int], out: str) -> Op:
     dims = (IterDim("n", x_shape[0]), IterDim("r1", math.prod(x_shape[1:])))
     axes = (identity(0), *(Whole(dims=(1,)) for _ in x_shape[1:]))
     nest = LoopNest(dims, (Operand(x, axes),), (0, 1), 0)
-    return Op(name, OpType.FLATTEN, (x,), out, NoAttrs(), nest)
+    return Op(name, "Flatten", (x,), out, NoAttrs(), nest)
 
 
 def transpose_op(name: str, x: str, out: str, rows: int, cols: int) -> Op:
     """out[c, n] = x[n, c]: dims n, c with out_dims (1, 0)."""
     dims = (IterDim("n", rows), IterDim("c", cols))
     nest = LoopNest(dims, (Operand(x, (identity(0), identity(1))),), (1, 0), 0)
-    return Op(name, OpType.IDENTITY, (x,), out, NoAttrs(), nest)
+    return Op(name, "Identity", (x,), out, NoAttrs(), nest)
 
 
 def ce_loss_op(name: str, scores: str, labels: str, out: str, n: int, c: int) -> Op:
@@ -227,14 +226,16 @@ def ce_loss_op(name: str, scores: str, labels: str, out: str, n: int, c: int) ->
         Operand(labels, (identity(0),)),
     )
     nest = LoopNest(dims, operands, (), 4)
-    return Op(name, OpType.SOFTMAX_CROSS_ENTROPY, (scores, labels), out, LossAttrs(), nest)
+    return Op(
+        name, "SoftmaxCrossEntropyLoss", (scores, labels), out, LossAttrs(), nest, is_loss=True
+    )
 
 
 def mse_loss_op(name: str, pred: str, target: str, out: str, shape: Sequence[int]) -> Op:
     dims = tuple(IterDim(AXIS_NAMES[i], s) for i, s in enumerate(shape))
     axes = tuple(identity(i) for i in range(len(shape)))
     nest = LoopNest(dims, (Operand(pred, axes), Operand(target, axes)), (), 3)
-    return Op(name, OpType.MSE_LOSS, (pred, target), out, LossAttrs(), nest)
+    return Op(name, "MeanSquaredError", (pred, target), out, LossAttrs(), nest, is_loss=True)
 
 
 # --- graphs -----------------------------------------------------------------------------------

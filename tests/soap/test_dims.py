@@ -89,11 +89,12 @@ def test_sample_follows_a_transposed_batch_axis() -> None:
 
 def test_labels_make_the_loss_dim_sample() -> None:
     """Scores whose batch was lost (read Whole) still give a sample loss dim via labels."""
-    from onnx2soap.ir import IterDim, LoopNest, NoAttrs, Op, Operand, OpType, Whole, identity
+    from onnx2soap.ir import IterDim, LoopNest, Op, Operand, Whole, identity
+    from onnx2soap.ops.base import NoAttrs
 
     mix = Op(
         "mix",
-        OpType.IDENTITY,
+        "Identity",
         ("x",),
         "m",
         NoAttrs(),

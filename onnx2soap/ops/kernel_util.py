@@ -1,11 +1,11 @@
-"""Helpers shared by the kernels: broadcasting reductions and window taps."""
+"""Helpers shared by kernels: broadcasting reductions and window taps."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import product
 
-from executor.kernels.base import Array
+from onnx2soap.ops.base import Array
 
 
 def unbroadcast(xp, grad: Array, shape: Sequence[int]) -> Array:
@@ -35,9 +35,9 @@ def window_taps(attrs, out_spatial: Sequence[int]) -> Iterator[tuple[slice, ...]
     """Per kernel position, row-major (the scan order that decides MaxPool ties), the
     spatial slices of a window buffer that all outputs of the tile read at that position.
 
-    ``attrs`` is a ``ConvAttrs`` or ``PoolAttrs``. The buffer starts at the first window's
-    first tap (halo and padding included), so position ``k`` of output ``j`` is buffer index
-    ``j * stride + k * dilation``: no global coordinate is needed.
+    ``attrs`` has ``kernel_shape``, ``strides`` and ``dilations``. The buffer starts at the
+    first window's first tap (halo and padding included), so position ``k`` of output ``j``
+    is buffer index ``j * stride + k * dilation``: no global coordinate is needed.
     """
     for pos in product(*(range(k) for k in attrs.kernel_shape)):
         yield tuple(

@@ -14,11 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper
 
-from executor.kernels import kernel_for
 from onnx2soap.importer import ImportedModel, load_model
-from onnx2soap.ir import LossKind, LossReduction, Op, OpType
+from onnx2soap.ir import LossKind, Op
+from onnx2soap.ops import definition
+from onnx2soap.ops.defs.losses import LossReduction
 from onnx2soap.soap import analyze
-from tests.executor.kernel_cases import (
+from tests.ops.harness import (
     buffers,
     central_difference,
     config_of,
@@ -101,7 +102,7 @@ def _labels(draw, ce: CrossEntropy) -> np.ndarray:
 
 def _partial_sum(graph, op: Op, degree: int, arrays, loss_scale: float) -> float:
     degrees = [degree if d.name == "n" else 1 for d in analyze(graph)[op.name]]
-    kernel = kernel_for(op.type)
+    kernel = definition(op.type)
     total = 0.0
     for task in tasks_of(graph, op, config_of(degrees)):
         partial = kernel.forward(np, op.attrs, buffers(task, arrays), task_args(task, loss_scale))
@@ -125,7 +126,7 @@ def cross_entropies(draw) -> CrossEntropy:
 def test_cross_entropy_partial_losses_sum_to_onnxruntime(cross_entropy, ce, data) -> None:
     path, model = cross_entropy(ce)
     op = model.graph.loss_op
-    assert op is not None and op.type is OpType.SOFTMAX_CROSS_ENTROPY
+    assert op is not None and op.type == "SoftmaxCrossEntropyLoss"
     assert op.attrs.reduction is LossReduction(ce.reduction)
     labels = _labels(data.draw, ce)
     kept = int((labels != ce.ignore_index).sum()) if ce.ignore_index is not None else ce.n
@@ -167,7 +168,7 @@ def test_cross_entropy_backward_matches_finite_differences(cross_entropy, ce, da
     task = tasks[data.draw(st.integers(0, len(tasks) - 1), label="task")]
     bufs = buffers(task, [scores, labels])
     args = task_args(task, loss_scale=data.draw(st.sampled_from([1.0, 3.0])))
-    kernel = kernel_for(op.type)
+    kernel = definition(op.type)
     out = kernel.forward(np, op.attrs, bufs, args)
     grad_output = np.array(0.7)
     grad_scores, grad_labels = kernel.backward(np, op.attrs, bufs, out, grad_output, args)
@@ -189,7 +190,7 @@ def test_cross_entropy_backward_matches_finite_differences(cross_entropy, ce, da
 @given(data=st.data())
 def test_mse_partial_losses_sum_to_the_batch_loss(mse: ImportedModel, data) -> None:
     graph, op = mse.graph, mse.graph.loss_op
-    assert op is not None and op.type is OpType.MSE_LOSS
+    assert op is not None and op.type == "MeanSquaredError"
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     pred, target = (rng.standard_normal(graph.tensors[t].shape) for t in op.inputs)
     degree = data.draw(st.integers(1, 4), label="degree")
@@ -206,7 +207,7 @@ def test_mse_backward_matches_finite_differences(mse: ImportedModel) -> None:
     (task,) = tasks_of(graph, op, one_task(op))
     bufs = buffers(task, arrays)
     args = task_args(task, loss_scale=24.0)
-    kernel = kernel_for(op.type)
+    kernel = definition(op.type)
     out = kernel.forward(np, op.attrs, bufs, args)
     grad_pred, grad_target = kernel.backward(np, op.attrs, bufs, out, np.array(1.5), args)
     assert grad_target is None
@@ -227,7 +228,7 @@ def test_loss_gradient_keeps_float32(cross_entropy) -> None:
     scores = np.ones((3, 4), dtype=np.float32)
     bufs = buffers(task, [scores, np.array([0, 1, 2])])
     args = task_args(task, loss_scale=3.0)
-    kernel = kernel_for(op.type)
+    kernel = definition(op.type)
     out = kernel.forward(np, op.attrs, bufs, args)
     (grad, _) = kernel.backward(np, op.attrs, bufs, out, np.array(1.0), args)
     assert grad.dtype == np.float32

@@ -1,6 +1,6 @@
-"""The same kernels on cupy: every op's forward and backward, per task of a split config,
-equal numpy's. Buffers are cut on the device by ``slice_from_full(cupy, ...)``, as the
-executor does on GPU ranks. Skipped where cupy or a GPU is missing."""
+"""The same kernels on cupy: every case of every op, forward and backward, per task of a
+split config, equal numpy's. Buffers are cut on the device by ``slice_from_full(cupy, ...)``,
+as the executor does on GPU ranks. Skipped where cupy or a GPU is missing."""
 
 from __future__ import annotations
 
@@ -8,18 +8,21 @@ import numpy as np
 import pytest
 
 from executor.buffers import slice_from_full
-from executor.kernels import kernel_for
 from onnx2soap.ir import Graph, Op
-from tests.executor.kernel_cases import (
-    CASES,
-    Case,
+from onnx2soap.ops import definition, registry
+from tests.ops.harness import (
     CaseLoader,
     buffers,
     config_of,
+    loss_scale_of,
+    op_of,
+    operand_arrays,
     splittable_degrees,
     task_args,
     tasks_of,
 )
+
+CASES = tuple(c for d in registry().by_name.values() for c in d.cases)
 
 cp = pytest.importorskip("cupy")
 try:
@@ -37,9 +40,10 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> CaseLoader:
     return CaseLoader(tmp_path_factory.mktemp("kernels_gpu"))
 
 
-def _check_tasks(graph: Graph, op: Op, arrays: list[np.ndarray], loss_scale: float = 1.0):
+def _check_tasks(graph: Graph, op: Op, arrays: list[np.ndarray]):
     degrees = [min(2, size) if ok else 1 for _, size, ok in splittable_degrees(graph, op)]
-    kernel = kernel_for(op.type)
+    kernel = definition(op.type)
+    loss_scale = loss_scale_of(graph, op, arrays)
     device_full = [cp.asarray(a) for a in arrays]
     rng = np.random.default_rng(5)
     for task in tasks_of(graph, op, config_of(degrees)):
@@ -64,25 +68,6 @@ def _check_tasks(graph: Graph, op: Op, arrays: list[np.ndarray], loss_scale: flo
 
 
 @pytest.mark.parametrize("c", CASES, ids=str)
-def test_cupy_matches_numpy(load: CaseLoader, c: Case) -> None:
-    graph = load(c)[1].graph
-    op = graph.ops[0]
-    rng = np.random.default_rng(0)
-    _check_tasks(graph, op, [rng.standard_normal(graph.tensors[t].shape) for t in op.inputs])
-
-
-def test_cupy_losses_match_numpy(load: CaseLoader) -> None:
-    from onnx2soap.importer import load_model
-    from onnx2soap.ir import LossKind
-
-    path, _ = load(next(c for c in CASES if c.id == "flatten"))
-    rng = np.random.default_rng(1)
-    for loss in (LossKind.CROSS_ENTROPY, LossKind.MSE):
-        graph = load_model(path, loss=loss).graph
-        op = graph.loss_op
-        scores = rng.standard_normal(graph.tensors[op.inputs[0]].shape)
-        if loss is LossKind.CROSS_ENTROPY:
-            labels = rng.integers(0, scores.shape[1], scores.shape[0])
-        else:
-            labels = rng.standard_normal(scores.shape)
-        _check_tasks(graph, op, [scores, labels], loss_scale=3.0)
+def test_cupy_matches_numpy(load: CaseLoader, c) -> None:
+    model = load(c)[1]
+    _check_tasks(model.graph, op_of(model), operand_arrays(c, model, np.random.default_rng(0)))

@@ -1,0 +1,173 @@
+"""What one op definition holds, and what its kernels receive.
+
+An ``OpDef`` is the whole of an op: the ONNX op type and the schema versions it reads,
+the converter (attributes as keyword arguments with the spec's defaults, so an unknown
+attribute is refused by the signature), forward and backward kernels as pure functions
+on an array module ``xp`` (numpy or cupy: no MPI, no globals), an optional cost hint and
+the test cases one registry-driven test runs for every op. Definitions import nothing
+from ``sim``, ``search`` or the executor's runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from onnx2soap.ir import Op
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+Interval = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TaskArgs:
+    """Per-task facts a kernel may need besides its buffers.
+
+    out_shape:  the shape of the task's output tile (``()`` for a loss).
+    valid:      per operand, where the tensor's data lies inside the buffer (buffer-local
+                half-open intervals per axis); the rest of the buffer is padding.
+    loss_scale: losses only: the divisor of a mean over the *whole* batch (the number of
+                labels not equal to ignore_index, or the element count for MSE); 1 for sum.
+    """
+
+    out_shape: tuple[int, ...]
+    valid: tuple[tuple[Interval, ...], ...]
+    loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class NoAttrs:
+    """The attributes of an op that has none."""
+
+
+Forward = Callable[[Any, Any, Sequence[Array], TaskArgs], Array]
+"""(xp, attrs, input buffers, args) -> the task's output tile, a fresh array."""
+
+Backward = Callable[[Any, Any, Sequence[Array], Array, Array, TaskArgs], tuple[Array | None, ...]]
+"""(xp, attrs, inputs, output, grad_output, args) -> a gradient per input buffer (same
+shape, padding included, fresh arrays) or None where none is needed (labels, constants)."""
+
+LossScale = Callable[[Any, Any, tuple[int, ...]], float]
+"""Losses: (attrs, the whole batch's labels (numpy), the prediction's shape) -> the divisor
+of the whole batch's reduction; each task's kernel divides its partial sum by it, so the
+partial losses of the tasks sum to the loss."""
+
+Converter = Callable[..., "Op | tuple[Op, ...]"]
+"""(ctx, **attributes) -> the op, or several (an op with several outputs, e.g. Split)."""
+
+
+# --- test cases: pure data, run by tests/ops for every definition ------------------------
+
+
+class InputKind(Enum):
+    DATA = "data"  # the graph's float data input "x"
+    WEIGHT = "weight"  # a float initializer (trainable)
+    CONSTANT = "constant"  # an initializer the importer folds into the op
+    OMITTED = "omitted"  # an optional input left empty
+    LABELS = "labels"  # a loss's targets: class ids below axis 1 of the data, or floats
+
+
+@dataclass(frozen=True)
+class CaseInput:
+    kind: InputKind
+    shape: tuple[int, ...] = ()
+    values: tuple[float, ...] | None = None  # constants only, flattened
+    dtype: str = "float32"  # constants only: numpy dtype name
+
+
+def X(*shape: int) -> CaseInput:
+    """The data input, of ``shape``."""
+    return CaseInput(InputKind.DATA, tuple(shape))
+
+
+def W(*shape: int) -> CaseInput:
+    """A trainable weight, of ``shape``."""
+    return CaseInput(InputKind.WEIGHT, tuple(shape))
+
+
+def C(values: Sequence[float] | float, dtype: str = "int64", shape=None) -> CaseInput:
+    """A constant input; a scalar stays 0-d unless ``shape`` says otherwise."""
+    flat = tuple(values) if isinstance(values, Sequence) else (values,)
+    if shape is None:
+        shape = (len(flat),) if isinstance(values, Sequence) else ()
+    return CaseInput(InputKind.CONSTANT, tuple(shape), flat, dtype)
+
+
+NONE = CaseInput(InputKind.OMITTED)
+
+
+def LABELS(*shape: int, dtype: str = "int64") -> CaseInput:
+    """A loss's targets (a graph input): int64 class ids or float targets."""
+    return CaseInput(InputKind.LABELS, tuple(shape), None, dtype)
+
+
+class Sample(Enum):
+    """How a case's float inputs are drawn, where plain normal data would make a test
+    meaningless (ties in a max, a finite difference across a kink, a root of a negative)."""
+
+    NORMAL = "normal"
+    DISTINCT = "distinct"  # a permutation: no ties
+    AWAY_FROM_ZERO = "away-from-zero"  # no value within 0.05 of 0
+    POSITIVE = "positive"  # in [0.5, 2)
+
+
+Attr = int | float | str | tuple[int, ...] | tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One ONNX node with its inputs, for the registry-driven op tests."""
+
+    id: str
+    op_type: str
+    inputs: tuple[CaseInput, ...]
+    attrs: tuple[tuple[str, Attr], ...] = ()
+    opset: int = 17
+    sample: Sample = Sample.NORMAL
+
+    def __str__(self) -> str:
+        return self.id
+
+
+def case(
+    id: str,
+    op_type: str,
+    *inputs: CaseInput,
+    opset: int = 17,
+    sample: Sample = Sample.NORMAL,
+    **attrs: Attr | list[int] | list[float],
+) -> Case:
+    """A hashable ``Case``; ONNX attributes as keywords (lists become tuples)."""
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in attrs.items()))
+    return Case(id, op_type, tuple(inputs), frozen, opset, sample)
+
+
+# --- the definition ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One op, whole. ``name`` is ``Op.type``: the ONNX op type, or onnx2soap's own name
+    for an op it attaches itself (``onnx=False``: never matched against a node).
+
+    ``versions`` are the schema versions (``since_version``) whose semantics the
+    converter and kernels implement: a node is read only if the schema in force at the
+    model's opset is one of them. A loss (``loss_scale`` given) is a scalar whose sample
+    dim is split and whose partial losses are summed.
+    """
+
+    name: str
+    convert: Converter
+    forward: Forward
+    backward: Backward
+    cases: tuple[Case, ...]
+    versions: tuple[int, ...] = ()
+    domain: str = ""
+    onnx: bool = True
+    loss_scale: LossScale | None = None  # losses only
+
+    @property
+    def is_loss(self) -> bool:
+        return self.loss_scale is not None

@@ -1,0 +1,166 @@
+"""What a converter sees of one node, and the helpers that build loop nests.
+
+Converters compute the output shape from the op's definition (ONNX shape inference is
+only a cross-check: before opset 22 it keeps ceil_mode pooling windows that start in the
+end padding, which onnxruntime and PyTorch drop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx2soap.errors import ModelError
+from onnx2soap.ir import (
+    AxisMap,
+    Broadcast,
+    IterDim,
+    LoopNest,
+    Op,
+    Operand,
+    Tensor,
+    TensorRole,
+    identity,
+)
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """One node. ``inputs[i]`` is None for an omitted optional input or one that is a
+    folded constant (its value is then in ``constants[i]``). ``outputs`` are the node's
+    output names ('' where an optional output is omitted)."""
+
+    name: str
+    op_type: str
+    inputs: tuple[Tensor | None, ...]
+    constants: tuple[np.ndarray | None, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def output(self) -> str:
+        return self.outputs[0]
+
+    def fail(self, what: str) -> ModelError:
+        return ModelError(f"node '{self.name}' ({self.op_type}): {what}")
+
+    def tensor(self, i: int) -> Tensor:
+        t = self.optional(i)
+        if t is None:
+            raise self.fail(f"input {i} must be a tensor computed at run time or a weight")
+        return t
+
+    def optional(self, i: int) -> Tensor | None:
+        """Input ``i``, or None if it is omitted. A given input that is a folded constant
+        (a Constant node) is refused: dropping it would compute something else."""
+        if self.is_constant(i):
+            raise self.fail(
+                f"input {i} is a constant (a Constant node or a folded expression); only "
+                "weights (float initializers) and computed tensors are supported there"
+            )
+        return self.inputs[i] if i < len(self.inputs) else None
+
+    def is_constant(self, i: int) -> bool:
+        return i < len(self.constants) and self.constants[i] is not None
+
+    def constant(self, i: int) -> np.ndarray:
+        c = self.constants[i] if i < len(self.constants) else None
+        if c is None:
+            raise self.fail(f"input {i} must be a constant known when the model is loaded")
+        return c
+
+    def optional_constant(self, i: int) -> np.ndarray | None:
+        """Constant input ``i``, None if omitted; refused if computed at run time."""
+        if i < len(self.inputs) and self.inputs[i] is not None:
+            raise self.fail(f"input {i} must be a constant known when the model is loaded")
+        return self.constants[i] if i < len(self.constants) else None
+
+
+def text(value: str | bytes) -> str:
+    """A string attribute as onnx.helper returns it (bytes) or as a default (str)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def axis_names(rank: int) -> tuple[str, ...]:
+    names = {
+        0: (),
+        1: ("n",),
+        2: ("n", "f"),
+        3: ("n", "c", "l"),
+        4: ("n", "c", "h", "w"),
+        5: ("n", "c", "d", "h", "w"),
+    }
+    return names.get(rank, ("n", *(f"a{i}" for i in range(1, rank))))
+
+
+def spatial_names(count: int) -> tuple[str, ...]:
+    return axis_names(count + 2)[2:]
+
+
+def make_op(
+    ctx: NodeContext,
+    operands: Iterable[Operand],
+    attrs: object,
+    dims: Iterable[tuple[str, int]],
+    out_dims: Iterable[int | None],
+    flops_per_point: int,
+    *,
+    output: str | None = None,
+    name: str | None = None,
+    is_loss: bool = False,
+) -> Op:
+    operands = tuple(operands)
+    nest = LoopNest(
+        dims=tuple(IterDim(n, s) for n, s in dims),
+        inputs=operands,
+        out_dims=tuple(out_dims),
+        flops_per_point=flops_per_point,
+    )
+    return Op(
+        name=name or ctx.name,
+        type=ctx.op_type,
+        inputs=tuple(o.tensor for o in operands),
+        output=output or ctx.output,
+        attrs=attrs,
+        nest=nest,
+        is_loss=is_loss,
+    )
+
+
+def output_tensor(op: Op, tensors: dict[str, Tensor]) -> Tensor:
+    """The op's output, its shape from the loop nest, its dtype the first float input's."""
+    shape = tuple(1 if d is None else op.nest.dims[d].size for d in op.nest.out_dims)
+    dtype = next(tensors[t].dtype for t in op.inputs if tensors[t].dtype.is_float)
+    return Tensor(op.output, shape, dtype, TensorRole.ACTIVATION)
+
+
+def identity_axes(rank: int, first: int = 0) -> tuple[AxisMap, ...]:
+    return tuple(identity(first + i) for i in range(rank))
+
+
+def broadcast_operand(t: Tensor, out_shape: Sequence[int]) -> Operand:
+    """numpy-style multidirectional broadcasting: align right, size-1 axes broadcast."""
+    lead = len(out_shape) - len(t.shape)
+    axes: list[AxisMap] = []
+    for i, size in enumerate(t.shape):
+        d = lead + i
+        axes.append(Broadcast() if size == 1 and out_shape[d] != 1 else identity(d))
+    return Operand(t.name, tuple(axes))
+
+
+def broadcast_shape(ctx: NodeContext, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in np.broadcast_shapes(*(tuple(s) for s in shapes)))
+    except ValueError as e:
+        raise ctx.fail(f"shapes {[list(s) for s in shapes]} do not broadcast") from e
+
+
+def elementwise(
+    ctx: NodeContext, operands: Sequence[Tensor], attrs: object, flops_per_point: int
+) -> Op:
+    """An op whose output point reads the same point of every (broadcast) operand."""
+    shape = broadcast_shape(ctx, [t.shape for t in operands])
+    dims = list(zip(axis_names(len(shape)), shape, strict=True))
+    ops = [broadcast_operand(t, shape) for t in operands]
+    return make_op(ctx, ops, attrs, dims, range(len(shape)), flops_per_point)

@@ -1,0 +1,1 @@
+"""One module per op or small family of ops, each with a ``DEFINITIONS`` tuple."""

@@ -1,0 +1,89 @@
+"""Gemm: Y = alpha * A' @ B' + beta * C, with A' = A.T if transA, B' = B.T if transB.
+
+The reduction dim (``ci``) is never split, so every buffer holds whole rows/columns of
+the contraction and a task's product is complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onnx2soap.ir import Operand, identity
+from onnx2soap.ops.base import OpDef, W, X, case
+from onnx2soap.ops.context import NodeContext, broadcast_operand, broadcast_shape, make_op
+from onnx2soap.ops.kernel_util import unbroadcast
+
+
+@dataclass(frozen=True)
+class GemmAttrs:
+    alpha: float = 1.0
+    beta: float = 1.0
+    trans_a: bool = False
+    trans_b: bool = False
+
+
+def convert(ctx: NodeContext, *, alpha=1.0, beta=1.0, transA=0, transB=0):
+    a, b, c = ctx.tensor(0), ctx.tensor(1), ctx.optional(2)
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        raise ctx.fail(f"A and B must be 2-D, got {list(a.shape)} and {list(b.shape)}")
+    m, k = a.shape[::-1] if transA else a.shape
+    kb, n = b.shape[::-1] if transB else b.shape
+    if k != kb:
+        raise ctx.fail(f"A' {[m, k]} and B' {[kb, n]} do not multiply")
+    N, CO, CI = 0, 1, 2  # dims: rows (n), output features (co), reduction (ci)
+    a_axes = (identity(CI), identity(N)) if transA else (identity(N), identity(CI))
+    b_axes = (identity(CO), identity(CI)) if transB else (identity(CI), identity(CO))
+    operands = [Operand(a.name, a_axes), Operand(b.name, b_axes)]
+    if c is not None:
+        # C broadcasts *to* Y (unidirectionally): [N] or [M, 1] are fine, [11] is not.
+        if len(c.shape) > 2 or broadcast_shape(ctx, [c.shape, (m, n)]) != (m, n):
+            raise ctx.fail(f"C {list(c.shape)} does not broadcast to Y {[m, n]}")
+        operands.append(broadcast_operand(c, (m, n)))
+    attrs = GemmAttrs(float(alpha), float(beta), bool(transA), bool(transB))
+    dims = [("n", m), ("co", n), ("ci", k)]
+    return make_op(ctx, operands, attrs, dims, (N, CO), 2)
+
+
+def forward(xp, attrs: GemmAttrs, inputs, args):
+    a, b = inputs[0], inputs[1]
+    a = a.T if attrs.trans_a else a
+    b = b.T if attrs.trans_b else b
+    y = xp.matmul(a, b)
+    if attrs.alpha != 1.0:
+        y *= attrs.alpha
+    if len(inputs) > 2:
+        y += attrs.beta * inputs[2]
+    return y
+
+
+def backward(xp, attrs: GemmAttrs, inputs, output, grad_output, args):
+    a, b = inputs[0], inputs[1]
+    g = grad_output * attrs.alpha if attrs.alpha != 1.0 else grad_output
+    ta = a.T if attrs.trans_a else a  # A' (M, K)
+    tb = b.T if attrs.trans_b else b  # B' (K, N)
+    # dA' = g B'^T, dB' = A'^T g; a transposed operand takes the transposed product,
+    # computed directly so that the result is contiguous in the buffer's layout.
+    grad_a = xp.matmul(tb, g.T) if attrs.trans_a else xp.matmul(g, tb.T)
+    grad_b = xp.matmul(g.T, ta) if attrs.trans_b else xp.matmul(ta.T, g)
+    grads = [grad_a, grad_b]
+    if len(inputs) > 2:
+        grads.append(unbroadcast(xp, grad_output * attrs.beta, inputs[2].shape))
+    return tuple(grads)
+
+
+GEMM = OpDef(
+    name="Gemm",
+    versions=(13,),
+    convert=convert,
+    forward=forward,
+    backward=backward,
+    cases=(
+        case("gemm", "Gemm", X(4, 3), W(3, 5)),
+        case("gemm_bias1d", "Gemm", X(4, 3), W(3, 5), W(5)),
+        case("gemm_bias2d", "Gemm", X(4, 3), W(3, 5), W(4, 5), alpha=0.5, beta=2.0),
+        case("gemm_bias_col", "Gemm", X(4, 3), W(5, 3), W(4, 1), transB=1),
+        case("gemm_trans", "Gemm", X(3, 4), W(5, 3), W(1, 5), transA=1, transB=1, alpha=-1.5),
+    ),
+)
+
+DEFINITIONS = (GEMM,)

@@ -1,0 +1,70 @@
+"""MatMul: numpy.matmul semantics for operands of rank >= 2 (rank 1 is refused): batch
+axes broadcast, and an operand may have fewer of them than the output. The reduction dim
+(``ci``) is never split."""
+
+from __future__ import annotations
+
+from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, identity
+from onnx2soap.ops.base import NoAttrs, OpDef, W, X, case
+from onnx2soap.ops.context import NodeContext, broadcast_shape, make_op
+from onnx2soap.ops.kernel_util import unbroadcast
+
+
+def convert(ctx: NodeContext):
+    a, b = ctx.tensor(0), ctx.tensor(1)
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        raise ctx.fail(
+            f"both operands must have rank >= 2 (got {list(a.shape)} and {list(b.shape)})"
+        )
+    if a.shape[-1] != b.shape[-2]:
+        raise ctx.fail(f"{list(a.shape)} @ {list(b.shape)}: inner dims differ")
+    batch = broadcast_shape(ctx, [a.shape[:-2], b.shape[:-2]])
+    out = (*batch, a.shape[-2], b.shape[-1])
+    nb = len(out) - 2
+    batch_names = ("n", *(f"b{i}" for i in range(1, nb)))[:nb]
+    row_name = "m" if nb else "n"
+    dims = [*zip(batch_names, out[:nb], strict=True), (row_name, out[-2]), ("co", out[-1])]
+    dims.append(("ci", a.shape[-1]))
+    M, CO, CI = nb, nb + 1, nb + 2
+
+    def batch_axes(t: Tensor) -> list[AxisMap]:
+        lead = nb - (len(t.shape) - 2)
+        return [
+            Broadcast() if size == 1 and out[lead + i] != 1 else identity(lead + i)
+            for i, size in enumerate(t.shape[:-2])
+        ]
+
+    operands = [
+        Operand(a.name, (*batch_axes(a), identity(M), identity(CI))),
+        Operand(b.name, (*batch_axes(b), identity(CI), identity(CO))),
+    ]
+    return make_op(ctx, operands, NoAttrs(), dims, range(nb + 2), 2)
+
+
+def forward(xp, attrs, inputs, args):
+    a, b = inputs
+    return xp.matmul(a, b)
+
+
+def backward(xp, attrs, inputs, output, grad_output, args):
+    a, b = inputs
+    grad_a = xp.matmul(grad_output, xp.swapaxes(b, -1, -2))
+    grad_b = xp.matmul(xp.swapaxes(a, -1, -2), grad_output)
+    return unbroadcast(xp, grad_a, a.shape), unbroadcast(xp, grad_b, b.shape)
+
+
+MATMUL = OpDef(
+    name="MatMul",
+    versions=(13,),
+    convert=convert,
+    forward=forward,
+    backward=backward,
+    cases=(
+        case("matmul_2d", "MatMul", X(4, 3), W(3, 5)),
+        case("matmul_weight_2d", "MatMul", X(2, 3, 4, 5), W(5, 6)),
+        case("matmul_batch_bcast", "MatMul", X(2, 1, 4, 5), W(3, 5, 6)),
+        case("matmul_weight_batch", "MatMul", X(2, 4, 5), W(3, 1, 5, 6)),
+    ),
+)
+
+DEFINITIONS = (MATMUL,)

@@ -1,0 +1,318 @@
+"""MaxPool and AveragePool.
+
+Window buffers arrive with halo and padding in place (-inf for MaxPool, 0 for
+AveragePool), so a window is read at buffer index ``j * stride + k * dilation``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from onnx2soap.ir import Operand, identity
+from onnx2soap.ops.base import Interval, OpDef, Sample, TaskArgs, X, case
+from onnx2soap.ops.context import NodeContext, make_op, spatial_names
+from onnx2soap.ops.kernel_util import check_window_buffer, window_taps
+from onnx2soap.ops.windows import window, window_axes, window_outputs
+
+_LEAD = (slice(None), slice(None))  # n and c: read as they are
+
+
+class PoolKind(Enum):
+    MAX = "max"
+    AVERAGE = "average"
+
+
+@dataclass(frozen=True)
+class PoolAttrs:
+    kind: PoolKind
+    kernel_shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads_begin: tuple[int, ...]
+    pads_end: tuple[int, ...]
+    ceil_mode: bool = False
+    count_include_pad: bool = False
+
+
+def _convert(ctx, kind, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, include):
+    x = ctx.tensor(0)
+    rank = len(x.shape) - 2
+    if rank < 1:
+        raise ctx.fail(f"X {list(x.shape)} has no spatial axes")
+    if kernel_shape is None:
+        raise ctx.fail(f"kernel_shape is required ({rank} entries for X {list(x.shape)})")
+    win = window(
+        ctx,
+        x.shape[2:],
+        kernel_shape,
+        strides=strides,
+        dilations=dilations,
+        pads=pads,
+        auto_pad=auto_pad,
+    )
+    if any(
+        p >= k for p, k in zip((*win.pads_begin, *win.pads_end), win.kernel_shape * 2, strict=True)
+    ):
+        raise ctx.fail(
+            f"pads {[*win.pads_begin, *win.pads_end]} must be smaller than kernel_shape "
+            f"{list(win.kernel_shape)}"
+        )
+    out_sp = window_outputs(ctx, x.shape[2:], win, bool(ceil_mode))
+    names = spatial_names(rank)
+    dims = [("n", x.shape[0]), ("c", x.shape[1]), *zip(names, out_sp, strict=True)]
+    dims += [(f"k{n}", k) for n, k in zip(names, win.kernel_shape, strict=True)]
+    x_axes = (identity(0), identity(1), *window_axes(2, 2 + rank, win))
+    pad_value = float("-inf") if kind is PoolKind.MAX else 0.0
+    attrs = PoolAttrs(
+        kind,
+        win.kernel_shape,
+        win.strides,
+        win.dilations,
+        win.pads_begin,
+        win.pads_end,
+        bool(ceil_mode),
+        bool(include),
+    )
+    operands = [Operand(x.name, x_axes, pad_value=pad_value)]
+    return make_op(ctx, operands, attrs, dims, range(2 + rank), 1)
+
+
+def convert_maxpool(
+    ctx: NodeContext,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    dilations=None,
+    kernel_shape=None,
+    pads=None,
+    storage_order=0,
+    strides=None,
+):
+    del storage_order  # only affects the Indices output, which is refused
+    return _convert(
+        ctx, PoolKind.MAX, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, 0
+    )
+
+
+def convert_averagepool(
+    ctx: NodeContext,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    count_include_pad=0,
+    dilations=None,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
+    return _convert(
+        ctx,
+        PoolKind.AVERAGE,
+        kernel_shape,
+        strides,
+        dilations,
+        pads,
+        auto_pad,
+        ceil_mode,
+        count_include_pad,
+    )
+
+
+def _out_spatial(attrs: PoolAttrs, x, args: TaskArgs, op: str) -> tuple[int, ...]:
+    out_spatial = tuple(args.out_shape[2:])
+    check_window_buffer(op, attrs, x.shape, out_spatial)
+    return out_spatial
+
+
+def _argmax_taps(xp, attrs: PoolAttrs, x, out_spatial):
+    """The window maxima and, per output, the first kernel position (row-major) holding
+    it. A strict ``>`` keeps the earliest tap on ties, so a task that holds the window in
+    a split buffer picks the same element as the whole tensor would."""
+    best = arg = None
+    for t, sl in enumerate(window_taps(attrs, out_spatial)):
+        tap = x[(*_LEAD, *sl)]
+        if best is None:
+            best, arg = tap.copy(), xp.zeros(tap.shape, dtype=xp.int32)
+            continue
+        better = tap > best
+        best = xp.where(better, tap, best)
+        arg = xp.where(better, t, arg)
+    return best, arg
+
+
+def maxpool_forward(xp, attrs: PoolAttrs, inputs, args):
+    x = inputs[0]
+    # The maximum alone: which tap holds it matters only to the backward.
+    best = None
+    for sl in window_taps(attrs, _out_spatial(attrs, x, args, "MaxPool")):
+        tap = x[(*_LEAD, *sl)]
+        best = tap.copy() if best is None else xp.maximum(best, tap, out=best)
+    return best
+
+
+def maxpool_backward(xp, attrs: PoolAttrs, inputs, output, grad_output, args):
+    x = inputs[0]
+    out_spatial = _out_spatial(attrs, x, args, "MaxPool")
+    # Recomputed rather than read from ``output``: ties must go to one tap only.
+    arg = _argmax_taps(xp, attrs, x, out_spatial)[1]
+    grad_x = xp.zeros_like(x)
+    for t, sl in enumerate(window_taps(attrs, out_spatial)):
+        grad_x[(*_LEAD, *sl)] += grad_output * (arg == t)
+    return (grad_x,)
+
+
+def _counted(attrs: PoolAttrs, axis: int, valid: Interval, length: int) -> Interval:
+    """The buffer-local range of one spatial axis whose taps enter the divisor.
+
+    count_include_pad=0: the tensor's data. count_include_pad=1: the data widened by the
+    explicit pads, clipped to the buffer; the extra reach of ceil_mode beyond the pads is
+    not counted, as in onnxruntime (which divides by the window clipped to
+    ``[-pads_begin, size + pads_end)``). Where the buffer starts inside the tensor,
+    ``valid[0]`` is 0 and the clip to 0 makes the begin pad irrelevant, as it should.
+    """
+    lo, hi = valid
+    if attrs.count_include_pad:
+        lo, hi = lo - attrs.pads_begin[axis], hi + attrs.pads_end[axis]
+    return max(lo, 0), min(hi, length)
+
+
+def _divisor(xp, attrs: PoolAttrs, x, out_spatial, valid):
+    """Per output, the number of its taps inside the counted range: a product over the
+    spatial axes, since both the window and the range are boxes."""
+    rank = len(out_spatial)
+    divisor = xp.ones((1, 1, *(1 for _ in out_spatial)), dtype=x.dtype)
+    for i, (o, k, s, d) in enumerate(
+        zip(out_spatial, attrs.kernel_shape, attrs.strides, attrs.dilations, strict=True)
+    ):
+        lo, hi = _counted(attrs, i, valid[2 + i], x.shape[2 + i])
+        taps = xp.arange(o)[:, None] * s + xp.arange(k)[None, :] * d
+        count = ((taps >= lo) & (taps < hi)).sum(axis=1).astype(x.dtype)
+        divisor = divisor * count.reshape((1, 1, *(o if j == i else 1 for j in range(rank))))
+    # A window with no counted tap only arises where onnxruntime refuses or differs: pads
+    # >= kernel (refused: "Pad should be smaller than kernel"), or a ceil_mode window that
+    # starts in the end padding (onnxruntime drops it). Its sum is 0; dividing by 1 keeps
+    # it 0 instead of NaN.
+    return xp.maximum(divisor, 1)
+
+
+def averagepool_forward(xp, attrs: PoolAttrs, inputs, args):
+    x = inputs[0]
+    out_spatial = _out_spatial(attrs, x, args, "AveragePool")
+    taps = window_taps(attrs, out_spatial)
+    total = x[(*_LEAD, *next(taps))].copy()
+    for sl in taps:
+        total += x[(*_LEAD, *sl)]
+    return total / _divisor(xp, attrs, x, out_spatial, args.valid[0])
+
+
+def averagepool_backward(xp, attrs: PoolAttrs, inputs, output, grad_output, args):
+    x = inputs[0]
+    out_spatial = _out_spatial(attrs, x, args, "AveragePool")
+    share = grad_output / _divisor(xp, attrs, x, out_spatial, args.valid[0])
+    grad_x = xp.zeros_like(x)
+    for sl in window_taps(attrs, out_spatial):
+        grad_x[(*_LEAD, *sl)] += share
+    return (grad_x,)
+
+
+def _avg(id: str, shape, opset: int = 17, **attrs) -> object:
+    return case(id, "AveragePool", X(*shape), opset=opset, **attrs)
+
+
+MAXPOOL = OpDef(
+    name="MaxPool",
+    versions=(12, 22),
+    convert=convert_maxpool,
+    forward=maxpool_forward,
+    backward=maxpool_backward,
+    cases=tuple(
+        case(id, "MaxPool", X(*shape), sample=Sample.DISTINCT, **attrs)
+        for id, shape, attrs in (
+            ("maxpool2d", (2, 3, 7, 7), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4)),
+            (
+                "maxpool2d_ceil",
+                (1, 2, 8, 7),
+                dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1], ceil_mode=1),
+            ),
+            (
+                "maxpool2d_dilated",
+                (1, 2, 9, 8),
+                dict(kernel_shape=[2, 3], strides=[1, 2], dilations=[3, 2], pads=[1, 2, 0, 1]),
+            ),
+            (
+                "maxpool1d_same",
+                (2, 3, 10),
+                dict(kernel_shape=[4], strides=[3], auto_pad="SAME_LOWER"),
+            ),
+            ("maxpool3d", (1, 2, 5, 4, 5), dict(kernel_shape=[2, 2, 3], strides=[2, 1, 2])),
+        )
+    ),
+)
+
+AVERAGEPOOL = OpDef(
+    name="AveragePool",
+    versions=(11, 19, 22),
+    convert=convert_averagepool,
+    forward=averagepool_forward,
+    backward=averagepool_backward,
+    cases=(
+        _avg("avgpool2d", (2, 3, 7, 7), kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4),
+        _avg(
+            "avgpool2d_include_pad",
+            (2, 2, 7, 6),
+            kernel_shape=[3, 2],
+            strides=[2, 1],
+            pads=[1, 1, 2, 0],
+            count_include_pad=1,
+        ),
+        _avg(
+            "avgpool2d_ceil",
+            (1, 2, 8, 6),
+            kernel_shape=[3, 3],
+            strides=[2, 2],
+            pads=[1, 0, 1, 1],
+            ceil_mode=1,
+        ),
+        _avg(
+            "avgpool2d_ceil_include_pad",
+            (1, 2, 8, 6),
+            kernel_shape=[3, 3],
+            strides=[2, 2],
+            pads=[1, 0, 1, 1],
+            ceil_mode=1,
+            count_include_pad=1,
+        ),
+        _avg(
+            "avgpool2d_dilated",
+            (1, 2, 9, 8),
+            opset=19,
+            kernel_shape=[2, 3],
+            strides=[2, 1],
+            dilations=[2, 2],
+            pads=[1, 2, 1, 1],
+            count_include_pad=1,
+        ),
+        _avg(
+            "avgpool2d_dilated_ceil",
+            (1, 2, 9, 8),
+            opset=19,
+            kernel_shape=[2, 2],
+            strides=[2, 3],
+            dilations=[2, 3],
+            pads=[1, 1, 1, 0],
+            ceil_mode=1,
+        ),
+        _avg(
+            "avgpool1d_same_include_pad",
+            (2, 3, 10),
+            kernel_shape=[4],
+            strides=[3],
+            auto_pad="SAME_UPPER",
+            count_include_pad=1,
+        ),
+        _avg("avgpool3d", (1, 2, 5, 4, 5), kernel_shape=[2, 2, 3], pads=[0, 1, 1] * 2),
+    ),
+)
+
+DEFINITIONS = (MAXPOOL, AVERAGEPOOL)

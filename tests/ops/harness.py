@@ -1,0 +1,268 @@
+"""One-node ONNX models from the op definitions' cases, and running a kernel over tasks.
+
+A ``Case`` (``onnx2soap.ops.base``) lists the node's inputs: the data input ``x`` (the
+graph's float input), weights (float initializers), constants (int or float
+initializers the importer folds into the op), labels (a second graph input) and omitted
+optionals. ``CaseLoader`` saves a case once, imports it with the real importer and caches
+it, so hypothesis examples do not re-import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from executor.buffers import global_slices, local_slices, slice_from_full
+from onnx2soap.importer import ImportedModel, load_model
+from onnx2soap.ir import Graph, LossKind, Op
+from onnx2soap.ops import TaskArgs, definition
+from onnx2soap.ops.base import Case, InputKind, Sample
+from onnx2soap.soap import analyze
+from onnx2soap.soap.partition import ParallelConfig, Task, op_tasks, rect_shape
+
+_ONNX_TYPES = {
+    "float32": onnx.TensorProto.FLOAT,
+    "float64": onnx.TensorProto.DOUBLE,
+    "int64": onnx.TensorProto.INT64,
+}
+
+
+def _input_names(c: Case) -> list[str]:
+    names, counts = [], {}
+    prefix = {
+        InputKind.DATA: "x",
+        InputKind.WEIGHT: "w",
+        InputKind.CONSTANT: "c",
+        InputKind.LABELS: "labels",
+    }
+    for i in c.inputs:
+        if i.kind is InputKind.OMITTED:
+            names.append("")
+            continue
+        k = counts.get(i.kind, 0)
+        counts[i.kind] = k + 1
+        p = prefix[i.kind]
+        names.append(p if i.kind in (InputKind.DATA, InputKind.LABELS) else f"{p}{k}")
+    return names
+
+
+# Ops onnx2soap attaches itself: their cases are built as an Identity with that loss.
+ATTACHED_LOSSES = {"MeanSquaredError": LossKind.MSE}
+
+
+def build_model(c: Case, path: Path, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    if c.op_type in ATTACHED_LOSSES:
+        c = Case(c.id, "Identity", tuple(i for i in c.inputs if i.kind is InputKind.DATA))
+    names = _input_names(c)
+    inits, graph_inputs = [], []
+    for name, i in zip(names, c.inputs, strict=True):
+        if i.kind is InputKind.WEIGHT:
+            value = rng.standard_normal(i.shape).astype(np.float32)
+            inits.append(numpy_helper.from_array(value, name))
+        elif i.kind is InputKind.CONSTANT:
+            value = np.array(i.values, dtype=i.dtype).reshape(i.shape)
+            inits.append(numpy_helper.from_array(value, name))
+        elif i.kind in (InputKind.DATA, InputKind.LABELS):
+            dtype = _ONNX_TYPES["float32" if i.kind is InputKind.DATA else i.dtype]
+            graph_inputs.append(helper.make_tensor_value_info(name, dtype, i.shape))
+    node = helper.make_node(c.op_type, names, ["y"], **dict(c.attrs))
+    graph = helper.make_graph(
+        [node],
+        c.id,
+        graph_inputs,
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", c.opset)])
+    model.ir_version = 9  # what onnxruntime 1.17+ reads for opsets up to 19
+    # The checker wants the output's shape: let shape inference write it.
+    onnx.save(onnx.shape_inference.infer_shapes(model, strict_mode=True), str(path))
+
+
+class CaseLoader:
+    """Saves each case once under ``directory`` and imports it (cached). A plain class:
+    hypothesis prints a dataclass field by field, cache included, on every failure."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._cache: dict[Case, tuple[Path, ImportedModel]] = {}
+
+    def __repr__(self) -> str:
+        return f"CaseLoader({str(self.directory)!r})"
+
+    def __call__(self, c: Case) -> tuple[Path, ImportedModel]:
+        if c not in self._cache:
+            path = self.directory / f"{c.id}.onnx"
+            build_model(c, path)
+            is_loss = definition(c.op_type).is_loss
+            loss = ATTACHED_LOSSES.get(c.op_type, None if is_loss else LossKind.NONE)
+            self._cache[c] = (path, load_model(path, loss=loss))
+        return self._cache[c]
+
+
+def op_of(model: ImportedModel) -> Op:
+    """The op a case is about: its loss if it has one, else its only op."""
+    return model.graph.loss_op or model.graph.ops[0]
+
+
+def ort_run(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+# --- data -------------------------------------------------------------------------------
+
+
+def sample(c: Case, shape: Sequence[int], rng: np.random.Generator, dtype=np.float64):
+    """Random data drawn as the case asks (see ``Sample``)."""
+    if c.sample is Sample.DISTINCT:
+        size = math.prod(shape)
+        return (rng.permutation(size).reshape(shape) / 7.0 - size / 14.0).astype(dtype)
+    x = rng.standard_normal(shape)
+    if c.sample is Sample.AWAY_FROM_ZERO:
+        x = np.where(np.abs(x) < 0.05, 0.5, x)
+    elif c.sample is Sample.POSITIVE:
+        x = rng.uniform(0.5, 2.0, shape)
+    return x.astype(dtype)
+
+
+def labels_for(graph: Graph, op: Op, rng: np.random.Generator, dtype=np.float64) -> np.ndarray:
+    t = graph.tensors[graph.labels]
+    if t.dtype.is_float:
+        return rng.standard_normal(t.shape).astype(dtype)
+    classes = graph.tensors[op.inputs[0]].shape[1]
+    return rng.integers(0, classes, t.shape)
+
+
+def operand_arrays(
+    c: Case, model: ImportedModel, rng: np.random.Generator, ties: bool = False, dtype=np.float64
+) -> list[np.ndarray]:
+    """One array per operand of the case's op: data, weights (drawn fresh) and labels."""
+    graph, op = model.graph, op_of(model)
+    arrays = []
+    for t in op.inputs:
+        tensor = graph.tensors[t]
+        if t == graph.labels:
+            arrays.append(labels_for(graph, op, rng, dtype))
+        elif ties:  # small integers: windows full of equal maxima
+            arrays.append(rng.integers(-2, 3, tensor.shape).astype(dtype))
+        else:
+            arrays.append(sample(c, tensor.shape, rng, dtype))
+    return arrays
+
+
+# --- running a kernel over tasks ------------------------------------------------------
+
+
+def operand_shapes(graph: Graph, op: Op) -> list[tuple[int, ...]]:
+    return [graph.tensors[t].shape for t in op.inputs]
+
+
+def one_task(op: Op) -> ParallelConfig:
+    return ParallelConfig((1,) * len(op.nest.dims), (0,))
+
+
+def config_of(degrees: Sequence[int]) -> ParallelConfig:
+    degrees = tuple(degrees)
+    return ParallelConfig(degrees, tuple(range(math.prod(degrees))))
+
+
+def tasks_of(graph: Graph, op: Op, config: ParallelConfig) -> tuple[Task, ...]:
+    return op_tasks(op, config, operand_shapes(graph, op))
+
+
+def task_args(task: Task, loss_scale: float = 1.0) -> TaskArgs:
+    valid = tuple(r.valid for r in task.inputs)
+    return TaskArgs(out_shape=rect_shape(task.output), valid=valid, loss_scale=loss_scale)
+
+
+def loss_scale_of(graph: Graph, op: Op, arrays: Sequence[np.ndarray]) -> float:
+    """The whole batch's divisor for a loss op (1 for other ops)."""
+    if not op.is_loss:
+        return 1.0
+    labels = arrays[op.inputs.index(graph.labels)]
+    return definition(op.type).loss_scale(op.attrs, labels, arrays[0].shape)
+
+
+def buffers(task: Task, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [slice_from_full(np, a, r) for a, r in zip(arrays, task.inputs, strict=True)]
+
+
+def forward_full(
+    graph: Graph, op: Op, config: ParallelConfig, arrays: Sequence[np.ndarray]
+) -> np.ndarray:
+    """Every task's forward on its buffers, each tile placed at ``task.output`` (a loss's
+    partial losses summed)."""
+    d = definition(op.type)
+    scale = loss_scale_of(graph, op, arrays)
+    shape = graph.tensors[op.output].shape
+    dtype = next(a.dtype for a in arrays if a.dtype.kind == "f")
+    if op.is_loss:
+        tiles = [
+            d.forward(np, op.attrs, buffers(t, arrays), task_args(t, scale))
+            for t in tasks_of(graph, op, config)
+        ]
+        return np.asarray(sum(tiles), dtype=dtype)
+    out = np.full(shape, np.nan, dtype=dtype)
+    covered = np.zeros(shape, dtype=np.int64)
+    for task in tasks_of(graph, op, config):
+        tile = d.forward(np, op.attrs, buffers(task, arrays), task_args(task, scale))
+        assert tile.shape == rect_shape(task.output), (tile.shape, task.output)
+        out[global_slices(task.output)] = tile
+        covered[global_slices(task.output)] += 1
+    assert (covered == 1).all(), "the task tiles must partition the output"
+    return out
+
+
+def backward_full(
+    graph: Graph,
+    op: Op,
+    config: ParallelConfig,
+    arrays: Sequence[np.ndarray],
+    grad_output: np.ndarray,
+) -> list[np.ndarray | None]:
+    """Every task's backward; each buffer gradient's in-tensor part summed into a full
+    gradient (what the executor's halo and replica reductions do). None for operands
+    that take no gradient (labels)."""
+    d = definition(op.type)
+    scale = loss_scale_of(graph, op, arrays)
+    grads: list[np.ndarray | None] = [np.zeros_like(a) for a in arrays]
+    for task in tasks_of(graph, op, config):
+        bufs = buffers(task, arrays)
+        args = task_args(task, scale)
+        out = d.forward(np, op.attrs, bufs, args)
+        tile_grad = grad_output if op.is_loss else grad_output[global_slices(task.output)]
+        task_grads = d.backward(np, op.attrs, bufs, out, np.array(tile_grad, copy=True), args)
+        assert len(task_grads) == len(bufs)
+        for k, (g, b, region) in enumerate(zip(task_grads, bufs, task.inputs, strict=True)):
+            if g is None:
+                grads[k] = None
+                continue
+            assert g.shape == b.shape and g.dtype == b.dtype
+            grads[k][global_slices(region.data)] += g[local_slices(region.data, region.buffer)]
+    return grads
+
+
+def splittable_degrees(graph: Graph, op: Op) -> list[tuple[str, int, bool]]:
+    """(name, size, splittable) per dim of ``op``."""
+    return [(d.name, d.size, d.splittable) for d in analyze(graph)[op.name]]
+
+
+def central_difference(
+    f: Callable[[], float], array: np.ndarray, index: tuple[int, ...], eps: float
+) -> float:
+    """d f / d array[index], perturbing ``array`` in place (restored afterwards)."""
+    keep = array[index]
+    array[index] = keep + eps
+    plus = f()
+    array[index] = keep - eps
+    minus = f()
+    array[index] = keep
+    return (plus - minus) / (2 * eps)
