@@ -153,7 +153,7 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
                 # The op's weight gradients are complete: all-reduce them now, while the
                 # rest of the backward pass is still ahead (as the simulator schedules it).
                 for g, group in enumerate(pg.groups[op.name]):
-                    if len(group.devices) > 1:
+                    if group.trainable and len(group.devices) > 1:
                         order += [(d, AllReduce(i, g, group.devices)) for d in group.devices]
     return order
 

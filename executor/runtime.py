@@ -47,19 +47,32 @@ class Runtime:
         transport: Transport,
         weights: dict[str, np.ndarray],
         dtype: np.dtype,
+        constants: dict[str, np.ndarray] | None = None,
     ) -> None:
+        """``weights`` holds the initial values of the weights and of the state tensors."""
         self.pg, self.graph, self.program = pg, pg.graph, program
         self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
         self.shards: dict[WeightKey, np.ndarray] = {}
+        self.trainable: set[WeightKey] = set()
         for op in self.graph.ops:
             for group in pg.groups[op.name]:
                 if self.rank in group.devices:
                     part = weights[group.weight][global_slices(group.rect)]
-                    self.shards[(group.weight, group.rect)] = np.array(part, dtype=self.dtype)
+                    key = (group.weight, group.rect)
+                    self.shards[key] = np.array(part, dtype=self.dtype)
+                    if group.trainable:
+                        self.trainable.add(key)
+        # Constants are small (scalars, broadcast vectors): every rank holds them whole.
+        self.constants = {
+            name: np.asarray(value, dtype=self.dtype) for name, value in (constants or {}).items()
+        }
         transport.make_groups(
-            g.devices for op in self.graph.ops for g in pg.groups[op.name] if len(g.devices) > 1
+            g.devices
+            for op in self.graph.ops
+            for g in pg.groups[op.name]
+            if g.trainable and len(g.devices) > 1
         )
 
     def task(self, key: TaskKey) -> Task:
@@ -76,8 +89,8 @@ class Runtime:
         """Run one SGD step; returns the sum of this rank's partial losses."""
         state = _Step(self, batch)
         self._run(state, forward_only=False)
-        for key, shard in self.shards.items():
-            shard -= lr * state.grads[key]
+        for key, grad in state.grads.items():
+            self.shards[key] -= lr * grad
         return state.loss
 
     def _run(self, state: _Step, forward_only: bool) -> None:
@@ -115,7 +128,7 @@ class _Step:
         self.inputs: dict[TaskKey, list[np.ndarray]] = {}
         self.outputs: dict[TaskKey, np.ndarray] = {}
         self.input_grads: dict[TaskKey, tuple[np.ndarray | None, ...]] = {}
-        self.grads = {k: np.zeros_like(v) for k, v in rt.shards.items()}
+        self.grads = {k: np.zeros_like(v) for k, v in rt.shards.items() if k in rt.trainable}
         self.sent: list[tuple[object, np.ndarray]] = []
         self.loss = 0.0
         self.scale = loss_scale(rt.graph, batch.labels) if rt.graph.loss_op else 1.0
@@ -136,8 +149,10 @@ class _Step:
         buffers = []
         for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
             region = task.inputs[k]
-            if role is TensorRole.WEIGHT:
+            if role in (TensorRole.WEIGHT, TensorRole.STATE):
                 buffers.append(self.rt.shards[(name, region.data)])
+            elif role is TensorRole.CONSTANT:
+                buffers.append(slice_from_full(np, self.rt.constants[name], region))
             elif role is TensorRole.INPUT:
                 buffers.append(slice_from_full(np, self.batch.input, region))
             elif role is TensorRole.LABELS:

@@ -32,6 +32,8 @@ class TensorRole(Enum):
     INPUT = "input"  # the data input; its axis 0 is the batch
     LABELS = "labels"  # the loss's targets; axis 0 is the batch
     WEIGHT = "weight"  # trainable float initializer
+    STATE = "state"  # float initializer an op's forward updates, never trained (BN stats)
+    CONSTANT = "constant"  # float value fixed at load time: a folded constant, a 0-d initializer
     ACTIVATION = "activation"  # written by an op
 
 
@@ -101,6 +103,14 @@ class IterDim:
     size: int
 
 
+class Binding(Enum):
+    """How an op uses an operand that is a float initializer."""
+
+    READ = "read"  # trainable (a weight)
+    CONSTANT = "constant"  # read, never trained (BatchNorm's statistics in inference mode)
+    STATE = "state"  # read and updated by the op's forward (running statistics)
+
+
 @dataclass(frozen=True)
 class Operand:
     """One input of a loop nest.
@@ -114,6 +124,7 @@ class Operand:
     tensor: str
     axes: tuple[AxisMap, ...]
     pad_value: float | None = None
+    binding: Binding = Binding.READ
 
 
 @dataclass(frozen=True)
@@ -192,3 +203,11 @@ class Graph:
     @property
     def weights(self) -> tuple[Tensor, ...]:
         return tuple(t for t in self.tensors.values() if t.role is TensorRole.WEIGHT)
+
+    @property
+    def states(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors.values() if t.role is TensorRole.STATE)
+
+    @property
+    def constants(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors.values() if t.role is TensorRole.CONSTANT)

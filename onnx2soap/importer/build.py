@@ -8,7 +8,7 @@ import onnx
 
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.prepare import Prepared
-from onnx2soap.ir import DType, Graph, LossKind, Op, Tensor, TensorRole
+from onnx2soap.ir import Binding, DType, Graph, LossKind, Op, Tensor, TensorRole
 from onnx2soap.ops import OpDef, registry
 from onnx2soap.ops.context import NodeContext, output_tensor
 from onnx2soap.ops.defs.losses import LossAttrs, cross_entropy_op, mse_op
@@ -61,6 +61,7 @@ class _Builder:
         self.aliases: dict[str, str] = {}  # Identity outputs that are just a weight
         self.names: set[str] = set()  # op names given so far
         self.ops: list[Op] = []
+        self.bound: set[str] = set()  # tensors read by the ops converted so far
         self.loss_types = {d.name for d in registry().onnx_ops() if d.is_loss}
         floats = [n for n in p.graph_inputs if _dtype(p, n).is_float]
         if len(floats) != 1:
@@ -78,13 +79,21 @@ class _Builder:
         return t
 
     def _operand(self, node: onnx.NodeProto, name: str) -> Tensor | None:
+        """The tensor node input ``name`` is; None if omitted or an integer constant
+        (converters read those with ``ctx.constant``)."""
         name = self.aliases.get(name, name)
-        if not name or name in self.p.constants:
+        if not name:
             return None
         if name in self.tensors:
             return self.tensors[name]
+        if name in self.p.constants:
+            value = self.p.constants[name]
+            return self._add(name, TensorRole.CONSTANT) if value.dtype.kind == "f" else None
         if name in self.p.float_initializers:
-            return self._add(name, TensorRole.WEIGHT)
+            # A 0-d float initializer is a constant the exporter stored (a scale, an
+            # epsilon), not a parameter: trained, it would drift from what the model means.
+            scalar = self.p.float_initializers[name].ndim == 0
+            return self._add(name, TensorRole.CONSTANT if scalar else TensorRole.WEIGHT)
         if name in self.p.graph_inputs:
             role = TensorRole.LABELS if node.op_type in self.loss_types else None
             if role is None:
@@ -141,10 +150,28 @@ class _Builder:
         ops = made if isinstance(made, tuple) else (made,)
         self._extra_outputs(node, name, len(ops))
         for op in ops:
+            self._bind(op)
             out = output_tensor(op, self.tensors)
             self._cross_check(node, op, out)
             self.tensors[out.name] = out
             self.ops.append(op)
+
+    def _bind(self, op: Op) -> None:
+        """Give the float initializers an op reads as constants or state their role."""
+        roles = {Binding.CONSTANT: TensorRole.CONSTANT, Binding.STATE: TensorRole.STATE}
+        for operand in op.nest.inputs:
+            t = self.tensors[operand.tensor]
+            want = roles.get(operand.binding, TensorRole.WEIGHT)
+            if t.role is want or operand.binding is Binding.READ:
+                continue
+            if t.role is not TensorRole.WEIGHT or t.name in self.bound:
+                raise ModelError(
+                    f"{self.p.path}: node '{op.name}' ({op.type}): input '{t.name}' must be a "
+                    f"float initializer used only as its {want.value}, but it is "
+                    f"{'also read elsewhere' if t.name in self.bound else f'a {t.role.value}'}"
+                )
+            self.tensors[t.name] = Tensor(t.name, t.shape, t.dtype, want)
+        self.bound.update(o.tensor for o in op.nest.inputs)
 
     def _cross_check(self, node: onnx.NodeProto, op: Op, out: Tensor) -> None:
         """Our shape must be ONNX's wherever ONNX saw the same input shapes, except for
@@ -204,7 +231,7 @@ def _refuse_shared_weights(p: Prepared, ops: list[Op], tensors: dict[str, Tensor
     readers: dict[str, list[str]] = {}
     for op in ops:
         for t in op.inputs:  # every occurrence: MatMul(W, W) reads W twice
-            if tensors[t].role is TensorRole.WEIGHT:
+            if tensors[t].role in (TensorRole.WEIGHT, TensorRole.STATE):
                 readers.setdefault(t, []).append(op.name)
     for w, names in readers.items():
         if len(names) < 2:

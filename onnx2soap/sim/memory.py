@@ -1,11 +1,12 @@
 """Per-device peak memory of one training step, as the executor allocates it.
 
 Per device: the whole batch (input and labels: every rank builds it and cuts its
-regions); every weight Rect it holds, once, plus its gradient (SGD keeps no optimizer
-state); for every task on it: its assembled input buffers (weights excluded) and output
-tile, kept for the backward, and the gradients of both (activation inputs only), kept
-until the step ends; the receive buffers posted at the start of the step and the send
-copies held until it ends. Labels count at their own width (int64 class ids).
+regions) and every float constant, whole; every weight Rect it holds, once, plus its
+gradient (SGD keeps no optimizer state), and every state Rect (BatchNorm's running
+statistics: no gradient); for every task on it: its assembled input buffers (weights
+excluded) and output tile, kept for the backward, and the gradients of both (activation
+inputs only), kept until the step ends; the receive buffers posted at the start of the
+step and the send copies held until it ends. Labels count at their own width (int64 class ids).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ def _op_bytes(pg: PartitionedGraph, op, itemsize: int) -> tuple[tuple[int, int],
     """(device, bytes) held for one op: weight shards with gradients, task buffers."""
     graph = pg.graph
     held: dict[int, int] = {}
-    shards = {(g.weight, g.rect, d) for g in pg.groups[op.name] for d in g.devices}
-    for _, rect, d in shards:
-        held[d] = held.get(d, 0) + 2 * rect_volume(rect) * itemsize  # weight + gradient
+    shards = {(g.weight, g.rect, d, g.trainable) for g in pg.groups[op.name] for d in g.devices}
+    for _, rect, d, trainable in shards:
+        copies = 2 if trainable else 1  # a weight and its gradient; state alone
+        held[d] = held.get(d, 0) + copies * rect_volume(rect) * itemsize
     roles = [graph.tensors[t].role for t in op.inputs]
     widths = [
         graph.tensors[t].dtype.itemsize if r is TensorRole.LABELS else itemsize
@@ -31,7 +33,7 @@ def _op_bytes(pg: PartitionedGraph, op, itemsize: int) -> tuple[tuple[int, int],
         out = rect_volume(t.output) * itemsize
         total = 2 * out  # the output tile and its gradient
         for region, role, width in zip(t.inputs, roles, widths, strict=True):
-            if role is not TensorRole.WEIGHT:
+            if role not in (TensorRole.WEIGHT, TensorRole.STATE):
                 copies = 2 if role is TensorRole.ACTIVATION else 1  # buffer (+ its gradient)
                 total += copies * rect_volume(region.buffer) * width
         held[t.device] = held.get(t.device, 0) + total
@@ -40,7 +42,7 @@ def _op_bytes(pg: PartitionedGraph, op, itemsize: int) -> tuple[tuple[int, int],
 
 def _batch_bytes(graph, itemsize: int) -> int:
     labels = graph.tensors[graph.labels] if graph.labels else None
-    size = graph.tensors[graph.input].numel * itemsize
+    size = (graph.tensors[graph.input].numel + sum(c.numel for c in graph.constants)) * itemsize
     return size + (labels.numel * labels.dtype.itemsize if labels else 0)
 
 

@@ -246,6 +246,8 @@ def _weight_tasks(ctx: _Context) -> None:
     for op in ctx.pg.graph.ops:
         tasks: tuple[Task, ...] = ctx.pg.tasks[op.name]
         for group in ctx.pg.groups[op.name]:
+            if not group.trainable:
+                continue  # state: updated by the forward, no gradient to sum or apply
             ready: dict[int, list[int]] = {d: [] for d in group.devices}
             for i in group.tasks:
                 ready[tasks[i].device].append(ctx.bwd[(op.name, i)])

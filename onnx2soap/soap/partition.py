@@ -186,21 +186,23 @@ def overlaps(
 
 @dataclass(frozen=True)
 class ReplicaGroup:
-    """Tasks of one op that read the same Rect of a weight; their gradients are summed
-    over ``devices`` (distinct, sorted), each of which holds one copy of the Rect."""
+    """Tasks of one op that read the same Rect of a weight (or a state tensor); each of
+    ``devices`` (distinct, sorted) holds one copy of the Rect. A weight's gradients are
+    summed over them; a state tensor's copies are updated alike by the op's forward."""
 
     weight: str
     operand: int
     rect: Rect
     tasks: tuple[int, ...]
     devices: tuple[int, ...]
+    trainable: bool = True
 
 
 def replica_groups(
-    op: Op, tasks: Sequence[Task], weight_operands: Sequence[int]
+    op: Op, tasks: Sequence[Task], weight_operands: Sequence[int], state_operands=()
 ) -> tuple[ReplicaGroup, ...]:
     groups = []
-    for operand in weight_operands:
+    for operand in (*weight_operands, *state_operands):
         by_rect: dict[Rect, list[Task]] = {}
         for t in tasks:
             by_rect.setdefault(t.inputs[operand].data, []).append(t)
@@ -212,6 +214,7 @@ def replica_groups(
                     rect=rect,
                     tasks=tuple(t.index for t in members),
                     devices=tuple(sorted({t.device for t in members})),
+                    trainable=operand not in state_operands,
                 )
             )
     return tuple(groups)

@@ -69,12 +69,10 @@ class Partitioner:
     def groups(self, op: Op, config: ParallelConfig) -> tuple[ReplicaGroup, ...]:
         key = (op.name, config)
         if key not in self._groups:
-            weights = [
-                i
-                for i, t in enumerate(op.inputs)
-                if self.graph.tensors[t].role is TensorRole.WEIGHT
-            ]
-            self._groups[key] = replica_groups(op, self.tasks(op, config), weights)
+            roles = [self.graph.tensors[t].role for t in op.inputs]
+            weights = [i for i, r in enumerate(roles) if r is TensorRole.WEIGHT]
+            states = [i for i, r in enumerate(roles) if r is TensorRole.STATE]
+            self._groups[key] = replica_groups(op, self.tasks(op, config), weights, states)
         return self._groups[key]
 
     def edge(

@@ -35,7 +35,14 @@ def executor_forward(path: Path, x: np.ndarray) -> np.ndarray:
     model = load_model(path, BATCH, LossKind.NONE)
     graph = model.graph
     pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
-    rt = Runtime(pg, compile_program(pg, 0), Transport(MPI.COMM_SELF), model.weights, np.float64)
+    rt = Runtime(
+        pg,
+        compile_program(pg, 0),
+        Transport(MPI.COMM_SELF),
+        {**model.weights, **model.state},
+        np.float64,
+        model.constants,
+    )
     tiles = rt.forward(Batch(x.astype(np.float64), np.zeros(BATCH, np.int64)))
     return tiles[(graph.producer(graph.output).name, 0)]
 

@@ -151,6 +151,8 @@ def operand_arrays(
         tensor = graph.tensors[t]
         if t == graph.labels:
             arrays.append(labels_for(graph, op, rng, dtype))
+        elif t in model.constants:  # the value the op was built with
+            arrays.append(np.asarray(model.constants[t], dtype=dtype))
         elif ties:  # small integers: windows full of equal maxima
             arrays.append(rng.integers(-2, 3, tensor.shape).astype(dtype))
         else:

@@ -70,7 +70,7 @@ def test_forward_matches_onnxruntime(load: CaseLoader, c) -> None:
         if i.kind is InputKind.DATA:
             feeds["x"] = sample(c, i.shape, rng, np.float32)
     arrays = operand_arrays(c, model, rng, dtype=np.float32)
-    values = {**model.weights, **feeds}
+    values = {**model.weights, **model.state, **model.constants, **feeds}
     if graph.labels in op.inputs:
         feeds["labels"] = values[graph.labels] = arrays[op.inputs.index(graph.labels)]
     got = forward_full(graph, op, one_task(op), [values[t] for t in op.inputs])
