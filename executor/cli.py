@@ -1,41 +1,89 @@
 """``python -m executor run PLAN``: train a plan, each MPI rank playing one device.
 
-User errors (bad plan, wrong rank count, wrong model, bad data) print one line on rank 0
-and every rank exits with code 2. Any other exception on any rank prints its traceback
-and aborts all ranks, so nothing hangs.
+User errors (bad plan or option, wrong rank count, wrong model, bad data, an output path
+that cannot be written) print one line on rank 0 and every rank exits with code 2.
+
+Ctrl-C or SIGTERM (mpiexec forwards both to every rank) stops every rank at the next
+step boundary: the ranks agree on it with one small collective per step, so none is left
+waiting for a peer. The weights after the last complete step are still saved if
+``--save-weights`` was given; rank 0 says so in one line and every rank exits with 130
+(SIGINT) or 143 (SIGTERM), without a traceback.
+
+Any other exception on any rank prints its traceback and aborts all ranks, so nothing
+hangs. A rank killed outright is reported by mpiexec (its PID, host and signal) and the
+others are taken down at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from onnx2soap.cli.common import OneLineParser, add_nonfinite_option, float_in, int_in
 from onnx2soap.errors import UserError
 from onnx2soap.ir import DType
 
 EXIT_USER_ERROR = 2
+MAX_STEPS = 10**9
+MAX_SEED = 2**63 - 1  # numpy seeds are non-negative
+MAX_LR = 1e6
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m executor", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m executor", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="train a plan under mpiexec")
     run.add_argument("plan", type=Path, help="plan file from `onnx2soap plan`")
     run.add_argument("--model", type=Path, help="model file (default: the plan's)")
-    run.add_argument("--steps", type=int, default=10, help="SGD steps (default 10)")
-    run.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    run.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    run.add_argument(
+        "--steps", type=int_in(0, MAX_STEPS), default=10, help="SGD steps (default 10)"
+    )
+    run.add_argument(
+        "--lr", type=float_in(0, MAX_LR), default=0.01, help="learning rate (default 0.01)"
+    )
+    run.add_argument(
+        "--seed", type=int_in(0, MAX_SEED), default=0, help="seed of the synthetic data"
+    )
     run.add_argument(
         "--dtype", choices=[DType.FLOAT32.value, DType.FLOAT64.value], default="float32"
     )
     run.add_argument("--data", type=Path, help=".npz with arrays 'input' and 'labels'")
-    run.add_argument("--save-weights", type=Path, help="write trained weights (.npz) on rank 0")
+    run.add_argument(
+        "--save-weights",
+        type=Path,
+        help="write trained weights (.npz) on rank 0 (the path is checked before training)",
+    )
     run.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_nonfinite_option(run)
     return parser
+
+
+class StopSignals:
+    """Remembers the first SIGINT or SIGTERM instead of raising in the middle of a step;
+    ``train`` polls it at every step boundary. Calling it gives the signal number (0: none)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers (an embedding caller's business)
+        for signum in _SIGNAL_NAMES:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+
+    def __call__(self) -> int:
+        return self.received
 
 
 def _printer(as_json: bool):
@@ -71,10 +119,48 @@ def _summary(result, as_json: bool) -> None:
             f"{summary['steps']} steps, final loss {summary['final_loss']:.6f}, mean step "
             f"{mean * 1e3:.2f} ms (after the first), bytes sent per rank {summary['bytes_sent']}"
         )
+    sys.stdout.flush()
+
+
+def _error_line(message: str) -> None:
+    text = " ".join(message.split())
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    print(f"executor: error: {text}", file=sys.stderr, flush=True)
+
+
+def _world_rank() -> int:
+    """This process's rank, for a refusal before the run starts (one line, from rank 0)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def _abort(comm, code: int) -> int:
+    """Take every rank down. If MPI_Abort returns (a peer is aborting at the same time),
+    leave at once: nothing after this may run (it once printed a second traceback)."""
+    try:
+        comm.Abort(code)
+    finally:
+        os._exit(code)
+    return code  # not reached
+
+
+def _interrupted_line(result, steps: int, save_weights: Path | None) -> str:
+    name = _SIGNAL_NAMES.get(result.interrupted, f"signal {result.interrupted}")
+    done = len(result.steps)
+    saved = f"; weights after step {done} saved to {save_weights}" if save_weights else ""
+    return f"executor: interrupted by {name}: stopped after step {done} of {steps}{saved}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    stop = StopSignals()
+    stop.install()  # first: a Ctrl-C from here on is a request, never a traceback
+    try:
+        args = build_parser().parse_args(argv)
+    except UserError as e:
+        if _world_rank() == 0:
+            _error_line(str(e))
+        return EXIT_USER_ERROR
     from mpi4py import MPI  # imported here so --help works without MPI
 
     from executor.train import RunOptions, train
@@ -90,19 +176,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=DType(args.dtype),
         data=args.data,
         save_weights=args.save_weights,
+        allow_nonfinite=args.allow_nonfinite,
     )
     try:
-        if args.steps < 0:
-            raise UserError(f"--steps must be >= 0, got {args.steps}")
-        result = train(comm, options, on_step=_printer(args.json))
+        result = train(comm, options, on_step=_printer(args.json), stop=stop)
     except UserError as e:
         if rank == 0:
-            print(f"executor: error: {' '.join(str(e).split())}", file=sys.stderr)
+            _error_line(str(e))
         return EXIT_USER_ERROR
+    except MemoryError:
+        _error_line(f"rank {rank}: out of memory; a smaller batch or more ranks may fit")
+        return _abort(comm, EXIT_USER_ERROR)
     except Exception:
         sys.stderr.write(f"executor: rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
-        comm.Abort(1)
+        return _abort(comm, 1)
     if rank == 0:
         _summary(result, args.json)
+    if result.interrupted:
+        if rank == 0:
+            print(_interrupted_line(result, args.steps, args.save_weights), file=sys.stderr)
+        return 128 + result.interrupted
     return 0

@@ -41,7 +41,7 @@ class SyntheticData:
             y = rng.integers(0, classes, size=_label_shape(self.graph), dtype=np.int64)
         else:
             y = rng.standard_normal(_label_shape(self.graph)).astype(self.dtype)
-        return Batch(x, y)
+        return Batch(x, y, step)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class FileData:
     def batch(self, step: int) -> Batch:
         b = step % (len(self.input) // self.batch_size)
         rows = slice(b * self.batch_size, (b + 1) * self.batch_size)
-        return Batch(self.input[rows], self.labels[rows])
+        return Batch(self.input[rows], self.labels[rows], step)
 
 
 def _check(path: Path, name: str, array: np.ndarray, want: tuple[int, ...], batch: int) -> None:

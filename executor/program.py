@@ -10,6 +10,11 @@ deterministic and nothing can deadlock:
                                     then all-reduce the op's weight replica groups;
     then the SGD update.
 
+An op with statistics (BatchNorm in training mode) computes in two halves in each phase:
+every task assembles its inputs and its partial statistics (``Partial``), each group of
+tasks that split the statistics' dims sums them (``ReduceStats``, an all-reduce over the
+group's devices), then every task finishes (``Compute``) and sends.
+
 Sends are nonblocking and every receive is posted at the start of the step, so a rank
 only ever waits for data whose send comes earlier in the global order; an all-reduce
 waits for members that each reach it once everything before it in the order is done.
@@ -66,6 +71,25 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """Assemble a task's inputs (forward) or output gradient (backward) and compute its
+    partial statistics; the ``Compute`` of the same task finishes it."""
+
+    phase: Phase
+    op: int
+    task: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class ReduceStats:
+    phase: Phase
+    op: int
+    group: int  # index into PartitionedGraph.stats[op name]
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Send:
     transfer: Transfer
 
@@ -82,7 +106,7 @@ class AllReduce:
     devices: tuple[int, ...]
 
 
-Instruction = Compute | Send | Wait | AllReduce
+Instruction = Compute | Partial | ReduceStats | Send | Wait | AllReduce
 
 
 @dataclass(frozen=True)
@@ -143,11 +167,21 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
     indexed = list(enumerate(graph.ops))
     for phase, ops in ((Phase.FORWARD, indexed), (Phase.BACKWARD, indexed[::-1])):
         for i, op in ops:
-            for task in pg.tasks[op.name]:
+            tasks = pg.tasks[op.name]
+            if op.nest.sync_dims:
+                for task in tasks:
+                    key = (phase, i, task.index)
+                    order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
+                    partial = Partial(phase, i, task.index, tuple(pieces.get(key, [])))
+                    order.append((task.device, partial))
+                for g, group in enumerate(pg.stats[op.name]):
+                    order += [(d, ReduceStats(phase, i, g, group.devices)) for d in group.devices]
+            for task in tasks:
                 key = (phase, i, task.index)
-                order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
-                compute = Compute(phase, i, task.index, tuple(pieces.get(key, [])))
-                order.append((task.device, compute))
+                if not op.nest.sync_dims:
+                    order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
+                given = () if op.nest.sync_dims else tuple(pieces.get(key, []))
+                order.append((task.device, Compute(phase, i, task.index, given)))
                 order += [(t.src, Send(t)) for t in sends.get(key, [])]
             if phase is Phase.BACKWARD:
                 # The op's weight gradients are complete: all-reduce them now, while the

@@ -12,10 +12,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from executor.buffers import empty_buffer, global_slices, local_slices, slice_from_full
-from executor.program import AllReduce, Compute, Phase, Piece, Program, Send, Transfer, Wait
+from executor.program import (
+    AllReduce,
+    Compute,
+    Partial,
+    Phase,
+    Piece,
+    Program,
+    ReduceStats,
+    Send,
+    Transfer,
+    Wait,
+)
 from executor.transport import Transport
 from onnx2soap.ir import Graph, TensorRole
 from onnx2soap.ops import TaskArgs, definition
+from onnx2soap.ops.base import RandomKey
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect, Task, rect_shape
 
@@ -30,6 +42,7 @@ class Batch:
 
     input: np.ndarray
     labels: np.ndarray
+    step: int = 0  # numbers the random ops' draws
 
 
 def loss_scale(graph: Graph, labels: np.ndarray) -> float:
@@ -48,10 +61,12 @@ class Runtime:
         weights: dict[str, np.ndarray],
         dtype: np.dtype,
         constants: dict[str, np.ndarray] | None = None,
+        seed: int = 0,
     ) -> None:
         """``weights`` holds the initial values of the weights and of the state tensors."""
         self.pg, self.graph, self.program = pg, pg.graph, program
         self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
+        self.seed = seed
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
         self.shards: dict[WeightKey, np.ndarray] = {}
@@ -73,6 +88,9 @@ class Runtime:
             for op in self.graph.ops
             for g in pg.groups[op.name]
             if g.trainable and len(g.devices) > 1
+        )
+        transport.make_groups(
+            g.devices for op in self.graph.ops for g in pg.stats[op.name] if len(g.devices) > 1
         )
 
     def task(self, key: TaskKey) -> Task:
@@ -97,7 +115,11 @@ class Runtime:
         for ins in self.program.instructions:
             if forward_only and _phase(ins) is not Phase.FORWARD:
                 continue
-            if isinstance(ins, Compute) and ins.phase is Phase.FORWARD:
+            if isinstance(ins, Partial):
+                state.partial(ins)
+            elif isinstance(ins, ReduceStats):
+                state.reduce_stats(ins)
+            elif isinstance(ins, Compute) and ins.phase is Phase.FORWARD:
                 state.forward(ins)
             elif isinstance(ins, Compute):
                 state.backward(ins)
@@ -113,7 +135,7 @@ class Runtime:
 
 
 def _phase(ins) -> Phase:
-    if isinstance(ins, Compute):
+    if isinstance(ins, Compute | Partial | ReduceStats):
         return ins.phase
     if isinstance(ins, Send | Wait):
         return ins.transfer.phase
@@ -125,6 +147,12 @@ class _Step:
 
     def __init__(self, rt: Runtime, batch: Batch, forward_only: bool = False) -> None:
         self.rt, self.batch = rt, batch
+        self.training = not forward_only
+        # Ops with statistics, by (phase, op, task): partial sums, then the group's sums.
+        self.partials: dict[tuple[Phase, int, int], np.ndarray] = {}
+        self.totals: dict[tuple[Phase, int, int], np.ndarray] = {}
+        self.grad_outputs: dict[TaskKey, np.ndarray] = {}
+        self.updated: set[WeightKey] = set()  # state shards this step has written
         self.inputs: dict[TaskKey, list[np.ndarray]] = {}
         self.outputs: dict[TaskKey, np.ndarray] = {}
         self.input_grads: dict[TaskKey, tuple[np.ndarray | None, ...]] = {}
@@ -167,15 +195,65 @@ class _Step:
             )
         return buffers
 
-    def _args(self, task: Task) -> TaskArgs:
-        return TaskArgs(rect_shape(task.output), tuple(r.valid for r in task.inputs), self.scale)
+    def _args(self, op_index: int, task: Task) -> TaskArgs:
+        op = self.rt.graph.ops[op_index]
+        key = (op_index, task.index)
+        return TaskArgs(
+            out_shape=rect_shape(task.output),
+            valid=tuple(r.valid for r in task.inputs),
+            loss_scale=self.scale,
+            origin=tuple(lo for lo, _ in task.output),
+            full_shape=self.rt.graph.tensors[op.output].shape,
+            random=RandomKey(self.rt.seed, self.batch.step, op_index) if self.training else None,
+            stats=self.totals.get((Phase.FORWARD, *key)),
+            grad_stats=self.totals.get((Phase.BACKWARD, *key)),
+        )
+
+    def partial(self, ins: Partial) -> None:
+        """First half of an op with statistics: assemble, then the task's partial sums."""
+        key = (ins.op, ins.task)
+        op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
+        stats = definition(op.type).statistics
+        as_compute = Compute(ins.phase, ins.op, ins.task, ins.pieces)
+        if ins.phase is Phase.FORWARD:
+            self.inputs[key] = self._assemble_inputs(as_compute, task)
+            partial = stats.forward(np, op.attrs, self.inputs[key], self._args(ins.op, task))
+        else:
+            grad = self.grad_outputs[key] = self._grad_output(as_compute, task)
+            inputs, output = self.inputs[key], self.outputs[key]
+            args = self._args(ins.op, task)
+            partial = stats.backward(np, op.attrs, inputs, output, grad, args)
+        self.partials[(ins.phase, *key)] = np.ascontiguousarray(partial, dtype=self.rt.dtype)
+
+    def reduce_stats(self, ins: ReduceStats) -> None:
+        """Sum the partials of the group's tasks on this rank, then over its devices."""
+        op = self.rt.graph.ops[ins.op]
+        group = self.rt.pg.stats[op.name][ins.group]
+        mine = [t for t in group.tasks if self.rt.task((ins.op, t)).device == self.rt.rank]
+        total = sum(self.partials.pop((ins.phase, ins.op, t)) for t in mine[1:])
+        total = self.partials.pop((ins.phase, ins.op, mine[0])) + total
+        if len(group.devices) > 1:
+            self.rt.transport.allreduce_sum(total, group.devices)
+        for t in mine:
+            self.totals[(ins.phase, ins.op, t)] = total
 
     def forward(self, ins: Compute) -> None:
         key = (ins.op, ins.task)
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
-        buffers = self._assemble_inputs(ins, task)
-        out = definition(op.type).forward(np, op.attrs, buffers, self._args(task))
+        synced = bool(op.nest.sync_dims)
+        buffers = self.inputs[key] if synced else self._assemble_inputs(ins, task)
+        args = self._args(ins.op, task)
+        d = definition(op.type)
+        out = d.forward(np, op.attrs, buffers, args)
         self.inputs[key], self.outputs[key] = buffers, out
+        if synced and self.training:
+            for k, value in d.statistics.update(np, op.attrs, buffers, args):
+                # Every copy of the state gets the same sums, so replicas stay identical;
+                # the rank's other tasks on the same channels must not update it again.
+                shard = (op.inputs[k], task.inputs[k].data)
+                if shard not in self.updated:
+                    self.updated.add(shard)
+                    self.rt.shards[shard][...] = value
         if op.is_loss:
             self.loss += float(out)
 
@@ -194,9 +272,9 @@ class _Step:
     def backward(self, ins: Compute) -> None:
         key = (ins.op, ins.task)
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
-        grad_out = self._grad_output(ins, task)
+        grad_out = self.grad_outputs.pop(key) if op.nest.sync_dims else self._grad_output(ins, task)
         grads = definition(op.type).backward(
-            np, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(task)
+            np, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(ins.op, task)
         )
         for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
             if role is TensorRole.WEIGHT:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import io
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.transport import Transport
 from onnx2soap.errors import UserError
-from onnx2soap.files import write_atomic
+from onnx2soap.files import check_output, write_atomic
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
 from onnx2soap.ir import DType, Graph
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
@@ -37,6 +38,7 @@ class RunOptions:
     dtype: DType = DType.FLOAT32
     data: Path | None = None
     save_weights: Path | None = None
+    allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class RunResult:
     steps: tuple[StepRecord, ...]
     bytes_sent: tuple[int, ...]  # per rank, over all steps
     weights: dict[str, np.ndarray] | None  # gathered on rank 0 when asked
+    interrupted: int = 0  # the signal every rank stopped on early (0: all steps ran)
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
             f"{path}: sha256 {digest[:12]}… differs from the plan's {plan.model_sha256[:12]}…; "
             "the plan was made for another model file"
         )
-    model = load_model(path, plan.batch, import_loss(plan))
+    model = load_model(path, plan.batch, import_loss(plan), allow_nonfinite=options.allow_nonfinite)
     strategy = plan.strategy(model.graph, analyze(model.graph))
     pg = Partitioner(model.graph).partition(strategy)
     dtype = np.dtype(options.dtype.value)
@@ -102,9 +105,11 @@ def agreed_setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
 
 
 def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.ndarray] | None:
-    """Assemble every weight on rank 0 from the lowest device of each replica group."""
+    """Assemble every weight and state tensor on rank 0 from the lowest device of each
+    replica group."""
     rank = comm.Get_rank()
-    full = {w.name: np.empty(w.shape, dtype=rt.dtype) for w in graph.weights} if rank == 0 else {}
+    held = (*graph.weights, *graph.states)
+    full = {w.name: np.empty(w.shape, dtype=rt.dtype) for w in held} if rank == 0 else {}
     tag = 0
     for op in graph.ops:
         for group in rt.pg.groups[op.name]:
@@ -133,15 +138,46 @@ def train(
     options: RunOptions,
     on_step: Callable[[StepRecord], None] | None = None,
     gather: bool = False,
+    stop: Callable[[], int] | None = None,
 ) -> RunResult:
-    s = agreed_setup(comm, options)
+    """``stop()`` gives the signal this rank received (0: none); the ranks agree on it at
+    every step boundary and all stop there, the weights of the last step intact."""
     rank = comm.Get_rank()
+    # The output path is checked before hours of training, not after them.
+    problem = None
+    if rank == 0 and options.save_weights is not None:
+        try:
+            check_output(options.save_weights)
+        except UserError as e:
+            problem = str(e)
+    problems = [p for p in comm.allgather(problem) if p]
+    if problems:
+        raise UserError(problems[0])
+    s = agreed_setup(comm, options)
     transport = Transport(comm)
     program = compile_program(s.pg, rank)
-    rt = Runtime(s.pg, program, transport, s.model.weights, np.dtype(options.dtype.value))
+    values = {**s.model.weights, **s.model.state}
+    rt = Runtime(
+        s.pg,
+        program,
+        transport,
+        values,
+        np.dtype(options.dtype.value),
+        s.model.constants,
+        options.seed,
+    )
     records = []
     total = np.zeros(1)
+    # [SIGINT seen, SIGTERM seen] summed over ranks: one tiny collective per step.
+    signals, seen = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    interrupted = 0
     for step in range(options.steps):
+        received = stop() if stop is not None else 0
+        signals[:] = (received == signal.SIGINT, received == signal.SIGTERM)
+        comm.Allreduce(signals, seen, op=MPI.SUM)
+        if seen.any():
+            interrupted = int(signal.SIGTERM if seen[1] else signal.SIGINT)
+            break
         batch = s.data.batch(step)
         start = time.perf_counter()
         partial = rt.step(batch, options.lr)
@@ -157,4 +193,4 @@ def train(
         weights = gather_weights(comm, rt, s.model.graph)
         if rank == 0 and options.save_weights:
             save_npz(options.save_weights, weights)
-    return RunResult(tuple(records), tuple(int(c) for c in counts), weights)
+    return RunResult(tuple(records), tuple(int(c) for c in counts), weights, interrupted)

@@ -134,12 +134,20 @@ class LoopNest:
     Output axis ``i`` is indexed by dim ``out_dims[i]`` (identity), or is a size-1 axis
     where the entry is None. Dims absent from ``out_dims`` are reductions.
     ``flops_per_point`` counts the forward FLOPs of one point of the iteration space.
+
+    ``sync_dims`` are kept dims over which the op computes statistics (BatchNorm in
+    training mode: the batch and spatial dims). They split like any kept dim, but the
+    tasks that differ only in them then sum their partial statistics (``sync_values``
+    numbers per point of the other dims) before finishing, in the forward and again in
+    the backward, so every split computes what one task would.
     """
 
     dims: tuple[IterDim, ...]
     inputs: tuple[Operand, ...]
     out_dims: tuple[int | None, ...]
     flops_per_point: int = 1
+    sync_dims: tuple[int, ...] = ()
+    sync_values: int = 0
 
     @property
     def points(self) -> int:

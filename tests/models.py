@@ -132,6 +132,41 @@ def build_matmul(seed: int = 0, hidden: int = 16, out: int = 24):
     return MatMulModel()
 
 
+def build_bnnet(seed: int = 0, dropout: float = 0.3):
+    """What torchvision's mobile CNNs are made of, small: BatchNorm in training mode (its
+    statistics synchronized across any split), ReLU6 (Clip), a depthwise conv, SiLU
+    (Sigmoid * x), a squeeze-excitation scale (a broadcast Mul) and Dropout.
+
+    [B, 3, 16, 16] conv 3x3 s2 -> BN -> ReLU6 -> depthwise 3x3 -> BN -> SiLU
+      -> x * sigmoid(conv1x1(mean over h, w)) -> dropout -> gap -> flatten -> fc [B, 10]
+    """
+    import torch
+    from torch import nn
+
+    class BNNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, kernel_size=3, stride=2, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(8)
+            self.relu6 = nn.ReLU6()
+            self.dw = nn.Conv2d(8, 8, kernel_size=3, padding=1, groups=8, bias=False)
+            self.bn2 = nn.BatchNorm2d(8)
+            self.se = nn.Conv2d(8, 8, kernel_size=1)
+            self.drop = nn.Dropout(dropout)
+            self.gap = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Linear(8, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.relu6(self.bn1(self.conv(x)))
+            y = self.bn2(self.dw(y))
+            y = y * torch.sigmoid(y)
+            y = y * torch.sigmoid(self.se(y.mean(dim=(2, 3), keepdim=True)))
+            return self.fc(torch.flatten(self.gap(self.drop(y)), 1))
+
+    torch.manual_seed(seed)
+    return BNNet()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     build: Callable[[], nn.Module]
@@ -144,6 +179,7 @@ MODELS: dict[str, ModelSpec] = {
     "cnn": ModelSpec(build_cnn, (3, 32, 32), "logits"),
     "spatial": ModelSpec(build_spatial, (3, 32, 32), "logits"),
     "matmul": ModelSpec(build_matmul, (6, 16), "output"),
+    "bnnet": ModelSpec(build_bnnet, (3, 16, 16), "logits"),
 }
 
 

@@ -10,13 +10,14 @@ import sys
 from collections.abc import Sequence
 
 from onnx2soap.cli import inspect_cmd, machine_cmd, plan_cmd, simulate_cmd
+from onnx2soap.cli.common import OneLineParser
 from onnx2soap.errors import UserError
 
 EXIT_USER_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="onnx2soap",
         description="Find SOAP parallelization plans for ONNX models.",
     )
@@ -26,12 +27,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """A message on one line whatever it quotes: whitespace runs become one space, other
+    control characters (a NUL, an escape sequence) are shown escaped."""
+    text = " ".join(message.split())
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args) or 0
     except UserError as e:
-        print(f"onnx2soap: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"onnx2soap: error: {one_line(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("onnx2soap: interrupted", file=sys.stderr)

@@ -90,7 +90,9 @@ def table(doc: dict, graph: Graph) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.model, args.batch, loss_choice(args.loss))
+    model = load_model(
+        args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
+    )
     doc = report(model.graph, args.model)
     print(json.dumps(doc, indent=2) if args.json else table(doc, model.graph))
     return 0

@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from onnx2soap.cli.common import gib, human
+from onnx2soap.cli.common import float_in, gib, human, int_in
 from onnx2soap.errors import MachineError, UserError
+from onnx2soap.files import check_output
 from onnx2soap.sim.machine import dump_machine
 from onnx2soap.sim.presets import preset_names, resolve_machine
+from onnx2soap.soap.plan import MAX_DEVICES
+
+MAX_PROBE_SECONDS = 600.0
 
 
 def register(sub) -> None:
@@ -24,9 +28,20 @@ def register(sub) -> None:
     show.add_argument("--yaml", action="store_true", help="print it as a machine file")
     show.set_defaults(run=run_show)
     probe = verbs.add_parser("probe", help="measure this host's MPI ranks into a machine file")
-    probe.add_argument("-n", "--ranks", type=int, required=True, help="number of MPI ranks")
+    probe.add_argument(
+        "-n",
+        "--ranks",
+        type=int_in(1, MAX_DEVICES),
+        required=True,
+        help=f"number of MPI ranks (1 to {MAX_DEVICES})",
+    )
     probe.add_argument("-o", "--output", required=True, help="machine file to write")
-    probe.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
+    probe.add_argument(
+        "--seconds",
+        type=float_in(0, MAX_PROBE_SECONDS, low_open=True),
+        default=0.3,
+        help="time per measurement",
+    )
     probe.set_defaults(run=run_probe)
 
 
@@ -68,8 +83,7 @@ def _mpiexec() -> str:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    if args.ranks < 1:
-        raise UserError(f"-n must be >= 1, got {args.ranks}")
+    check_output(args.output)  # before the ranks start measuring
     command = [
         _mpiexec(),
         "-n",

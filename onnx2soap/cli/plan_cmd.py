@@ -12,11 +12,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from onnx2soap.cli.common import add_model_options, loss_choice, seconds
+from onnx2soap.cli.common import add_model_options, float_in, int_in, loss_choice, seconds
 from onnx2soap.errors import UserError
+from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import Rule, by_rule
-from onnx2soap.search.mcmc import Progress, SearchOptions, mcmc
+from onnx2soap.search.mcmc import (
+    MAX_BETA,
+    MAX_BUDGET_S,
+    MAX_EVALS,
+    MAX_SEED,
+    Progress,
+    SearchOptions,
+    mcmc,
+)
 from onnx2soap.sim import Evaluation, RooflineCost, Simulator, resolve_machine
 from onnx2soap.soap import (
     Partitioner,
@@ -29,29 +38,47 @@ from onnx2soap.soap import (
     save_plan,
 )
 from onnx2soap.soap import validate as validate_strategy
+from onnx2soap.soap.plan import MAX_DEVICES
 
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="find a plan for a model and write the plan file")
     add_model_options(p)
     p.add_argument("--machine", help="preset (e.g. flexflow-p100:4, cpu:4) or machine file")
-    p.add_argument("--devices", type=int, help="shorthand for --machine cpu:N")
+    p.add_argument(
+        "--devices",
+        type=int_in(1, MAX_DEVICES),
+        help=f"shorthand for --machine cpu:N (1 to {MAX_DEVICES})",
+    )
     p.add_argument(
         "--strategy",
         choices=[r.value for r in Rule],
         help="build the plan by this rule instead of searching",
     )
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
-    p.add_argument("--budget", type=float, default=30.0, help="search time budget in seconds")
+    p.add_argument(
+        "--budget",
+        type=float_in(0, MAX_BUDGET_S),
+        default=30.0,
+        help="search time budget in seconds",
+    )
     p.add_argument(
         "--max-evals",
-        type=int,
+        type=int_in(1, MAX_EVALS),
         help="stop after this many proposals evaluated (revisits included): reproducible",
     )
     p.add_argument(
-        "--beta", type=float, default=SearchOptions.beta, help="MCMC inverse temperature"
+        "--beta",
+        type=float_in(0, MAX_BETA),
+        default=SearchOptions.beta,
+        help="MCMC inverse temperature (>= 0)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the search / random strategy")
+    p.add_argument(
+        "--seed",
+        type=int_in(0, MAX_SEED),
+        default=0,
+        help="seed of the search / random strategy",
+    )
     p.add_argument("-o", "--output", required=True, help="plan file to write")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -103,6 +130,7 @@ class _Outcome:
     chosen: Evaluation
     baselines: dict[str, Evaluation]
     search: SearchInfo | None
+    time_s: float = 0.0  # reported, never written: the plan file stays reproducible
 
 
 def _search(args, graph, space, simulator: Simulator) -> _Outcome:
@@ -111,8 +139,8 @@ def _search(args, graph, space, simulator: Simulator) -> _Outcome:
     result = mcmc(graph, space, simulator, options, show)
     if show:
         sys.stderr.write("\n")
-    info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated, result.time_s)
-    return _Outcome(result.best, result.evaluation, dict(result.baselines), info)
+    info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated)
+    return _Outcome(result.best, result.evaluation, dict(result.baselines), info, result.time_s)
 
 
 def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
@@ -136,11 +164,22 @@ def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
     return _Outcome(strategy, chosen, baselines, None)
 
 
+def _check_dims(space) -> None:
+    """Every dim must have a size: a zero-sized one leaves no config to run the op on."""
+    for name, dims in space.items():
+        empty = [d.name for d in dims if d.size < 1]
+        if empty:
+            raise UserError(f"op '{name}': dims {empty} have size 0; nothing to compute")
+
+
 def run(args: argparse.Namespace) -> int:
     rule, searching = _mode(args)
+    check_output(args.output)  # before the search, not after it
     spec = machine_spec(args.machine, args.devices)
     machine = resolve_machine(spec)
-    model = load_model(args.model, args.batch, loss_choice(args.loss))
+    model = load_model(
+        args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
+    )
     graph = model.graph
     if graph.loss_op is None:
         raise UserError(
@@ -148,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             "choose --loss cross-entropy or mse"
         )
     space = analyze(graph)
+    _check_dims(space)
     simulator = Simulator(machine, RooflineCost())
     if searching:
         outcome = _search(args, graph, space, simulator)
@@ -172,11 +212,11 @@ def run(args: argparse.Namespace) -> int:
         search=outcome.search,
     )
     save_plan(plan, args.output)
-    _report(args, plan, machine.name, searching)
+    _report(args, plan, machine.name, searching, outcome.time_s)
     return 0
 
 
-def _report(args, plan: Plan, machine: str, searching: bool) -> None:
+def _report(args, plan: Plan, machine: str, searching: bool, time_s: float) -> None:
     p, s = plan.predicted, plan.search
     baselines = dict(p.baselines)
     if args.json:
@@ -185,14 +225,14 @@ def _report(args, plan: Plan, machine: str, searching: bool) -> None:
             "predicted_step_time_s": p.step_time_s,
             "baselines": baselines,
             "evaluated": s.evaluated if s else 1,
-            "search_time_s": s.search_time_s if s else 0.0,
+            "search_time_s": time_s,
         }
         print(json.dumps(doc))
         return
     how = args.strategy or "data-parallel"
     if searching:
         noun = "strategy" if s.evaluated == 1 else "strategies"
-        how = f"MCMC ({s.evaluated} {noun} simulated in {s.search_time_s:.1f}s)"
+        how = f"MCMC ({s.evaluated} {noun} simulated in {time_s:.1f}s)"
     print(f"wrote {args.output}: {how} on {machine}")
     print(f"  {'predicted step time':<22}{seconds(p.step_time_s):>12}   plan's speed-up")
     for name, t in baselines.items():

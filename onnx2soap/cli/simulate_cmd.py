@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from onnx2soap.cli.common import gib, seconds
+from onnx2soap.cli.common import add_nonfinite_option, gib, seconds
 from onnx2soap.errors import UserError
+from onnx2soap.files import check_input, check_output
 from onnx2soap.importer import file_sha256, load_model
 from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
 from onnx2soap.sim.simulate import simulate
@@ -22,19 +22,27 @@ def register(sub) -> None:
     p.add_argument("--model", help="model file (default: the plan's)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of the timeline")
     p.add_argument("--json", action="store_true")
+    add_nonfinite_option(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace:
+        check_output(args.trace)  # before the work, not after it
     plan = load_plan(args.plan)
     path = args.model or plan.model_path
-    if file_sha256_or_none(path) != plan.model_sha256:
-        raise UserError(
-            f"{path}: not the model the plan was made for (sha256 differs or file missing)"
-        )
-    graph = load_model(path, plan.batch, import_loss(plan)).graph
-    strategy = plan.strategy(graph, analyze(graph))
+    if model_sha256(path) != plan.model_sha256:
+        raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
     machine = resolve_machine(args.machine or plan.machine or f"cpu:{plan.devices}")
+    if machine.size != plan.devices:
+        raise UserError(
+            f"{args.plan}: the plan is for {plan.devices} devices but machine "
+            f"'{machine.name}' has {machine.size}"
+        )
+    graph = load_model(
+        path, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
+    ).graph
+    strategy = plan.strategy(graph, analyze(graph))
     simulator = Simulator(machine, RooflineCost())
     pg = Partitioner(graph).partition(strategy)
     ev = simulator.evaluate(pg)
@@ -61,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def file_sha256_or_none(path) -> str | None:
+def model_sha256(path) -> str:
+    """Only a regular file is hashed: /dev/zero or a FIFO would be read for ever."""
+    path = check_input(path, "model file")
     try:
-        return file_sha256(Path(path))
-    except OSError:
-        return None
+        return file_sha256(path)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the model file ({e.strerror or e})") from e

@@ -3,11 +3,13 @@
 model = load_model(Path("cnn.onnx"), batch=64)
 model.graph   # onnx2soap.ir.Graph
 model.weights # initial values of the trainable weights, by initializer name
+model.state   # initial values of the state tensors (BatchNorm's running statistics)
+model.constants # values of the float constants the ops read
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +27,23 @@ class ImportedModel:
     sha256: str
     graph: Graph
     weights: dict[str, np.ndarray]
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def load_model(
-    path: Path | str, batch: int | None = None, loss: LossKind | None = None
+    path: Path | str,
+    batch: int | None = None,
+    loss: LossKind | None = None,
+    *,
+    allow_nonfinite: bool = False,
 ) -> ImportedModel:
-    """``loss=None`` keeps the model's own loss, or attaches cross-entropy if it has none."""
-    prepared = prepare(Path(path), batch)
+    """``loss=None`` keeps the model's own loss, or attaches cross-entropy if it has none.
+    NaN/Inf in float initializers are refused unless ``allow_nonfinite``."""
+    prepared = prepare(Path(path), batch, allow_nonfinite=allow_nonfinite)
     graph = build_graph(prepared, loss)
-    weights = {t.name: prepared.float_initializers[t.name] for t in graph.weights}
-    return ImportedModel(Path(path), prepared.sha256, graph, weights)
+    values = {**prepared.float_initializers, **prepared.constants}
+    weights = {t.name: values[t.name] for t in graph.weights}
+    state = {t.name: values[t.name] for t in graph.states}
+    constants = {t.name: values[t.name] for t in graph.constants}
+    return ImportedModel(Path(path), prepared.sha256, graph, weights, state, constants)

@@ -104,6 +104,15 @@ class _Builder:
             return self._add(name, role)
         raise ModelError(f"{self.p.path}: node '{node.name}' reads '{name}', which nothing writes")
 
+    def _constant_value(self, name: str, tensor: Tensor | None):
+        """The value of a constant input: a folded constant, or a float initializer that
+        is a constant (a 0-d one); None for anything computed or trained."""
+        if name in self.p.constants:
+            return self.p.constants[name]
+        if tensor is not None and tensor.role is TensorRole.CONSTANT:
+            return self.p.float_initializers[tensor.name]
+        return None
+
     def _unique_name(self, node: onnx.NodeProto) -> str:
         """The op's name: the node's, made unique (ONNX does not require unique names)."""
         base = node.name or node.output[0]
@@ -134,7 +143,9 @@ class _Builder:
             name=name,
             op_type=node.op_type,
             inputs=inputs,
-            constants=tuple(self.p.constants.get(i) for i in node.input),
+            constants=tuple(
+                self._constant_value(i, t) for i, t in zip(node.input, inputs, strict=True)
+            ),
             outputs=tuple(node.output),
         )
         attrs = _attributes(node)

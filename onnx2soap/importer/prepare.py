@@ -53,22 +53,130 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_model(path: Path) -> onnx.ModelProto:
-    if not path.is_file():
-        raise ModelError(f"{path}: no such model file")
+def read_model(path: Path, *, allow_nonfinite: bool = False) -> onnx.ModelProto:
+    """Load and check an ONNX file. Refused with a ``ModelError`` naming the node, tensor
+    or field: names that are not UTF-8, initializers whose data disagree with their dims,
+    NaN/Inf in float weights (unless ``allow_nonfinite``), invalid models."""
+    if not path.is_file():  # also refuses /dev/zero and FIFOs, which would never end
+        raise ModelError(f"{path}: no such model file (or not a regular file)")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises several unrelated types on garbage input
         raise ModelError(f"{path}: not a valid ONNX model ({type(e).__name__}: {e})") from e
+    # Before anything prints or checks a name: invalid UTF-8 comes back as bytes.
+    _check_strings(model, path)
     _load_external_data(model, path)
     if not model.graph.node:
         raise ModelError(f"{path}: not a valid ONNX model (the graph has no nodes)")
+    _check_initializers(model, path, allow_nonfinite)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "validation failed"
         raise ModelError(f"{path}: not a valid ONNX model ({first})") from e
     return model
+
+
+def _is_repeated(field) -> bool:
+    flag = getattr(field, "is_repeated", None)  # protobuf >= 5; older ones have a label
+    return bool(flag) if flag is not None else field.label == field.LABEL_REPEATED
+
+
+def _check_strings(message, path: Path, where: str = "model") -> None:
+    """Every string field, nested messages included, must be valid UTF-8 (protobuf hands
+    back bytes for one that is not; check_model and json.dumps would fail on it)."""
+    for field, value in message.ListFields():
+        values = value if _is_repeated(field) else [value]
+        if field.type == field.TYPE_STRING:
+            for i, v in enumerate(values):
+                if isinstance(v, bytes):
+                    at = f"{where}.{field.name}" + (f"[{i}]" if _is_repeated(field) else "")
+                    raise ModelError(
+                        f"{path}: {_owner(message, where)}{at} is not valid UTF-8 "
+                        f"({v[:40]!r}); names must be UTF-8 text"
+                    )
+        elif field.type == field.TYPE_MESSAGE:
+            for i, v in enumerate(values):
+                suffix = f"[{i}]" if _is_repeated(field) else ""
+                _check_strings(v, path, f"{where}.{field.name}{suffix}")
+
+
+def _owner(message, where: str) -> str:
+    """``node 'conv1' (Conv): `` when the message is a node with a readable name."""
+    if isinstance(message, onnx.NodeProto):
+        name = message.name if isinstance(message.name, str) and message.name else ""
+        kind = message.op_type if isinstance(message.op_type, str) else "?"
+        return f"node '{name}' ({kind}): " if name else f"a {kind} node: "
+    return ""
+
+
+_SUB_BYTE = {
+    getattr(onnx.TensorProto, n)
+    for n in ("INT4", "UINT4", "FLOAT4E2M1")
+    if hasattr(onnx.TensorProto, n)
+}
+
+
+def _expected_raw_bytes(tensor: onnx.TensorProto, count: int) -> int | None:
+    """Bytes ``raw_data`` must hold for ``count`` elements; None when not fixed-size."""
+    if tensor.data_type in _SUB_BYTE:
+        return (count + 1) // 2
+    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    except Exception:  # an unknown data type: check_model names it
+        return None
+    return count * dtype.itemsize
+
+
+def _tensor_value(tensor: onnx.TensorProto, label: str, path: Path) -> np.ndarray | None:
+    """The tensor's values, or a ModelError when its data disagree with its dims."""
+    if any(d < 0 for d in tensor.dims):
+        raise ModelError(f"{path}: {label}: dims {list(tensor.dims)} must be >= 0")
+    count = int(np.prod(tensor.dims, dtype=object)) if tensor.dims else 1
+    if tensor.HasField("raw_data"):
+        expected = _expected_raw_bytes(tensor, count)
+        if expected is not None and len(tensor.raw_data) != expected:
+            raise ModelError(
+                f"{path}: {label}: raw data holds {len(tensor.raw_data)} bytes, "
+                f"but dims {list(tensor.dims)} need {expected}"
+            )
+    if tensor.data_type not in _FLOAT_TYPES:
+        return None
+    try:
+        return numpy_helper.to_array(tensor)
+    except Exception as e:  # typed data of the wrong length: numpy's reshape error
+        raise ModelError(
+            f"{path}: {label}: its data do not fit dims {list(tensor.dims)} ({e})"
+        ) from e
+
+
+def _constant_tensors(model: onnx.ModelProto):
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value" and attr.HasField("t"):
+                    yield f"node '{node.name or node.output[0]}' (Constant) value", attr.t
+
+
+def _check_initializers(model: onnx.ModelProto, path: Path, allow_nonfinite: bool) -> None:
+    """Data that fit their dims everywhere; finite values in the initializers (the weights).
+    Constant nodes may hold -inf on purpose (attention masks), so only their size counts."""
+    tensors = [(f"initializer '{t.name}'", t, True) for t in model.graph.initializer]
+    constants = [(label, t, False) for label, t in _constant_tensors(model)]
+    for label, tensor, weight in [*tensors, *constants]:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            continue  # not loaded (it would have been by _load_external_data)
+        value = _tensor_value(tensor, label, path)
+        if value is None or not weight or allow_nonfinite:
+            continue
+        if not np.isfinite(value).all():
+            bad = int(np.size(value) - np.isfinite(value).sum())
+            raise ModelError(
+                f"{path}: {label}: {bad} of {np.size(value)} values are NaN or infinite; "
+                "pass --allow-nonfinite to train with them anyway"
+            )
 
 
 def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
@@ -91,15 +199,28 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
 
 
 def default_opset(model: onnx.ModelProto, path: Path) -> int:
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx"):
-            if imp.version < MIN_OPSET:
-                raise ModelError(
-                    f"{path}: opset {imp.version} is too old; onnx2soap reads opset "
-                    f"{MIN_OPSET} and newer (re-export with opset_version>={MIN_OPSET})"
-                )
-            return imp.version
-    raise ModelError(f"{path}: the model imports no ai.onnx opset")
+    """The ai.onnx opset: imported once, from MIN_OPSET up to the newest the installed
+    onnx package defines (a newer one would be checked against rules it does not know)."""
+    imports = [imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")]
+    if not imports:
+        raise ModelError(f"{path}: the model imports no ai.onnx opset")
+    if len(imports) > 1:
+        raise ModelError(
+            f"{path}: opset_import: the ai.onnx opset is imported {len(imports)} times "
+            f"(versions {imports}); a model imports it once"
+        )
+    version, newest = imports[0], onnx.defs.onnx_opset_version()
+    if version < MIN_OPSET:
+        raise ModelError(
+            f"{path}: opset {version} is too old; onnx2soap reads opset "
+            f"{MIN_OPSET} and newer (re-export with opset_version>={MIN_OPSET})"
+        )
+    if version > newest:
+        raise ModelError(
+            f"{path}: opset {version} is newer than the installed onnx {onnx.__version__} "
+            f"knows (opsets {MIN_OPSET} to {newest})"
+        )
+    return version
 
 
 def _bind_batch(model: onnx.ModelProto, path: Path, batch: int | None) -> int:
@@ -220,8 +341,8 @@ def _fold_pass(
     return folded, True
 
 
-def prepare(path: Path, batch: int | None) -> Prepared:
-    model = read_model(path)
+def prepare(path: Path, batch: int | None, *, allow_nonfinite: bool = False) -> Prepared:
+    model = read_model(path, allow_nonfinite=allow_nonfinite)
     opset = default_opset(model, path)
     batch = _bind_batch(model, path, batch)
     # Float initializers are weights (or weight-like constants): never folded away.

@@ -22,6 +22,16 @@ Interval = tuple[int, int]
 
 
 @dataclass(frozen=True)
+class RandomKey:
+    """What a random op's bits depend on besides the global element index: never the
+    plan, so N ranks draw exactly what one device draws."""
+
+    seed: int
+    step: int
+    op: int  # the op's index in the graph
+
+
+@dataclass(frozen=True)
 class TaskArgs:
     """Per-task facts a kernel may need besides its buffers.
 
@@ -30,11 +40,22 @@ class TaskArgs:
                 half-open intervals per axis); the rest of the buffer is padding.
     loss_scale: losses only: the divisor of a mean over the *whole* batch (the number of
                 labels not equal to ignore_index, or the element count for MSE); 1 for sum.
+    origin:     the global index of the output tile's first element, per axis; with
+    full_shape: the whole output's shape, a random op numbers its elements globally.
+    random:     the key of a random op's bits (None: not training, so no randomness).
+    stats:      ops with statistics: the forward statistics summed over every task that
+                splits the statistics' dims (see ``Statistics``); None otherwise.
+    grad_stats: the same for the backward's statistics.
     """
 
     out_shape: tuple[int, ...]
     valid: tuple[tuple[Interval, ...], ...]
     loss_scale: float = 1.0
+    origin: tuple[int, ...] = ()
+    full_shape: tuple[int, ...] = ()
+    random: RandomKey | None = None
+    stats: Array | None = None
+    grad_stats: Array | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,25 @@ LossScale = Callable[[Any, Any, tuple[int, ...]], float]
 """Losses: (attrs, the whole batch's labels (numpy), the prediction's shape) -> the divisor
 of the whole batch's reduction; each task's kernel divides its partial sum by it, so the
 partial losses of the tasks sum to the loss."""
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """How an op with ``LoopNest.sync_dims`` splits them: each task computes partial
+    statistics, the executor sums them over the tasks that share the other dims, and the
+    kernels read the sums from ``TaskArgs.stats`` / ``grad_stats``.
+
+    forward(xp, attrs, inputs, args) -> the task's partial forward statistics;
+    backward(xp, attrs, inputs, output, grad_output, args) -> its partial backward ones
+        (``args.stats`` already holds the forward sums);
+    update(xp, attrs, inputs, args) -> ((operand index, new value of the task's region of
+        that state operand), ...): the state the forward leaves behind, from the sums.
+    """
+
+    forward: Callable[..., Array]
+    backward: Callable[..., Array]
+    update: Callable[..., tuple[tuple[int, Array], ...]]
+
 
 Converter = Callable[..., "Op | tuple[Op, ...]"]
 """(ctx, **attributes) -> the op, or several (an op with several outputs, e.g. Split)."""
@@ -126,6 +166,12 @@ class Case:
     attrs: tuple[tuple[str, Attr], ...] = ()
     opset: int = 17
     sample: Sample = Sample.NORMAL
+    # False where the op draws random values: onnxruntime draws others, so its output is
+    # not a reference (the bits are tested in tests/ops/test_random_bits.py).
+    deterministic: bool = True
+    # Outputs the node declares besides the first, unread (BatchNormalization in training
+    # mode must declare its running statistics).
+    extra_outputs: int = 0
 
     def __str__(self) -> str:
         return self.id
@@ -137,11 +183,13 @@ def case(
     *inputs: CaseInput,
     opset: int = 17,
     sample: Sample = Sample.NORMAL,
+    deterministic: bool = True,
+    extra_outputs: int = 0,
     **attrs: Attr | list[int] | list[float],
 ) -> Case:
     """A hashable ``Case``; ONNX attributes as keywords (lists become tuples)."""
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in attrs.items()))
-    return Case(id, op_type, tuple(inputs), frozen, opset, sample)
+    return Case(id, op_type, tuple(inputs), frozen, opset, sample, deterministic, extra_outputs)
 
 
 # --- the definition ------------------------------------------------------------------------
@@ -167,6 +215,7 @@ class OpDef:
     domain: str = ""
     onnx: bool = True
     loss_scale: LossScale | None = None  # losses only
+    statistics: Statistics | None = None  # ops whose nests have sync_dims
 
     @property
     def is_loss(self) -> bool:

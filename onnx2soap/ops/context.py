@@ -28,9 +28,10 @@ from onnx2soap.ir import (
 
 @dataclass(frozen=True)
 class NodeContext:
-    """One node. ``inputs[i]`` is None for an omitted optional input or one that is a
-    folded constant (its value is then in ``constants[i]``). ``outputs`` are the node's
-    output names ('' where an optional output is omitted)."""
+    """One node. ``inputs[i]`` is None for an omitted optional input or an integer
+    constant; a float constant is a tensor of role CONSTANT. ``constants[i]`` holds the
+    value of every constant input. ``outputs`` are the node's output names ('' where an
+    optional output is omitted)."""
 
     name: str
     op_type: str
@@ -52,14 +53,15 @@ class NodeContext:
         return t
 
     def optional(self, i: int) -> Tensor | None:
-        """Input ``i``, or None if it is omitted. A given input that is a folded constant
-        (a Constant node) is refused: dropping it would compute something else."""
-        if self.is_constant(i):
+        """Input ``i``, or None if it is omitted. An integer constant given there is
+        refused: dropping it would compute something else."""
+        t = self.inputs[i] if i < len(self.inputs) else None
+        if t is None and self.is_constant(i):
             raise self.fail(
-                f"input {i} is a constant (a Constant node or a folded expression); only "
-                "weights (float initializers) and computed tensors are supported there"
+                f"input {i} is an integer constant; a float tensor (computed, a weight or "
+                "a float constant) is needed there"
             )
-        return self.inputs[i] if i < len(self.inputs) else None
+        return t
 
     def is_constant(self, i: int) -> bool:
         return i < len(self.constants) and self.constants[i] is not None
@@ -72,7 +74,8 @@ class NodeContext:
 
     def optional_constant(self, i: int) -> np.ndarray | None:
         """Constant input ``i``, None if omitted; refused if computed at run time."""
-        if i < len(self.inputs) and self.inputs[i] is not None:
+        given = i < len(self.inputs) and (self.inputs[i] is not None or self.is_constant(i))
+        if given and not self.is_constant(i):
             raise self.fail(f"input {i} must be a constant known when the model is loaded")
         return self.constants[i] if i < len(self.constants) else None
 

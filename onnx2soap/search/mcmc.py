@@ -33,15 +33,44 @@ from onnx2soap.search.baselines import Rule, by_rule
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
 
+MAX_BUDGET_S = 7 * 24 * 3600.0  # a week: beyond it a budget is a typo, not a plan
+MAX_BETA = 1e6  # exp(-beta * x) with x >= 1e-6 is already 0 for every useful beta
+MAX_EVALS = 10**9
+MAX_SEED = 2**63 - 1  # numpy seeds are non-negative
+
 
 @dataclass(frozen=True)
 class SearchOptions:
+    """Checked on construction: a NaN budget would never stop, a negative beta overflows
+    the acceptance test, a negative seed is refused by numpy deep inside the search."""
+
     budget_s: float = 30.0
     seed: int = 0
     beta: float = 200.0
     max_evals: int | None = None
     chains: int = 3  # chains run side by side; a converged chain is replaced by a random one
     min_chain_proposals: int = 200
+
+    def __post_init__(self) -> None:
+        _check_range("budget", self.budget_s, 0.0, MAX_BUDGET_S, "seconds")
+        _check_range("beta", self.beta, 0.0, MAX_BETA, "")
+        _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.max_evals is not None:
+            _check_int("max-evals", self.max_evals, 1, MAX_EVALS)
+        _check_int("chains", self.chains, 1, 64)
+        _check_int("min_chain_proposals", self.min_chain_proposals, 1, MAX_EVALS)
+
+
+def _check_range(name: str, value: float, low: float, high: float, unit: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:
+        accepted = f"a finite number in [{low:g}, {high:g}]" + (f" {unit}" if unit else "")
+        raise UserError(f"--{name} must be {accepted}, got {value!r}")
+
+
+def _check_int(name: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UserError(f"--{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +132,10 @@ class _Search:
         self.moves: dict[str, tuple[ParallelConfig, ...]] = {
             name: candidates(space[name], self.devices) for name in self.ops
         }
+        for name, moves in self.moves.items():
+            if not moves:  # even one task on one device needs every dim of size >= 1
+                sizes = {d.name: d.size for d in space[name]}
+                raise UserError(f"op '{name}': no config can run it (dim sizes {sizes})")
         self.best: Strategy | None = None
         self.best_cost = math.inf
 
@@ -129,7 +162,11 @@ class _Search:
             return False
         if not math.isfinite(old):
             return True
-        return rng.random() < math.exp(-self.options.beta * (new - old) / scale)
+        # new > old here and beta >= 0, so the exponent is <= 0: exp() cannot overflow
+        # (it underflows to 0.0, a rejection). A degenerate scale falls back to 1.
+        scale = scale if math.isfinite(scale) and scale > 0 else 1.0
+        exponent = -self.options.beta * ((new - old) / scale)
+        return rng.random() < math.exp(max(exponent, -745.0))
 
     def propose(self, chain: _Chain, scale: float) -> None:
         rng = chain.rng

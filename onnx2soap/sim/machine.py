@@ -19,12 +19,14 @@ Machine file (YAML)::
     transfers_use_compute: false   # true: a transfer also holds both end devices (CPUs)
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
-route.
+route. A machine has at most ``MAX_DEVICES`` devices (routes grow with the square of the
+count) and a machine file is at most ``MAX_MACHINE_FILE_BYTES``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,9 @@ from types import MappingProxyType
 import yaml
 
 from onnx2soap.errors import MachineError
+from onnx2soap.soap.plan import MAX_DEVICES
+
+MAX_MACHINE_FILE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,13 @@ def _number(doc: Mapping, key: str, where: str, source: str, integer: bool = Fal
     if isinstance(value, str):  # PyYAML reads 9.3e12 (no sign in the exponent) as a string
         with contextlib.suppress(ValueError):
             value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        kind = "a positive integer" if integer else "a positive number"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        kind = "a positive integer" if integer else "a positive finite number"
         raise MachineError(f"{source}: {where}.{key}: must be {kind}, got {value!r}")
     if integer and int(value) != value:
         raise MachineError(f"{source}: {where}.{key}: must be an integer, got {value!r}")
@@ -109,15 +119,29 @@ def _list(doc: Mapping, key: str, source: str) -> list:
     return value
 
 
+def _nonnegative(value) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
 def machine_from_dict(doc: Mapping, source: str) -> Machine:
     if not isinstance(doc, Mapping):
         raise MachineError(f"{source}: a machine file must be a mapping")
+    listed = _list(doc, "devices", source)
+    if len(listed) > MAX_DEVICES:
+        raise MachineError(
+            f"{source}: devices: {len(listed)} devices; a machine has at most {MAX_DEVICES}"
+        )
     devices = []
-    for i, d in enumerate(_list(doc, "devices", source)):
+    for i, d in enumerate(listed):
         w = f"devices[{i}]"
         overhead = d.get("kernel_overhead", 5e-6) if isinstance(d, Mapping) else None
-        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0:
-            raise MachineError(f"{source}: {w}.kernel_overhead: must be a number >= 0")
+        if not _nonnegative(overhead):
+            raise MachineError(f"{source}: {w}.kernel_overhead: must be a finite number >= 0")
         devices.append(
             ComputeDevice(
                 _name(d, w, source),
@@ -131,8 +155,10 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
     for i, x in enumerate(doc.get("links") or []):
         w = f"links[{i}]"
         latency = x.get("latency") if isinstance(x, Mapping) else None
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
-            raise MachineError(f"{source}: {w}.latency: must be a number >= 0, got {latency!r}")
+        if not _nonnegative(latency):
+            raise MachineError(
+                f"{source}: {w}.latency: must be a finite number >= 0, got {latency!r}"
+            )
         links.append(Link(_name(x, w, source), _number(x, "bandwidth", w, source), float(latency)))
     by_name = {x.name: i for i, x in enumerate(links)}
     if len(by_name) != len(links):
@@ -142,14 +168,14 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         w = f"routes[{i}]"
         src, dst = (r.get("src"), r.get("dst")) if isinstance(r, Mapping) else (None, None)
         for key, v in (("src", src), ("dst", dst)):
-            if not isinstance(v, int) or not 0 <= v < len(devices):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(devices):
                 raise MachineError(
                     f"{source}: {w}.{key}: must be a device index 0..{len(devices) - 1}"
                 )
         names = r.get("links")
         if not isinstance(names, list) or not names:
             raise MachineError(f"{source}: {w}.links: must be a non-empty list of link names")
-        unknown = [n for n in names if n not in by_name]
+        unknown = [n for n in names if not isinstance(n, str) or n not in by_name]
         if unknown:
             raise MachineError(f"{source}: {w}.links: unknown links {unknown}")
         routes[(src, dst)] = tuple(by_name[n] for n in names)
@@ -192,17 +218,32 @@ def machine_to_dict(m: Machine) -> dict:
     }
 
 
-def load_machine_file(path: Path) -> Machine:
+def _read_machine_text(path: Path) -> str:
     try:
-        doc = yaml.safe_load(Path(path).read_text())
+        if path.exists() and not path.is_file():  # a folder, /dev/zero or a FIFO
+            raise MachineError(f"{path}: cannot read the machine file (not a regular file)")
+        with path.open("rb") as f:
+            data = f.read(MAX_MACHINE_FILE_BYTES + 1)
     except FileNotFoundError as e:
         raise MachineError(f"{path}: no such machine file") from e
     except OSError as e:
         raise MachineError(f"{path}: cannot read the machine file ({e.strerror or e})") from e
+    if len(data) > MAX_MACHINE_FILE_BYTES:
+        raise MachineError(f"{path}: a machine file is at most {MAX_MACHINE_FILE_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise MachineError(f"{path}: not a text file ({e.reason})") from e
-    except yaml.YAMLError as e:
-        raise MachineError(f"{path}: not YAML ({str(e).splitlines()[0]})") from e
+
+
+def load_machine_file(path: Path) -> Machine:
+    path = Path(path)
+    text = _read_machine_text(path)
+    try:
+        doc = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise MachineError(f"{path}: not YAML ({first})") from e
     return machine_from_dict(doc, str(path))
 
 

@@ -11,7 +11,7 @@ from enum import Enum
 from pathlib import Path
 
 from onnx2soap.errors import MachineError
-from onnx2soap.sim.machine import ComputeDevice, Link, Machine, load_machine_file
+from onnx2soap.sim.machine import MAX_DEVICES, ComputeDevice, Link, Machine, load_machine_file
 
 GiB = 1 << 30
 
@@ -160,22 +160,45 @@ def preset_names() -> dict[str, str]:
     return {**{k: v.description for k, v in CLUSTERS.items()}, "cpu": CPU_DESCRIPTION}
 
 
+def _count(text: str, count: str, per_node: int) -> int:
+    """N of ``NAME:N``: ASCII digits only (``str.isdigit`` accepts "²"), and a machine of
+    at most ``MAX_DEVICES`` devices, checked before anything quadratic is built."""
+    most = MAX_DEVICES // per_node
+    if ":" not in text:
+        return 1
+    if not 1 <= len(count) <= 9 or any(c not in "0123456789" for c in count) or int(count) < 1:
+        raise MachineError(f"machine {text[:80]!r}: N must be a positive integer, at most {most}")
+    if int(count) > most:
+        raise MachineError(
+            f"machine {text!r}: at most {most} (a machine has at most {MAX_DEVICES} devices)"
+        )
+    return int(count)
+
+
 def preset(text: str) -> Machine:
     name, _, count = text.partition(":")
     if name not in preset_names():
         raise MachineError(
-            f"unknown machine '{text}'; presets: {', '.join(f'{n}:N' for n in preset_names())} "
-            "(or a machine file path)"
+            f"unknown machine {text[:80]!r}; presets: "
+            f"{', '.join(f'{n}:N' for n in preset_names())} (or a machine file path)"
         )
-    if count and (not count.isdigit() or int(count) < 1):
-        raise MachineError(f"machine '{text}': N must be a positive integer")
-    n = int(count) if count else 1
+    per_node = 1 if name == "cpu" else CLUSTERS[name].gpus
+    n = _count(text, count, per_node)
     return cpu(n) if name == "cpu" else cluster(name, CLUSTERS[name], n)
 
 
 def resolve_machine(text: str) -> Machine:
     """A preset name (``flexflow-p100:4``) or the path of a machine file."""
+    if not text or "\0" in text:
+        raise MachineError(f"machine {text!r}: give a preset name or a machine file path")
     path = Path(text)
-    if path.suffix in (".yaml", ".yml") or path.is_file():
+    if path.suffix in (".yaml", ".yml") or _is_file(path):
         return load_machine_file(path)
     return preset(text)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for the OS is no file
+        return False

@@ -22,7 +22,7 @@ from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Machine
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.collectives import ring_chunks, ring_steps
-from onnx2soap.soap.partition import ReplicaGroup, Task, rect_volume
+from onnx2soap.soap.partition import Task, rect_volume
 
 
 class TaskKind(IntEnum):
@@ -126,8 +126,13 @@ class _Context:
     itemsize: int
     b: _Builder
     memo: Memo
+    # The task that produces an op task's output (fwd) or input gradients (bwd), and the
+    # one that first reads its inputs / output gradient: the same task, except for ops
+    # with statistics, whose phases are a partial half, a ring, and a finishing half.
     fwd: dict[tuple[str, int], int] = field(default_factory=dict)
     bwd: dict[tuple[str, int], int] = field(default_factory=dict)
+    fwd_start: dict[tuple[str, int], int] = field(default_factory=dict)
+    bwd_start: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def link_resources(self, src: int, dst: int) -> tuple[int, ...]:
         links = tuple(self.machine.size + link for link in self.machine.route(src, dst))
@@ -155,34 +160,64 @@ class _Context:
         return self.memo.compute[key]
 
 
+def _phase_tasks(ctx: _Context, op, kind: TaskKind, durations) -> tuple[dict, dict]:
+    """(start, end) task per op task of one phase. An op with statistics runs as the
+    executor does: half the work (partial sums), a ring all-reduce per stat group over
+    its devices, then the other half."""
+    tag = "fwd" if kind is TaskKind.FORWARD else "bwd"
+    tasks = ctx.pg.tasks[op.name]
+    start, end = {}, {}
+    halves = 2 if op.nest.sync_dims else 1
+    for t, seconds in zip(tasks, durations, strict=True):
+        for half in range(halves):
+            task = ctx.b.add(
+                kind,
+                seconds / halves,
+                (t.device,),
+                name=lambda o=op, t=t, h=half: (
+                    f"{tag} {o.name}[{t.index}]" + " partial" * (h == 0 and halves == 2)
+                ),
+            )
+            if half == 0:
+                start[t.index] = task
+            else:
+                ctx.b.dep(start[t.index], task)
+            end[t.index] = task
+    for group in ctx.pg.stats[op.name]:
+        ready: dict[int, list[int]] = {d: [] for d in group.devices}
+        for i in group.tasks:
+            ready[tasks[i].device].append(start[i])
+        what = f"stats {op.name} {tag}"
+        finished = (
+            _ring(ctx, group.devices, group.numel, ready, what)
+            if len(group.devices) > 1
+            else [x for r in ready.values() for x in r]
+        )
+        for i in group.tasks:
+            for before in finished:
+                ctx.b.dep(before, end[i])
+    return start, end
+
+
 def _compute_tasks(ctx: _Context) -> None:
     graph = ctx.pg.graph
     for op in graph.ops:
         forward, _ = ctx.durations(op)
-        for t, seconds in zip(ctx.pg.tasks[op.name], forward, strict=True):
-            ctx.fwd[(op.name, t.index)] = ctx.b.add(
-                TaskKind.FORWARD,
-                seconds,
-                (t.device,),
-                name=lambda o=op, t=t: f"fwd {o.name}[{t.index}]",
-            )
+        start, end = _phase_tasks(ctx, op, TaskKind.FORWARD, forward)
+        for i in start:
+            ctx.fwd_start[(op.name, i)], ctx.fwd[(op.name, i)] = start[i], end[i]
     for op in reversed(graph.ops):
         _, backward = ctx.durations(op)
-        for t, seconds in zip(ctx.pg.tasks[op.name], backward, strict=True):
-            task = ctx.b.add(
-                TaskKind.BACKWARD,
-                seconds,
-                (t.device,),
-                name=lambda o=op, t=t: f"bwd {o.name}[{t.index}]",
-            )
-            ctx.bwd[(op.name, t.index)] = task
-            ctx.b.dep(ctx.fwd[(op.name, t.index)], task)
+        start, end = _phase_tasks(ctx, op, TaskKind.BACKWARD, backward)
+        for i in start:
+            ctx.bwd_start[(op.name, i)], ctx.bwd[(op.name, i)] = start[i], end[i]
+            ctx.b.dep(ctx.fwd[(op.name, i)], start[i])
 
 
 def _edge_tasks(ctx: _Context) -> None:
     for edge, o, p, c in ctx.pg.moves():
-        pf, pb = ctx.fwd[(edge.producer, p.index)], ctx.bwd[(edge.producer, p.index)]
-        cf, cb = ctx.fwd[(edge.consumer, c.index)], ctx.bwd[(edge.consumer, c.index)]
+        pf, pb = ctx.fwd[(edge.producer, p.index)], ctx.bwd_start[(edge.producer, p.index)]
+        cf, cb = ctx.fwd_start[(edge.consumer, c.index)], ctx.bwd[(edge.consumer, c.index)]
         if p.device == c.device:
             ctx.b.dep(pf, cf)
             ctx.b.dep(cb, pb)
@@ -220,20 +255,20 @@ def _ring_steps(ctx: _Context, devices: tuple[int, ...], numel: int) -> tuple:
     return ctx.memo.rings[key]
 
 
-def _ring(ctx: _Context, group: ReplicaGroup, ready: dict[int, list[int]]) -> list[int]:
+def _ring(
+    ctx: _Context, devices: tuple[int, ...], numel: int, ready: dict[int, list[int]], what: str
+) -> list[int]:
     """A ring all-reduce as 2(k-1) lock-step steps (as NCCL runs it): in each step every
     member sends one chunk to the next, so the step holds every link of the ring and lasts
     as long as its slowest send. Returns the task that finishes it."""
-    previous = [t for d in group.devices for t in ready[d]]
-    for s, (seconds, links, nbytes) in enumerate(
-        _ring_steps(ctx, group.devices, rect_volume(group.rect))
-    ):
+    previous = [t for d in devices for t in ready[d]]
+    for s, (seconds, links, nbytes) in enumerate(_ring_steps(ctx, devices, numel)):
         step = ctx.b.add(
             TaskKind.ALLREDUCE,
             seconds,
             links,
             nbytes,
-            name=lambda g=group, s=s: f"allreduce {g.weight} step {s}",
+            name=lambda s=s: f"allreduce {what} step {s}",
         )
         for before in previous:
             ctx.b.dep(before, step)
@@ -251,7 +286,11 @@ def _weight_tasks(ctx: _Context) -> None:
             ready: dict[int, list[int]] = {d: [] for d in group.devices}
             for i in group.tasks:
                 ready[tasks[i].device].append(ctx.bwd[(op.name, i)])
-            finished = _ring(ctx, group, ready) if len(group.devices) > 1 else None
+            numel = rect_volume(group.rect)
+            if len(group.devices) > 1:
+                finished = _ring(ctx, group.devices, numel, ready, group.weight)
+            else:
+                finished = None
             numel = rect_volume(group.rect)
             for d in group.devices:
                 u = ctx.b.add(

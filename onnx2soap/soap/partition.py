@@ -185,6 +185,35 @@ def overlaps(
 
 
 @dataclass(frozen=True)
+class StatGroup:
+    """Tasks of an op with statistics (``LoopNest.sync_dims``) whose boxes differ only in
+    the sync dims: they sum their partial statistics over ``devices`` (distinct, sorted).
+    ``numel`` is the length of the statistics vector they reduce."""
+
+    tasks: tuple[int, ...]
+    devices: tuple[int, ...]
+    numel: int
+
+
+def stat_groups(op: Op, tasks: Sequence[Task]) -> tuple[StatGroup, ...]:
+    nest = op.nest
+    if not nest.sync_dims:
+        return ()
+    others = [i for i in range(len(nest.dims)) if i not in nest.sync_dims]
+    by_box: dict[Rect, list[Task]] = {}
+    for t in tasks:
+        by_box.setdefault(tuple(t.box[i] for i in others), []).append(t)
+    return tuple(
+        StatGroup(
+            tasks=tuple(t.index for t in members),
+            devices=tuple(sorted({t.device for t in members})),
+            numel=nest.sync_values * rect_volume(box),
+        )
+        for box, members in by_box.items()
+    )
+
+
+@dataclass(frozen=True)
 class ReplicaGroup:
     """Tasks of one op that read the same Rect of a weight (or a state tensor); each of
     ``devices`` (distinct, sorted) holds one copy of the Rect. A weight's gradients are

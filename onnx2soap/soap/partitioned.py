@@ -12,10 +12,12 @@ from onnx2soap.soap.partition import (
     Overlap,
     ParallelConfig,
     ReplicaGroup,
+    StatGroup,
     Task,
     op_tasks,
     overlaps,
     replica_groups,
+    stat_groups,
 )
 from onnx2soap.soap.strategy import Strategy
 
@@ -39,6 +41,7 @@ class PartitionedGraph:
     tasks: Mapping[str, tuple[Task, ...]]
     edges: tuple[Edge, ...]  # in consumer order, then operand order
     groups: Mapping[str, tuple[ReplicaGroup, ...]]
+    stats: Mapping[str, tuple[StatGroup, ...]]  # empty for ops without statistics
 
     def moves(self) -> Iterator[tuple[Edge, Overlap, Task, Task]]:
         """Every overlap with its producer and consumer task, in edge order: what the
@@ -87,13 +90,14 @@ class Partitioner:
         return Edge(tensor, producer.name, consumer.name, operand, self._overlaps[key])
 
     def partition(self, strategy: Strategy) -> PartitionedGraph:
-        tasks, edges, groups = {}, [], {}
+        tasks, edges, groups, stats = {}, [], {}, {}
         for op in self.graph.ops:
             config = strategy[op.name]
             tasks[op.name] = self.tasks(op, config)
             groups[op.name] = self.groups(op, config)
+            stats[op.name] = stat_groups(op, tasks[op.name])
             for operand, tensor in enumerate(op.inputs):
                 producer = self._producer.get(tensor)
                 if producer is not None:
                     edges.append(self.edge(producer, strategy[producer.name], op, config, operand))
-        return PartitionedGraph(self.graph, strategy, tasks, tuple(edges), groups)
+        return PartitionedGraph(self.graph, strategy, tasks, tuple(edges), groups, stats)

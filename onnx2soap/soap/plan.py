@@ -8,7 +8,14 @@
 
 The model path (and a machine file's) is stored relative to the plan file's folder.
 Loading checks every field and names the bad one; writing is atomic (a temporary file
-renamed over the target).
+renamed over the target). The file holds nothing that depends on the clock, so the same
+search from the same seed writes the same bytes (timings go to ``--json`` and the log).
+
+Limits (a hostile or corrupted file is one clean error, never a RecursionError, a hang
+or an allocation the size of the universe): the file is at most ``MAX_PLAN_BYTES``,
+JSON nests at most ``MAX_JSON_DEPTH`` deep, numbers have at most ``MAX_NUMBER_CHARS``
+characters and are finite, the batch is at most ``MAX_BATCH`` and the device count at
+most ``MAX_DEVICES``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +37,15 @@ from onnx2soap.soap.strategy import Strategy, validate
 
 FORMAT = "onnx2soap.plan"
 VERSION = 1
+
+MAX_BATCH = 2**31 - 1  # an int32 sample index everywhere downstream
+# The simulator's machines hold a route per device pair: time and memory grow with the
+# square of the device count (1024 devices build in about a second).
+MAX_DEVICES = 1024
+MAX_PLAN_BYTES = 64 << 20
+MAX_JSON_DEPTH = 32  # a plan nests 4 deep; the C parser recurses without a limit
+MAX_NUMBER_CHARS = 40  # int64 has 19 digits, a float's repr at most 24 characters
+MAX_PATH_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,6 @@ class SearchInfo:
     seed: int
     budget_s: float
     evaluated: int
-    search_time_s: float
 
 
 @dataclass(frozen=True)
@@ -164,7 +180,6 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
             "seed": s.seed,
             "budget_s": s.budget_s,
             "evaluated": s.evaluated,
-            "search_time_s": s.search_time_s,
         }
     return doc
 
@@ -196,10 +211,24 @@ class _Reader:
             raise self.fail(where, f"must be {names}, got {json.dumps(value)[:60]}")
         return value
 
-    def positive(self, doc: Mapping, key: str, where: str) -> int:
+    def positive(self, doc: Mapping, key: str, where: str, most: int | None = None) -> int:
         value = self.get(doc, key, int, where)
-        if value < 1:
-            raise self.fail(where, f"must be >= 1, got {value}")
+        if value < 1 or (most is not None and value > most):
+            accepted = ">= 1" if most is None else f"an integer in [1, {most}]"
+            raise self.fail(where, f"must be {accepted}, got {value}")
+        return value
+
+    def path(self, doc: Mapping, key: str, where: str, optional: bool = False) -> str | None:
+        """A file path: non-empty, no NUL byte (the OS cannot open one), not absurdly long."""
+        value = self.get(doc, key, str, where, optional)
+        if value is None:
+            return None
+        if not value or "\0" in value or len(value) > MAX_PATH_CHARS:
+            raise self.fail(
+                where,
+                f"must be a non-empty path of at most {MAX_PATH_CHARS} characters "
+                "without NUL bytes",
+            )
         return value
 
 
@@ -214,11 +243,13 @@ def _read_ops(r: _Reader, doc: Mapping) -> tuple[OpPlan, ...]:
         seen.add(name)
         degrees = r.get(o, "degrees", dict, f"{where}.degrees")
         for dim in degrees:
-            r.positive(degrees, dim, f"{where}.degrees.{dim}")
+            r.positive(degrees, dim, f"{where}.degrees.{dim}", most=MAX_DEVICES)
         devices = r.get(o, "devices", list, f"{where}.devices")
         for j, d in enumerate(devices):
             if not isinstance(d, int) or isinstance(d, bool):
                 raise r.fail(f"{where}.devices[{j}]", f"must be int, got {json.dumps(d)}")
+            if not 0 <= d < MAX_DEVICES:
+                raise r.fail(f"{where}.devices[{j}]", f"must be in [0, {MAX_DEVICES}), got {d}")
         if len(devices) != math.prod(degrees.values()):
             raise r.fail(
                 f"{where}.devices",
@@ -256,25 +287,89 @@ def _read_search(r: _Reader, doc: Mapping) -> SearchInfo | None:
         seed=r.get(s, "seed", int, "search.seed"),
         budget_s=float(r.get(s, "budget_s", (int, float), "search.budget_s")),
         evaluated=r.get(s, "evaluated", int, "search.evaluated"),
-        search_time_s=float(r.get(s, "search_time_s", (int, float), "search.search_time_s")),
     )
+
+
+def _number_parser(kind: type):
+    """``json.loads`` hook: refuse a number too long to be meant (5,000 digits would be a
+    ValueError in int() and inf in float()) or one that is not finite."""
+
+    def parse(text: str):
+        if len(text) > MAX_NUMBER_CHARS:
+            raise PlanError(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+        value = kind(text)
+        if kind is float and not math.isfinite(value):
+            raise PlanError(f"the number {text} is out of range")
+        return value
+
+    return parse
+
+
+def _refuse_constant(text: str):
+    raise PlanError(f"{text} is not a number JSON allows")
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+
+
+def _json_depth(text: str) -> int:
+    """How deep arrays and objects nest, counted without recursion (strings skipped)."""
+    depth = deepest = 0
+    for c in _NOT_BRACKETS.sub("", _STRINGS.sub("", text)):
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def parse_json(text: str) -> object:
+    """``json.loads`` within the plan limits; errors are ``PlanError`` without the file."""
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise PlanError(f"JSON nested {depth} deep (at most {MAX_JSON_DEPTH})")
+    try:
+        return json.loads(
+            text,
+            parse_int=_number_parser(int),
+            parse_float=_number_parser(float),
+            parse_constant=_refuse_constant,
+        )
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise PlanError(str(e)) from e
+
+
+def _read_text(path: Path) -> str:
+    if "\0" in str(path):
+        raise PlanError(f"{path!r}: a plan path cannot contain a NUL byte")
+    try:
+        if not path.is_file():  # /dev/zero or a FIFO would be read for ever
+            if not path.exists():
+                raise PlanError(f"{path}: no such plan file")
+            raise PlanError(f"{path}: cannot read the plan (not a regular file)")
+        with path.open("rb") as f:
+            data = f.read(MAX_PLAN_BYTES + 1)
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read the plan ({e.strerror or e})") from e
+    if len(data) > MAX_PLAN_BYTES:
+        raise PlanError(f"{path}: a plan file is at most {MAX_PLAN_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{path}: not a JSON plan file (not UTF-8: {e.reason})") from e
 
 
 def load_plan(path: Path | str) -> Plan:
     path = Path(path)
+    text = _read_text(path)
     try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise PlanError(f"{path}: no such plan file") from e
-    except OSError as e:
-        raise PlanError(f"{path}: cannot read the plan ({e.strerror or e})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        doc = parse_json(text)
+    except PlanError as e:
         raise PlanError(f"{path}: not a JSON plan file ({e})") from e
     r = _Reader(str(path))
     if not isinstance(doc, dict):
         raise PlanError(f"{path}: a plan must be a JSON object")
     if r.get(doc, "format", str, "format") != FORMAT:
-        raise r.fail("format", f"must be '{FORMAT}', got '{doc['format']}'")
+        raise r.fail("format", f"must be '{FORMAT}', got {json.dumps(doc['format'])[:60]}")
     version = r.get(doc, "version", int, "version")
     if version != VERSION:
         raise r.fail("version", f"this onnx2soap reads version {VERSION}, got {version}")
@@ -282,20 +377,26 @@ def load_plan(path: Path | str) -> Plan:
     loss = r.get(doc, "loss", str, "loss")
     losses = [k.value for k in LossKind]
     if loss not in losses:
-        raise r.fail("loss", f"must be one of {losses}, got '{loss}'")
+        raise r.fail("loss", f"must be one of {losses}, got {json.dumps(loss)[:60]}")
     sha = r.get(model, "sha256", str, "model.sha256")
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise r.fail("model.sha256", "must be 64 lowercase hex digits")
+    devices = r.positive(doc, "devices", "devices", most=MAX_DEVICES)
+    ops = _read_ops(r, doc)
+    for i, op in enumerate(ops):
+        for j, d in enumerate(op.devices):
+            if d >= devices:
+                raise r.fail(
+                    f"ops[{i}].devices[{j}]", f"device {d} is not one of the plan's {devices}"
+                )
     return Plan(
-        model_path=path.parent / r.get(model, "path", str, "model.path"),
+        model_path=path.parent / r.path(model, "path", "model.path"),
         model_sha256=sha,
-        batch=r.positive(model, "batch", "model.batch"),
+        batch=r.positive(model, "batch", "model.batch", most=MAX_BATCH),
         loss=LossKind(loss),
-        devices=r.positive(doc, "devices", "devices"),
-        ops=_read_ops(r, doc),
-        machine=_resolved_machine(
-            r.get(doc, "machine", str, "machine", optional=True), path.parent
-        ),
+        devices=devices,
+        ops=ops,
+        machine=_resolved_machine(r.path(doc, "machine", "machine", optional=True), path.parent),
         predicted=_read_predicted(r, doc),
         search=_read_search(r, doc),
     )

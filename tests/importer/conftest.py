@@ -60,8 +60,8 @@ def _build_own_loss(seed: int = 0):
 
 
 def _build_unsupported(seed: int = 0):
-    """Three ops onnx2soap does not convert (BatchNormalization in training mode, Sigmoid,
-    Softmax) among supported ones, so a refusal has several nodes to list."""
+    """Three ops onnx2soap does not convert (CumSum, Round, TopK) among supported ones, so
+    a refusal has several nodes to list."""
     import torch
     from torch import nn
 
@@ -69,13 +69,12 @@ def _build_unsupported(seed: int = 0):
         def __init__(self) -> None:
             super().__init__()
             self.conv = nn.Conv2d(3, 4, kernel_size=3, padding=1)
-            self.bn = nn.BatchNorm2d(4)
             self.flatten = nn.Flatten()
             self.fc = nn.Linear(4 * 8 * 8, 10)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = torch.sigmoid(self.bn(self.conv(x)))
-            return torch.softmax(self.fc(self.flatten(y)), dim=1)
+            y = torch.round(torch.cumsum(self.conv(x), dim=1))
+            return torch.topk(self.fc(self.flatten(y)), k=5, dim=1).values
 
     torch.manual_seed(seed)
     return Unsupported()
@@ -151,8 +150,7 @@ def own_loss_onnx(importer_dir: Path) -> Path:
 def unsupported_onnx(importer_dir: Path) -> Path:
     x = _randn(2, *VIEW_SAMPLE)
     with warnings.catch_warnings():
-        # BatchNorm's training-mode trace warns about its counters; that is the point here.
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # the exporter's notes on TopK and CumSum
         return export(_build_unsupported(), x, importer_dir / "unsupported.onnx", "legacy")
 
 

@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 from onnx2soap.cli import main as cli
 from onnx2soap.errors import ModelError
 from onnx2soap.importer import load_model
-from onnx2soap.ir import LossKind
+from onnx2soap.ir import LossKind, TensorRole
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.soap import Partitioner, analyze
 
@@ -33,14 +33,17 @@ def weight(name: str, shape=(4, 4)) -> onnx.TensorProto:
     return numpy_helper.from_array(np.ones(shape, np.float32), name)
 
 
-def test_a_bias_from_a_constant_node_is_refused_not_dropped(tmp_path: Path) -> None:
+def test_a_bias_from_a_constant_node_is_read_as_a_constant_not_dropped(tmp_path: Path) -> None:
     const = helper.make_node(
         "Constant", [], ["c"], value=numpy_helper.from_array(np.full(4, 5.0, np.float32))
     )
     gemm = helper.make_node("Gemm", ["x", "W", "c"], ["y"], name="fc")
     path = save(tmp_path / "m.onnx", [const, gemm], [weight("W")])
-    with pytest.raises(ModelError, match=r"node 'fc' \(Gemm\): input 2 is a constant"):
-        load_model(path, batch=2)
+    model = load_model(path, batch=2)
+    (op,) = [op for op in model.graph.ops if op.name == "fc"]
+    assert op.inputs[2] == "c" and model.graph.tensors["c"].role is TensorRole.CONSTANT
+    np.testing.assert_array_equal(model.constants["c"], np.full(4, 5.0))
+    assert "c" not in model.weights
 
 
 def test_a_weight_read_twice_by_one_op_is_refused(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +23,9 @@ from executor.buffers import global_slices, local_slices, slice_from_full
 from onnx2soap.importer import ImportedModel, load_model
 from onnx2soap.ir import Graph, LossKind, Op
 from onnx2soap.ops import TaskArgs, definition
-from onnx2soap.ops.base import Case, InputKind, Sample
+from onnx2soap.ops.base import Case, InputKind, RandomKey, Sample
 from onnx2soap.soap import analyze
-from onnx2soap.soap.partition import ParallelConfig, Task, op_tasks, rect_shape
+from onnx2soap.soap.partition import ParallelConfig, Task, op_tasks, rect_shape, stat_groups
 
 _ONNX_TYPES = {
     "float32": onnx.TensorProto.FLOAT,
@@ -61,20 +62,27 @@ def build_model(c: Case, path: Path, seed: int = 0) -> None:
     if c.op_type in ATTACHED_LOSSES:
         c = Case(c.id, "Identity", tuple(i for i in c.inputs if i.kind is InputKind.DATA))
     names = _input_names(c)
-    inits, graph_inputs = [], []
+    inits, graph_inputs, nodes = [], [], []
     for name, i in zip(names, c.inputs, strict=True):
         if i.kind is InputKind.WEIGHT:
-            value = rng.standard_normal(i.shape).astype(np.float32)
+            value = sample(c, i.shape, rng, np.float32)
             inits.append(numpy_helper.from_array(value, name))
+        elif i.kind is InputKind.CONSTANT and i.dtype.startswith("float"):
+            # A Constant node, as the legacy exporter writes `x * 0.5`.
+            value = np.array(i.values, dtype=i.dtype).reshape(i.shape)
+            nodes.append(
+                helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value))
+            )
         elif i.kind is InputKind.CONSTANT:
             value = np.array(i.values, dtype=i.dtype).reshape(i.shape)
             inits.append(numpy_helper.from_array(value, name))
         elif i.kind in (InputKind.DATA, InputKind.LABELS):
             dtype = _ONNX_TYPES["float32" if i.kind is InputKind.DATA else i.dtype]
             graph_inputs.append(helper.make_tensor_value_info(name, dtype, i.shape))
-    node = helper.make_node(c.op_type, names, ["y"], **dict(c.attrs))
+    outputs = ["y", *(f"unread{k}" for k in range(c.extra_outputs))]
+    node = helper.make_node(c.op_type, names, outputs, **dict(c.attrs))
     graph = helper.make_graph(
-        [node],
+        [*nodes, node],
         c.id,
         graph_inputs,
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
@@ -180,9 +188,20 @@ def tasks_of(graph: Graph, op: Op, config: ParallelConfig) -> tuple[Task, ...]:
     return op_tasks(op, config, operand_shapes(graph, op))
 
 
-def task_args(task: Task, loss_scale: float = 1.0) -> TaskArgs:
-    valid = tuple(r.valid for r in task.inputs)
-    return TaskArgs(out_shape=rect_shape(task.output), valid=valid, loss_scale=loss_scale)
+# Random ops draw from this key in the op tests (as in training step 3 of seed 7).
+TEST_RANDOM = RandomKey(seed=7, step=3, op=0)
+
+
+def task_args(task: Task, loss_scale: float = 1.0, full_shape=()) -> TaskArgs:
+    """What the runtime gives a kernel while training (a random op draws its bits)."""
+    return TaskArgs(
+        out_shape=rect_shape(task.output),
+        valid=tuple(r.valid for r in task.inputs),
+        loss_scale=loss_scale,
+        origin=tuple(lo for lo, _ in task.output),
+        full_shape=tuple(full_shape),
+        random=TEST_RANDOM,
+    )
 
 
 def loss_scale_of(graph: Graph, op: Op, arrays: Sequence[np.ndarray]) -> float:
@@ -197,6 +216,42 @@ def buffers(task: Task, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [slice_from_full(np, a, r) for a, r in zip(arrays, task.inputs, strict=True)]
 
 
+def all_task_args(
+    graph: Graph,
+    op: Op,
+    config: ParallelConfig,
+    arrays: Sequence[np.ndarray],
+    grad_output: np.ndarray | None = None,
+) -> list[TaskArgs]:
+    """Every task's ``TaskArgs``. For an op with statistics: each stat group's partial
+    sums added up, as the executor's ``ReduceStats`` does (and, given ``grad_output``, the
+    backward's too)."""
+    d = definition(op.type)
+    scale = loss_scale_of(graph, op, arrays)
+    shape = graph.tensors[op.output].shape
+    tasks = tasks_of(graph, op, config)
+    args = [task_args(t, scale, shape) for t in tasks]
+    if not op.nest.sync_dims:
+        return args
+    for field, partial in (("stats", d.statistics.forward), ("grad_stats", d.statistics.backward)):
+        if field == "grad_stats" and grad_output is None:
+            break
+        sums = {}
+        for group in stat_groups(op, tasks):
+            parts = []
+            for i in group.tasks:
+                bufs = buffers(tasks[i], arrays)
+                if field == "stats":
+                    parts.append(partial(np, op.attrs, bufs, args[i]))
+                else:
+                    out = d.forward(np, op.attrs, bufs, args[i])
+                    tile = grad_output[global_slices(tasks[i].output)]
+                    parts.append(partial(np, op.attrs, bufs, out, tile, args[i]))
+            sums.update({i: sum(parts[1:], parts[0]) for i in group.tasks})
+        args = [replace(a, **{field: sums[i]}) for i, a in enumerate(args)]
+    return args
+
+
 def forward_full(
     graph: Graph, op: Op, config: ParallelConfig, arrays: Sequence[np.ndarray]
 ) -> np.ndarray:
@@ -208,14 +263,15 @@ def forward_full(
     dtype = next(a.dtype for a in arrays if a.dtype.kind == "f")
     if op.is_loss:
         tiles = [
-            d.forward(np, op.attrs, buffers(t, arrays), task_args(t, scale))
+            d.forward(np, op.attrs, buffers(t, arrays), task_args(t, scale, shape))
             for t in tasks_of(graph, op, config)
         ]
         return np.asarray(sum(tiles), dtype=dtype)
     out = np.full(shape, np.nan, dtype=dtype)
     covered = np.zeros(shape, dtype=np.int64)
+    args = all_task_args(graph, op, config, arrays)
     for task in tasks_of(graph, op, config):
-        tile = d.forward(np, op.attrs, buffers(task, arrays), task_args(task, scale))
+        tile = d.forward(np, op.attrs, buffers(task, arrays), args[task.index])
         assert tile.shape == rect_shape(task.output), (tile.shape, task.output)
         out[global_slices(task.output)] = tile
         covered[global_slices(task.output)] += 1
@@ -234,11 +290,11 @@ def backward_full(
     gradient (what the executor's halo and replica reductions do). None for operands
     that take no gradient (labels)."""
     d = definition(op.type)
-    scale = loss_scale_of(graph, op, arrays)
     grads: list[np.ndarray | None] = [np.zeros_like(a) for a in arrays]
+    every = all_task_args(graph, op, config, arrays, None if op.is_loss else grad_output)
     for task in tasks_of(graph, op, config):
         bufs = buffers(task, arrays)
-        args = task_args(task, scale)
+        args = every[task.index]
         out = d.forward(np, op.attrs, bufs, args)
         tile_grad = grad_output if op.is_loss else grad_output[global_slices(task.output)]
         task_grads = d.backward(np, op.attrs, bufs, out, np.array(tile_grad, copy=True), args)

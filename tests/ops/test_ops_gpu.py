@@ -47,7 +47,7 @@ def _check_tasks(graph: Graph, op: Op, arrays: list[np.ndarray]):
     device_full = [cp.asarray(a) for a in arrays]
     rng = np.random.default_rng(5)
     for task in tasks_of(graph, op, config_of(degrees)):
-        args = task_args(task, loss_scale)
+        args = task_args(task, loss_scale, graph.tensors[op.output].shape)
         host = buffers(task, arrays)
         dev = [slice_from_full(cp, a, r) for a, r in zip(device_full, task.inputs, strict=True)]
         for h, d in zip(host, dev, strict=True):

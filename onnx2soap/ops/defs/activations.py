@@ -1,13 +1,133 @@
-"""Relu and Identity."""
+"""Unary elementwise activations and math functions.
+
+Every op here reads one float tensor and writes one of the same shape, point by point:
+the loop nest is ``elementwise``, so every dim splits. Kernels use only functions numpy
+and cupy share, Python-float constants (a numpy float64 scalar would promote a float32
+array to float64) and stable forms (no ``exp`` of a large positive argument, even in a
+branch ``where`` discards). Where a function has a kink the backward takes PyTorch's
+subgradient, and the cases draw their data away from it.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
 from onnx2soap.ops.base import NoAttrs, OpDef, Sample, X, case
-from onnx2soap.ops.context import NodeContext, elementwise
+from onnx2soap.ops.context import NodeContext, elementwise, text
+
+# --- erf ---------------------------------------------------------------------------------
+
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+_SQRT_PI = math.sqrt(math.pi)
+_SQRT_HALF = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+# Below this |x| erf is the everywhere-convergent series of positive terms (Abramowitz &
+# Stegun 7.1.6); above it, 1 - erfc from erfc's continued fraction (A&S 7.1.14). Both
+# term counts give |error| < 1e-15 on float64 against mpmath (checked on [-8, 8]); the
+# switch point balances them: the series needs more terms as |x| grows, the fraction fewer.
+_ERF_SWITCH = 2.5
+_ERF_SERIES_TERMS = 40
+_ERFC_FRACTION_DEPTH = 30
+
+
+def _erf_portable(xp, x):
+    """erf in float64 from elementwise arithmetic and exp only (numpy has no erf)."""
+    a = xp.abs(x)
+    # Each branch runs on its own clamped copy so that neither overflows nor divides by 0.
+    s = xp.minimum(a, _ERF_SWITCH)
+    z = 2.0 * s * s
+    term = s.copy()
+    total = s.copy()
+    for n in range(1, _ERF_SERIES_TERMS + 1):
+        term = term * z / (2 * n + 1)
+        total = total + term
+    series = _TWO_OVER_SQRT_PI * xp.exp(-s * s) * total
+    c = xp.maximum(a, _ERF_SWITCH)
+    f = c.copy()
+    for k in range(_ERFC_FRACTION_DEPTH, 0, -1):
+        f = c + (0.5 * k) / f
+    tail = 1.0 - xp.exp(-c * c) / (_SQRT_PI * f)
+    magnitude = xp.where(a < _ERF_SWITCH, series, tail)
+    return xp.where(x < 0, -magnitude, magnitude)
+
+
+def _erf(xp, x):
+    """erf(x) in x's dtype, accurate to ~1e-15 (computed in float64). cupy has a native
+    erf (cupyx.scipy.special, no scipy needed); numpy gets the portable series."""
+    if xp.__name__ == "cupy":
+        try:
+            from cupyx.scipy.special import erf
+        except ImportError:
+            pass
+        else:
+            return erf(x)
+    return _erf_portable(xp, x.astype(xp.float64)).astype(x.dtype, copy=False)
+
+
+def _erf_derivative(xp, x):
+    """d erf / dx = 2/sqrt(pi) exp(-x^2), exactly (finite differences check against it)."""
+    return _TWO_OVER_SQRT_PI * xp.exp(-x * x)
+
+
+# --- converters ---------------------------------------------------------------------------
+
+
+def _unary(ctx: NodeContext, attrs: object, flops: int):
+    t = ctx.tensor(0)
+    if not t.dtype.is_float:
+        raise ctx.fail(f"input is {t.dtype.value}; only float tensors are supported")
+    return elementwise(ctx, [t], attrs, flops)
+
+
+def _finite(ctx: NodeContext, **values: float) -> None:
+    for name, v in values.items():
+        if not math.isfinite(v):
+            raise ctx.fail(f"attribute {name}={v} must be finite")
+
+
+def _float32(v: float) -> float:
+    """An ONNX float attribute's default as the float32 the spec stores (what onnxruntime
+    computes with), so an absent attribute and an explicit default give the same op."""
+    return float(np.float32(v))
+
+
+@dataclass(frozen=True)
+class AlphaAttrs:
+    alpha: float
+
+
+@dataclass(frozen=True)
+class AlphaBetaAttrs:
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True)
+class SeluAttrs:
+    alpha: float
+    gamma: float
+
+
+class GeluApproximation(Enum):
+    NONE = "none"
+    TANH = "tanh"
+
+
+@dataclass(frozen=True)
+class GeluAttrs:
+    approximate: GeluApproximation
+
+
+# --- Relu, Identity, Neg -------------------------------------------------------------------
 
 
 def convert_relu(ctx: NodeContext):
-    return elementwise(ctx, [ctx.tensor(0)], NoAttrs(), 1)
+    return _unary(ctx, NoAttrs(), 1)
 
 
 def relu_forward(xp, attrs, inputs, args):
@@ -31,22 +151,442 @@ def identity_backward(xp, attrs, inputs, output, grad_output, args):
     return (grad_output.copy(),)
 
 
-RELU = OpDef(
-    name="Relu",
-    versions=(13, 14),
-    convert=convert_relu,
-    forward=relu_forward,
-    backward=relu_backward,
-    cases=(case("relu", "Relu", X(2, 3, 4), sample=Sample.AWAY_FROM_ZERO),),
+def convert_neg(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 1)
+
+
+def neg_forward(xp, attrs, inputs, args):
+    return -inputs[0]
+
+
+def neg_backward(xp, attrs, inputs, output, grad_output, args):
+    return (-grad_output,)
+
+
+# --- Sigmoid, HardSigmoid, HardSwish, Tanh ---------------------------------------------
+
+
+def convert_sigmoid(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 4)
+
+
+def sigmoid_forward(xp, attrs, inputs, args):
+    x = inputs[0]
+    e = xp.exp(-xp.abs(x))  # never overflows
+    return xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def sigmoid_backward(xp, attrs, inputs, output, grad_output, args):
+    return (grad_output * output * (1 - output),)
+
+
+# The spec's float defaults, as the float32 values ONNX stores.
+_HARD_SIGMOID_ALPHA = _float32(0.2)
+_LEAKY_RELU_ALPHA = _float32(0.01)
+_SELU_ALPHA = _float32(1.67326319217681884765625)
+_SELU_GAMMA = _float32(1.05070102214813232421875)
+
+
+def convert_hard_sigmoid(ctx: NodeContext, *, alpha=_HARD_SIGMOID_ALPHA, beta=0.5):
+    _finite(ctx, alpha=alpha, beta=beta)
+    return _unary(ctx, AlphaBetaAttrs(float(alpha), float(beta)), 3)
+
+
+def hard_sigmoid_forward(xp, attrs, inputs, args):
+    return xp.clip(attrs.alpha * inputs[0] + attrs.beta, 0, 1)
+
+
+def hard_sigmoid_backward(xp, attrs, inputs, output, grad_output, args):
+    # alpha inside the linear part, 0 where clamped; at the two kinks 0 (PyTorch's
+    # hardsigmoid_backward uses the open interval too).
+    t = attrs.alpha * inputs[0] + attrs.beta
+    return (grad_output * ((t > 0) & (t < 1)) * attrs.alpha,)
+
+
+def convert_hard_swish(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 5)
+
+
+def hard_swish_forward(xp, attrs, inputs, args):
+    x = inputs[0]
+    return x * xp.clip(x / 6 + 0.5, 0, 1)
+
+
+def hard_swish_backward(xp, attrs, inputs, output, grad_output, args):
+    # PyTorch's subgradient: 0 below -3, x/3 + 1/2 on [-3, 3], 1 above.
+    x = inputs[0]
+    middle = grad_output * ((x >= -3) & (x <= 3)) * (x / 3 + 0.5)
+    return (middle + grad_output * (x > 3),)
+
+
+def convert_tanh(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 4)
+
+
+def tanh_forward(xp, attrs, inputs, args):
+    return xp.tanh(inputs[0])
+
+
+def tanh_backward(xp, attrs, inputs, output, grad_output, args):
+    return (grad_output * (1 - output * output),)
+
+
+# --- LeakyRelu, Elu, Selu, Softplus ---------------------------------------------------------
+
+
+def convert_leaky_relu(ctx: NodeContext, *, alpha=_LEAKY_RELU_ALPHA):
+    _finite(ctx, alpha=alpha)
+    return _unary(ctx, AlphaAttrs(float(alpha)), 2)
+
+
+def leaky_relu_forward(xp, attrs, inputs, args):
+    x = inputs[0]
+    return xp.where(x >= 0, x, attrs.alpha * x)
+
+
+def leaky_relu_backward(xp, attrs, inputs, output, grad_output, args):
+    # PyTorch: slope 1 where x > 0, alpha elsewhere (0 included).
+    return (xp.where(inputs[0] > 0, grad_output, attrs.alpha * grad_output),)
+
+
+def convert_elu(ctx: NodeContext, *, alpha=1.0):
+    _finite(ctx, alpha=alpha)
+    return _unary(ctx, AlphaAttrs(float(alpha)), 3)
+
+
+def _expm1_negative(xp, x):
+    """exp(min(x, 0)) - 1: the negative branch, evaluated without overflow for any x."""
+    return xp.expm1(xp.minimum(x, 0))
+
+
+def elu_forward(xp, attrs, inputs, args):
+    x = inputs[0]
+    return xp.where(x > 0, x, attrs.alpha * _expm1_negative(xp, x))
+
+
+def elu_backward(xp, attrs, inputs, output, grad_output, args):
+    # PyTorch: 1 where x > 0, alpha * exp(x) elsewhere (0 included).
+    x = inputs[0]
+    negative = grad_output * (attrs.alpha * xp.exp(xp.minimum(x, 0)))
+    return (xp.where(x > 0, grad_output, negative),)
+
+
+def convert_selu(ctx: NodeContext, *, alpha=_SELU_ALPHA, gamma=_SELU_GAMMA):
+    _finite(ctx, alpha=alpha, gamma=gamma)
+    return _unary(ctx, SeluAttrs(float(alpha), float(gamma)), 4)
+
+
+def selu_forward(xp, attrs, inputs, args):
+    x = inputs[0]
+    negative = attrs.alpha * _expm1_negative(xp, x)
+    return attrs.gamma * xp.where(x > 0, x, negative)
+
+
+def selu_backward(xp, attrs, inputs, output, grad_output, args):
+    x = inputs[0]
+    negative = grad_output * (attrs.alpha * xp.exp(xp.minimum(x, 0)))
+    return (attrs.gamma * xp.where(x > 0, grad_output, negative),)
+
+
+def convert_softplus(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 4)
+
+
+def softplus_forward(xp, attrs, inputs, args):
+    # log(1 + e^x) = max(x, 0) + log(1 + e^-|x|): no overflow, no loss for large |x|.
+    x = inputs[0]
+    return xp.maximum(x, 0) + xp.log1p(xp.exp(-xp.abs(x)))
+
+
+def softplus_backward(xp, attrs, inputs, output, grad_output, args):
+    return (grad_output * sigmoid_forward(xp, attrs, inputs, args),)
+
+
+# --- Sqrt, Exp, Log, Reciprocal -------------------------------------------------------------
+
+
+def convert_sqrt(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 1)
+
+
+def sqrt_forward(xp, attrs, inputs, args):
+    return xp.sqrt(inputs[0])
+
+
+def sqrt_backward(xp, attrs, inputs, output, grad_output, args):
+    return (grad_output / (2 * output),)
+
+
+def convert_exp(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 1)
+
+
+def exp_forward(xp, attrs, inputs, args):
+    return xp.exp(inputs[0])
+
+
+def exp_backward(xp, attrs, inputs, output, grad_output, args):
+    return (grad_output * output,)
+
+
+def convert_log(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 1)
+
+
+def log_forward(xp, attrs, inputs, args):
+    return xp.log(inputs[0])
+
+
+def log_backward(xp, attrs, inputs, output, grad_output, args):
+    return (grad_output / inputs[0],)
+
+
+def convert_reciprocal(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 1)
+
+
+def reciprocal_forward(xp, attrs, inputs, args):
+    return 1 / inputs[0]
+
+
+def reciprocal_backward(xp, attrs, inputs, output, grad_output, args):
+    return (-grad_output * output * output,)
+
+
+# --- Erf, Gelu ------------------------------------------------------------------------------
+
+
+def convert_erf(ctx: NodeContext):
+    return _unary(ctx, NoAttrs(), 20)
+
+
+def erf_forward(xp, attrs, inputs, args):
+    return _erf(xp, inputs[0])
+
+
+def erf_backward(xp, attrs, inputs, output, grad_output, args):
+    return (grad_output * _erf_derivative(xp, inputs[0]),)
+
+
+def convert_gelu(ctx: NodeContext, *, approximate="none"):
+    name = text(approximate)
+    try:
+        mode = GeluApproximation(name)
+    except ValueError:
+        raise ctx.fail(f"approximate='{name}'; accepted: 'none', 'tanh'") from None
+    return _unary(ctx, GeluAttrs(mode), 24 if mode is GeluApproximation.NONE else 8)
+
+
+_GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
+_GELU_TANH_CUBIC = 0.044715
+
+
+def gelu_forward(xp, attrs, inputs, args):
+    x = inputs[0]
+    if attrs.approximate is GeluApproximation.TANH:
+        inner = _GELU_TANH_SCALE * (x + _GELU_TANH_CUBIC * x * x * x)
+        return 0.5 * x * (1 + xp.tanh(inner))
+    return 0.5 * x * (1 + _erf(xp, x * _SQRT_HALF))
+
+
+def gelu_backward(xp, attrs, inputs, output, grad_output, args):
+    x = inputs[0]
+    if attrs.approximate is GeluApproximation.TANH:
+        t = xp.tanh(_GELU_TANH_SCALE * (x + _GELU_TANH_CUBIC * x * x * x))
+        d_inner = _GELU_TANH_SCALE * (1 + 3 * _GELU_TANH_CUBIC * x * x)
+        slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * d_inner
+    else:
+        # d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density.
+        slope = 0.5 * (1 + _erf(xp, x * _SQRT_HALF)) + x * (_INV_SQRT_2PI * xp.exp(-0.5 * x * x))
+    return (grad_output * slope,)
+
+
+# --- definitions ----------------------------------------------------------------------------
+
+
+def _op(name, versions, convert, forward, backward, *cases) -> OpDef:
+    return OpDef(
+        name=name,
+        versions=versions,
+        convert=convert,
+        forward=forward,
+        backward=backward,
+        cases=cases,
+    )
+
+
+AWAY = Sample.AWAY_FROM_ZERO
+POSITIVE = Sample.POSITIVE
+
+RELU = _op(
+    "Relu",
+    (13, 14),
+    convert_relu,
+    relu_forward,
+    relu_backward,
+    case("relu", "Relu", X(2, 3, 4), sample=AWAY),
 )
 
-IDENTITY = OpDef(
-    name="Identity",
-    versions=(13, 14, 16, 19, 21, 23, 24, 25),
-    convert=convert_identity,
-    forward=identity_forward,
-    backward=identity_backward,
-    cases=(case("identity", "Identity", X(3, 4)),),
+IDENTITY = _op(
+    "Identity",
+    (13, 14, 16, 19, 21, 23, 24, 25),
+    convert_identity,
+    identity_forward,
+    identity_backward,
+    case("identity", "Identity", X(3, 4)),
 )
 
-DEFINITIONS = (RELU, IDENTITY)
+NEG = _op("Neg", (13,), convert_neg, neg_forward, neg_backward, case("neg", "Neg", X(2, 3, 4)))
+
+SIGMOID = _op(
+    "Sigmoid",
+    (13,),
+    convert_sigmoid,
+    sigmoid_forward,
+    sigmoid_backward,
+    case("sigmoid", "Sigmoid", X(2, 3, 4)),
+    case("sigmoid_2d", "Sigmoid", X(4, 6)),
+)
+
+# 22 only adds bfloat16 to the types of HardSigmoid, HardSwish, Elu, Selu and Softplus.
+HARD_SIGMOID = _op(
+    "HardSigmoid",
+    (6, 22),
+    convert_hard_sigmoid,
+    hard_sigmoid_forward,
+    hard_sigmoid_backward,
+    # Kinks at x = -beta/alpha and (1 - beta)/alpha: +-2.5 by default, -1.2 and 0.8 below;
+    # a normal sample lands within a finite-difference step of them with odds ~1e-6.
+    case("hard_sigmoid", "HardSigmoid", X(2, 3, 4)),
+    case("hard_sigmoid_attrs", "HardSigmoid", X(3, 5), alpha=0.5, beta=0.6),
+    case("hard_sigmoid_opset22", "HardSigmoid", X(2, 5), opset=22, alpha=0.3, beta=0.4),
+)
+
+HARD_SWISH = _op(
+    "HardSwish",
+    (14, 22),
+    convert_hard_swish,
+    hard_swish_forward,
+    hard_swish_backward,
+    # Kinks at +-3, where a normal sample rarely lands within a finite-difference step.
+    case("hard_swish", "HardSwish", X(2, 3, 4), opset=17),
+    case("hard_swish_opset22", "HardSwish", X(3, 7), opset=22),
+)
+
+TANH = _op(
+    "Tanh", (13,), convert_tanh, tanh_forward, tanh_backward, case("tanh", "Tanh", X(2, 3, 4))
+)
+
+LEAKY_RELU = _op(
+    "LeakyRelu",
+    (6, 16),
+    convert_leaky_relu,
+    leaky_relu_forward,
+    leaky_relu_backward,
+    case("leaky_relu", "LeakyRelu", X(2, 3, 4), sample=AWAY),
+    case("leaky_relu_alpha", "LeakyRelu", X(3, 5), sample=AWAY, alpha=0.2),
+    case("leaky_relu_opset13", "LeakyRelu", X(4, 3), opset=13, sample=AWAY, alpha=-0.5),
+)
+
+ELU = _op(
+    "Elu",
+    (6, 22),
+    convert_elu,
+    elu_forward,
+    elu_backward,
+    case("elu", "Elu", X(2, 3, 4), sample=AWAY),
+    case("elu_alpha", "Elu", X(3, 5), sample=AWAY, alpha=0.3),
+    case("elu_opset22", "Elu", X(2, 5), opset=22, sample=AWAY, alpha=2.0),
+)
+
+SELU = _op(
+    "Selu",
+    (6, 22),
+    convert_selu,
+    selu_forward,
+    selu_backward,
+    case("selu", "Selu", X(2, 3, 4), sample=AWAY),
+    case("selu_attrs", "Selu", X(3, 5), sample=AWAY, alpha=1.5, gamma=0.8),
+    case("selu_opset22", "Selu", X(2, 5), opset=22, sample=AWAY),
+)
+
+SOFTPLUS = _op(
+    "Softplus",
+    (1, 22),
+    convert_softplus,
+    softplus_forward,
+    softplus_backward,
+    case("softplus", "Softplus", X(2, 3, 4)),
+    case("softplus_opset22", "Softplus", X(3, 5), opset=22),
+)
+
+SQRT = _op(
+    "Sqrt",
+    (13,),
+    convert_sqrt,
+    sqrt_forward,
+    sqrt_backward,
+    case("sqrt", "Sqrt", X(2, 3, 4), sample=POSITIVE),
+)
+
+EXP = _op("Exp", (13,), convert_exp, exp_forward, exp_backward, case("exp", "Exp", X(2, 3, 4)))
+
+LOG = _op(
+    "Log",
+    (13,),
+    convert_log,
+    log_forward,
+    log_backward,
+    case("log", "Log", X(2, 3, 4), sample=POSITIVE),
+)
+
+RECIPROCAL = _op(
+    "Reciprocal",
+    (13,),
+    convert_reciprocal,
+    reciprocal_forward,
+    reciprocal_backward,
+    case("reciprocal", "Reciprocal", X(2, 3, 4), sample=POSITIVE),
+    case("reciprocal_signed", "Reciprocal", X(3, 5), sample=AWAY),
+)
+
+ERF = _op(
+    "Erf",
+    (13,),
+    convert_erf,
+    erf_forward,
+    erf_backward,
+    case("erf", "Erf", X(2, 3, 4)),
+    case("erf_2d", "Erf", X(6, 7)),
+)
+
+GELU = _op(
+    "Gelu",
+    (20,),
+    convert_gelu,
+    gelu_forward,
+    gelu_backward,
+    case("gelu", "Gelu", X(2, 3, 4), opset=20),
+    case("gelu_tanh", "Gelu", X(3, 5), opset=20, approximate="tanh"),
+    case("gelu_none_explicit", "Gelu", X(4, 3), opset=20, approximate="none"),
+)
+
+DEFINITIONS = (
+    RELU,
+    IDENTITY,
+    NEG,
+    SIGMOID,
+    HARD_SIGMOID,
+    HARD_SWISH,
+    TANH,
+    LEAKY_RELU,
+    ELU,
+    SELU,
+    SOFTPLUS,
+    SQRT,
+    EXP,
+    LOG,
+    RECIPROCAL,
+    ERF,
+    GELU,
+)
