@@ -226,14 +226,20 @@ class _Step:
         self.partials[(ins.phase, *key)] = np.ascontiguousarray(partial, dtype=self.rt.dtype)
 
     def reduce_stats(self, ins: ReduceStats) -> None:
-        """Sum the partials of the group's tasks on this rank, then over its devices."""
+        """Gather the group's partials (each task's in its slot, by an exact all-reduce
+        of a zeroed array) and combine them in task order."""
         op = self.rt.graph.ops[ins.op]
         group = self.rt.pg.stats[op.name][ins.group]
         mine = [t for t in group.tasks if self.rt.task((ins.op, t)).device == self.rt.rank]
-        total = sum(self.partials.pop((ins.phase, ins.op, t)) for t in mine[1:])
-        total = self.partials.pop((ins.phase, ins.op, mine[0])) + total
+        first = self.partials[(ins.phase, ins.op, mine[0])]
+        slots = np.zeros((len(group.tasks), *first.shape), dtype=self.rt.dtype)
+        for t in mine:
+            slots[group.tasks.index(t)] = self.partials.pop((ins.phase, ins.op, t))
         if len(group.devices) > 1:
-            self.rt.transport.allreduce_sum(total, group.devices)
+            self.rt.transport.allreduce_sum(slots, group.devices)
+        stats = definition(op.type).statistics
+        combine = stats.combine_forward if ins.phase is Phase.FORWARD else stats.combine_backward
+        total = combine(np, slots)
         for t in mine:
             self.totals[(ins.phase, ins.op, t)] = total
 

@@ -137,9 +137,9 @@ class LoopNest:
 
     ``sync_dims`` are kept dims over which the op computes statistics (BatchNorm in
     training mode: the batch and spatial dims). They split like any kept dim, but the
-    tasks that differ only in them then sum their partial statistics (``sync_values``
-    numbers per point of the other dims) before finishing, in the forward and again in
-    the backward, so every split computes what one task would.
+    tasks that differ only in them then combine their partial statistics
+    (``sync_values``: numbers per point of the other dims, forward and backward) before
+    finishing, in each phase, so every split computes what one task would.
     """
 
     dims: tuple[IterDim, ...]
@@ -147,7 +147,7 @@ class LoopNest:
     out_dims: tuple[int | None, ...]
     flops_per_point: int = 1
     sync_dims: tuple[int, ...] = ()
-    sync_values: int = 0
+    sync_values: tuple[int, int] = (0, 0)
 
     @property
     def points(self) -> int:

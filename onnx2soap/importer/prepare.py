@@ -286,16 +286,59 @@ def _types(model: onnx.ModelProto) -> dict[str, TensorType]:
     return types
 
 
+# Ops whose outputs are drawn at run time: folding them would freeze one draw (an
+# EfficientNet's stochastic-depth mask) for the whole training.
+RANDOM_OPS = frozenset(
+    {
+        "RandomUniform",
+        "RandomUniformLike",
+        "RandomNormal",
+        "RandomNormalLike",
+        "Bernoulli",
+        "Multinomial",
+    }
+)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _evaluate_onnxruntime(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int):
+    """One node run by onnxruntime: the fallback where onnx's reference evaluator fails
+    on valid inputs (GatherElements in onnx 1.23)."""
+    import onnxruntime
+
+    inputs = [
+        onnx.helper.make_tensor_value_info(
+            n, onnx.helper.np_dtype_to_tensor_dtype(feeds[n].dtype), feeds[n].shape
+        )
+        for n in node.input
+        if n
+    ]
+    graph = onnx.helper.make_graph([node], "fold", inputs, [])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v for v in inferred.graph.value_info}
+    model.graph.output.extend(types[o] for o in node.output if o)
+    session = onnxruntime.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    return [np.asarray(v) for v in session.run(None, {n: feeds[n] for n in node.input if n})]
+
+
 def _evaluate(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
     try:
         evaluator = ReferenceEvaluator(node, opsets={"": opset})
         return [np.asarray(v) for v in evaluator.run(None, feeds)]
-    except Exception as e:  # the reference evaluator raises whatever numpy raises
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(
-            f"node '{node.name or node.output[0]}' ({node.op_type}): its inputs are constants, "
-            f"but evaluating it failed: {first}"
-        ) from e
+    except Exception as reference_error:  # the reference evaluator raises what numpy raises
+        try:
+            return _evaluate_onnxruntime(node, feeds, opset)
+        except Exception:  # onnxruntime fails too: the reference's message is the clearer
+            raise ModelError(
+                f"node '{node.name or node.output[0]}' ({node.op_type}): its inputs are "
+                f"constants, but evaluating it failed: {_first_line(reference_error)}"
+            ) from reference_error
 
 
 def _fold_pass(
@@ -303,10 +346,11 @@ def _fold_pass(
 ) -> tuple[onnx.ModelProto, bool]:
     """Fold Shape nodes and nodes whose inputs are all non-weight constants."""
     types = _types(model)
+    # 0-d float initializers are constants (see the importer's roles), so they fold too.
     known = {
         i.name: numpy_helper.to_array(i)
         for i in model.graph.initializer
-        if i.name not in float_inits
+        if i.name not in float_inits or not i.dims
     }
     kept, changed = [], False
     for node in model.graph.node:
@@ -315,7 +359,11 @@ def _fold_pass(
             attrs = {a.name: a.i for a in node.attribute}
             window = slice(attrs.get("start", 0), attrs.get("end"))
             outs = [np.array(types[node.input[0]].shape[window], dtype=np.int64)]
-        elif node.domain in ("", "ai.onnx") and all(not n or n in known for n in node.input):
+        elif (
+            node.domain in ("", "ai.onnx")
+            and node.op_type not in RANDOM_OPS
+            and all(not n or n in known for n in node.input)
+        ):
             outs = _evaluate(node, {n: known[n] for n in node.input if n}, opset)
         else:
             kept.append(node)
@@ -329,7 +377,8 @@ def _fold_pass(
     inits = [i for i in graph.initializer if i.name in needed]
     present = {i.name for i in inits}
     inits += [
-        numpy_helper.from_array(np.ascontiguousarray(v), name)
+        # asarray, not ascontiguousarray: that one makes a 0-d scalar 1-d.
+        numpy_helper.from_array(np.asarray(v, order="C"), name)
         for name, v in known.items()
         if name in needed and name not in present
     ]

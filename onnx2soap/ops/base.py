@@ -84,13 +84,18 @@ class Statistics:
 
     forward(xp, attrs, inputs, args) -> the task's partial forward statistics;
     backward(xp, attrs, inputs, output, grad_output, args) -> its partial backward ones
-        (``args.stats`` already holds the forward sums);
+        (``args.stats`` already holds the combined forward statistics);
+    combine_forward / combine_backward(xp, partials) -> the combined statistics, from
+        every task's partials stacked on a new axis 0 in the group's task order (the
+        same order on every rank, so every rank gets the same bits);
     update(xp, attrs, inputs, args) -> ((operand index, new value of the task's region of
         that state operand), ...): the state the forward leaves behind, from the sums.
     """
 
     forward: Callable[..., Array]
     backward: Callable[..., Array]
+    combine_forward: Callable[..., Array]
+    combine_backward: Callable[..., Array]
     update: Callable[..., tuple[tuple[int, Array], ...]]
 
 
@@ -172,6 +177,7 @@ class Case:
     # Outputs the node declares besides the first, unread (BatchNormalization in training
     # mode must declare its running statistics).
     extra_outputs: int = 0
+    output: str = "float32"  # the ONNX element type of the output (a comparison's: bool)
 
     def __str__(self) -> str:
         return self.id
@@ -185,11 +191,14 @@ def case(
     sample: Sample = Sample.NORMAL,
     deterministic: bool = True,
     extra_outputs: int = 0,
+    output: str = "float32",
     **attrs: Attr | list[int] | list[float],
 ) -> Case:
     """A hashable ``Case``; ONNX attributes as keywords (lists become tuples)."""
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in attrs.items()))
-    return Case(id, op_type, tuple(inputs), frozen, opset, sample, deterministic, extra_outputs)
+    return Case(
+        id, op_type, tuple(inputs), frozen, opset, sample, deterministic, extra_outputs, output
+    )
 
 
 # --- the definition ------------------------------------------------------------------------

@@ -188,11 +188,11 @@ def _phase_tasks(ctx: _Context, op, kind: TaskKind, durations) -> tuple[dict, di
         for i in group.tasks:
             ready[tasks[i].device].append(start[i])
         what = f"stats {op.name} {tag}"
-        finished = (
-            _ring(ctx, group.devices, group.numel, ready, what)
-            if len(group.devices) > 1
-            else [x for r in ready.values() for x in r]
-        )
+        numel = group.numel[0 if kind is TaskKind.FORWARD else 1]
+        if len(group.devices) > 1:
+            finished = _ring(ctx, group.devices, numel, ready, what)
+        else:
+            finished = [x for r in ready.values() for x in r]
         for i in group.tasks:
             for before in finished:
                 ctx.b.dep(before, end[i])
@@ -291,7 +291,6 @@ def _weight_tasks(ctx: _Context) -> None:
                 finished = _ring(ctx, group.devices, numel, ready, group.weight)
             else:
                 finished = None
-            numel = rect_volume(group.rect)
             for d in group.devices:
                 u = ctx.b.add(
                     TaskKind.UPDATE,

@@ -187,12 +187,14 @@ def overlaps(
 @dataclass(frozen=True)
 class StatGroup:
     """Tasks of an op with statistics (``LoopNest.sync_dims``) whose boxes differ only in
-    the sync dims: they sum their partial statistics over ``devices`` (distinct, sorted).
-    ``numel`` is the length of the statistics vector they reduce."""
+    the sync dims. Each task puts its partial statistics in its slot (its position in
+    ``tasks``) of a zeroed array, the group all-reduces it over ``devices`` (distinct,
+    sorted): a sum that adds only zeros to each slot, so exact, and every member then
+    combines the slots in the same order. ``numel`` is that array's length, per phase."""
 
     tasks: tuple[int, ...]
     devices: tuple[int, ...]
-    numel: int
+    numel: tuple[int, int]  # forward, backward
 
 
 def stat_groups(op: Op, tasks: Sequence[Task]) -> tuple[StatGroup, ...]:
@@ -207,7 +209,7 @@ def stat_groups(op: Op, tasks: Sequence[Task]) -> tuple[StatGroup, ...]:
         StatGroup(
             tasks=tuple(t.index for t in members),
             devices=tuple(sorted({t.device for t in members})),
-            numel=nest.sync_values * rect_volume(box),
+            numel=tuple(len(members) * v * rect_volume(box) for v in nest.sync_values),
         )
         for box, members in by_box.items()
     )

@@ -31,6 +31,7 @@ _ONNX_TYPES = {
     "float32": onnx.TensorProto.FLOAT,
     "float64": onnx.TensorProto.DOUBLE,
     "int64": onnx.TensorProto.INT64,
+    "bool": onnx.TensorProto.BOOL,
 }
 
 
@@ -85,7 +86,7 @@ def build_model(c: Case, path: Path, seed: int = 0) -> None:
         [*nodes, node],
         c.id,
         graph_inputs,
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", _ONNX_TYPES[c.output], None)],
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", c.opset)])
@@ -233,7 +234,12 @@ def all_task_args(
     args = [task_args(t, scale, shape) for t in tasks]
     if not op.nest.sync_dims:
         return args
-    for field, partial in (("stats", d.statistics.forward), ("grad_stats", d.statistics.backward)):
+    stats = d.statistics
+    phases = (
+        ("stats", stats.forward, stats.combine_forward),
+        ("grad_stats", stats.backward, stats.combine_backward),
+    )
+    for field, partial, combine in phases:
         if field == "grad_stats" and grad_output is None:
             break
         sums = {}
@@ -247,7 +253,8 @@ def all_task_args(
                     out = d.forward(np, op.attrs, bufs, args[i])
                     tile = grad_output[global_slices(tasks[i].output)]
                     parts.append(partial(np, op.attrs, bufs, out, tile, args[i]))
-            sums.update({i: sum(parts[1:], parts[0]) for i in group.tasks})
+            combined = combine(np, np.stack(parts))  # in the group's task order
+            sums.update({i: combined for i in group.tasks})
         args = [replace(a, **{field: sums[i]}) for i, a in enumerate(args)]
     return args
 

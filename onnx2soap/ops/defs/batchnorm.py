@@ -3,9 +3,12 @@ the running statistics (training_mode=0).
 
 training_mode=1 (what the legacy exporter writes in TRAINING mode) normalizes with the
 mean and biased variance over the batch and spatial axes. Those axes are ``sync_dims``:
-a plan may split them, and the tasks that share channels then sum their partial sums
-(sum x, sum x^2 forward; sum dy, sum dy*xhat backward) before finishing, so any split
-computes what one device does. The running statistics are state: each task that holds
+a plan may split them, and the tasks that share channels then combine their partial
+statistics before finishing: forward, each task's (count, mean, sum of squared
+deviations) merged in task order by Chan's parallel formula, which is as stable as two
+passes (sum x and sum x^2 would cancel catastrophically for a channel whose mean is
+large next to its spread, and N ranks would then differ from one device); backward,
+the sums of dy and dy*xhat. Any split computes what one device does. The running statistics are state: each task that holds
 channels writes ``momentum * running + (1 - momentum) * batch`` (ONNX's convention, so
 0.9 where torch says 0.1; the variance is the biased one, as the spec says, where torch
 keeps the unbiased one). training_mode=0 reads mean and variance as constants: every
@@ -59,8 +62,10 @@ def convert(ctx: NodeContext, *, epsilon=1e-5, momentum=0.9, training_mode=0):
     op = make_op(ctx, operands, attrs, dims, range(rank), 4)
     if not training_mode:
         return op
-    # The batch and spatial dims carry the statistics: two sums per channel each way.
-    nest = replace(op.nest, flops_per_point=8, sync_dims=(0, *range(2, rank)), sync_values=2)
+    # The batch and spatial dims carry the statistics: per channel, three numbers forward
+    # (count, mean, squared deviations) and two backward (sum dy, sum dy * xhat).
+    sync = (0, *range(2, rank))
+    nest = replace(op.nest, flops_per_point=8, sync_dims=sync, sync_values=(3, 2))
     return replace(op, nest=nest)
 
 
@@ -79,14 +84,11 @@ def _count(args) -> int:
 
 
 def _moments(xp, x, args, attrs: BatchNormAttrs, mean_in, var_in):
-    """(mean, variance) per channel: the batch's (from the summed statistics) or the
+    """(mean, biased variance) per channel: the batch's (combined statistics) or the
     running ones."""
     if not attrs.training:
         return mean_in, var_in
-    count = _count(args)
-    mean = args.stats[0] / count
-    var = xp.maximum(args.stats[1] / count - mean * mean, 0)
-    return mean, var
+    return args.stats[0], args.stats[1]
 
 
 def _normalized(xp, attrs, inputs, args):
@@ -122,9 +124,32 @@ def backward(xp, attrs: BatchNormAttrs, inputs, output, grad_output, args):
 
 
 def partial_forward(xp, attrs, inputs, args):
+    """(count, mean, sum of squared deviations) of the task's tile, per channel."""
     x = inputs[0]
     axes = _axes(x)
-    return xp.stack([x.sum(axis=axes), (x * x).sum(axis=axes)])
+    count = x.size // x.shape[1]
+    mean = x.mean(axis=axes) if count else xp.zeros(x.shape[1], dtype=x.dtype)
+    deviations = ((x - _channel(mean, x)) ** 2).sum(axis=axes)
+    return xp.stack([xp.full_like(mean, count), mean, deviations])
+
+
+def combine_forward(xp, partials):
+    """Chan et al.'s pairwise update, task by task in the group's order: (mean, biased
+    variance) per channel."""
+    count, mean, m2 = partials[0][0], partials[0][1], partials[0][2]
+    for part in partials[1:]:
+        n_b, mean_b, m2_b = part[0], part[1], part[2]
+        total = count + n_b
+        safe = xp.maximum(total, 1)
+        delta = mean_b - mean
+        mean = mean + delta * (n_b / safe)
+        m2 = m2 + m2_b + delta * delta * (count * n_b / safe)
+        count = total
+    return xp.stack([mean, m2 / xp.maximum(count, 1)])
+
+
+def combine_backward(xp, partials):
+    return partials.sum(axis=0)
 
 
 def partial_backward(xp, attrs, inputs, output, grad_output, args):
@@ -164,7 +189,13 @@ BATCH_NORMALIZATION = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
-    statistics=Statistics(forward=partial_forward, backward=partial_backward, update=update_state),
+    statistics=Statistics(
+        forward=partial_forward,
+        backward=partial_backward,
+        combine_forward=combine_forward,
+        combine_backward=combine_backward,
+        update=update_state,
+    ),
     cases=(
         _bn("bn_train_2d", (4, 3, 5, 4), 1),
         _bn("bn_train_1d_eps", (5, 2, 6), 1, epsilon=1e-3, momentum=0.8),
