@@ -79,14 +79,21 @@ def load_npz(path: Path, graph: Graph, dtype: np.dtype) -> FileData:
         raise UserError(f"{path}: no such data file") from e
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: not an .npz file ({e})") from e
-    missing = [k for k in ("input", "labels") if k not in arrays]
+    # The data input by its ONNX name; a single-input model also takes it as "input".
+    name = graph.input if graph.input in arrays else "input"
+    missing = [
+        k for k in (graph.input if name not in arrays else name, "labels") if k not in arrays
+    ]
     if missing:
-        raise UserError(f"{path}: missing arrays {missing}; it has {sorted(arrays)}")
-    x, y = arrays["input"], arrays["labels"]
-    _check(path, "input", x, graph.tensors[graph.input].shape, graph.batch)
+        wanted = f"'{graph.input}' (or 'input') and 'labels'"
+        raise UserError(
+            f"{path}: missing arrays {missing}; it needs {wanted}, has {sorted(arrays)}"
+        )
+    x, y = arrays[name], arrays["labels"]
+    _check(path, name, x, graph.tensors[graph.input].shape, graph.batch)
     _check(path, "labels", y, _label_shape(graph), graph.batch)
     if len(x) != len(y):
-        raise UserError(f"{path}: 'input' has {len(x)} samples but 'labels' has {len(y)}")
+        raise UserError(f"{path}: '{name}' has {len(x)} samples but 'labels' has {len(y)}")
     classes = _classes(graph)
     if classes is not None:
         if not np.issubdtype(y.dtype, np.integer):

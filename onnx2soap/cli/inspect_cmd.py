@@ -42,6 +42,7 @@ def report(graph: Graph, model: str) -> dict:
                         "kind": d.kind.value,
                         "axis": d.axis,
                         "splittable": d.splittable,
+                        "synchronized": d.name in _synced(op),
                     }
                     for d in space[op.name]
                 ],
@@ -59,21 +60,28 @@ _KIND_LETTER = {
 }
 
 
-def _dim_text(d: SoapDim) -> str:
-    mark = "" if d.splittable else "-"
+def _dim_text(d: SoapDim, synced: bool) -> str:
+    mark = ("" if d.splittable else "-") + ("*" if synced else "")
     return f"{d.name}={d.size}:{_KIND_LETTER[d.kind]}{mark}"
+
+
+def _synced(op: Op) -> set[str]:
+    """Names of the dims whose statistics are combined across a split (BatchNorm in
+    training mode); none for an op without statistics (BatchNorm in inference mode)."""
+    return {op.nest.dims[i].name for i in op.nest.sync_dims}
 
 
 def table(doc: dict, graph: Graph) -> str:
     space = analyze(graph)
-    rows = [("op", "type", "output", "dims (S/A/P/R; - = not splittable)", "FLOPs", "params")]
+    legend = "dims (S/A/P/R; - = not splittable; * = statistics synchronized)"
+    rows = [("op", "type", "output", legend, "FLOPs", "params")]
     for op, entry in zip(graph.ops, doc["ops"], strict=True):
         rows.append(
             (
                 op.name,
                 op.type,
                 "x".join(map(str, entry["output_shape"])) or "scalar",
-                " ".join(_dim_text(d) for d in space[op.name]),
+                " ".join(_dim_text(d, d.name in _synced(op)) for d in space[op.name]),
                 human(entry["flops"]),
                 human(entry["params"]),
             )

@@ -12,7 +12,7 @@ from tests.importer.helpers import run_cli
 BATCH = 32
 KINDS = {"sample", "attribute", "parameter", "reduction"}
 OP_KEYS = {"name", "type", "output_shape", "flops", "params", "dims"}
-DIM_KEYS = {"name", "size", "kind", "axis", "splittable"}
+DIM_KEYS = {"name", "size", "kind", "axis", "splittable", "synchronized"}
 # (N, CO, OH, OW, CI, KH, KW) of each Conv of examples/cnn.py at batch 32.
 EXAMPLE_CONVS = {
     "/conv1/Conv": (BATCH, 16, 32, 32, 3, 3, 3),
@@ -103,3 +103,30 @@ def test_table_lists_every_op(example_onnx: Path, report: dict) -> None:
     for line, op in zip(lines[1:-1], report["ops"], strict=True):
         assert line.split()[:2] == [op["name"], op["type"]]
     assert lines[-1].startswith(f"{len(report['ops'])} ops, batch {BATCH}, loss cross-entropy")
+
+
+def test_batchnorm_mode_shows_in_its_synchronized_dims(tmp_path: Path) -> None:
+    """Training mode: the batch and spatial dims carry statistics; inference: none."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from onnx2soap.cli.inspect_cmd import report
+    from onnx2soap.importer import load_model
+    from onnx2soap.ir import LossKind
+
+    params = [numpy_helper.from_array(np.ones(3, np.float32), n) for n in "sbmv"]
+    for mode, synced in ((1, {"n", "h", "w"}), (0, set())):
+        outputs = ["y", "rm", "rv"] if mode else ["y"]
+        node = helper.make_node("BatchNormalization", ["x", *"sbmv"], outputs, training_mode=mode)
+        graph = helper.make_graph(
+            [node],
+            "bn",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4, 4])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 4, 4])],
+            params,
+        )
+        path = tmp_path / f"bn{mode}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]), path)
+        (bn,) = report(load_model(path, loss=LossKind.NONE).graph, str(path))["ops"]
+        assert {d["name"] for d in bn["dims"] if d["synchronized"]} == synced

@@ -25,9 +25,26 @@ STEPS, BATCH = 2, 4
 )
 @given(ranks=st.integers(2, 4), seed=st.integers(0, 10_000))
 def test_random_plan_bytes(example_onnx: Path, tmp_path: Path, ranks: int, seed: int) -> None:
+    _check_bytes(example_onnx, tmp_path, ranks, seed)
+
+
+@settings(
+    max_examples=4,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ranks=st.integers(2, 4), seed=st.integers(0, 10_000))
+def test_random_plan_bytes_with_synchronized_statistics(
+    export_model, tmp_path: Path, ranks: int, seed: int
+) -> None:
+    """BatchNorm in training mode: the statistics' all-reduces count too."""
+    _check_bytes(export_model("bnnet"), tmp_path, ranks, seed)
+
+
+def _check_bytes(model: Path, tmp_path: Path, ranks: int, seed: int) -> None:
     plan_path = tmp_path / f"plan-{ranks}-{seed}.json"
-    make_plan(example_onnx, plan_path, ranks, BATCH, "random", seed)
-    graph = load_model(example_onnx, BATCH).graph
+    make_plan(model, plan_path, ranks, BATCH, "random", seed)
+    graph = load_model(model, BATCH).graph
     strategy = load_plan(plan_path).strategy(graph, analyze(graph))
     simulator = Simulator(cpu(ranks), RooflineCost(), itemsize=4)
     predicted = simulator.evaluate(Partitioner(graph).partition(strategy)).bytes_moved

@@ -1,0 +1,182 @@
+"""One float64 SGD step of the executor is one ``torch.optim.SGD`` step of the same torch
+module in train mode, for torchvision families with BatchNorm in training mode (no
+Dropout, no stochastic depth: their random masks are not torch's), on 1 rank and on a
+random 3-rank plan.
+
+Compared to 1e-10 (relative, with an absolute floor of 1e-10 near zero): the loss (torch's
+CrossEntropyLoss, mean over the batch: the importer attaches softmax cross-entropy with
+mean reduction to a model without a loss), every trainable weight after the step, every
+BatchNorm running mean, and every running variance against the ONNX update computed by
+hand from torch's batch statistics (ONNX keeps the biased variance, torch the unbiased).
+
+The torch module is made to be the model the ONNX file describes: it starts from the
+file's initializers (the export ran forward passes in train mode, which moved the
+module's running statistics after they were written), and each BatchNorm takes the
+file's epsilon and momentum. ONNX stores float attributes in float32, so the file says
+momentum 0.8999999761581421 and epsilon 9.999999747378752e-06 where torch said 0.1 and
+1e-5: with torch's own values the running means would differ by ~2.4e-8 relative.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.executor.mpi import make_plan, mpirun
+from tests.families.conftest import BATCH
+
+LR = 0.05
+RTOL = ATOL = 1e-10
+RANDOM_RANKS, RANDOM_SEED = 3, 11
+# Families with BatchNorm in training mode; the options that switch their random ops off.
+CASES = {
+    "resnet18": {},  # has neither Dropout nor stochastic depth
+    "mobilenet_v2": {"dropout": 0.0},
+    "efficientnet_b0": {"dropout": 0.0, "stochastic_depth": 0.0},
+}
+
+Export = Callable[[str], Path]
+
+
+@pytest.fixture(scope="module")
+def deterministic_onnx(tmp_path_factory: pytest.TempPathFactory) -> Export:
+    """``get(name)`` -> the legacy (TRAINING mode) export of ``CASES[name]``, cached.
+
+    Not the session's ``family_onnx``: that one keeps torchvision's drop probabilities."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnx")
+    from tests.torchvision_models import export_family, import_torchvision
+
+    try:
+        import_torchvision()
+    except ImportError as e:
+        pytest.skip(f"torchvision: {e}")
+    directory = tmp_path_factory.mktemp("torch_step")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the exporter's notes on training mode
+                cache[name] = export_family(name, directory, "legacy", BATCH, **CASES[name])
+        return cache[name]
+
+    return get
+
+
+def _torch_model(name: str, path: Path):
+    """The family as torch runs it, in float64 and train mode, holding exactly the file's
+    initializers and BatchNorm attributes. Returns (model, {bn module: running_mean name})."""
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    from tests.torchvision_models import build_family
+
+    model, _ = build_family(name, 0, **CASES[name])
+    model = model.double().train()
+    proto = onnx.load(path)
+    initializers = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    tensors = dict(model.named_parameters())
+    norms: dict[str, torch.nn.BatchNorm2d] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            norms[module_name] = module
+            tensors[f"{module_name}.running_mean"] = module.running_mean
+            tensors[f"{module_name}.running_var"] = module.running_var
+    # The legacy exporter keeps the parameter names: every one is found, none renamed.
+    missing = sorted(set(tensors) - set(initializers))
+    assert not missing, f"torch tensors without an ONNX initializer of that name: {missing}"
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            value = torch.from_numpy(initializers[key].astype(np.float64))
+            assert tensor.shape == value.shape, key
+            tensor.copy_(value)
+    # Each BatchNormalization node -> its module (by the running mean's name), and the
+    # module takes the node's float32 epsilon and momentum exactly.
+    by_mean = {}
+    for node in proto.graph.node:
+        if node.op_type != "BatchNormalization":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs.get("training_mode") == 1, node.name
+        module_name = node.input[3].removesuffix(".running_mean")
+        module = norms[module_name]
+        module.eps = float(attrs.get("epsilon", 1e-5))
+        module.momentum = 1.0 - float(attrs.get("momentum", 0.9))  # exact in float64
+        by_mean[module_name] = node.input[3]
+    assert sorted(by_mean) == sorted(norms), "a BatchNorm module without its ONNX node"
+    return model, norms
+
+
+def _torch_step(model, norms, x: np.ndarray, y: np.ndarray):
+    """One SGD step; returns (loss, {name: tensor after the step}, expected running var)."""
+    import torch
+
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: inputs.__setitem__(name, args[0].detach().clone())
+        )
+        for name, module in norms.items()
+    ]
+    before = {name: m.running_var.detach().clone() for name, m in norms.items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer.zero_grad()
+    loss = torch.nn.CrossEntropyLoss()(model(torch.from_numpy(x)), torch.from_numpy(y))
+    loss.backward()
+    optimizer.step()
+    for hook in hooks:
+        hook.remove()
+    after = {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
+    running_var = {}
+    for name, module in norms.items():
+        after[f"{name}.running_mean"] = module.running_mean.detach().numpy().copy()
+        # ONNX: momentum * running + (1 - momentum) * the batch's BIASED variance, where
+        # torch mixes in the unbiased one; so the update by hand from torch's batch.
+        h = inputs[name]
+        dims = (0, *range(2, h.dim()))
+        biased = h.var(dim=dims, unbiased=False)
+        keep = 1.0 - module.momentum
+        running_var[f"{name}.running_var"] = (before[name] * keep + biased * module.momentum).numpy()
+    return float(loss), after, running_var
+
+
+def _assert_close(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:
+    np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=ATOL, err_msg=what)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_step_is_torch_sgd(deterministic_onnx, tmp_path: Path, name: str) -> None:
+    from tests.torchvision_models import FAMILIES
+
+    path = deterministic_onnx(name)
+    model, norms = _torch_model(name, path)
+    rng = np.random.default_rng(2024)
+    x = rng.standard_normal((BATCH, *FAMILIES[name].sample_shape))
+    y = rng.integers(0, 10, size=BATCH, dtype=np.int64)  # tests.torchvision_models.CLASSES
+    data = tmp_path / "data.npz"
+    np.savez(data, input=x, labels=y)
+    loss, weights, running_var = _torch_step(model, norms, x, y)
+    expected = {**weights, **running_var}
+
+    one = tmp_path / "one.json"
+    make_plan(path, one, 1, BATCH, "data-parallel")
+    many = tmp_path / f"random-{RANDOM_RANKS}.json"
+    make_plan(path, many, RANDOM_RANKS, BATCH, "random", RANDOM_SEED)
+    args = ("--steps", "1", "--lr", str(LR), "--dtype", "float64", "--data", str(data))
+    for plan, ranks in ((one, 1), (many, RANDOM_RANKS)):
+        run = mpirun(plan, ranks, tmp_path, *args)
+        assert run.returncode == 0, run.stderr[-3000:]
+        where = f"{name} on {ranks} rank(s)"
+        _assert_close(np.array(run.losses), np.array([loss]), f"{where}: loss")
+        assert run.weights is not None
+        # Every weight and running statistic saved, each compared.
+        assert set(run.weights) == set(expected), where
+        for key, value in expected.items():
+            _assert_close(run.weights[key], value, f"{where}: {key}")
