@@ -90,7 +90,19 @@ class Whole:
     dims: tuple[int, ...] = ()
 
 
-AxisMap = Affine | Broadcast | Whole
+@dataclass(frozen=True)
+class Grouped:
+    """Group-wise channels (a grouped convolution's input): iteration dim ``dim`` counts
+    ``out_per_group`` values per group and the operand axis ``in_per_group``, so dim value
+    ``c`` reads the operand's whole group ``c // out_per_group``. The dim is chunked in
+    whole groups (its ``IterDim.granule``), so a task reads exactly its groups."""
+
+    dim: int
+    out_per_group: int
+    in_per_group: int
+
+
+AxisMap = Affine | Broadcast | Whole | Grouped
 
 
 def identity(dim: int) -> Affine:
@@ -99,8 +111,15 @@ def identity(dim: int) -> Affine:
 
 @dataclass(frozen=True)
 class IterDim:
+    """``granule``: a split cuts this dim only at multiples of it (whole groups)."""
+
     name: str
     size: int
+    granule: int = 1
+
+    @property
+    def max_degree(self) -> int:
+        return self.size // self.granule
 
 
 class Binding(Enum):

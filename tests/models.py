@@ -135,10 +135,12 @@ def build_matmul(seed: int = 0, hidden: int = 16, out: int = 24):
 def build_bnnet(seed: int = 0, dropout: float = 0.3):
     """What torchvision's mobile CNNs are made of, small: BatchNorm in training mode (its
     statistics synchronized across any split), ReLU6 (Clip), a depthwise conv, SiLU
-    (Sigmoid * x), a squeeze-excitation scale (a broadcast Mul) and Dropout.
+    (Sigmoid * x), a squeeze-excitation scale (a broadcast Mul), a grouped conv (split in
+    whole groups) and Dropout.
 
     [B, 3, 16, 16] conv 3x3 s2 -> BN -> ReLU6 -> depthwise 3x3 -> BN -> SiLU
-      -> x * sigmoid(conv1x1(mean over h, w)) -> dropout -> gap -> flatten -> fc [B, 10]
+      -> x * sigmoid(conv1x1(mean over h, w)) -> grouped 3x3 (2 groups) -> dropout -> gap
+      -> flatten -> fc [B, 10]
     """
     import torch
     from torch import nn
@@ -152,15 +154,17 @@ def build_bnnet(seed: int = 0, dropout: float = 0.3):
             self.dw = nn.Conv2d(8, 8, kernel_size=3, padding=1, groups=8, bias=False)
             self.bn2 = nn.BatchNorm2d(8)
             self.se = nn.Conv2d(8, 8, kernel_size=1)
+            self.grouped = nn.Conv2d(8, 12, kernel_size=3, padding=1, groups=2)
             self.drop = nn.Dropout(dropout)
             self.gap = nn.AdaptiveAvgPool2d(1)
-            self.fc = nn.Linear(8, 10)
+            self.fc = nn.Linear(12, 10)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.relu6(self.bn1(self.conv(x)))
             y = self.bn2(self.dw(y))
             y = y * torch.sigmoid(y)
             y = y * torch.sigmoid(self.se(y.mean(dim=(2, 3), keepdim=True)))
+            y = self.grouped(y)
             return self.fc(torch.flatten(self.gap(self.drop(y)), 1))
 
     torch.manual_seed(seed)

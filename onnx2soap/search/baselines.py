@@ -29,7 +29,7 @@ def _split_one(dims: tuple[SoapDim, ...], kind: DimKind, devices: int) -> Parall
     degrees = [1] * len(dims)
     for i, d in enumerate(dims):
         if d.kind is kind and d.splittable:
-            degrees[i] = min(devices, d.size)
+            degrees[i] = min(devices, d.max_degree)
             break
     return ParallelConfig(tuple(degrees), tuple(range(math.prod(degrees))))
 
@@ -85,7 +85,7 @@ def random_config(
     for i in rng.permutation(len(dims)):
         room = devices // math.prod(degrees)
         if dims[i].splittable and room > 1:
-            degrees[i] = int(rng.integers(1, min(room, dims[i].size) + 1))
+            degrees[i] = int(rng.integers(1, min(room, dims[i].max_degree) + 1))
     tasks = math.prod(degrees)
     placement = rng.integers(0, devices, size=tasks)
     return ParallelConfig(tuple(degrees), tuple(int(d) for d in placement))

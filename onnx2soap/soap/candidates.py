@@ -29,7 +29,7 @@ def degree_vectors(dims: Sequence[SoapDim], tasks: int) -> list[tuple[int, ...]]
             (*v, d)
             for v in vectors
             for d in options
-            if d <= dim.size and tasks % (math.prod(v) * d) == 0
+            if d <= dim.max_degree and tasks % (math.prod(v) * d) == 0
         ]
     return [v for v in vectors if math.prod(v) == tasks]
 

@@ -32,6 +32,11 @@ class SoapDim:
     kind: DimKind
     axis: int | None  # the output axis this dim indexes; None for reductions
     splittable: bool
+    granule: int = 1  # split only at multiples of it (a grouped conv's whole groups)
+
+    @property
+    def max_degree(self) -> int:
+        return self.size // self.granule
 
 
 def _direct_dim(m) -> int | None:
@@ -82,7 +87,8 @@ def op_dims(op: Op, graph: Graph, batch_axes: dict[str, frozenset[int]]) -> tupl
         else:
             kind = DimKind.ATTRIBUTE
         splittable = (kept or kind is DimKind.SAMPLE) and i not in hidden and d.size > 1
-        dims.append(SoapDim(d.name, d.size, kind, axis_of.get(i), splittable))
+        splittable = splittable and d.max_degree > 1
+        dims.append(SoapDim(d.name, d.size, kind, axis_of.get(i), splittable, d.granule))
     return tuple(dims)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
 
-from onnx2soap.ir import AxisMap, Broadcast, LoopNest, Op, Whole
+from onnx2soap.ir import AxisMap, Broadcast, Grouped, LoopNest, Op, Whole
 
 Interval = tuple[int, int]
 Rect = tuple[Interval, ...]
@@ -51,9 +51,12 @@ def task_coords(degrees: Sequence[int]) -> Iterator[tuple[int, ...]]:
 
 
 def task_box(nest: LoopNest, degrees: Sequence[int], coord: Sequence[int]) -> Rect:
-    return tuple(
-        chunk(dim.size, deg, c) for dim, deg, c in zip(nest.dims, degrees, coord, strict=True)
-    )
+    """Balanced chunks per dim, in units of the dim's granule (whole groups)."""
+    box = []
+    for dim, deg, c in zip(nest.dims, degrees, coord, strict=True):
+        lo, hi = chunk(dim.size // dim.granule, deg, c)
+        box.append((lo * dim.granule, hi * dim.granule))
+    return tuple(box)
 
 
 def output_rect(nest: LoopNest, box: Rect) -> Rect:
@@ -65,6 +68,10 @@ def _image(m: AxisMap, box: Rect, size: int) -> Interval:
         return 0, 1
     if isinstance(m, Whole):
         return 0, size
+    if isinstance(m, Grouped):
+        lo, hi = box[m.dim]
+        first, last = lo // m.out_per_group, (hi - 1) // m.out_per_group
+        return first * m.in_per_group, (last + 1) * m.in_per_group
     lo = m.offset + sum(c * box[d][0] for d, c in m.terms)
     hi = m.offset + sum(c * (box[d][1] - 1) for d, c in m.terms) + 1
     return lo, hi

@@ -53,9 +53,10 @@ def validate_config(
                 f"'{dim.name}' cannot be split; splittable: "
                 f"{[d.name for d in dims if d.splittable] or 'none'}"
             )
-        if degree > dim.size:
+        if degree > dim.max_degree:
             raise PlanError(
-                f"{where}: degrees.{dim.name} = {degree} exceeds the dim's size {dim.size}"
+                f"{where}: degrees.{dim.name} = {degree} exceeds the {dim.max_degree} pieces "
+                f"dim '{dim.name}' (size {dim.size}) can be cut into"
             )
     need = math.prod(config.degrees)
     if len(config.devices) != need:

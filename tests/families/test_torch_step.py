@@ -142,8 +142,10 @@ def _torch_step(model, norms, x: np.ndarray, y: np.ndarray):
         dims = (0, *range(2, h.dim()))
         biased = h.var(dim=dims, unbiased=False)
         keep = 1.0 - module.momentum
-        running_var[f"{name}.running_var"] = (before[name] * keep + biased * module.momentum).numpy()
-    return float(loss), after, running_var
+        running_var[f"{name}.running_var"] = (
+            before[name] * keep + biased * module.momentum
+        ).numpy()
+    return loss.item(), after, running_var
 
 
 def _assert_close(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:

@@ -316,8 +316,8 @@ def backward_full(
 
 
 def splittable_degrees(graph: Graph, op: Op) -> list[tuple[str, int, bool]]:
-    """(name, size, splittable) per dim of ``op``."""
-    return [(d.name, d.size, d.splittable) for d in analyze(graph)[op.name]]
+    """(name, most pieces it can be cut into, splittable) per dim of ``op``."""
+    return [(d.name, d.max_degree, d.splittable) for d in analyze(graph)[op.name]]
 
 
 def central_difference(

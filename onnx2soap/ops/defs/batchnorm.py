@@ -8,9 +8,10 @@ statistics before finishing: forward, each task's (count, mean, sum of squared
 deviations) merged in task order by Chan's parallel formula, which is as stable as two
 passes (sum x and sum x^2 would cancel catastrophically for a channel whose mean is
 large next to its spread, and N ranks would then differ from one device); backward,
-the sums of dy and dy*xhat. Any split computes what one device does. The running statistics are state: each task that holds
-channels writes ``momentum * running + (1 - momentum) * batch`` (ONNX's convention, so
-0.9 where torch says 0.1; the variance is the biased one, as the spec says, where torch
+the sums of dy and dy*xhat. Any split computes what one device does. The running
+statistics are state: each task that holds channels writes
+``momentum * running + (1 - momentum) * batch`` (ONNX's convention, so 0.9 where torch
+says 0.1; the variance is the biased one, as the spec says, where torch
 keeps the unbiased one). training_mode=0 reads mean and variance as constants: every
 axis splits freely.
 """

@@ -5,18 +5,18 @@ index ``j * stride + k * dilation`` at kernel position ``k`` (see ``window_taps`
 columns are built with strided slices (no sliding_window_view, which cupy lacks), one per
 kernel position, and every product is an ``xp.matmul`` batched over the groups.
 
-A depthwise convolution (one input and one output channel per group) reads input channel
-``c`` for output channel ``c``: an identity map, so its channels split like any other
-dim. Other grouped convolutions read a channel range that depends on the output
-channel's group, which no affine map expresses: their channels are not split.
+A grouped convolution's output channel ``c`` reads the input channels of its group
+``c // (C_out / group)``: a ``Grouped`` map, and the output channel dim is split in whole
+groups only (its granule), so every task holds whole groups of both buffers. Depthwise
+(one channel per group) is the identity case.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from onnx2soap.ir import AxisMap, Operand, Whole, identity
+from onnx2soap.ir import AxisMap, Grouped, Operand, identity
 from onnx2soap.ops.base import OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names
 from onnx2soap.ops.kernel_util import check_window_buffer, window_taps
@@ -70,7 +70,7 @@ def convert(
     elif ci == 1 and co == group:  # depthwise: output channel c reads input channel c
         channel = identity(1)
     else:
-        channel = Whole(dims=(1,))
+        channel = Grouped(dim=1, out_per_group=co // group, in_per_group=ci)
     x_axes = (identity(0), channel, *window_axes(2, K0, win))
     w_axes = (identity(1), identity(CI), *(identity(K0 + i) for i in range(rank)))
     operands = [Operand(x.name, x_axes, pad_value=0.0), Operand(w.name, w_axes)]
@@ -79,7 +79,12 @@ def convert(
     attrs = ConvAttrs(
         win.kernel_shape, win.strides, win.dilations, win.pads_begin, win.pads_end, group
     )
-    return make_op(ctx, operands, attrs, dims, range(2 + rank), 2)
+    op = make_op(ctx, operands, attrs, dims, range(2 + rank), 2)
+    if isinstance(channel, Grouped):  # whole groups per task
+        nest = op.nest
+        granular = replace(nest.dims[1], granule=co // group)
+        op = replace(op, nest=replace(nest, dims=(nest.dims[0], granular, *nest.dims[2:])))
+    return op
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,8 @@ CONV = OpDef(
             pads=[1, 2, 2, 0],
         ),
         case("conv2d_groups", "Conv", X(2, 4, 6, 6), W(6, 2, 3, 3), W(6), group=2, strides=[2, 1]),
+        # 3 groups of 2 input and 4 output channels: splits cut between groups only
+        case("conv2d_groups3", "Conv", X(2, 6, 5, 5), W(12, 2, 3, 3), W(12), group=3, pads=[1] * 4),
         case("conv2d_depthwise", "Conv", X(2, 3, 5, 5), W(3, 1, 3, 3), group=3, pads=[2, 2, 2, 2]),
         case(
             "conv2d_depthwise_bias_strided",
