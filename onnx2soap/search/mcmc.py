@@ -210,6 +210,10 @@ def mcmc(
         return search.start(next(starts), np.random.default_rng(seeds.spawn(1)[0]))
 
     chains = [new_chain() for _ in range(max(options.chains, 1))]
+    # Model parallelism starts no chain (it is a poor place to walk from), but the search
+    # must never return a plan slower than a baseline it could have returned.
+    model_parallel = by_rule(Rule.MODEL_PARALLEL, graph, space, search.devices)
+    search.consider(model_parallel, cost_of(search.evaluate(model_parallel)))
     baselines = {
         rule.value: search.evaluate(by_rule(rule, graph, space, search.devices))
         for rule in (Rule.DATA_PARALLEL, Rule.EXPERT)

@@ -14,13 +14,15 @@ file's initializers (the export ran forward passes in train mode, which moved th
 module's running statistics after they were written), and each BatchNorm takes the
 file's epsilon and momentum. ONNX stores float attributes in float32, so the file says
 momentum 0.8999999761581421 and epsilon 9.999999747378752e-06 where torch said 0.1 and
-1e-5: with torch's own values the running means would differ by ~2.4e-8 relative.
+1e-5. With torch's own values the running means part by ~2.4e-8 relative (the momentum)
+and, through the epsilon, efficientnet_b0's loss by 1.9e-9 and its weights by ~2e-8.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,21 @@ CASES = {
 Export = Callable[[str], Path]
 
 
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Torch on one thread: on a small shared machine (2 cores, mpiexec ranks beside it)
+    its OpenMP threads spin against each other and a float64 step of the depthwise
+    families took 14 s instead of 0.1 s."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def deterministic_onnx(tmp_path_factory: pytest.TempPathFactory) -> Export:
     """``get(name)`` -> the legacy (TRAINING mode) export of ``CASES[name]``, cached.
@@ -60,7 +77,7 @@ def deterministic_onnx(tmp_path_factory: pytest.TempPathFactory) -> Export:
 
     def get(name: str) -> Path:
         if name not in cache:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _one_torch_thread():
                 warnings.simplefilter("ignore")  # the exporter's notes on training mode
                 cache[name] = export_family(name, directory, "legacy", BATCH, **CASES[name])
         return cache[name]
@@ -164,7 +181,8 @@ def test_one_step_is_torch_sgd(deterministic_onnx, tmp_path: Path, name: str) ->
     y = rng.integers(0, 10, size=BATCH, dtype=np.int64)  # tests.torchvision_models.CLASSES
     data = tmp_path / "data.npz"
     np.savez(data, input=x, labels=y)
-    loss, weights, running_var = _torch_step(model, norms, x, y)
+    with _one_torch_thread():
+        loss, weights, running_var = _torch_step(model, norms, x, y)
     expected = {**weights, **running_var}
 
     one = tmp_path / "one.json"

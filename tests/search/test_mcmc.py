@@ -120,3 +120,20 @@ def test_progress_is_reported_and_drawn(tmp_path: Path, capsys) -> None:
     bar = capsys.readouterr().err
     assert bar.startswith("\r[#######.......................]") and "321 simulated" in bar
     assert "best 2.000 ms" in bar
+
+
+@pytest.mark.parametrize("machine", ["flexflow-p100:4", "flexflow-p100:8"])
+def test_the_search_is_never_slower_than_any_rule_it_could_have_returned(
+    example_onnx: Path, machine: str
+) -> None:
+    """Even stopped after a handful of proposals, the result is at least as fast as data
+    parallelism, expert, model parallelism and a single device."""
+    graph = load_model(example_onnx, 32).graph
+    space = analyze(graph)
+    sim = Simulator(preset(machine), RooflineCost())
+    result = mcmc(graph, space, sim, SearchOptions(budget_s=60, seed=0, max_evals=6))
+    partitioner = Partitioner(graph)
+    for rule in (Rule.DATA_PARALLEL, Rule.EXPERT, Rule.MODEL_PARALLEL, Rule.SINGLE_DEVICE):
+        strategy = by_rule(rule, graph, space, sim.machine.size)
+        baseline = sim.evaluate(partitioner.partition(strategy))
+        assert result.evaluation.step_time_s <= baseline.step_time_s * (1 + 1e-12), rule
