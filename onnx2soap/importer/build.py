@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 
 import onnx
 
@@ -50,6 +51,13 @@ def _definitions(p: Prepared) -> list[OpDef]:
 
 def _attributes(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _finite(value: object) -> bool:
+    """No float attribute of any op means anything as NaN or infinity (alpha, epsilon,
+    momentum, ratios): such a model was broken on the way, and would train to NaN."""
+    values = value if isinstance(value, list | tuple) else [value]
+    return all(math.isfinite(v) for v in values if isinstance(v, float))
 
 
 class _Builder:
@@ -153,6 +161,10 @@ class _Builder:
         unknown = sorted(set(attrs) - set(known))
         if unknown:
             error = ctx.fail(f"attributes {unknown} are not in the spec; known: {known}")
+            raise ModelError(f"{self.p.path}: {error}")
+        nonfinite = sorted(k for k, v in attrs.items() if not _finite(v))
+        if nonfinite:
+            error = ctx.fail(f"attributes {nonfinite} are NaN or infinite; finite numbers only")
             raise ModelError(f"{self.p.path}: {error}")
         try:
             made = definition.convert(ctx, **attrs)

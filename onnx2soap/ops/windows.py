@@ -23,9 +23,7 @@ def _ints(ctx: NodeContext, name: str, value, rank: int, default: int, least: in
     """An int-list attribute of ``rank`` entries, each at least ``least``."""
     values = tuple(int(v) for v in value) if value is not None else (default,) * rank
     if len(values) != rank:
-        raise ctx.fail(
-            f"{name} must have {rank} entries (one per spatial axis), got {list(values)}"
-        )
+        raise ctx.fail(f"{name} must have {rank} entries for this input, got {list(values)}")
     if any(v < least for v in values):
         raise ctx.fail(f"{name} must be >= {least}, got {list(values)}")
     return values

@@ -288,6 +288,54 @@ def _model_cases() -> list[tuple[str, Callable[[onnx.ModelProto], bytes | None]]
     ]
 
 
+def _attribute(m: onnx.ModelProto, node: str, name: str, value) -> None:
+    (target,) = [n for n in m.graph.node if n.name == node]
+    kept = [a for a in target.attribute if a.name != name]
+    del target.attribute[:]
+    target.attribute.extend([*kept, onnx.helper.make_attribute(name, value)])
+
+
+# Semantically broken models the checker lets through: (name, mutation, the node to blame).
+SEMANTIC = [
+    ("conv-stride-0", lambda m: _attribute(m, "/conv1/Conv", "strides", [0, 0]), "/conv1/Conv"),
+    ("conv-pads-short", lambda m: _attribute(m, "/conv1/Conv", "pads", [1, 1]), "/conv1/Conv"),
+    (
+        "conv-negative-pads",
+        lambda m: _attribute(m, "/branch_a/conv/Conv", "pads", [-1, 0, 0, 0]),
+        "/branch_a/conv/Conv",
+    ),
+    (
+        "maxpool-dilation-0",
+        lambda m: _attribute(m, "/pool1/MaxPool", "dilations", [0, 0]),
+        "/pool1/MaxPool",
+    ),
+    ("gemm-alpha-nan", lambda m: _attribute(m, "/fc1/Gemm", "alpha", float("nan")), "/fc1/Gemm"),
+    (
+        "gemm-bias-does-not-broadcast",
+        lambda m: _replace_initializer(m, "/fc2/Gemm", 2, np.zeros(11, np.float32)),
+        "/fc2/Gemm",
+    ),
+]
+
+
+def _replace_initializer(m: onnx.ModelProto, node: str, index: int, value: np.ndarray) -> None:
+    (target,) = [n for n in m.graph.node if n.name == node]
+    (init,) = [i for i in m.graph.initializer if i.name == target.input[index]]
+    init.CopyFrom(numpy_helper.from_array(value, init.name))
+
+
+@pytest.mark.parametrize(("name", "mutate", "blame"), SEMANTIC, ids=[s[0] for s in SEMANTIC])
+def test_semantically_broken_models_name_the_node_at_fault(
+    work: Path, capsys, name: str, mutate, blame: str
+) -> None:
+    model = onnx.load(work / "cnn.onnx")
+    mutate(model)
+    path = work / f"{name}.onnx"
+    path.write_bytes(model.SerializeToString())
+    line = refused(Case(name, ("inspect", str(path), "--batch", "2")), capsys)
+    assert f"'{blame}'" in line, line
+
+
 @pytest.mark.parametrize("command", ["inspect", "plan"])
 def test_broken_models_are_refused_in_one_line(work: Path, capsys, command: str) -> None:
     base = onnx.load(work / "cnn.onnx")
