@@ -6,7 +6,6 @@ torchvision sets them. The search finds plans no slower than data parallelism.""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,6 @@ from tests.executor.mpi import assert_same_training, make_plan, mpirun, referenc
 from tests.families.conftest import BATCH, FAMILIES
 
 STEPS, LR = 2, 0.05
-# Dynamo exports train like the legacy ones through the same ops; a seeded sample keeps
-# the suite's time on a 2-core CI machine.
-DYNAMO_TRAINED = sorted(random.Random(7).sample(FAMILIES, 2))
 
 
 @pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
@@ -50,16 +46,12 @@ def _train_like_one_device(model: Path, tmp_path: Path, ranks: int, seed: int) -
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_legacy_family_trains_like_one_device(family_onnx, tmp_path: Path, name: str) -> None:
-    ranks = 2 + FAMILIES.index(name) % 3  # 2, 3 and 4 ranks across the families
-    _train_like_one_device(family_onnx(name, "legacy"), tmp_path, ranks, seed=11)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", DYNAMO_TRAINED)
-def test_dynamo_family_trains_like_one_device(family_onnx, tmp_path: Path, name: str) -> None:
-    _train_like_one_device(family_onnx(name, "dynamo"), tmp_path, 3, seed=5)
+def test_family_trains_like_one_device(family_onnx, tmp_path: Path, name: str, exporter) -> None:
+    # 2, 3 and 4 ranks across the families and exporters; one random plan each.
+    ranks = 2 + (FAMILIES.index(name) + (exporter == "dynamo")) % 3
+    _train_like_one_device(family_onnx(name, exporter), tmp_path, ranks, seed=11)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
