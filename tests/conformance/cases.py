@@ -109,6 +109,8 @@ def run_case(case: ConformanceCase) -> Outcome:
         ratio = _random_dropout_ratio(case, inputs)
         if ratio is not None:
             mismatch = compare_dropout(list(got), list(expected), inputs[0], ratio)
+        elif any(n.op_type == "RandomUniformLike" for n in case.model.graph.node):
+            mismatch = compare_bernoulli(list(got), list(expected), inputs[0])
         else:
             mismatch = compare(list(got), list(expected))
         if mismatch:
@@ -146,6 +148,24 @@ def compare_dropout(
     dropped, sigma = 1 - kept.mean(), np.sqrt(ratio * (1 - ratio) / x.size)
     if abs(dropped - ratio) > 5 * sigma:
         return f"dropped {dropped:.3f} of the elements, expected about {ratio}"
+    return ""
+
+
+def compare_bernoulli(got: list[np.ndarray], expected: list[np.ndarray], p: np.ndarray) -> str:
+    """'' when ``got`` is a Bernoulli draw with probabilities ``p`` (the function body of
+    Bernoulli: RandomUniformLike, Less, Cast): onnx's expected values come from numpy's
+    generator, so compare the law: 0s and 1s, and as many 1s as ``p`` says, within 5
+    standard deviations."""
+    if len(got) != 1 or len(expected) != 1:
+        return f"{len(got)} outputs, expected {len(expected)}"
+    y, want = np.asarray(got[0]), expected[0]
+    if y.dtype != want.dtype or y.shape != want.shape:
+        return f"output: {y.dtype}{list(y.shape)}, expected {want.dtype}{list(want.shape)}"
+    if not np.isin(y, (0, 1)).all():
+        return "a Bernoulli draw holds values other than 0 and 1"
+    sigma = np.sqrt((p * (1 - p)).sum())
+    if abs(y.sum() - p.sum()) > 5 * max(sigma, 1e-12):
+        return f"{y.sum()} ones, expected about {p.sum():.1f}"
     return ""
 
 
