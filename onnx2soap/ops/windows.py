@@ -19,7 +19,7 @@ class Window:
     pads_end: tuple[int, ...]
 
 
-def _ints(ctx: NodeContext, name: str, value, rank: int, default: int, least: int):
+def int_list(ctx: NodeContext, name: str, value, rank: int, default: int, least: int):
     """An int-list attribute of ``rank`` entries, each at least ``least``."""
     values = tuple(int(v) for v in value) if value is not None else (default,) * rank
     if len(values) != rank:
@@ -41,12 +41,12 @@ def window(
 ) -> Window:
     """Checked attributes of a window op over spatial sizes ``in_sizes``."""
     rank = len(in_sizes)
-    kernel = _ints(ctx, "kernel_shape", kernel, rank, 1, 1)
-    strides = _ints(ctx, "strides", strides, rank, 1, 1)
-    dilations = _ints(ctx, "dilations", dilations, rank, 1, 1)
+    kernel = int_list(ctx, "kernel_shape", kernel, rank, 1, 1)
+    strides = int_list(ctx, "strides", strides, rank, 1, 1)
+    dilations = int_list(ctx, "dilations", dilations, rank, 1, 1)
     auto_pad = text(auto_pad)
     if auto_pad in ("NOTSET", ""):
-        flat = _ints(ctx, "pads", pads, 2 * rank, 0, 0)
+        flat = int_list(ctx, "pads", pads, 2 * rank, 0, 0)
         return Window(kernel, strides, dilations, flat[:rank], flat[rank:])
     if auto_pad == "VALID":
         return Window(kernel, strides, dilations, (0,) * rank, (0,) * rank)

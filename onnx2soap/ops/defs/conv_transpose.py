@@ -31,7 +31,7 @@ from onnx2soap.ir import AxisMap, Operand, Whole, identity
 from onnx2soap.ops.base import OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names, text
 from onnx2soap.ops.kernel_util import window_taps
-from onnx2soap.ops.windows import _ints  # the int-list attribute check windows share
+from onnx2soap.ops.windows import int_list
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ def _pads(
     if output_shape is None:
         if auto_pad == "VALID":
             return (0,) * rank, (0,) * rank
-        flat = _ints(ctx, "pads", pads, 2 * rank, 0, 0)
+        flat = int_list(ctx, "pads", pads, 2 * rank, 0, 0)
         return flat[:rank], flat[rank:]
-    out = _ints(ctx, "output_shape", output_shape, rank, 1, 1)
+    out = int_list(ctx, "output_shape", output_shape, rank, 1, 1)
     begin, end = [], []
     for o, i, k, s, d, a in zip(out, in_sp, kernel, strides, dilations, adj, strict=True):
         total = _full(i, k, s, d, a) - o
@@ -115,12 +115,14 @@ def convert(
             "(X: N, C, spatial...; W: C, M / group, kernel...)"
         )
     in_sp = x.shape[2:]
-    kernel = _ints(ctx, "kernel_shape", kernel_shape, rank, 1, 1) if kernel_shape else w.shape[2:]
+    kernel = w.shape[2:]
+    if kernel_shape:
+        kernel = int_list(ctx, "kernel_shape", kernel_shape, rank, 1, 1)
     if tuple(kernel) != tuple(w.shape[2:]):
         raise ctx.fail(f"kernel_shape {list(kernel)} disagrees with W {list(w.shape)}")
-    strides = _ints(ctx, "strides", strides, rank, 1, 1)
-    dilations = _ints(ctx, "dilations", dilations, rank, 1, 1)
-    adj = _ints(ctx, "output_padding", output_padding, rank, 0, 0)
+    strides = int_list(ctx, "strides", strides, rank, 1, 1)
+    dilations = int_list(ctx, "dilations", dilations, rank, 1, 1)
+    adj = int_list(ctx, "output_padding", output_padding, rank, 0, 0)
     if any(a >= max(s, d) for a, s, d in zip(adj, strides, dilations, strict=True)):
         raise ctx.fail(
             f"output_padding {list(adj)} must be smaller than the stride {list(strides)} or "
