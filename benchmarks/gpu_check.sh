@@ -13,5 +13,5 @@ PY=${PYTHON:-python3}
   $PY -c "import sys, cupy, numpy, onnx, onnxruntime; print(sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'onnx', onnx.__version__, 'onnxruntime', onnxruntime.__version__)"
   lscpu | grep 'Model name'
 } 2>&1 | tee "$OUT/machine.txt"
-$PY -m pytest -q -p no:cacheprovider tests/executor/test_kernels_gpu.py 2>&1 | tail -n 5 | tee "$OUT/gpu_tests.txt"
+$PY -m pytest -q -p no:cacheprovider tests/ops/test_ops_gpu.py tests/conformance/test_backend.py 2>&1 | tail -n 5 | tee "$OUT/gpu_tests.txt"
 $PY -m benchmarks.kernels --batch 256 --repeat 20 2>&1 | tee "$OUT/kernels.txt"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from enum import Enum
@@ -282,8 +283,11 @@ def _bind_inputs(
 def _execute(xp, graph: Graph, values: dict[str, Any], result: str, seed: int):
     """Every op of ``graph`` in order, as one task of its kernels on ``xp``."""
     arrays = {k: xp.asarray(v) for k, v in values.items()}
-    for index, op in enumerate(graph.ops):
-        arrays[op.output] = _run_op(xp, graph, op, arrays, RandomKey(seed, 0, index))
+    for op in graph.ops:
+        # Keyed by the op's name, not its index: each output runs its own pruned graph,
+        # and an op they share must draw the same values for all of them.
+        key = RandomKey(seed, 0, zlib.crc32(op.name.encode()))
+        arrays[op.output] = _run_op(xp, graph, op, arrays, key)
     if result not in arrays:
         raise ModelError(f"output '{result}' is computed by no op of the imported model")
     return arrays[result]
@@ -315,8 +319,9 @@ def _run_op(xp, graph: Graph, op: Op, arrays: dict[str, Any], random: RandomKey)
         full_shape=out_shape,
         random=random,
     )
-    if d.statistics is not None:
-        args = replace(args, stats=d.statistics.forward(xp, op.attrs, buffers, args))
+    if d.statistics is not None:  # one task: its partial statistics are all there are
+        partial = d.statistics.forward(xp, op.attrs, buffers, args)
+        args = replace(args, stats=d.statistics.combine_forward(xp, partial[None]))
     return d.forward(xp, op.attrs, buffers, args)
 
 

@@ -296,6 +296,7 @@ RANDOM_OPS = frozenset(
         "RandomNormalLike",
         "Bernoulli",
         "Multinomial",
+        "Dropout",  # in training mode, its mask too
     }
 )
 

@@ -309,7 +309,9 @@ def _refuse_constant(text: str):
     raise PlanError(f"{text} is not a number JSON allows")
 
 
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+# The closing quote is optional: an unterminated string is then eaten once, where a
+# required quote made the regex rescan to the end from every inner quote (quadratic).
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"?')
 _NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 
 

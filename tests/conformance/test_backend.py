@@ -124,3 +124,30 @@ def test_cuda_computes_what_the_cpu_does() -> None:
     (gpu,) = backend.run_model(model, feeds, device="CUDA")
     assert isinstance(gpu, np.ndarray)
     np.testing.assert_allclose(gpu, cpu, rtol=1e-12, atol=1e-12)
+
+
+def test_training_mode_batchnorm_uses_the_batch_statistics() -> None:
+    """BatchNormalization(training_mode=1) normalizes with the batch's mean and biased
+    variance, computed here by hand."""
+    rng = np.random.default_rng(0)
+    x = (3 * rng.standard_normal((4, 3, 2, 2)) + 5).astype(np.float64)
+    scale, bias = rng.standard_normal(3), rng.standard_normal(3)
+    params = [
+        numpy_helper.from_array(v.astype(np.float64), n)
+        for n, v in (("s", scale), ("b", bias), ("m", np.zeros(3)), ("v", np.ones(3)))
+    ]
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"])
+    node.attribute.append(helper.make_attribute("training_mode", 1))
+    graph = helper.make_graph(
+        [node],
+        "bn",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, x.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, x.shape)],
+        params,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    (got,) = backend.prepare(model, "CPU").run([x])
+    mean = x.mean(axis=(0, 2, 3), keepdims=True)
+    var = x.var(axis=(0, 2, 3), keepdims=True)
+    want = (x - mean) / np.sqrt(var + 1e-5) * scale.reshape(1, 3, 1, 1) + bias.reshape(1, 3, 1, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -126,6 +126,8 @@ def plan_file_cases(work: Path) -> list[tuple[str, str | bytes | dict]]:
         ("deep-document", deep),
         ("deep-field", _raw(doc, ("search",), deep)),
         ("deep-object", '{"a":' * 50_000 + "1" + "}" * 50_000),
+        # an unterminated string of escaped quotes: quadratic for a naive string regex
+        ("unterminated-escaped-quotes", '{"a": "' + '\\"' * 400_000),
         ("5000-digit-batch", _raw(doc, ("model", "batch"), "9" * 5000)),
         ("5000-digit-float", _raw(doc, ("predicted", "step_time_s"), "1" * 5000 + ".5")),
         ("float-overflow", _raw(doc, ("predicted", "step_time_s"), "1e400")),

@@ -48,7 +48,10 @@ def convert(ctx: NodeContext, *, epsilon=1e-5, momentum=0.9, training_mode=0):
     if not (math.isfinite(epsilon) and epsilon > 0) or not 0 <= momentum <= 1:
         raise ctx.fail(f"epsilon {epsilon} must be > 0 and momentum {momentum} in [0, 1]")
     if len([o for o in ctx.outputs[1:] if o]) and not training_mode:
-        raise ctx.fail("running statistics outputs need training_mode=1")
+        raise ctx.fail(
+            "running statistics outputs without training_mode=1 (before opset 14 there is "
+            "no training_mode: re-export with opset_version >= 14 to train BatchNorm)"
+        )
     binding = Binding.STATE if training_mode else Binding.CONSTANT
     per_channel = (identity(1),)
     operands = [
