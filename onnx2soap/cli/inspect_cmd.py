@@ -94,6 +94,14 @@ def table(doc: dict, graph: Graph) -> str:
         f"{len(graph.ops)} ops, batch {graph.batch}, loss {graph.loss.value}: "
         f"{human(total_flops)} forward FLOPs, {human(total_params)} parameters"
     )
+    scalars = sorted(t.name for t in graph.constants if not t.shape)
+    if scalars:
+        # A 0-d float initializer is read as a constant: say so, in case one was meant to
+        # be trained (a learned temperature would otherwise stay frozen without a word).
+        shown = ", ".join(scalars[:8]) + (
+            f" and {len(scalars) - 8} more" if len(scalars) > 8 else ""
+        )
+        lines.append(f"scalar constants (never trained): {shown}")
     return "\n".join(lines)
 
 
