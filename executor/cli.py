@@ -99,6 +99,21 @@ def _printer(as_json: bool):
     return show
 
 
+def _rank_map(as_json: bool):
+    """One line before the first step: each rank's host and pid. A rank killed by a
+    signal takes the run down at once (mpiexec kills the others), and mpiexec names only
+    its pid and host: this line says which rank that was."""
+
+    def show(ranks) -> None:
+        if as_json:
+            print(json.dumps({"ranks": [vars(r) for r in ranks]}))
+        else:
+            print("ranks: " + ", ".join(f"{r.rank}={r.host}:{r.pid}" for r in ranks))
+        sys.stdout.flush()
+
+    return show
+
+
 def _summary(result, as_json: bool) -> None:
     times = [r.time_s for r in result.steps]
     # The first step includes one-off costs (allocations, communicator warm-up).
@@ -179,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_nonfinite=args.allow_nonfinite,
     )
     try:
-        result = train(comm, options, on_step=_printer(args.json), stop=stop)
+        result = train(
+            comm, options, on_step=_printer(args.json), stop=stop, on_start=_rank_map(args.json)
+        )
     except UserError as e:
         if rank == 0:
             _error_line(str(e))

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import io
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -39,6 +40,17 @@ class RunOptions:
     data: Path | None = None
     save_weights: Path | None = None
     allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank runs: what mpiexec names when a rank dies (its pid and host), mapped
+    to the rank, since a rank killed by a signal takes the others down before they can
+    say which one it was."""
+
+    rank: int
+    host: str
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,7 @@ def train(
     on_step: Callable[[StepRecord], None] | None = None,
     gather: bool = False,
     stop: Callable[[], int] | None = None,
+    on_start: Callable[[tuple[RankInfo, ...]], None] | None = None,
 ) -> RunResult:
     """``stop()`` gives the signal this rank received (0: none); the ranks agree on it at
     every step boundary and all stop there, the weights of the last step intact."""
@@ -154,6 +167,9 @@ def train(
     if problems:
         raise UserError(problems[0])
     s = agreed_setup(comm, options)
+    ranks = comm.allgather((MPI.Get_processor_name(), os.getpid()))
+    if on_start is not None and rank == 0:
+        on_start(tuple(RankInfo(r, host, pid) for r, (host, pid) in enumerate(ranks)))
     transport = Transport(comm)
     program = compile_program(s.pg, rank)
     values = {**s.model.weights, **s.model.state}

@@ -106,16 +106,19 @@ def test_signal_stops_every_rank_at_a_step_boundary(
 
 def test_killed_rank_ends_the_run_at_once(plan: Path, tmp_path: Path) -> None:
     proc = start(plan, tmp_path, "--steps", FOREVER)
-    wait_for_steps(proc, 2)
+    before = wait_for_steps(proc, 2)
     victim = int((tmp_path / "rank-1.pid").read_text())
     sent = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     ended = finish(proc, sent)
     assert ended.returncode != 0
     assert ended.seconds < 10
-    # mpiexec names what it knows (on stdout): the dead process, its host and the signal.
+    # mpiexec names what it knows (on stdout): the dead process, its host and the signal;
+    # the executor's first line maps that pid to its rank.
     said = ended.stdout + ended.stderr
     assert str(victim) in said and "signal 9" in said.lower(), said
+    (ranks,) = [line for line in before.splitlines() if line.startswith("ranks: ")]
+    assert ranks.split(", ")[1].endswith(f":{victim}"), ranks
 
 
 def test_ranks_failing_together_print_no_second_traceback(plan: Path, tmp_path: Path) -> None:
