@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from onnx2soap.errors import UserError
 from onnx2soap.ir import DType
 
 EXIT_USER_ERROR = 2
+ABORT_GRACE_S = 0.3
 MAX_STEPS = 10**9
 MAX_SEED = 2**63 - 1  # numpy seeds are non-negative
 MAX_LR = 1e6
@@ -152,7 +154,11 @@ def _world_rank() -> int:
 
 def _abort(comm, code: int) -> int:
     """Take every rank down. If MPI_Abort returns (a peer is aborting at the same time),
-    leave at once: nothing after this may run (it once printed a second traceback)."""
+    leave at once: nothing after this may run (it once printed a second traceback).
+
+    The pause first lets mpiexec forward what this rank just wrote to stderr: an abort
+    that follows the write at once sometimes took the message down with the processes."""
+    time.sleep(ABORT_GRACE_S)
     try:
         comm.Abort(code)
     finally:
