@@ -23,7 +23,7 @@ def _classes(graph: Graph) -> int | None:
     """Class ids are integer labels, below the size of the scores' class axis."""
     loss = graph.loss_op
     if graph.tensors[graph.labels].dtype is DType.INT64:
-        return graph.tensors[loss.inputs[0]].shape[1]
+        return graph.tensors[loss.inputs[0]].shape[loss.attrs.class_axis]
     return None
 
 

@@ -60,6 +60,9 @@ def _finite(value: object) -> bool:
     return all(math.isfinite(v) for v in values if isinstance(v, float))
 
 
+TORCH_IGNORE_INDEX = -100  # what torch.nn.CrossEntropyLoss ignores by default
+
+
 class _Builder:
     """Walks the nodes once, giving every tensor its role and every node its ``Op``."""
 
@@ -231,14 +234,18 @@ def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
     while labels_name in b.tensors:
         labels_name += "_"
     if loss is LossKind.CROSS_ENTROPY:
-        if len(output.shape) != 2:
+        if len(output.shape) < 2:
             raise ModelError(
-                f"{b.p.path}: cross-entropy needs a [batch, classes] output, but "
+                f"{b.p.path}: cross-entropy needs a [batch, ..., classes] output, but "
                 f"'{output.name}' is {list(output.shape)} (choose --loss mse or none)"
             )
-        labels = Tensor(labels_name, (output.shape[0],), DType.INT64, TensorRole.LABELS)
+        # torch's CrossEntropyLoss over the last axis: logits [N, C] with labels [N], or
+        # token logits [N, T, C] with labels [N, T]; the mean over every label position,
+        # label -100 ignored.
+        labels = Tensor(labels_name, output.shape[:-1], DType.INT64, TensorRole.LABELS)
         ctx = NodeContext(name, "SoftmaxCrossEntropyLoss", (output, labels), (None, None), (name,))
-        op = cross_entropy_op(ctx, output, labels, LossAttrs())
+        attrs = LossAttrs(ignore_index=TORCH_IGNORE_INDEX, class_axis=len(output.shape) - 1)
+        op = cross_entropy_op(ctx, output, labels, attrs)
     else:
         labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS)
         ctx = NodeContext(name, "MeanSquaredError", (output, labels), (None, None), (name,))

@@ -181,9 +181,15 @@ def test_loss_none_attaches_nothing(example_onnx: Path) -> None:
     assert not [t for t in graph.tensors.values() if t.role is TensorRole.LABELS]
 
 
-def test_cross_entropy_needs_a_two_dimensional_output(matmul_onnx: Path) -> None:
-    with pytest.raises(ModelError, match="--loss mse"):
-        load_model(matmul_onnx, BATCH)
+def test_cross_entropy_over_token_logits_takes_the_last_axis(matmul_onnx: Path) -> None:
+    """A [N, T, C] output gets torch's CrossEntropyLoss over its last axis: labels [N, T],
+    -100 ignored."""
+    graph = load_model(matmul_onnx, BATCH).graph
+    loss = graph.loss_op
+    output = graph.tensors[graph.output].shape
+    assert len(output) == 3 and loss.attrs.class_axis == 2
+    assert graph.tensors[graph.labels].shape == output[:-1]
+    assert loss.attrs.ignore_index == -100
 
 
 def test_torch_exports_cross_entropy_as_one_loss_node(own_loss_onnx: Path) -> None:

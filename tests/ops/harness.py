@@ -146,7 +146,7 @@ def labels_for(graph: Graph, op: Op, rng: np.random.Generator, dtype=np.float64)
     t = graph.tensors[graph.labels]
     if t.dtype.is_float:
         return rng.standard_normal(t.shape).astype(dtype)
-    classes = graph.tensors[op.inputs[0]].shape[1]
+    classes = graph.tensors[op.inputs[0]].shape[op.attrs.class_axis]
     return rng.integers(0, classes, t.shape)
 
 

@@ -28,8 +28,13 @@ class LossReduction(Enum):
 
 @dataclass(frozen=True)
 class LossAttrs:
+    """``class_axis``: the scores' axis of classes: 1 in ONNX's SoftmaxCrossEntropyLoss
+    ([N, C, d1, ...] with labels [N, d1, ...]); the last one in the cross-entropy onnx2soap
+    attaches to a model's output ([N, C] or token logits [N, T, C] with labels [N, T])."""
+
     reduction: LossReduction = LossReduction.MEAN
     ignore_index: int | None = None
+    class_axis: int = 1
 
 
 def convert_cross_entropy(ctx: NodeContext, *, ignore_index=None, reduction="mean"):
@@ -39,21 +44,27 @@ def convert_cross_entropy(ctx: NodeContext, *, ignore_index=None, reduction="mea
         raise ctx.fail("class weights (input 2) are not supported")
     if reduction not in ("mean", "sum"):
         raise ctx.fail(f"reduction '{reduction}' is not supported (use mean or sum)")
-    if len(scores.shape) != 2 or labels.shape != scores.shape[:1]:
-        raise ctx.fail(
-            f"scores must be [N, C] and labels [N]; got {list(scores.shape)} and "
-            f"{list(labels.shape)}"
-        )
-    if scores.shape[1] < 1:
-        raise ctx.fail("scores have no classes (axis 1 is 0)")
-    return cross_entropy_op(ctx, scores, labels, LossAttrs(LossReduction(reduction), ignore_index))
+    attrs = LossAttrs(LossReduction(reduction), ignore_index, class_axis=1)
+    return cross_entropy_op(ctx, scores, labels, attrs)
 
 
 def cross_entropy_op(ctx: NodeContext, scores: Tensor, labels: Tensor, attrs: LossAttrs):
-    dims = [("n", scores.shape[0]), ("c", scores.shape[1])]
+    """Softmax cross-entropy over ``attrs.class_axis`` of ``scores``; labels have the
+    scores' shape without that axis. The batch dim splits (partial losses are summed);
+    every other dim is a reduction of the scalar loss."""
+    rank, axis = len(scores.shape), attrs.class_axis
+    expected = scores.shape[:axis] + scores.shape[axis + 1 :]
+    if rank < 2 or not 0 < axis < rank or labels.shape != expected:
+        where = "[N, C, d1, ...] and labels [N, d1, ...]" if axis == 1 else "[..., C] and [...]"
+        raise ctx.fail(f"scores must be {where}; got {list(scores.shape)} and {list(labels.shape)}")
+    if scores.shape[axis] < 1:
+        raise ctx.fail(f"scores have no classes (axis {axis} is 0)")
+    names = ["n", *(f"t{i}" for i in range(1, rank))]
+    names[axis] = "c"
+    dims = list(zip(names, scores.shape, strict=True))
     operands = [
-        Operand(scores.name, (identity(0), identity(1))),
-        Operand(labels.name, (identity(0),)),
+        Operand(scores.name, tuple(identity(i) for i in range(rank))),
+        Operand(labels.name, tuple(identity(i) for i in range(rank) if i != axis)),
     ]
     return make_op(ctx, operands, attrs, dims, (), 4, is_loss=True)
 
@@ -82,26 +93,27 @@ def mse_scale(attrs: LossAttrs, labels, pred_shape) -> float:
 
 
 def _log_softmax(xp, scores):
-    """Stable: the row max is subtracted before exp, so exp never overflows and the
-    logsumexp term is >= 0."""
-    shifted = scores - scores.max(axis=1, keepdims=True)
-    return shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+    """Over the last axis. Stable: the row max is subtracted before exp, so exp never
+    overflows and the logsumexp term is >= 0."""
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def _targets(xp, attrs: LossAttrs, labels, classes: int):
-    """(one-hot of the kept labels (n, C), kept mask (n, 1)), both bool.
+    """(one-hot of the kept labels (..., C), kept mask (..., 1)), both bool, classes on
+    the last axis.
 
     Rows labelled ignore_index have an all-false one-hot row and a false mask: they
     contribute nothing to the loss nor to the gradient, even where ignore_index is a valid
     class. A label outside ``[0, C)`` that is not ignore_index is an error in ORT; here its
     row is all false too (checking would synchronize a GPU on every step).
     """
-    labels = labels.reshape(-1, 1)
+    labels = labels[..., None]
     if attrs.ignore_index is None:
         keep = xp.ones(labels.shape, dtype=bool)
     else:
         keep = labels != attrs.ignore_index
-    onehot = (labels == xp.arange(classes).reshape(1, -1)) & keep
+    onehot = (labels == xp.arange(classes)) & keep
     return onehot, keep
 
 
@@ -113,16 +125,19 @@ def _scale(xp, grad_output, args, dtype):
 
 def cross_entropy_forward(xp, attrs: LossAttrs, inputs, args):
     scores, labels = inputs
-    onehot, _ = _targets(xp, attrs, labels, scores.shape[1])
-    total = -(_log_softmax(xp, scores) * onehot).sum()
+    last = xp.moveaxis(scores, attrs.class_axis, -1)
+    onehot, _ = _targets(xp, attrs, labels, last.shape[-1])
+    total = -(_log_softmax(xp, last) * onehot).sum()
     return xp.asarray(total / args.loss_scale, dtype=scores.dtype)
 
 
 def cross_entropy_backward(xp, attrs: LossAttrs, inputs, output, grad_output, args):
     scores, labels = inputs
-    onehot, keep = _targets(xp, attrs, labels, scores.shape[1])
-    softmax = xp.exp(_log_softmax(xp, scores))
-    return (softmax * keep - onehot) * _scale(xp, grad_output, args, scores.dtype), None
+    last = xp.moveaxis(scores, attrs.class_axis, -1)
+    onehot, keep = _targets(xp, attrs, labels, last.shape[-1])
+    softmax = xp.exp(_log_softmax(xp, last))
+    grad = (softmax * keep - onehot) * _scale(xp, grad_output, args, scores.dtype)
+    return xp.ascontiguousarray(xp.moveaxis(grad, -1, attrs.class_axis)), None
 
 
 def mse_forward(xp, attrs: LossAttrs, inputs, args):
@@ -147,6 +162,11 @@ CROSS_ENTROPY = OpDef(
         case("ce_mean", CROSS_ENTROPY_NAME, X(6, 4), LABELS(6)),
         case("ce_sum", CROSS_ENTROPY_NAME, X(5, 3), LABELS(5), reduction="sum"),
         case("ce_ignore", CROSS_ENTROPY_NAME, X(7, 4), LABELS(7), ignore_index=1),
+        # ONNX's class axis is 1 also for per-position losses: [N, C, T] with labels [N, T]
+        case("ce_positions", CROSS_ENTROPY_NAME, X(3, 4, 5), LABELS(3, 5)),
+        case(
+            "ce_positions_2d", CROSS_ENTROPY_NAME, X(2, 3, 2, 4), LABELS(2, 2, 4), reduction="sum"
+        ),
     ),
 )
 

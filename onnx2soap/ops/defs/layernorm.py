@@ -1,0 +1,159 @@
+"""LayerNormalization (opset 17): ``Y = (X - mean) / sqrt(var + epsilon) * Scale + B``, the
+mean and the biased variance taken over the normalized axes ``[axis, rank)``.
+
+Every output point depends on the whole of the normalized axes, so X reads each of them
+with ``Whole(dims=(d,))``: the dim stays kept (the output indexes it one to one) but is
+hidden, hence never split. Scale and B are weights over (a suffix of) the normalized
+axes, read with identity maps of the same dims: those dims are then *parameter* dims,
+still unsplittable because X hides them. Every leading axis (the batch first) is an
+identity of X and splits freely; Scale and B are size 1 there (broadcast). Normalizing
+over the batch axis (axis 0) is refused: a task holding part of the batch could not
+compute its statistics.
+
+Only the first output is computed: a read Mean or InvStdDev output is refused by the
+importer (``stash_type`` 1, what exporters write, is the only precision accepted: the
+statistics are computed in the run's float dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, Whole, identity
+from onnx2soap.ops.base import OpDef, Sample, W, X, case
+from onnx2soap.ops.context import NodeContext, axis_names, make_op
+from onnx2soap.ops.kernel_util import unbroadcast
+
+_STASH_FLOAT = 1  # TensorProto.FLOAT: compute the statistics in float
+
+# mean, subtract, square, mean, add, rsqrt, multiply, scale, shift
+_FLOPS_PER_POINT = 9
+
+
+@dataclass(frozen=True)
+class LayerNormAttrs:
+    axis: int  # non-negative, >= 1 (never the batch)
+    epsilon: float
+
+
+def _param_operand(ctx: NodeContext, i: int, t: Tensor, x_shape, axis: int) -> Operand:
+    """Scale or B: unidirectionally broadcastable to X, non-trivial only along the
+    normalized axes (identity maps of X's dims there, so the dims are parameter dims)."""
+    what = ("Scale", "B")[i - 1]
+    if not t.dtype.is_float:
+        raise ctx.fail(f"{what} (input {i}) is {t.dtype.value}; a float tensor is needed")
+    rank = len(x_shape)
+    if len(t.shape) > rank:
+        raise ctx.fail(f"{what} {list(t.shape)} has a higher rank than X {list(x_shape)}")
+    lead = rank - len(t.shape)
+    axes: list[AxisMap] = []
+    for k, size in enumerate(t.shape):
+        d = lead + k
+        if size not in (1, x_shape[d]):
+            raise ctx.fail(
+                f"{what} {list(t.shape)} does not broadcast to X {list(x_shape)} (axis {d})"
+            )
+        if d < axis and size != 1:
+            raise ctx.fail(
+                f"{what} {list(t.shape)} varies along axis {d}, before the normalized axes "
+                f"[{axis}, {rank}); only the normalized axes may carry it"
+            )
+        axes.append(Broadcast() if size == 1 and x_shape[d] != 1 else identity(d))
+    return Operand(t.name, tuple(axes))
+
+
+def convert(ctx: NodeContext, *, axis=-1, epsilon=1e-5, stash_type=1):
+    x = ctx.tensor(0)
+    scale = ctx.tensor(1)
+    bias = ctx.optional(2)
+    rank = len(x.shape)
+    if not x.dtype.is_float:
+        raise ctx.fail(f"X is {x.dtype.value}; a float tensor is needed")
+    if rank < 2:
+        raise ctx.fail(
+            f"X {list(x.shape)} has rank {rank}: the only axis is the batch, which cannot be "
+            "normalized over (rank >= 2 required)"
+        )
+    if not -rank <= axis < rank:
+        raise ctx.fail(
+            f"axis {axis} is out of range for rank {rank} (accepted: [-{rank}, {rank - 1}])"
+        )
+    axis = axis + rank if axis < 0 else axis
+    if axis == 0:
+        raise ctx.fail(
+            "normalizing over the batch axis (axis 0) is not supported; use axis >= 1 "
+            f"(or axis >= {1 - rank} counted from the end)"
+        )
+    if not (math.isfinite(epsilon) and epsilon >= 0):
+        raise ctx.fail(f"epsilon {epsilon} must be a finite number >= 0")
+    if stash_type != _STASH_FLOAT:
+        raise ctx.fail(f"stash_type {stash_type} is not supported; accepted: 1 (float)")
+    x_axes: tuple[AxisMap, ...] = tuple(
+        Whole(dims=(d,)) if d >= axis else identity(d) for d in range(rank)
+    )
+    operands = [Operand(x.name, x_axes), _param_operand(ctx, 1, scale, x.shape, axis)]
+    if bias is not None:
+        operands.append(_param_operand(ctx, 2, bias, x.shape, axis))
+    dims = list(zip(axis_names(rank), x.shape, strict=True))
+    attrs = LayerNormAttrs(axis, float(epsilon))
+    return make_op(ctx, operands, attrs, dims, range(rank), _FLOPS_PER_POINT)
+
+
+def _normalized(xp, attrs: LayerNormAttrs, x):
+    """(xhat, 1 / sqrt(var + epsilon)) over the normalized axes (two passes: stable)."""
+    axes = tuple(range(attrs.axis, x.ndim))
+    centered = x - x.mean(axis=axes, keepdims=True)
+    inv = 1 / xp.sqrt((centered * centered).mean(axis=axes, keepdims=True) + attrs.epsilon)
+    return centered * inv, inv
+
+
+def forward(xp, attrs: LayerNormAttrs, inputs, args):
+    xhat, _ = _normalized(xp, attrs, inputs[0])
+    y = xhat * inputs[1]
+    if len(inputs) > 2:
+        y = y + inputs[2]
+    return y
+
+
+def backward(xp, attrs: LayerNormAttrs, inputs, output, grad_output, args):
+    # With g = dL/dxhat = dy * scale and n the normalized size:
+    # dx = inv * (g - mean(g) - xhat * mean(g * xhat)).
+    x, scale = inputs[0], inputs[1]
+    axes = tuple(range(attrs.axis, x.ndim))
+    xhat, inv = _normalized(xp, attrs, x)
+    g = grad_output * scale
+    grad_x = inv * (
+        g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True)
+    )
+    grads = [grad_x, unbroadcast(xp, grad_output * xhat, scale.shape)]
+    if len(inputs) > 2:
+        grads.append(unbroadcast(xp, grad_output, inputs[2].shape))
+    return tuple(grads)
+
+
+def _ln(id: str, *inputs, **kw):
+    return case(id, "LayerNormalization", *inputs, **kw)
+
+
+LAYER_NORMALIZATION = OpDef(
+    name="LayerNormalization",
+    versions=(17,),
+    convert=convert,
+    forward=forward,
+    backward=backward,
+    cases=(
+        _ln("layernorm_last", X(3, 4, 6), W(6), W(6)),
+        _ln("layernorm_no_bias", X(2, 3, 5), W(5)),
+        # No case with B given as '' (NONE): onnxruntime 1.32 segfaults on it.
+        _ln("layernorm_epsilon", X(2, 3, 5), W(5), W(5), epsilon=1e-3),
+        _ln("layernorm_two_axes", X(2, 3, 4, 5), W(4, 5), W(4, 5), axis=2),
+        _ln("layernorm_negative_axis", X(3, 2, 3, 4), W(3, 4), W(4), axis=-2),
+        # Scale broadcast along the first normalized axis, bias along the last.
+        _ln("layernorm_broadcast_params", X(2, 3, 4), W(1, 4), W(3, 1), axis=1),
+        _ln("layernorm_2d", X(4, 6), W(6), W(6), axis=1, stash_type=1),
+        _ln("layernorm_distinct", X(2, 7), W(7), W(7), sample=Sample.DISTINCT),
+    ),
+)
+
+DEFINITIONS = (LAYER_NORMALIZATION,)
