@@ -1,10 +1,13 @@
 """Training data: batches from an .npz file, or synthetic batches drawn from the seed.
 
-Every rank builds the same whole batch; each task cuts its own region from it.
+Every graph input that is not an initializer is a data input batched along axis 0:
+float data, or int64 ids (tokens, masks). Every rank builds the same whole batch; each
+task cuts its own region from it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +16,9 @@ import numpy as np
 from executor.runtime import Batch
 from onnx2soap.errors import UserError
 from onnx2soap.ir import DType, Graph
+from onnx2soap.ops import definition
+
+MASK_BOUND = 2  # ids no op bounds (attention masks, token types) are drawn in [0, 2)
 
 
 def _label_shape(graph: Graph) -> tuple[int, ...]:
@@ -27,6 +33,25 @@ def _classes(graph: Graph) -> int | None:
     return None
 
 
+def id_bound(graph: Graph, name: str) -> int:
+    """Valid ids of integer input ``name`` are below this: the smallest bound any op that
+    reads it states (an embedding's row count), else that of a 0/1 mask."""
+    bounds = []
+    for op in graph.ops:
+        bound_of = definition(op.type).id_bound
+        if bound_of is None:
+            continue
+        for k, t in enumerate(op.inputs):
+            if t == name and (b := bound_of(op, k, graph.tensors)) is not None:
+                bounds.append(b)
+    return min(bounds, default=MASK_BOUND)
+
+
+def _cast(graph: Graph, name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Float inputs in the run's dtype, ids as int64."""
+    return array.astype(dtype if graph.tensors[name].dtype.is_float else np.int64)
+
+
 @dataclass(frozen=True)
 class SyntheticData:
     graph: Graph
@@ -35,28 +60,34 @@ class SyntheticData:
 
     def batch(self, step: int) -> Batch:
         rng = np.random.default_rng([self.seed, step])
-        x = rng.standard_normal(self.graph.tensors[self.graph.input].shape).astype(self.dtype)
+        inputs = {}
+        for name in self.graph.inputs:
+            t = self.graph.tensors[name]
+            if t.dtype.is_float:
+                inputs[name] = rng.standard_normal(t.shape).astype(self.dtype)
+            else:
+                inputs[name] = rng.integers(0, id_bound(self.graph, name), t.shape, np.int64)
         classes = _classes(self.graph)
         if classes is not None:
             y = rng.integers(0, classes, size=_label_shape(self.graph), dtype=np.int64)
         else:
             y = rng.standard_normal(_label_shape(self.graph)).astype(self.dtype)
-        return Batch(x, y, step)
+        return Batch(inputs, y, step)
 
 
 @dataclass(frozen=True)
 class FileData:
-    """Arrays ``input`` and ``labels`` batched along axis 0; step ``s`` takes batch
-    ``s mod (samples // batch)``."""
+    """One array per data input and ``labels``, batched along axis 0; step ``s`` takes
+    batch ``s mod (samples // batch)``."""
 
-    input: np.ndarray
+    inputs: Mapping[str, np.ndarray]
     labels: np.ndarray
     batch_size: int
 
     def batch(self, step: int) -> Batch:
-        b = step % (len(self.input) // self.batch_size)
+        b = step % (len(self.labels) // self.batch_size)
         rows = slice(b * self.batch_size, (b + 1) * self.batch_size)
-        return Batch(self.input[rows], self.labels[rows], step)
+        return Batch({k: v[rows] for k, v in self.inputs.items()}, self.labels[rows], step)
 
 
 def _check(path: Path, name: str, array: np.ndarray, want: tuple[int, ...], batch: int) -> None:
@@ -71,6 +102,50 @@ def _check(path: Path, name: str, array: np.ndarray, want: tuple[int, ...], batc
         )
 
 
+def _array_names(path: Path, graph: Graph, arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """{data input: the array holding it}: its ONNX name; a single-input model also
+    takes it as "input"."""
+    found = {n: n for n in graph.inputs if n in arrays}
+    if len(graph.inputs) == 1 and not found and "input" in arrays:
+        found = {graph.input: "input"}
+    missing = [n for n in graph.inputs if n not in found]
+    if "labels" not in arrays:
+        missing.append("labels")
+    if missing:
+        alias = " (or 'input')" if len(graph.inputs) == 1 else ""
+        wanted = ", ".join(f"'{n}'" for n in graph.inputs) + alias + " and 'labels'"
+        raise UserError(
+            f"{path}: missing arrays {missing}; it needs {wanted}, has {sorted(arrays)}"
+        )
+    return found
+
+
+def _check_ids(path: Path, graph: Graph, name: str, key: str, x: np.ndarray) -> None:
+    if not (np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_):
+        raise UserError(f"{path}: '{key}' must hold integer ids (or a bool mask), got {x.dtype}")
+    bound = id_bound(graph, name)
+    bad = (x < 0) | (x >= bound)
+    if bad.any():
+        raise UserError(f"{path}: '{key}' must hold ids in [0, {bound}), found {int(x[bad][0])}")
+
+
+def _labels(path: Path, graph: Graph, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    classes = _classes(graph)
+    if classes is None:
+        return y.astype(dtype)
+    if not np.issubdtype(y.dtype, np.integer):
+        raise UserError(f"{path}: 'labels' must hold integer class ids, got {y.dtype}")
+    bad = (y < 0) | (y >= classes)
+    ignore = graph.loss_op.attrs.ignore_index
+    if ignore is not None:
+        bad &= y != ignore
+    if bad.any():
+        raise UserError(
+            f"{path}: 'labels' must be class ids in [0, {classes}), found {int(y[bad][0])}"
+        )
+    return y.astype(np.int64)
+
+
 def load_npz(path: Path, graph: Graph, dtype: np.dtype) -> FileData:
     try:
         with np.load(path) as f:
@@ -79,34 +154,16 @@ def load_npz(path: Path, graph: Graph, dtype: np.dtype) -> FileData:
         raise UserError(f"{path}: no such data file") from e
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: not an .npz file ({e})") from e
-    # The data input by its ONNX name; a single-input model also takes it as "input".
-    name = graph.input if graph.input in arrays else "input"
-    missing = [
-        k for k in (graph.input if name not in arrays else name, "labels") if k not in arrays
-    ]
-    if missing:
-        wanted = f"'{graph.input}' (or 'input') and 'labels'"
-        raise UserError(
-            f"{path}: missing arrays {missing}; it needs {wanted}, has {sorted(arrays)}"
-        )
-    x, y = arrays[name], arrays["labels"]
-    _check(path, name, x, graph.tensors[graph.input].shape, graph.batch)
+    names = _array_names(path, graph, arrays)
+    y = arrays["labels"]
     _check(path, "labels", y, _label_shape(graph), graph.batch)
-    if len(x) != len(y):
-        raise UserError(f"{path}: '{name}' has {len(x)} samples but 'labels' has {len(y)}")
-    classes = _classes(graph)
-    if classes is not None:
-        if not np.issubdtype(y.dtype, np.integer):
-            raise UserError(f"{path}: 'labels' must hold integer class ids, got {y.dtype}")
-        bad = (y < 0) | (y >= classes)
-        ignore = graph.loss_op.attrs.ignore_index
-        if ignore is not None:
-            bad &= y != ignore
-        if bad.any():
-            raise UserError(
-                f"{path}: 'labels' must be class ids in [0, {classes}), found {int(y[bad][0])}"
-            )
-        y = y.astype(np.int64)
-    else:
-        y = y.astype(dtype)
-    return FileData(x.astype(dtype), y, graph.batch)
+    inputs = {}
+    for name, key in names.items():
+        x = arrays[key]
+        _check(path, key, x, graph.tensors[name].shape, graph.batch)
+        if len(x) != len(y):
+            raise UserError(f"{path}: '{key}' has {len(x)} samples but 'labels' has {len(y)}")
+        if not graph.tensors[name].dtype.is_float:
+            _check_ids(path, graph, name, key, x)
+        inputs[name] = _cast(graph, name, x, dtype)
+    return FileData(inputs, _labels(path, graph, y, dtype), graph.batch)

@@ -117,18 +117,22 @@ class Program:
 
 
 def _transfers(pg: PartitionedGraph) -> tuple[list[Transfer], list[Transfer]]:
-    """Every overlap crossing devices, once per phase, tagged in a fixed order."""
+    """Every overlap crossing devices, tagged in a fixed order: forward tiles, and the
+    gradient pieces of the differentiable ones (token ids take no gradient), tagged as
+    their forward tile plus the number of forward transfers."""
     index = {op.name: i for i, op in enumerate(pg.graph.ops)}
     crossing = []
     for edge, o, p, c in pg.moves():
         if p.device != c.device:
             ends = ((index[edge.producer], p.index), (index[edge.consumer], c.index))
-            crossing.append((p.device, c.device, o.rect, edge.operand, *ends))
-    fwd = [Transfer(i, Phase.FORWARD, *x) for i, x in enumerate(crossing)]
+            grad = pg.graph.differentiable(edge.tensor)
+            crossing.append((p.device, c.device, o.rect, edge.operand, *ends, grad))
+    fwd = [Transfer(i, Phase.FORWARD, *x[:-1]) for i, x in enumerate(crossing)]
     n = len(fwd)
     bwd = [
         Transfer(n + i, Phase.BACKWARD, c, p, rect, k, prod, cons)
-        for i, (p, c, rect, k, prod, cons) in enumerate(crossing)
+        for i, (p, c, rect, k, prod, cons, grad) in enumerate(crossing)
+        if grad
     ]
     return fwd, bwd
 
@@ -145,7 +149,8 @@ def _pieces(pg: PartitionedGraph, fwd: list[Transfer]) -> dict[tuple, list[Piece
         back = None if tag is None else tag + n
         key_f, key_b = (Phase.FORWARD, *cons), (Phase.BACKWARD, *prod)
         pieces.setdefault(key_f, []).append(Piece(o.rect, edge.operand, prod, tag))
-        pieces.setdefault(key_b, []).append(Piece(o.rect, edge.operand, cons, back))
+        if pg.graph.differentiable(edge.tensor):
+            pieces.setdefault(key_b, []).append(Piece(o.rect, edge.operand, cons, back))
     return pieces
 
 
@@ -167,6 +172,8 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
     indexed = list(enumerate(graph.ops))
     for phase, ops in ((Phase.FORWARD, indexed), (Phase.BACKWARD, indexed[::-1])):
         for i, op in ops:
+            if phase is Phase.BACKWARD and not graph.differentiable(op.output):
+                continue  # nothing flows back through ids or masks computed from them
             tasks = pg.tasks[op.name]
             if op.nest.sync_dims:
                 for task in tasks:

@@ -7,6 +7,7 @@ gradients. What it moves, and where to, comes from the compiled program.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,10 +38,10 @@ WeightKey = tuple[str, Rect]
 
 @dataclass(frozen=True)
 class Batch:
-    """One step's data, whole on every rank (each task cuts its own region); the input
-    already in the run's dtype."""
+    """One step's data, whole on every rank (each task cuts its own region): every data
+    input by name (floats already in the run's dtype, ids int64), and the labels."""
 
-    input: np.ndarray
+    inputs: Mapping[str, np.ndarray]
     labels: np.ndarray
     step: int = 0  # numbers the random ops' draws
 
@@ -92,6 +93,10 @@ class Runtime:
         transport.make_groups(
             g.devices for op in self.graph.ops for g in pg.stats[op.name] if len(g.devices) > 1
         )
+
+    def dtype_of(self, tensor: str) -> np.dtype:
+        """Float tensors in the run's dtype; ids stay int64."""
+        return self.dtype if self.graph.differentiable(tensor) else np.dtype(np.int64)
 
     def task(self, key: TaskKey) -> Task:
         return self.tasks[key[0]][key[1]]
@@ -164,7 +169,8 @@ class _Step:
         for t in rt.program.receives:
             if forward_only and t.phase is not Phase.FORWARD:
                 continue
-            buf = np.empty(rect_shape(t.rect), dtype=rt.dtype)
+            tensor = rt.graph.ops[t.producer[0]].output
+            buf = np.empty(rect_shape(t.rect), dtype=rt.dtype_of(tensor))
             self.received[t.tag] = (rt.transport.irecv(buf, t.src, t.tag), buf)
 
     def _piece(self, piece: Piece, source: np.ndarray, origin: Rect) -> np.ndarray:
@@ -182,11 +188,11 @@ class _Step:
             elif role is TensorRole.CONSTANT:
                 buffers.append(slice_from_full(np, self.rt.constants[name], region))
             elif role is TensorRole.INPUT:
-                buffers.append(slice_from_full(np, self.batch.input, region))
+                buffers.append(slice_from_full(np, self.batch.inputs[name], region))
             elif role is TensorRole.LABELS:
                 buffers.append(slice_from_full(np, self.batch.labels, region))
             else:
-                buffers.append(empty_buffer(np, region, self.rt.dtype))
+                buffers.append(empty_buffer(np, region, self.rt.dtype_of(name)))
         for piece in ins.pieces:
             producer = self.rt.task(piece.peer)
             tile = self._piece(piece, self.outputs.get(piece.peer), producer.output)

@@ -29,7 +29,7 @@ class DType(Enum):
 
 
 class TensorRole(Enum):
-    INPUT = "input"  # the data input; its axis 0 is the batch
+    INPUT = "input"  # a data input (float or int64 ids); its axis 0 is the batch
     LABELS = "labels"  # the loss's targets; axis 0 is the batch
     WEIGHT = "weight"  # trainable float initializer
     STATE = "state"  # float initializer an op's forward updates, never trained (BN stats)
@@ -211,11 +211,21 @@ class Graph:
     name: str
     tensors: dict[str, Tensor]
     ops: tuple[Op, ...]
-    input: str
+    inputs: tuple[str, ...]  # the data inputs, in the ONNX graph's order
     output: str
     labels: str | None
     loss: LossKind
     batch: int
+
+    @property
+    def input(self) -> str:
+        """The first data input (the only one of most vision models)."""
+        return self.inputs[0]
+
+    def differentiable(self, tensor: str) -> bool:
+        """Whether a gradient flows through ``tensor``: float tensors only (token ids and
+        masks computed from them take none)."""
+        return self.tensors[tensor].dtype.is_float
 
     @property
     def loss_op(self) -> Op | None:

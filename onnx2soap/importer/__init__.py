@@ -45,5 +45,11 @@ def load_model(
     values = {**prepared.float_initializers, **prepared.constants}
     weights = {t.name: values[t.name] for t in graph.weights}
     state = {t.name: values[t.name] for t in graph.states}
-    constants = {t.name: values[t.name] for t in graph.constants}
+    # Masks are 0/1 floats in the IR: a bool constant's value is given as one.
+    constants = {
+        t.name: values[t.name].astype(np.float32)
+        if values[t.name].dtype == np.bool_
+        else values[t.name]
+        for t in graph.constants
+    }
     return ImportedModel(Path(path), prepared.sha256, graph, weights, state, constants)

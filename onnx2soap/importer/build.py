@@ -18,6 +18,8 @@ _DTYPES = {
     onnx.TensorProto.FLOAT: DType.FLOAT32,
     onnx.TensorProto.DOUBLE: DType.FLOAT64,
     onnx.TensorProto.INT64: DType.INT64,
+    # The IR has no bools: a bool input (an attention mask) is fed as 0/1 ids.
+    onnx.TensorProto.BOOL: DType.INT64,
 }
 
 
@@ -74,13 +76,8 @@ class _Builder:
         self.ops: list[Op] = []
         self.bound: set[str] = set()  # tensors read by the ops converted so far
         self.loss_types = {d.name for d in registry().onnx_ops() if d.is_loss}
-        floats = [n for n in p.graph_inputs if _dtype(p, n).is_float]
-        if len(floats) != 1:
-            raise ModelError(
-                f"{p.path}: expected exactly one float data input, found {len(floats)}: {floats}"
-            )
-        self.input = floats[0]
-        self._add(self.input, TensorRole.INPUT)
+        for name in p.graph_inputs:
+            _dtype(p, name)  # an input of a type onnx2soap cannot feed is refused up front
 
     def _add(self, name: str, role: TensorRole) -> Tensor:
         if name not in self.p.types:
@@ -89,7 +86,7 @@ class _Builder:
         self.tensors[name] = t
         return t
 
-    def _operand(self, node: onnx.NodeProto, name: str) -> Tensor | None:
+    def _operand(self, node: onnx.NodeProto, name: str, position: int) -> Tensor | None:
         """The tensor node input ``name`` is; None if omitted or an integer constant
         (converters read those with ``ctx.constant``)."""
         name = self.aliases.get(name, name)
@@ -99,6 +96,10 @@ class _Builder:
             return self.tensors[name]
         if name in self.p.constants:
             value = self.p.constants[name]
+            if value.dtype.kind == "b":  # no bools in the IR: a mask is a 0/1 float constant
+                t = Tensor(name, tuple(value.shape), DType.FLOAT32, TensorRole.CONSTANT)
+                self.tensors[name] = t
+                return t
             return self._add(name, TensorRole.CONSTANT) if value.dtype.kind == "f" else None
         if name in self.p.float_initializers:
             # A 0-d float initializer is a constant the exporter stored (a scale, an
@@ -106,12 +107,10 @@ class _Builder:
             scalar = self.p.float_initializers[name].ndim == 0
             return self._add(name, TensorRole.CONSTANT if scalar else TensorRole.WEIGHT)
         if name in self.p.graph_inputs:
-            role = TensorRole.LABELS if node.op_type in self.loss_types else None
-            if role is None:
-                raise ModelError(
-                    f"{self.p.path}: node '{node.name}' reads graph input '{name}', which "
-                    f"is neither the data input '{self.input}' nor the loss's labels"
-                )
+            # Every graph input is batched along axis 0: the loss's targets (its input 1),
+            # or data.
+            labels = node.op_type in self.loss_types and position == 1
+            role = TensorRole.LABELS if labels else TensorRole.INPUT
             return self._add(name, role)
         raise ModelError(f"{self.p.path}: node '{node.name}' reads '{name}', which nothing writes")
 
@@ -146,7 +145,7 @@ class _Builder:
 
     def convert(self, node: onnx.NodeProto, definition: OpDef) -> None:
         name = self._unique_name(node)
-        inputs = tuple(self._operand(node, i) for i in node.input)
+        inputs = tuple(self._operand(node, name, k) for k, name in enumerate(node.input))
         if node.op_type == "Identity" and inputs[0] and inputs[0].role is TensorRole.WEIGHT:
             self.aliases[node.output[0]] = inputs[0].name
             return
@@ -306,11 +305,16 @@ def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
             labels = loss_op.inputs[1]
     _refuse_shared_weights(p, ops, b.tensors)
     used = {t for op in ops for t in op.inputs} | {op.output for op in ops}
+    inputs = tuple(n for n in p.graph_inputs if n in used and b.tensors[n].role is TensorRole.INPUT)
+    if not inputs:
+        raise ModelError(
+            f"{p.path}: the model reads no data input (graph inputs: {list(p.graph_inputs)})"
+        )
     return Graph(
         name=p.path.stem,
         tensors={k: v for k, v in b.tensors.items() if k in used},
         ops=tuple(ops),
-        input=b.input,
+        inputs=inputs,
         output=output,
         labels=labels,
         loss=kind,

@@ -225,6 +225,9 @@ class OpDef:
     onnx: bool = True
     loss_scale: LossScale | None = None  # losses only
     statistics: Statistics | None = None  # ops whose nests have sync_dims
+    # Integer operands: (op, operand index, tensors) -> the exclusive bound of valid ids
+    # (an embedding's row count), so synthetic data draws ids the op can read.
+    id_bound: Callable[..., int | None] | None = None
 
     @property
     def is_loss(self) -> bool:

@@ -132,9 +132,11 @@ def make_op(
 
 
 def output_tensor(op: Op, tensors: dict[str, Tensor]) -> Tensor:
-    """The op's output, its shape from the loop nest, its dtype the first float input's."""
+    """The op's output, its shape from the loop nest, its dtype the first float input's
+    (an op of integers only, say a reshape of token ids, gives integers)."""
     shape = tuple(1 if d is None else op.nest.dims[d].size for d in op.nest.out_dims)
-    dtype = next(tensors[t].dtype for t in op.inputs if tensors[t].dtype.is_float)
+    dtypes = [tensors[t].dtype for t in op.inputs]
+    dtype = next((d for d in dtypes if d.is_float), dtypes[0])
     return Tensor(op.output, shape, dtype, TensorRole.ACTIVATION)
 
 

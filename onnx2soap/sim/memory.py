@@ -41,9 +41,11 @@ def _op_bytes(pg: PartitionedGraph, op, itemsize: int) -> tuple[tuple[int, int],
 
 
 def _batch_bytes(graph, itemsize: int) -> int:
-    labels = graph.tensors[graph.labels] if graph.labels else None
-    size = (graph.tensors[graph.input].numel + sum(c.numel for c in graph.constants)) * itemsize
-    return size + (labels.numel * labels.dtype.itemsize if labels else 0)
+    """Every data input, the labels and the constants, whole: ints at their own width."""
+    held = [graph.tensors[n] for n in graph.inputs] + list(graph.constants)
+    if graph.labels:
+        held.append(graph.tensors[graph.labels])
+    return sum(t.numel * (itemsize if t.dtype.is_float else t.dtype.itemsize) for t in held)
 
 
 def peak_memory(

@@ -208,6 +208,8 @@ def _compute_tasks(ctx: _Context) -> None:
             ctx.fwd_start[(op.name, i)], ctx.fwd[(op.name, i)] = start[i], end[i]
     for op in reversed(graph.ops):
         _, backward = ctx.durations(op)
+        if not graph.differentiable(op.output):  # ids: the executor runs no backward
+            backward = tuple(0.0 for _ in backward)
         start, end = _phase_tasks(ctx, op, TaskKind.BACKWARD, backward)
         for i in start:
             ctx.bwd_start[(op.name, i)], ctx.bwd[(op.name, i)] = start[i], end[i]
@@ -222,12 +224,17 @@ def _edge_tasks(ctx: _Context) -> None:
             ctx.b.dep(pf, cf)
             ctx.b.dep(cb, pb)
             continue
-        nbytes = o.volume * ctx.itemsize
+        graph = ctx.pg.graph
+        tensor = graph.tensors[edge.tensor]
+        width = ctx.itemsize if tensor.dtype.is_float else tensor.dtype.itemsize
+        nbytes = o.volume * width
         what = f"{edge.tensor} {p.device}->{c.device}"
         x = ctx.transfer(TaskKind.TRANSFER, p.device, c.device, nbytes, lambda w=what: f"send {w}")
-        y = ctx.transfer(TaskKind.TRANSFER, c.device, p.device, nbytes, lambda w=what: f"grad {w}")
         ctx.b.dep(pf, x)
         ctx.b.dep(x, cf)
+        if not graph.differentiable(edge.tensor):
+            continue  # ids send no gradient back
+        y = ctx.transfer(TaskKind.TRANSFER, c.device, p.device, nbytes, lambda w=what: f"grad {w}")
         ctx.b.dep(cb, y)
         ctx.b.dep(y, pb)
 

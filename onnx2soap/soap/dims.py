@@ -94,7 +94,7 @@ def op_dims(op: Op, graph: Graph, batch_axes: dict[str, frozenset[int]]) -> tupl
 
 def analyze(graph: Graph) -> dict[str, tuple[SoapDim, ...]]:
     """The SOAP dims of every op, keyed by op name, in graph order."""
-    batch_axes: dict[str, frozenset[int]] = {graph.input: frozenset({0})}
+    batch_axes: dict[str, frozenset[int]] = {name: frozenset({0}) for name in graph.inputs}
     if graph.labels:
         batch_axes[graph.labels] = frozenset({0})
     result = {}

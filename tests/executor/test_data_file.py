@@ -39,7 +39,7 @@ def test_the_data_input_by_its_onnx_name_or_input(graph, tmp_path: Path, name: s
     np.savez(path, **{name: x}, labels=np.array([0, 1, 2, 0, 1, 2]))
     data = load_npz(path, graph, np.dtype(np.float64))
     batch = data.batch(1)  # one full batch of 4 in 6 samples: step 1 wraps to batch 0
-    np.testing.assert_array_equal(batch.input, x[:4])
+    np.testing.assert_array_equal(batch.inputs["pixels"], x[:4])
     np.testing.assert_array_equal(batch.labels, [0, 1, 2, 0])
 
 

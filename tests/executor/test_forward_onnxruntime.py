@@ -43,7 +43,7 @@ def executor_forward(path: Path, x: np.ndarray) -> np.ndarray:
         np.float64,
         model.constants,
     )
-    tiles = rt.forward(Batch(x.astype(np.float64), np.zeros(BATCH, np.int64)))
+    tiles = rt.forward(Batch({graph.input: x.astype(np.float64)}, np.zeros(BATCH, np.int64)))
     return tiles[(graph.producer(graph.output).name, 0)]
 
 

@@ -78,7 +78,7 @@ def build_model(c: Case, path: Path, seed: int = 0) -> None:
             value = np.array(i.values, dtype=i.dtype).reshape(i.shape)
             inits.append(numpy_helper.from_array(value, name))
         elif i.kind in (InputKind.DATA, InputKind.LABELS):
-            dtype = _ONNX_TYPES["float32" if i.kind is InputKind.DATA else i.dtype]
+            dtype = _ONNX_TYPES[i.dtype]
             graph_inputs.append(helper.make_tensor_value_info(name, dtype, i.shape))
     outputs = ["y", *(f"unread{k}" for k in range(c.extra_outputs))]
     node = helper.make_node(c.op_type, names, outputs, **dict(c.attrs))
@@ -160,6 +160,8 @@ def operand_arrays(
         tensor = graph.tensors[t]
         if t == graph.labels:
             arrays.append(labels_for(graph, op, rng, dtype))
+        elif t in graph.inputs and not tensor.dtype.is_float:  # a mask fed as 0/1 ids
+            arrays.append(rng.integers(0, 2, tensor.shape))
         elif t in model.constants:  # the value the op was built with
             arrays.append(np.asarray(model.constants[t], dtype=dtype))
         elif ties:  # small integers: windows full of equal maxima
@@ -267,7 +269,7 @@ def forward_full(
     d = definition(op.type)
     scale = loss_scale_of(graph, op, arrays)
     shape = graph.tensors[op.output].shape
-    dtype = next(a.dtype for a in arrays if a.dtype.kind == "f")
+    dtype = next((a.dtype for a in arrays if a.dtype.kind == "f"), arrays[0].dtype)
     if op.is_loss:
         tiles = [
             d.forward(np, op.attrs, buffers(t, arrays), task_args(t, scale, shape))

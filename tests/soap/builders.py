@@ -259,7 +259,7 @@ def make_graph(
         name="hand-built",
         tensors=by_name,
         ops=tuple(ops),
-        input=input,
+        inputs=(input,),
         output=ops[-1].output,
         labels=labels,
         loss=loss,
