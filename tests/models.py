@@ -171,11 +171,33 @@ def build_bnnet(seed: int = 0, dropout: float = 0.3):
     return BNNet()
 
 
+def build_tokens(seed: int = 0, vocabulary: int = 50, width: int = 16, classes: int = 5):
+    """A token classifier: ids [B, T] (int64) -> Embedding -> LayerNorm -> GELU -> Linear
+    -> token logits [B, T, classes] (the loss: cross-entropy over the last axis)."""
+    import torch
+    from torch import nn
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocabulary, width)
+            self.norm = nn.LayerNorm(width)
+            self.act = nn.GELU()
+            self.head = nn.Linear(width, classes)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.act(self.norm(self.embed(ids))))
+
+    torch.manual_seed(seed)
+    return Tokens()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     build: Callable[[], nn.Module]
     sample_shape: tuple[int, ...]  # one sample, without the batch axis
     output_name: str
+    ids: int = 0  # > 0: the input is int64 token ids below this
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -184,6 +206,7 @@ MODELS: dict[str, ModelSpec] = {
     "spatial": ModelSpec(build_spatial, (3, 32, 32), "logits"),
     "matmul": ModelSpec(build_matmul, (6, 16), "output"),
     "bnnet": ModelSpec(build_bnnet, (3, 16, 16), "logits"),
+    "tokens": ModelSpec(build_tokens, (6,), "logits", ids=50),
 }
 
 
@@ -192,7 +215,10 @@ def example_input(name: str, batch: int = 2, seed: int = 1) -> torch.Tensor:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, *MODELS[name].sample_shape, generator=generator)
+    spec = MODELS[name]
+    if spec.ids:
+        return torch.randint(0, spec.ids, (batch, *spec.sample_shape), generator=generator)
+    return torch.randn(batch, *spec.sample_shape, generator=generator)
 
 
 # --- export ------------------------------------------------------------------------------

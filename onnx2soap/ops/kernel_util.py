@@ -61,3 +61,14 @@ def check_window_buffer(op: str, attrs, buffer_shape: Sequence[int], out_spatial
             f"{op}: window buffer spatial shape {list(have)} is smaller than the "
             f"{list(need)} that output tile {list(out_spatial)} reads"
         )
+
+
+def scatter_add(xp, target: Array, indices: Array, values: Array) -> None:
+    """``target[indices[k]] += values[k]`` along axis 0, repeated indices accumulating
+    (numpy's ``add.at``; cupy spells it ``cupyx.scatter_add``)."""
+    if xp.__name__ == "numpy":
+        xp.add.at(target, indices, values)
+    else:  # cupy
+        import cupyx
+
+        cupyx.scatter_add(target, indices, values)

@@ -20,6 +20,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from executor.buffers import global_slices, local_slices, slice_from_full
+from executor.data import id_bound
 from onnx2soap.importer import ImportedModel, load_model
 from onnx2soap.ir import Graph, LossKind, Op
 from onnx2soap.ops import TaskArgs, definition
@@ -160,8 +161,8 @@ def operand_arrays(
         tensor = graph.tensors[t]
         if t == graph.labels:
             arrays.append(labels_for(graph, op, rng, dtype))
-        elif t in graph.inputs and not tensor.dtype.is_float:  # a mask fed as 0/1 ids
-            arrays.append(rng.integers(0, 2, tensor.shape))
+        elif t in graph.inputs and not tensor.dtype.is_float:  # token ids, or a 0/1 mask
+            arrays.append(rng.integers(0, id_bound(graph, t), tensor.shape))
         elif t in model.constants:  # the value the op was built with
             arrays.append(np.asarray(model.constants[t], dtype=dtype))
         elif ties:  # small integers: windows full of equal maxima

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from executor.data import id_bound
 from onnx2soap.ir import TensorRole
 from onnx2soap.ops import definition, registry
 from onnx2soap.ops.base import InputKind
@@ -80,6 +81,8 @@ def test_forward_matches_onnxruntime(load: CaseLoader, c) -> None:
     for i in c.inputs:
         if i.kind is InputKind.DATA and i.dtype == "bool":
             feeds["x"] = rng.standard_normal(i.shape) > 0  # onnxruntime's bool, our 0/1 ids
+        elif i.kind is InputKind.DATA and i.dtype == "int64":
+            feeds["x"] = rng.integers(0, id_bound(graph, "x"), i.shape)
         elif i.kind is InputKind.DATA:
             feeds["x"] = sample(c, i.shape, rng, np.float32)
     arrays = operand_arrays(c, model, rng, dtype=np.float32)

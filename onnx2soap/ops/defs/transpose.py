@@ -69,11 +69,8 @@ def convert(ctx: NodeContext, *, perm=None):
     perm = tuple(reversed(range(rank))) if perm is None else tuple(int(p) for p in perm)
     if sorted(perm) != list(range(rank)):
         raise ctx.fail(f"perm {list(perm)} is not a permutation of the {rank} axes")
-    if carries_batch(x) and rank and perm[0] != 0:
-        raise ctx.fail(
-            f"perm {list(perm)} moves the batch axis (axis 0) away from axis 0; only "
-            "permutations with perm[0] == 0 are supported"
-        )
+    # The batch axis may move (an RNN's [time, batch, ...] layout): the dims' kinds
+    # follow it through the access maps, and splits stay exact whatever axis it is on.
     attrs = TransposeAttrs(perm)
     out = tuple(x.shape[p] for p in perm)
     dims = list(zip(axis_names(rank), out, strict=True))
