@@ -192,6 +192,28 @@ def build_tokens(seed: int = 0, vocabulary: int = 50, width: int = 16, classes: 
     return Tokens()
 
 
+def build_tied(seed: int = 0, vocabulary: int = 40, width: int = 12):
+    """A language-model head tied to its embedding, as GPT-2's: ids [B, T] -> Embedding
+    -> LayerNorm -> Linear(width, vocabulary) whose weight IS the embedding's -> token
+    logits [B, T, vocabulary]."""
+    import torch
+    from torch import nn
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocabulary, width)
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocabulary, bias=False)
+            self.head.weight = self.embed.weight  # tied
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(self.embed(ids)))
+
+    torch.manual_seed(seed)
+    return Tied()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     build: Callable[[], nn.Module]
@@ -207,6 +229,7 @@ MODELS: dict[str, ModelSpec] = {
     "matmul": ModelSpec(build_matmul, (6, 16), "output"),
     "bnnet": ModelSpec(build_bnnet, (3, 16, 16), "logits"),
     "tokens": ModelSpec(build_tokens, (6,), "logits", ids=50),
+    "tied": ModelSpec(build_tied, (6,), "logits", ids=40),
 }
 
 

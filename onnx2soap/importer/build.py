@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 
 import onnx
 
@@ -254,21 +255,69 @@ def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
     return op
 
 
-def _refuse_shared_weights(p: Prepared, ops: list[Op], tensors: dict[str, Tensor]) -> None:
-    """Each weight's gradient is summed within its op's replica groups only, so a weight
-    read by several ops (tied weights) would train wrong: refuse it."""
+def _refuse_shared_state(p: Prepared, ops: list[Op], tensors: dict[str, Tensor]) -> None:
+    """A state tensor is updated by the one op that reads it: two readers would race."""
     readers: dict[str, list[str]] = {}
     for op in ops:
-        for t in op.inputs:  # every occurrence: MatMul(W, W) reads W twice
-            if tensors[t].role in (TensorRole.WEIGHT, TensorRole.STATE):
+        for t in op.inputs:
+            if tensors[t].role is TensorRole.STATE:
                 readers.setdefault(t, []).append(op.name)
-    for w, names in readers.items():
-        if len(names) < 2:
-            continue
-        raise ModelError(
-            f"{p.path}: weight '{w}' is read {len(names)} times ({', '.join(names)}); "
-            "a weight read more than once (tied weights) is not supported yet"
-        )
+    for name, who in readers.items():
+        if len(who) > 1:
+            raise ModelError(
+                f"{p.path}: state '{name}' is read {len(who)} times ({', '.join(who)}); "
+                "running statistics belong to one op"
+            )
+
+
+def _share_weights(b: _Builder, ops: list[Op]) -> list[Op]:
+    """A weight read more than once (tied embeddings, Add(W, W)) is read once, by an
+    Identity op whose output every use reads instead. Each use may then be split its own
+    way: the partitioner plans the moves between the Identity's tiles and the uses', and
+    the uses' gradients are summed into the Identity's output gradient, then into the
+    weight's, as for any activation read twice."""
+    uses: dict[str, int] = {}
+    for op in ops:
+        for t in op.inputs:
+            if b.tensors[t].role is TensorRole.WEIGHT:
+                uses[t] = uses.get(t, 0) + 1
+    shared = [w for w, n in uses.items() if n > 1]
+    if not shared:
+        return ops
+    identity = registry().get("Identity")
+    readers: dict[str, Op] = {}
+    for w in shared:
+        name = _fresh(b, f"{w}:shared")
+        ctx = NodeContext(name, "Identity", (b.tensors[w],), (None,), (name,))
+        op = identity.convert(ctx)
+        b.tensors[name] = output_tensor(op, b.tensors)
+        readers[w] = op
+    renamed = {w: op.output for w, op in readers.items()}
+    result: list[Op] = []
+    for op in ops:
+        result += [readers.pop(w) for w in op.inputs if w in readers]  # before its 1st use
+        result.append(_reading(op, renamed))
+    return result
+
+
+def _fresh(b: _Builder, base: str) -> str:
+    name = base
+    while name in b.tensors or name in b.names:
+        name += "_"
+    b.names.add(name)
+    return name
+
+
+def _reading(op: Op, renamed: dict[str, str]) -> Op:
+    """``op`` with its operands renamed (a shared weight read through its Identity)."""
+    if not any(t in renamed for t in op.inputs):
+        return op
+    operands = tuple(replace(o, tensor=renamed.get(o.tensor, o.tensor)) for o in op.nest.inputs)
+    return replace(
+        op,
+        inputs=tuple(renamed.get(t, t) for t in op.inputs),
+        nest=replace(op.nest, inputs=operands),
+    )
 
 
 def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
@@ -303,7 +352,8 @@ def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
             loss_op = _attach_loss(b, b.tensors[output], kind)
             ops.append(loss_op)
             labels = loss_op.inputs[1]
-    _refuse_shared_weights(p, ops, b.tensors)
+    _refuse_shared_state(p, ops, b.tensors)
+    ops = _share_weights(b, ops)
     used = {t for op in ops for t in op.inputs} | {op.output for op in ops}
     inputs = tuple(n for n in p.graph_inputs if n in used and b.tensors[n].role is TensorRole.INPUT)
     if not inputs:

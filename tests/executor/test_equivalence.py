@@ -20,7 +20,7 @@ from onnx2soap.soap import ParallelConfig, Plan, Strategy, analyze, plan_ops, sa
 from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
 
 STEPS, LR = 3, 0.05
-MODELS = {"mlp": 8, "cnn": 4, "spatial": 4, "bnnet": 4, "tokens": 4}  # model -> batch
+MODELS = {"mlp": 8, "cnn": 4, "spatial": 4, "bnnet": 4, "tokens": 4, "tied": 4}  # -> batch
 
 pytestmark = pytest.mark.mpi
 

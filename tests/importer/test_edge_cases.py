@@ -6,11 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import pytest
 from onnx import helper, numpy_helper
 
 from onnx2soap.cli import main as cli
-from onnx2soap.errors import ModelError
 from onnx2soap.importer import load_model
 from onnx2soap.ir import LossKind, TensorRole
 from onnx2soap.search.baselines import data_parallel
@@ -46,15 +44,18 @@ def test_a_bias_from_a_constant_node_is_read_as_a_constant_not_dropped(tmp_path:
     assert "c" not in model.weights
 
 
-def test_a_weight_read_twice_by_one_op_is_refused(tmp_path: Path) -> None:
-    """Add(W, W): each operand's gradient would go to its own copy of W."""
+def test_a_weight_read_twice_is_read_once_through_an_identity(tmp_path: Path) -> None:
+    """Add(W, W): both operands read W's Identity, whose gradient sums both uses."""
     nodes = [
         helper.make_node("Add", ["W", "W"], ["w2"], name="sq"),
         helper.make_node("MatMul", ["x", "w2"], ["y"], name="mm"),
     ]
     path = save(tmp_path / "m.onnx", nodes, [weight("W")])
-    with pytest.raises(ModelError, match=r"weight 'W' is read 2 times \(sq, sq\)"):
-        load_model(path, batch=2)
+    graph = load_model(path, batch=2).graph
+    share, add = graph.ops[0], graph.ops[1]
+    assert share.type == "Identity" and share.inputs == ("W",)
+    assert add.name == "sq" and add.inputs == (share.output, share.output)
+    assert [t.name for t in graph.weights] == ["W"]
 
 
 def test_duplicate_and_reserved_node_names_get_unique_op_names(tmp_path: Path) -> None:

@@ -13,8 +13,6 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from onnx2soap.errors import ModelError
-from onnx2soap.importer import load_model
 from onnx2soap.ops import registry
 from tests.importer.helpers import CliResult, run_cli
 
@@ -192,22 +190,3 @@ def test_dynamo_model_with_its_data_file_deleted_is_one_clear_line(
     # than call the model invalid (prepare.read_model has that message for this case).
     assert "missing" in line
     assert "not a valid ONNX model" not in line
-
-
-def test_a_weight_shared_by_two_ops_is_refused(tmp_path: Path) -> None:
-    """Tied weights would each get only one op's gradient: refuse, naming weight and ops."""
-    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
-    graph = helper.make_graph(
-        [
-            helper.make_node("MatMul", ["x", "W"], ["h"], name="first"),
-            helper.make_node("MatMul", ["h", "W"], ["y"], name="second"),
-        ],
-        "tied",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])],
-        [w],
-    )
-    path = tmp_path / "tied.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    with pytest.raises(ModelError, match=r"weight 'W' is read 2 times \(first, second\)"):
-        load_model(path, batch=2)
