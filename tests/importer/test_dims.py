@@ -7,6 +7,8 @@ Sources are named "example" (examples/cnn.onnx), "view" (x.view(x.size(0), -1)) 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from onnx2soap.importer import load_model
@@ -187,7 +189,9 @@ def test_add_of_two_activations_is_sample_then_attribute(residual_onnx) -> None:
 
 
 @pytest.mark.parametrize("source", RESHAPE_SOURCES)
-def test_flatten_and_reshape_keep_samples_and_hide_the_merged_dim(load_graph, source: str) -> None:
+def test_flatten_and_reshape_keep_samples_and_split_the_merged_dim_by_channels(
+    load_graph, source: str
+) -> None:
     graph = load_graph(source).graph
     layout = ops_of(graph, "Flatten") + ops_of(graph, "Reshape")
     assert len(layout) == 1
@@ -195,8 +199,10 @@ def test_flatten_and_reshape_keep_samples_and_hide_the_merged_dim(load_graph, so
     dims = dims_by_op(graph)[op.name]
     assert kinds(dims) == {"n": "sample", "r1": "attribute"}
     assert axes(dims) == {"n": 0, "r1": 1}
-    # Splitting the merged axis would need each task to know its global coordinates.
-    assert splittable(dims) == {"n": True, "r1": False}
+    # The merged [C, H, W] axis splits in whole channels: H * W elements at a time.
+    x = graph.tensors[op.inputs[0]].shape
+    assert dims["r1"].granule == math.prod(x[2:])
+    assert splittable(dims) == {"n": True, "r1": x[1] > 1}
 
 
 @pytest.mark.parametrize("source", ALL_SOURCES)

@@ -1,32 +1,108 @@
-"""Flatten and Reshape: batch-preserving re-layouts, pure data movement.
+"""Flatten and Reshape: re-layouts, pure data movement, split as far as the layout allows.
 
-A reshaping op reads whole samples (every non-batch axis is mapped ``Whole``), so a
-C-order reshape of the local buffer is the reshape of the tensor's rows. Copies, so
-outputs never alias inputs.
+The input and output shapes are cut into groups of consecutive axes with equal
+products. Per group:
+
+- one axis to one axis: an identity;
+- one axis split into several ([N, T, H*D] -> [N, T, H, D], attention's heads): the
+  input axis is ``Affine(h * D + d)``; only the outer output dim may split (the inner
+  ones have a granule of their whole size), so every task reads one contiguous range;
+- several axes merged into one ([N, T, H, D] -> [N, T, H*D]): the output dim splits in
+  whole multiples of the inner axes (its granule); the outer input axis is a ``Grouped``
+  map of it, the inner ones are read whole;
+- anything else: read whole, not split.
+
+Every task's buffer is then exactly its tile's data in C order, so the kernel is a
+reshape of the local buffer. Copies, so outputs never alias inputs.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from onnx2soap.ir import Operand, Whole, identity
+from onnx2soap.ir import (
+    Affine,
+    AxisMap,
+    Broadcast,
+    Grouped,
+    IterDim,
+    Operand,
+    TensorRole,
+    Whole,
+    identity,
+)
 from onnx2soap.ops.base import C, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, make_op
 
+Group = tuple[tuple[int, ...], tuple[int, ...]]  # (input axes, output axes)
 
-def batch_preserving(ctx: NodeContext, out: tuple[int, ...], detail: str = ""):
+
+def axis_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[Group]:
+    """Consecutive input and output axes with equal products; a size-1 axis alone is a
+    group of its own (read by ``Broadcast`` or written as a size-1 dim)."""
+    groups: list[Group] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j == len(dst) or dst[j] != 1):
+            groups.append(((i,), ()))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i == len(src) or src[i] != 1):
+            groups.append(((), (j,)))
+            j += 1
+            continue
+        a, b, ps, pd = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd:
+                a.append(i)
+                ps *= src[i]
+                i += 1
+            else:
+                b.append(j)
+                pd *= dst[j]
+                j += 1
+        groups.append((tuple(a), tuple(b)))
+    return groups
+
+
+def relayout(ctx: NodeContext, out: tuple[int, ...]):
+    """The op moving ``ctx.tensor(0)`` into shape ``out`` (same element count)."""
     x = ctx.tensor(0)
-    if not out or out[0] != x.shape[0]:
-        raise ctx.fail(
-            f"only batch-preserving reshapes are supported: input {list(x.shape)} becomes "
-            f"{list(out)}{detail}"
-        )
-    dims = [("n", out[0]), *((f"r{i}", s) for i, s in enumerate(out[1:], start=1))]
-    # Samples keep their identity; everything else is re-laid out within a sample, so
-    # a task reads whole samples.
-    merged = tuple(range(1, len(out)))
-    axes = (identity(0), *(Whole(dims=merged) for _ in x.shape[1:]))
-    return make_op(ctx, [Operand(x.name, axes)], NoAttrs(), dims, range(len(out)), 0)
+    if 0 in x.shape or 0 in out:
+        raise ctx.fail(f"reshaping {list(x.shape)} to {list(out)}: empty tensors are not supported")
+    names = ["n", *(f"r{i}" for i in range(1, len(out)))][: len(out)]
+    dims = [IterDim(name, size) for name, size in zip(names, out, strict=True)]
+    axes: list[AxisMap] = [Whole()] * len(x.shape)
+    for ins, outs in axis_groups(x.shape, out):
+        if not outs:
+            axes[ins[0]] = Broadcast()
+        elif not ins:
+            continue  # a new size-1 output axis
+        elif len(ins) == 1 and len(outs) == 1:
+            axes[ins[0]] = identity(outs[0])
+        elif len(ins) == 1:  # a split: the outer dim splits, the inner ones never
+            strides = [math.prod(out[o + 1 : outs[-1] + 1]) for o in outs]
+            axes[ins[0]] = Affine(tuple(zip(outs, strides, strict=True)), 0)
+            for o in outs[1:]:
+                dims[o] = replace(dims[o], granule=dims[o].size)
+        elif len(outs) == 1:  # a merge: the output dim splits in whole inner blocks
+            inner = math.prod(x.shape[a] for a in ins[1:])
+            dims[outs[0]] = replace(dims[outs[0]], granule=inner)
+            axes[ins[0]] = Grouped(dim=outs[0], out_per_group=inner, in_per_group=1)
+        else:  # neither: read whole, never split
+            for o in outs:
+                dims[o] = replace(dims[o], granule=dims[o].size)
+    op = make_op(
+        ctx,
+        [Operand(x.name, tuple(axes))],
+        NoAttrs(),
+        [(d.name, d.size) for d in dims],
+        range(len(out)),
+        0,
+    )
+    return replace(op, nest=replace(op.nest, dims=tuple(dims)))
 
 
 def convert_flatten(ctx: NodeContext, *, axis=1):
@@ -34,9 +110,8 @@ def convert_flatten(ctx: NodeContext, *, axis=1):
     rank = len(x.shape)
     if not -rank <= axis <= rank:
         raise ctx.fail(f"axis={axis} is out of range for rank {rank} (accepted: [-{rank}, {rank}])")
-    if (axis + rank if axis < 0 else axis) != 1:
-        raise ctx.fail(f"axis={axis} merges or splits the batch axis; only axis=1 is supported")
-    return batch_preserving(ctx, (x.shape[0], math.prod(x.shape[1:])))
+    axis = axis + rank if axis < 0 else axis
+    return relayout(ctx, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
 
 
 def _reshaped(ctx: NodeContext, source: tuple[int, ...], shape: list[int], allowzero: int):
@@ -70,8 +145,14 @@ def convert_reshape(ctx: NodeContext, *, allowzero=0):
             f" (its shape input {shape} fixes the batch at {shape[0]}: export with a dynamic "
             f"batch axis, or plan with --batch {shape[0]})"
         )
-    out = _reshaped(ctx, ctx.tensor(0).shape, shape, allowzero)
-    return batch_preserving(ctx, out, detail)
+    x = ctx.tensor(0)
+    out = _reshaped(ctx, x.shape, shape, allowzero)
+    batched = x.role in (TensorRole.INPUT, TensorRole.LABELS, TensorRole.ACTIVATION)
+    if detail and batched and out[0] != x.shape[0]:
+        # A literal first entry other than the batch: the model was exported for one
+        # batch size, and reshaping at another would mix samples.
+        raise ctx.fail(f"input {list(x.shape)} becomes {list(out)}{detail}")
+    return relayout(ctx, out)
 
 
 def forward(xp, attrs, inputs, args):
@@ -91,6 +172,8 @@ FLATTEN = OpDef(
     cases=(
         case("flatten", "Flatten", X(2, 3, 4, 5)),
         case("flatten_negative_axis", "Flatten", X(2, 3, 4), axis=-2),
+        case("flatten_axis2_merges_batch", "Flatten", X(2, 3, 4), axis=2),
+        case("flatten_axis0", "Flatten", X(3, 2, 2), axis=0),
     ),
 )
 
@@ -100,7 +183,15 @@ RESHAPE = OpDef(
     convert=convert_reshape,
     forward=forward,
     backward=backward,
-    cases=(case("reshape", "Reshape", X(2, 3, 4, 5), C([0, -1, 5])),),
+    cases=(
+        case("reshape", "Reshape", X(2, 3, 4, 5), C([0, -1, 5])),
+        # attention's heads: [N, T, H*D] <-> [N, T, H, D]
+        case("reshape_split_heads", "Reshape", X(2, 3, 12), C([0, 0, 3, 4])),
+        case("reshape_merge_heads", "Reshape", X(2, 3, 3, 4), C([0, 0, -1])),
+        case("reshape_tokens_to_rows", "Reshape", X(2, 3, 4), C([-1, 4])),
+        case("reshape_size_one_axes", "Reshape", X(2, 1, 6), C([2, 3, 1, 2])),
+        case("reshape_regroup", "Reshape", X(2, 6, 4), C([2, 4, 6])),
+    ),
 )
 
 DEFINITIONS = (FLATTEN, RESHAPE)
