@@ -318,6 +318,9 @@ def _run_op(xp, graph: Graph, op: Op, arrays: dict[str, Any], random: RandomKey)
         origin=(0,) * len(out_shape),
         full_shape=out_shape,
         random=random,
+        float_dtype=np.dtype(np.float64)
+        if any(getattr(b, "dtype", None) == np.float64 for b in buffers)
+        else np.dtype(np.float32),
     )
     if d.statistics is not None:  # one task: its partial statistics are all there are
         partial = d.statistics.forward(xp, op.attrs, buffers, args)

@@ -213,6 +213,7 @@ class _Step:
             random=RandomKey(self.rt.seed, self.batch.step, op_index) if self.training else None,
             stats=self.totals.get((Phase.FORWARD, *key)),
             grad_stats=self.totals.get((Phase.BACKWARD, *key)),
+            float_dtype=self.rt.dtype,
         )
 
     def partial(self, ins: Partial) -> None:

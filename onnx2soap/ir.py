@@ -195,6 +195,9 @@ class Op:
     attrs: Any  # a frozen dataclass of the op's definition
     nest: LoopNest
     is_loss: bool = False  # a scalar loss: sample dim split, partial losses summed
+    # The output's dtype where the op decides it (a Cast of ids to float); None: the
+    # first float input's, else the first input's.
+    dtype: DType | None = None
 
 
 class LossKind(Enum):

@@ -46,6 +46,8 @@ class TaskArgs:
     stats:      ops with statistics: the forward statistics summed over every task that
                 splits the statistics' dims (see ``Statistics``); None otherwise.
     grad_stats: the same for the backward's statistics.
+    float_dtype: the run's float dtype (float32 or float64): what a Cast of ids to float
+                produces.
     """
 
     out_shape: tuple[int, ...]
@@ -56,6 +58,7 @@ class TaskArgs:
     random: RandomKey | None = None
     stats: Array | None = None
     grad_stats: Array | None = None
+    float_dtype: Any = None
 
 
 @dataclass(frozen=True)

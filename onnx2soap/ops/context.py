@@ -16,6 +16,7 @@ from onnx2soap.errors import ModelError
 from onnx2soap.ir import (
     AxisMap,
     Broadcast,
+    DType,
     IterDim,
     LoopNest,
     Op,
@@ -112,6 +113,7 @@ def make_op(
     output: str | None = None,
     name: str | None = None,
     is_loss: bool = False,
+    dtype: DType | None = None,
 ) -> Op:
     operands = tuple(operands)
     nest = LoopNest(
@@ -128,6 +130,7 @@ def make_op(
         attrs=attrs,
         nest=nest,
         is_loss=is_loss,
+        dtype=dtype,
     )
 
 
@@ -136,7 +139,7 @@ def output_tensor(op: Op, tensors: dict[str, Tensor]) -> Tensor:
     (an op of integers only, say a reshape of token ids, gives integers)."""
     shape = tuple(1 if d is None else op.nest.dims[d].size for d in op.nest.out_dims)
     dtypes = [tensors[t].dtype for t in op.inputs]
-    dtype = next((d for d in dtypes if d.is_float), dtypes[0])
+    dtype = op.dtype or next((d for d in dtypes if d.is_float), dtypes[0])
     return Tensor(op.output, shape, dtype, TensorRole.ACTIVATION)
 
 

@@ -196,9 +196,12 @@ def tasks_of(graph: Graph, op: Op, config: ParallelConfig) -> tuple[Task, ...]:
 TEST_RANDOM = RandomKey(seed=7, step=3, op=0)
 
 
-def task_args(task: Task, loss_scale: float = 1.0, full_shape=()) -> TaskArgs:
+def task_args(
+    task: Task, loss_scale: float = 1.0, full_shape=(), float_dtype=np.float64
+) -> TaskArgs:
     """What the runtime gives a kernel while training (a random op draws its bits)."""
     return TaskArgs(
+        float_dtype=np.dtype(float_dtype),
         out_shape=rect_shape(task.output),
         valid=tuple(r.valid for r in task.inputs),
         loss_scale=loss_scale,
@@ -234,7 +237,9 @@ def all_task_args(
     scale = loss_scale_of(graph, op, arrays)
     shape = graph.tensors[op.output].shape
     tasks = tasks_of(graph, op, config)
-    args = [task_args(t, scale, shape) for t in tasks]
+    floats = [a.dtype for a in arrays if a.dtype.kind == "f"]
+    # ops of ids only (a Cast to float) produce float32, as onnxruntime does here
+    args = [task_args(t, scale, shape, floats[0] if floats else np.float32) for t in tasks]
     if not op.nest.sync_dims:
         return args
     stats = d.statistics
@@ -270,7 +275,11 @@ def forward_full(
     d = definition(op.type)
     scale = loss_scale_of(graph, op, arrays)
     shape = graph.tensors[op.output].shape
-    dtype = next((a.dtype for a in arrays if a.dtype.kind == "f"), arrays[0].dtype)
+    floats = [a.dtype for a in arrays if a.dtype.kind == "f"]
+    if graph.tensors[op.output].dtype.is_float:
+        dtype = floats[0] if floats else np.dtype(np.float32)
+    else:
+        dtype = np.dtype(np.int64)
     if op.is_loss:
         tiles = [
             d.forward(np, op.attrs, buffers(t, arrays), task_args(t, scale, shape))

@@ -9,12 +9,14 @@ exponent computed at run time (or a trainable weight there) is refused.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 
 import numpy as np
 import onnx
 
-from onnx2soap.ops.base import NONE, C, CaseInput, NoAttrs, OpDef, Sample, X, case
+from onnx2soap.ir import DType
+from onnx2soap.ops.base import NONE, C, CaseInput, InputKind, OpDef, Sample, X, case
 from onnx2soap.ops.context import NodeContext, elementwise, text
 
 
@@ -141,32 +143,60 @@ def convert_cast(ctx: NodeContext, *, to=None, saturate=1, round_mode="up"):
     if text(round_mode) not in _ROUND_MODES:
         raise ctx.fail(f"round_mode='{text(round_mode)}'; accepted: {', '.join(_ROUND_MODES)}")
     x = ctx.tensor(0)
-    if to not in _FLOAT_TARGETS:
+    if to in _FLOAT_TARGETS:
+        # ids or a mask to float (an attention mask); float to float is the identity
+        target = CastTarget.FLOAT
+    elif to in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and not x.dtype.is_float:
+        target = CastTarget.IDS  # ids stay int64 in the IR
+    elif to == onnx.TensorProto.BOOL and not x.dtype.is_float:
+        target = CastTarget.MASK
+    else:
         known = to in onnx.TensorProto.DataType.values()
-        target = onnx.TensorProto.DataType.Name(to) if known else to
+        name = onnx.TensorProto.DataType.Name(to) if known else to
         raise ctx.fail(
-            f"cast to {target} is not supported: only casts between float tensors (to FLOAT "
-            "or DOUBLE) are (integers and bools carry no gradient; the executor runs one "
-            "float32 or float64 dtype)"
+            f"cast of {x.dtype.value} to {name} is not supported: accepted are casts to "
+            "FLOAT or DOUBLE (the run's float dtype), and of ids or masks to INT64, INT32 "
+            "or BOOL (floats to integers would cut the gradient)"
         )
-    if not x.dtype.is_float:
-        raise ctx.fail(
-            f"cast from {x.dtype.value} is not supported: only casts between float tensors are"
-        )
-    return elementwise(ctx, [x], NoAttrs(), 0)
+    dtype = DType.FLOAT32 if target is CastTarget.FLOAT and not x.dtype.is_float else None
+    op = elementwise(ctx, [x], CastAttrs(target), 0)
+    return replace(op, dtype=dtype)
 
 
-def cast_forward(xp, attrs, inputs, args):
+class CastTarget(Enum):
+    FLOAT = "float"  # the run's float dtype
+    IDS = "ids"  # int64
+    MASK = "mask"  # 0/1 ids (the IR has no bools)
+
+
+@dataclass(frozen=True)
+class CastAttrs:
+    target: CastTarget
+
+
+def cast_forward(xp, attrs: CastAttrs, inputs, args):
     # The executor runs the whole model in one float dtype (float32 or float64), so a cast
     # between FLOAT and DOUBLE is the identity on the run's dtype: no rounding happens.
-    return inputs[0].copy()
+    x = inputs[0]
+    if attrs.target is CastTarget.FLOAT:
+        return x.astype(x.dtype if x.dtype.kind == "f" else args.float_dtype)
+    if attrs.target is CastTarget.MASK:
+        return (x != 0).astype(x.dtype)
+    return x.copy()
 
 
-def cast_backward(xp, attrs, inputs, output, grad_output, args):
+def cast_backward(xp, attrs: CastAttrs, inputs, output, grad_output, args):
+    if inputs[0].dtype.kind != "f":
+        return (None,)  # ids take no gradient
     return (grad_output.copy(),)
 
 
 # --- definitions ---------------------------------------------------------------------
+
+
+def _ids(*shape: int) -> CaseInput:
+    """An int64 data input (a mask or ids)."""
+    return CaseInput(InputKind.DATA, tuple(shape), None, "int64")
 
 
 def _f(values: float) -> CaseInput:
@@ -216,6 +246,8 @@ CAST = OpDef(
     backward=cast_backward,
     # The harness declares a float32 output, so every case casts to FLOAT.
     cases=(
+        case("cast_ids_to_float", "Cast", _ids(2, 5), to=onnx.TensorProto.FLOAT),
+        case("cast_ids_to_bool", "Cast", _ids(3, 4), to=onnx.TensorProto.BOOL, output="bool"),
         case("cast_float", "Cast", X(2, 3, 4), opset=13, to=onnx.TensorProto.FLOAT),
         case("cast_float_opset19", "Cast", X(3, 5), opset=19, to=onnx.TensorProto.FLOAT),
         # onnxruntime refuses saturate (given) on a cast to a non-float8 type.
