@@ -80,9 +80,11 @@ class Runtime:
                     self.shards[key] = np.array(part, dtype=self.dtype)
                     if group.trainable:
                         self.trainable.add(key)
-        # Constants are small (scalars, broadcast vectors): every rank holds them whole.
+        # Constants are small (scalars, broadcast vectors): every rank holds them whole,
+        # floats in the run's dtype, ids int64.
         self.constants = {
-            name: np.asarray(value, dtype=self.dtype) for name, value in (constants or {}).items()
+            name: np.asarray(value, dtype=self.dtype_of(name))
+            for name, value in (constants or {}).items()
         }
         transport.make_groups(
             g.devices

@@ -46,6 +46,19 @@ ATTENTION = "eager"  # transformers' attention implementation
 # --- transformers ------------------------------------------------------------------------
 
 
+def _import_transformers() -> None:
+    """Import transformers, which imports torchvision when it is installed: the CUDA
+    torchvision wheel on a CPU-only torch fails unless ``import_torchvision`` stubs its meta
+    registrations first (see ``tests/torchvision_models.py``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        from tests.torchvision_models import import_torchvision
+
+        import_torchvision()
+    import transformers  # noqa: F401
+
+
 def _logits_only(hf_model: nn.Module, arg_names: Sequence[str]) -> nn.Module:
     """``hf_model`` behind a forward that takes ``arg_names`` positionally and returns the
     logits only (``use_cache=False`` where the model's forward takes it)."""
@@ -58,19 +71,30 @@ def _logits_only(hf_model: nn.Module, arg_names: Sequence[str]) -> nn.Module:
         extra["use_cache"] = False
 
     class LogitsOnly(nn.Module):
+        # Named positional parameters, not *args: torch.export matches dynamic_shapes to them.
         def __init__(self) -> None:
             super().__init__()
             self.model = hf_model
 
-        def forward(self, *args):
+        def logits(self, *args):
             return self.model(**dict(zip(arg_names, args, strict=True)), **extra).logits
 
-    return LogitsOnly()
+    class One(LogitsOnly):
+        def forward(self, x0):
+            return self.logits(x0)
+
+    class Two(LogitsOnly):
+        def forward(self, x0, x1):
+            return self.logits(x0, x1)
+
+    return {1: One, 2: Two}[len(arg_names)]()
 
 
 def build_gpt2(seed: int = 0, dropout: float = 0.0):
     """GPT2LMHeadModel, LM head tied to the token embedding: ids [B, T] -> logits [B, T, V]."""
     import torch
+
+    _import_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -94,6 +118,8 @@ def build_gpt2(seed: int = 0, dropout: float = 0.0):
 def build_bert(seed: int = 0, dropout: float = 0.0):
     """BertForSequenceClassification: ids, attention_mask [B, T] int64 -> logits [B, C]."""
     import torch
+
+    _import_transformers()
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
@@ -117,6 +143,8 @@ def build_bert(seed: int = 0, dropout: float = 0.0):
 def build_vit(seed: int = 0, dropout: float = 0.0):
     """ViTForImageClassification: pixels [B, 3, 16, 16], 4x4 patches -> logits [B, C]."""
     import torch
+
+    _import_transformers()
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(
@@ -139,6 +167,8 @@ def build_vit(seed: int = 0, dropout: float = 0.0):
 def build_t5(seed: int = 0, dropout: float = 0.0):
     """T5ForConditionalGeneration: input_ids, decoder_input_ids [B, T] -> logits [B, T, V]."""
     import torch
+
+    _import_transformers()
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(
@@ -165,6 +195,8 @@ def build_t5(seed: int = 0, dropout: float = 0.0):
 def build_bart(seed: int = 0, dropout: float = 0.0):
     """BartForConditionalGeneration: input_ids, decoder_input_ids [B, T] -> logits [B, T, V]."""
     import torch
+
+    _import_transformers()
     from transformers import BartConfig, BartForConditionalGeneration
 
     config = BartConfig(
@@ -299,9 +331,7 @@ def _ids(name: str = "input_ids", low: int = 0) -> InputSpec:
 
 SEQUENCE_MODELS: dict[str, SequenceSpec] = {
     "gpt2": SequenceSpec(build_gpt2, (_ids(),)),
-    "bert": SequenceSpec(
-        build_bert, (_ids(), InputSpec("attention_mask", (TOKENS,), "mask"))
-    ),
+    "bert": SequenceSpec(build_bert, (_ids(), InputSpec("attention_mask", (TOKENS,), "mask"))),
     "vit": SequenceSpec(build_vit, (InputSpec("pixel_values", (3, IMAGE, IMAGE)),)),
     # ids >= 3 keep clear of the pad/eos/bos ids (0, 1, 2), which change the masks
     "t5": SequenceSpec(build_t5, (_ids(low=3), _ids("decoder_input_ids", low=3))),

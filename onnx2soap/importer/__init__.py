@@ -31,6 +31,13 @@ class ImportedModel:
     constants: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def _constant(value: np.ndarray, tensor) -> np.ndarray:
+    """A constant's value in its IR dtype: masks are 0/1 floats, ids int64."""
+    if value.dtype == np.bool_:
+        return value.astype(np.float32)
+    return value if tensor.dtype.is_float else value.astype(np.int64)
+
+
 def load_model(
     path: Path | str,
     batch: int | None = None,
@@ -46,10 +53,5 @@ def load_model(
     weights = {t.name: values[t.name] for t in graph.weights}
     state = {t.name: values[t.name] for t in graph.states}
     # Masks are 0/1 floats in the IR: a bool constant's value is given as one.
-    constants = {
-        t.name: values[t.name].astype(np.float32)
-        if values[t.name].dtype == np.bool_
-        else values[t.name]
-        for t in graph.constants
-    }
+    constants = {t.name: _constant(values[t.name], t) for t in graph.constants}
     return ImportedModel(Path(path), prepared.sha256, graph, weights, state, constants)

@@ -158,6 +158,7 @@ class _Builder:
                 self._constant_value(i, t) for i, t in zip(node.input, inputs, strict=True)
             ),
             outputs=tuple(node.output),
+            input_names=tuple(node.input),
         )
         attrs = _attributes(node)
         known = [k for k in inspect.signature(definition.convert).parameters if k != "ctx"]
@@ -176,11 +177,19 @@ class _Builder:
         ops = made if isinstance(made, tuple) else (made,)
         self._extra_outputs(node, name, len(ops))
         for op in ops:
+            self._register_int_constants(op)
             self._bind(op)
             out = output_tensor(op, self.tensors)
             self._cross_check(node, op, out)
             self.tensors[out.name] = out
             self.ops.append(op)
+
+    def _register_int_constants(self, op: Op) -> None:
+        """Integer constants an op reads as operands (``ctx.operand``) become tensors."""
+        for name in op.inputs:
+            if name not in self.tensors and name in self.p.constants:
+                value = self.p.constants[name]
+                self.tensors[name] = Tensor(name, value.shape, DType.INT64, TensorRole.CONSTANT)
 
     def _bind(self, op: Op) -> None:
         """Give the float initializers an op reads as constants or state their role."""

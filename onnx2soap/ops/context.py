@@ -39,6 +39,7 @@ class NodeContext:
     inputs: tuple[Tensor | None, ...]
     constants: tuple[np.ndarray | None, ...]
     outputs: tuple[str, ...]
+    input_names: tuple[str, ...] = ()
 
     @property
     def output(self) -> str:
@@ -63,6 +64,19 @@ class NodeContext:
                 "a float constant) is needed there"
             )
         return t
+
+    def operand(self, i: int) -> Tensor:
+        """Input ``i`` as an operand tensor, an integer constant included (compared with
+        ids, say): it becomes an int64 constant tensor the op reads like any other."""
+        t = self.inputs[i] if i < len(self.inputs) else None
+        if t is not None:
+            return t
+        value = self.constants[i] if i < len(self.constants) else None
+        if value is None or i >= len(self.input_names):
+            raise self.fail(
+                f"input {i} must be a tensor computed at run time, a weight or a constant"
+            )
+        return Tensor(self.input_names[i], tuple(value.shape), DType.INT64, TensorRole.CONSTANT)
 
     def is_constant(self, i: int) -> bool:
         return i < len(self.constants) and self.constants[i] is not None

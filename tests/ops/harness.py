@@ -163,8 +163,9 @@ def operand_arrays(
             arrays.append(labels_for(graph, op, rng, dtype))
         elif t in graph.inputs and not tensor.dtype.is_float:  # token ids, or a 0/1 mask
             arrays.append(rng.integers(0, id_bound(graph, t), tensor.shape))
-        elif t in model.constants:  # the value the op was built with
-            arrays.append(np.asarray(model.constants[t], dtype=dtype))
+        elif t in model.constants:  # the value the op was built with, ids kept int
+            width = dtype if tensor.dtype.is_float else np.int64
+            arrays.append(np.asarray(model.constants[t], dtype=width))
         elif ties:  # small integers: windows full of equal maxima
             arrays.append(rng.integers(-2, 3, tensor.shape).astype(dtype))
         else:

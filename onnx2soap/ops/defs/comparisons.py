@@ -13,7 +13,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from onnx2soap.ops.base import C, OpDef, W, X, case
+from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, elementwise
 
 
@@ -24,25 +24,25 @@ class CompareAttrs:
 
 def _converter(compare: Callable):
     def convert(ctx: NodeContext):
-        a, b = ctx.tensor(0), ctx.tensor(1)
-        for i, t in enumerate((a, b)):
-            if not t.dtype.is_float:
-                raise ctx.fail(
-                    f"input {i} is {t.dtype.value}; only float comparisons are supported"
-                )
-        return elementwise(ctx, [a, b], CompareAttrs(compare), 1)
+        # floats, or ids (input_ids == pad): a mask of ids then, 0/1 like the floats'
+        return elementwise(ctx, [ctx.operand(0), ctx.operand(1)], CompareAttrs(compare), 1)
 
     return convert
 
 
 def forward(xp, attrs: CompareAttrs, inputs, args):
     a, b = inputs
-    dtype = next(x.dtype for x in inputs)
+    # the importer's rule for the output (output_tensor): the first float input's dtype
+    dtype = next((x.dtype for x in inputs if x.dtype.kind == "f"), a.dtype)
     return attrs.compare(a, b).astype(dtype)
 
 
 def backward(xp, attrs, inputs, output, grad_output, args):
-    return tuple(xp.zeros_like(x) for x in inputs)
+    return tuple(xp.zeros_like(x) if x.dtype.kind == "f" else None for x in inputs)
+
+
+def _ids(*shape: int) -> CaseInput:
+    return CaseInput(InputKind.DATA, tuple(shape), None, "int64")
 
 
 def _definition(name: str, compare: Callable, versions: tuple[int, ...]) -> OpDef:
@@ -59,6 +59,8 @@ def _definition(name: str, compare: Callable, versions: tuple[int, ...]) -> OpDe
             case(
                 f"{lower}_const_first", name, C([0.5, -0.5, 0.0], "float32"), X(2, 3), output="bool"
             ),
+            # ids against an int constant: a 0/1 mask of ids (input_ids == pad)
+            case(f"{lower}_ids", name, _ids(3, 4), C(1), output="bool"),
         ),
     )
 
