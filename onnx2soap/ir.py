@@ -43,6 +43,10 @@ class Tensor:
     shape: tuple[int, ...]
     dtype: DType
     role: TensorRole
+    # Computed from a data input (or the labels): axis 0 started as the batch. Weights,
+    # constants and what ops compute from them alone (an RNN's reordered gate weights)
+    # have no batch axis.
+    batched: bool = False
 
     @property
     def numel(self) -> int:

@@ -83,7 +83,8 @@ class _Builder:
     def _add(self, name: str, role: TensorRole) -> Tensor:
         if name not in self.p.types:
             raise ModelError(f"{self.p.path}: tensor '{name}' has no static shape after inference")
-        t = Tensor(name, self.p.types[name].shape, _dtype(self.p, name), role)
+        batched = role in (TensorRole.INPUT, TensorRole.LABELS)
+        t = Tensor(name, self.p.types[name].shape, _dtype(self.p, name), role, batched)
         self.tensors[name] = t
         return t
 
@@ -159,6 +160,7 @@ class _Builder:
             ),
             outputs=tuple(node.output),
             input_names=tuple(node.input),
+            literal=tuple(i in self.p.literal for i in node.input),
         )
         attrs = _attributes(node)
         known = [k for k in inspect.signature(definition.convert).parameters if k != "ctx"]
@@ -251,12 +253,12 @@ def _attach_loss(b: _Builder, output: Tensor, loss: LossKind) -> Op:
         # torch's CrossEntropyLoss over the last axis: logits [N, C] with labels [N], or
         # token logits [N, T, C] with labels [N, T]; the mean over every label position,
         # label -100 ignored.
-        labels = Tensor(labels_name, output.shape[:-1], DType.INT64, TensorRole.LABELS)
+        labels = Tensor(labels_name, output.shape[:-1], DType.INT64, TensorRole.LABELS, True)
         ctx = NodeContext(name, "SoftmaxCrossEntropyLoss", (output, labels), (None, None), (name,))
         attrs = LossAttrs(ignore_index=TORCH_IGNORE_INDEX, class_axis=len(output.shape) - 1)
         op = cross_entropy_op(ctx, output, labels, attrs)
     else:
-        labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS)
+        labels = Tensor(labels_name, output.shape, output.dtype, TensorRole.LABELS, True)
         ctx = NodeContext(name, "MeanSquaredError", (output, labels), (None, None), (name,))
         op = mse_op(ctx, output, labels)
     b.tensors[labels.name] = labels

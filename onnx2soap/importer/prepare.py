@@ -43,6 +43,9 @@ class Prepared:
     float_initializers: dict[str, np.ndarray]
     graph_inputs: tuple[str, ...]  # non-initializer inputs
     graph_outputs: tuple[str, ...]
+    # Constants written in the file (initializers, Constant nodes), as opposed to those
+    # folded from shapes at the bound batch: a literal shape was fixed at export time.
+    literal: frozenset[str] = frozenset()
 
 
 def file_sha256(path: Path) -> str:
@@ -343,7 +346,7 @@ def _evaluate(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) ->
 
 
 def _fold_pass(
-    model: onnx.ModelProto, opset: int, float_inits: set[str]
+    model: onnx.ModelProto, opset: int, float_inits: set[str], literal: set[str]
 ) -> tuple[onnx.ModelProto, bool]:
     """Fold Shape nodes and nodes whose inputs are all non-weight constants."""
     types = _types(model)
@@ -371,6 +374,10 @@ def _fold_pass(
             continue
         changed = True
         known.update(zip(node.output, outs, strict=False))
+        # Computed from literals alone, a value is literal too; anything through a Shape
+        # depends on the bound batch.
+        if node.op_type != "Shape" and all(not n or n in literal for n in node.input):
+            literal.update(node.output)
     if not changed:
         return model, False
     needed = {n for node in kept for n in node.input} | {o.name for o in model.graph.output}
@@ -398,9 +405,10 @@ def prepare(path: Path, batch: int | None, *, allow_nonfinite: bool = False) -> 
     # Float initializers are weights (or weight-like constants): never folded away.
     float_inits = {i.name for i in model.graph.initializer if i.data_type in _FLOAT_TYPES}
     model = _infer(model, path)
+    literal = {i.name for i in model.graph.initializer}
     for _ in range(_MAX_FOLD_PASSES):
         try:
-            model, changed = _fold_pass(model, opset, float_inits)
+            model, changed = _fold_pass(model, opset, float_inits, literal)
         except ModelError as e:
             raise ModelError(f"{path}: {e}") from e
         if not changed:
@@ -420,4 +428,5 @@ def prepare(path: Path, batch: int | None, *, allow_nonfinite: bool = False) -> 
         float_initializers={k: v for k, v in values.items() if k in float_inits},
         graph_inputs=tuple(i.name for i in model.graph.input if i.name not in init_names),
         graph_outputs=tuple(o.name for o in model.graph.output),
+        literal=frozenset(literal),
     )

@@ -40,6 +40,7 @@ class NodeContext:
     constants: tuple[np.ndarray | None, ...]
     outputs: tuple[str, ...]
     input_names: tuple[str, ...] = ()
+    literal: tuple[bool, ...] = ()  # per input: a constant written in the file
 
     @property
     def output(self) -> str:
@@ -77,6 +78,11 @@ class NodeContext:
                 f"input {i} must be a tensor computed at run time, a weight or a constant"
             )
         return Tensor(self.input_names[i], tuple(value.shape), DType.INT64, TensorRole.CONSTANT)
+
+    def is_literal(self, i: int) -> bool:
+        """Input ``i`` is a constant the file states (not folded from shapes at the bound
+        batch): a batch size in it was fixed at export time."""
+        return i < len(self.literal) and self.literal[i]
 
     def is_constant(self, i: int) -> bool:
         return i < len(self.constants) and self.constants[i] is not None
@@ -154,7 +160,8 @@ def output_tensor(op: Op, tensors: dict[str, Tensor]) -> Tensor:
     shape = tuple(1 if d is None else op.nest.dims[d].size for d in op.nest.out_dims)
     dtypes = [tensors[t].dtype for t in op.inputs]
     dtype = op.dtype or next((d for d in dtypes if d.is_float), dtypes[0])
-    return Tensor(op.output, shape, dtype, TensorRole.ACTIVATION)
+    batched = any(tensors[t].batched for t in op.inputs)
+    return Tensor(op.output, shape, dtype, TensorRole.ACTIVATION, batched)
 
 
 def identity_axes(rank: int, first: int = 0) -> tuple[AxisMap, ...]:

@@ -28,8 +28,6 @@ def convert(ctx: NodeContext, *, axis):
         for t in parts
     ):
         raise ctx.fail(f"inputs {[list(t.shape) for t in parts]} cannot be joined on axis {axis}")
-    if axis == 0:
-        raise ctx.fail("concatenation along the batch axis is not supported")
     out = list(parts[0].shape)
     out[axis] = sum(t.shape[axis] for t in parts)
     dims = list(zip(axis_names(len(out)), out, strict=True))

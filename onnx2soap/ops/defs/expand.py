@@ -18,7 +18,7 @@ from onnx2soap.ops.context import (
     broadcast_shape,
     make_op,
 )
-from onnx2soap.ops.defs.transpose import carries_batch, int_values
+from onnx2soap.ops.defs.transpose import int_values
 from onnx2soap.ops.kernel_util import unbroadcast
 
 
@@ -35,11 +35,6 @@ def convert(ctx: NodeContext):
     out = broadcast_shape(ctx, [x.shape, shape])
     if 0 in out:
         raise ctx.fail(f"the output {list(out)} would be empty")
-    if carries_batch(x) and (len(out) != len(x.shape) or out[0] != x.shape[0]):
-        raise ctx.fail(
-            f"expanding {list(x.shape)} to {list(out)} moves or stretches the batch axis "
-            "(axis 0); only shapes of the input's rank that keep axis 0 are supported"
-        )
     dims = list(zip(axis_names(len(out)), out, strict=True))
     operand = broadcast_operand(x, out)
     return make_op(ctx, [operand], ExpandAttrs(out), dims, range(len(out)), 0)

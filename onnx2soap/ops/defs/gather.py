@@ -50,8 +50,6 @@ def convert(ctx: NodeContext, *, axis=0):
             raise ctx.fail(f"indices '{ids.name}' are {ids.dtype.value}; integers are needed")
         index_shape = ids.shape
         attrs = GatherAttrs(axis, size)
-    if axis == 0 and ids is None and len(index_shape) == 0:
-        raise ctx.fail("a constant scalar index on axis 0 drops the batch axis of the data")
     k = len(index_shape)
     lead = [(f"a{i}", s) for i, s in enumerate(data.shape[:axis])]
     picked = [("n" if i == 0 else f"i{i}", s) for i, s in enumerate(index_shape)]

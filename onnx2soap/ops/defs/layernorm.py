@@ -7,8 +7,7 @@ hidden, hence never split. Scale and B are weights over (a suffix of) the normal
 axes, read with identity maps of the same dims: those dims are then *parameter* dims,
 still unsplittable because X hides them. Every leading axis (the batch first) is an
 identity of X and splits freely; Scale and B are size 1 there (broadcast). Normalizing
-over the batch axis (axis 0) is refused: a task holding part of the batch could not
-compute its statistics.
+over the batch axis is allowed: it is then hidden like any normalized axis, never split.
 
 Only the first output is computed: a read Mean or InvStdDev output is refused by the
 importer (``stash_type`` 1, what exporters write, is the only precision accepted: the
@@ -80,11 +79,6 @@ def convert(ctx: NodeContext, *, axis=-1, epsilon=1e-5, stash_type=1):
             f"axis {axis} is out of range for rank {rank} (accepted: [-{rank}, {rank - 1}])"
         )
     axis = axis + rank if axis < 0 else axis
-    if axis == 0:
-        raise ctx.fail(
-            "normalizing over the batch axis (axis 0) is not supported; use axis >= 1 "
-            f"(or axis >= {1 - rank} counted from the end)"
-        )
     if not (math.isfinite(epsilon) and epsilon >= 0):
         raise ctx.fail(f"epsilon {epsilon} must be a finite number >= 0")
     if stash_type != _STASH_FLOAT:

@@ -16,7 +16,7 @@ from enum import Enum
 from onnx2soap.ir import Affine, AxisMap, Operand, identity
 from onnx2soap.ops.base import NONE, C, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op, text
-from onnx2soap.ops.defs.transpose import carries_batch, int_values, normalized_axes
+from onnx2soap.ops.defs.transpose import int_values, normalized_axes
 
 
 class PadMode(Enum):
@@ -66,10 +66,6 @@ def convert(ctx: NodeContext, *, mode="constant"):
         )
     begin = dict.fromkeys(range(rank), 0) | dict(zip(axes, pads[: len(axes)], strict=True))
     end = dict.fromkeys(range(rank), 0) | dict(zip(axes, pads[len(axes) :], strict=True))
-    if carries_batch(x) and rank and (begin[0] or end[0]):
-        raise ctx.fail(
-            f"pads {list(pads)} pad or crop the batch axis (axis 0); it must take 0 pads"
-        )
     out = tuple(s + begin[a] + end[a] for a, s in enumerate(x.shape))
     if any(s < 1 for s in out):
         raise ctx.fail(

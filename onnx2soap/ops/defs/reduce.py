@@ -52,8 +52,6 @@ def convert_reduce_mean(ctx: NodeContext, *, axes=None, keepdims=1, noop_with_em
     if any(not -rank <= a < rank for a in axes):
         raise ctx.fail(f"axes {list(axes)} out of range for rank {rank}")
     reduced = tuple(sorted({a + rank if a < 0 else a for a in axes}))
-    if 0 in reduced:
-        raise ctx.fail("reducing over the batch axis (axis 0) is not supported")
     dims = list(zip(axis_names(rank), x.shape, strict=True))
     out_dims = [None if a in reduced else a for a in range(rank) if keepdims or a not in reduced]
     operands = [Operand(x.name, tuple(identity(i) for i in range(rank)))]

@@ -1,8 +1,9 @@
-"""ReduceSum, ReduceSumSquare, ReduceMax and ReduceMin over non-batch axes.
+"""ReduceSum, ReduceSumSquare, ReduceMax and ReduceMin.
 
 As in ``reduce.py`` (ReduceMean), the reduced dims are reductions (absent from
 ``out_dims``), so they are never split and every task's buffer holds whole reduced
-blocks; the kept dims split freely. The batch axis (axis 0) is never reduced.
+blocks; the kept dims split freely. Reducing the batch axis makes it such a reduction
+too: exact, only no longer split.
 
 ReduceMax/ReduceMin send the gradient to the *first* extremum of each reduced block, in
 row-major order of the reduced axes (as our MaxPool does with its window), not spread
@@ -61,9 +62,8 @@ def _convert(ctx: NodeContext, kind: ReduceKind, axes, keepdims: int, noop: int)
     if keepdims not in (0, 1) or noop not in (0, 1):
         raise ctx.fail(f"keepdims ({keepdims}) and noop_with_empty_axes ({noop}) must be 0 or 1")
     listed = _axes(ctx, axes)
-    given = bool(listed)
     if not listed:
-        # No axes: all of them (the batch included, refused below) unless noop.
+        # No axes: all of them, the batch included, unless noop.
         listed = [] if noop else list(range(rank))
     if any(not -rank <= a < rank for a in listed):
         raise ctx.fail(
@@ -76,12 +76,6 @@ def _convert(ctx: NodeContext, kind: ReduceKind, axes, keepdims: int, noop: int)
     if any(x_shape[a] == 0 for a in reduced):
         # An empty reduction's value (the identity: 0, -inf, +inf) is no use to training.
         raise ctx.fail(f"axes {listed} include an empty axis of input {list(x_shape)}")
-    if 0 in reduced:
-        which = f"axes {listed}" if given else "no axes given: all axes"
-        raise ctx.fail(
-            f"reducing over the batch axis (axis 0) is not supported ({which} of rank "
-            f"{rank}); reduce over axes >= 1 only"
-        )
     dims = list(zip(axis_names(rank), x.shape, strict=True))
     out_dims = [None if a in reduced else a for a in range(rank) if keepdims or a not in reduced]
     operands = [Operand(x.name, tuple(identity(a) for a in range(rank)))]

@@ -28,7 +28,6 @@ from onnx2soap.ir import (
     Grouped,
     IterDim,
     Operand,
-    TensorRole,
     Whole,
     identity,
 )
@@ -147,8 +146,7 @@ def convert_reshape(ctx: NodeContext, *, allowzero=0):
         )
     x = ctx.tensor(0)
     out = _reshaped(ctx, x.shape, shape, allowzero)
-    batched = x.role in (TensorRole.INPUT, TensorRole.LABELS, TensorRole.ACTIVATION)
-    if detail and batched and out[0] != x.shape[0]:
+    if detail and x.batched and ctx.is_literal(1) and out[0] != x.shape[0]:
         # A literal first entry other than the batch: the model was exported for one
         # batch size, and reshaping at another would mix samples.
         raise ctx.fail(f"input {list(x.shape)} becomes {list(out)}{detail}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from onnx2soap.ir import Affine, AxisMap, Operand, Tensor, identity
 from onnx2soap.ops.base import NONE, C, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
-from onnx2soap.ops.defs.transpose import carries_batch, int_values, normalized_axes
+from onnx2soap.ops.defs.transpose import int_values, normalized_axes
 from onnx2soap.ops.kernel_util import strided
 
 
@@ -48,11 +48,6 @@ def _box_op(
     """The op that copies the box ``ranges`` (per axis; whole axes elsewhere) of ``x``."""
     rank = len(x.shape)
     box = [ranges.get(a, _Range(0, s)) for a, s in enumerate(x.shape)]
-    if carries_batch(x) and box[0] != _Range(0, x.shape[0]):
-        raise ctx.fail(
-            "slicing or splitting the batch axis (axis 0) is not supported; only ranges that "
-            "keep the whole axis are"
-        )
     empty = [a for a, r in enumerate(box) if r.count < 1]
     if empty:
         raise ctx.fail(f"the output would be empty along axes {empty} (input {list(x.shape)})")

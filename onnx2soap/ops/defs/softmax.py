@@ -2,9 +2,8 @@
 
 Every output along the normalized axis depends on the whole of that axis, so the input
 reads it with ``Whole(dims=(axis,))``: the dim is kept (the output indexes it one to one)
-but hidden, hence never split. Every other dim is an identity and splits freely. The
-batch axis (axis 0) is never normalized over: a task holding part of the batch could not
-compute its share.
+but hidden, hence never split (the batch axis too, if it is the one normalized). Every
+other dim is an identity and splits freely.
 """
 
 from __future__ import annotations
@@ -45,8 +44,6 @@ def _convert(ctx: NodeContext, kind: SoftmaxKind, axis: int):
             f"axis {axis} is out of range for rank {rank} (accepted: [-{rank}, {rank - 1}])"
         )
     axis = axis + rank if axis < 0 else axis
-    if axis == 0:
-        raise ctx.fail("normalizing over the batch axis (axis 0) is not supported; use axis >= 1")
     dims = list(zip(axis_names(rank), x.shape, strict=True))
     # The normalized axis is read whole by every task (hidden, so its dim is never
     # split); the output still indexes that dim one to one.

@@ -3,8 +3,8 @@
 Both only add or drop size-1 axes, so the data order is unchanged and the kernels are
 reshapes of the local buffer. Squeeze reads each removed size-1 input axis with
 ``Broadcast``; Unsqueeze's new output axes are size-1 axes (``None`` in ``out_dims``).
-The kept axes are identity maps, so every dim splits freely. The batch axis (axis 0 of
-a batched tensor) is never removed nor moved.
+The kept axes are identity maps, so every dim splits freely; the batch may move (its
+kind follows it through the maps).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from onnx2soap.ir import AxisMap, Broadcast, Operand, identity
 from onnx2soap.ops.base import C, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
-from onnx2soap.ops.defs.transpose import carries_batch, int_values, normalized_axes
+from onnx2soap.ops.defs.transpose import int_values, normalized_axes
 
 
 def convert_squeeze(ctx: NodeContext):
@@ -26,11 +26,6 @@ def convert_squeeze(ctx: NodeContext):
             raise ctx.fail(f"axes {wide} of input {list(x.shape)} are not of size 1")
     else:  # no axes: every size-1 axis goes
         removed = {a for a, s in enumerate(x.shape) if s == 1}
-    if carries_batch(x) and 0 in removed:
-        raise ctx.fail(
-            f"squeezing axis 0 of input {list(x.shape)} removes the batch axis (batch size "
-            "1); name the axes to squeeze, without 0"
-        )
     kept = [a for a in range(rank) if a not in removed]
     dims = list(zip(axis_names(len(kept)), (x.shape[a] for a in kept), strict=True))
     axes: list[AxisMap] = []
@@ -45,11 +40,6 @@ def convert_unsqueeze(ctx: NodeContext):
     requested = int_values(ctx, 1, "axes")
     out_rank = rank + len(requested)
     added = set(normalized_axes(ctx, requested, out_rank, "axes"))
-    if carries_batch(x) and 0 in added:
-        raise ctx.fail(
-            f"unsqueezing at axis 0 of input {list(x.shape)} moves the batch axis to axis 1; "
-            "only axes after the batch axis are supported"
-        )
     dims = list(zip(axis_names(rank), x.shape, strict=True))
     # Input axis k is the k-th output axis that is not a new one.
     out_dims: list[int | None] = []

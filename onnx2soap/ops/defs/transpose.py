@@ -10,19 +10,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from onnx2soap.ir import Operand, Tensor, TensorRole, identity
+from onnx2soap.ir import Operand, Tensor, identity
 from onnx2soap.ops.base import OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 # --- shared by the layout ops --------------------------------------------------------------
 
+
 # Tensors whose axis 0 is the batch: the data, the labels and what ops compute from them.
-# Weights, state and constants have no batch axis, so any layout change is fine on them.
-_BATCHED = frozenset({TensorRole.INPUT, TensorRole.LABELS, TensorRole.ACTIVATION})
-
-
 def carries_batch(t: Tensor) -> bool:
-    return t.role in _BATCHED
+    """Computed from a data input: axis 0 started as the batch. Weights, constants and
+    what is computed from them alone have none, so any layout change is fine on them."""
+    return t.batched
 
 
 def int_values(ctx: NodeContext, i: int, what: str) -> tuple[int, ...]:
