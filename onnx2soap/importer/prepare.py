@@ -345,6 +345,73 @@ def _evaluate(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) ->
             ) from reference_error
 
 
+def _split_sequences(
+    model: onnx.ModelProto, types: dict[str, TensorType]
+) -> tuple[onnx.ModelProto, bool]:
+    """``SequenceAt(SplitToSequence(x, split, axis), k)`` with constant splits and
+    positions (what dynamo writes for ``torch.split`` without its optimizer) becomes one
+    ``Split`` whose outputs are the picked parts: the same tensors, no sequences."""
+    nodes = list(model.graph.node)
+    known = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    known.update(
+        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
+        for n in nodes
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    )
+    splits = {n.output[0]: n for n in nodes if n.op_type == "SplitToSequence"}
+    picks = [n for n in nodes if n.op_type == "SequenceAt" and n.input[0] in splits]
+    if not picks:
+        return model, False
+    replaced: dict[int, onnx.NodeProto] = {}
+    done = set()
+    for seq, split in splits.items():
+        mine = [p for p in picks if p.input[0] == seq]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in split.attribute}
+        sizes = known.get(split.input[1]) if len(split.input) > 1 else None
+        axis = int(attrs.get("axis", 0))
+        source = types.get(split.input[0])
+        if sizes is not None and np.ndim(sizes) == 0 and source is not None:
+            # a scalar split: chunks of that size, the last one shorter
+            total, step = source.shape[axis], int(sizes)
+            sizes = [min(step, total - lo) for lo in range(0, total, step)] if step > 0 else None
+        positions = [known.get(p.input[1]) for p in mine]
+        if (
+            not mine
+            or sizes is None
+            or np.ndim(sizes) != 1
+            or attrs.get("keepdims", 1) != 1
+            or any(v is None for v in positions)
+            or len([p for p in picks if p.input[0] == seq]) != len(mine)
+            or any(seq in n.input for n in nodes if n.op_type != "SequenceAt")
+        ):
+            continue
+        count = len(sizes)
+        outputs = [f"{seq}:part{k}" for k in range(count)]
+        for p, v in zip(mine, positions, strict=True):
+            outputs[int(v) % count] = p.output[0]
+        sizes_name = f"{seq}:sizes"
+        model.graph.initializer.append(
+            numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), sizes_name)
+        )
+        replaced[id(split)] = onnx.helper.make_node(
+            "Split", [split.input[0], sizes_name], outputs, name=split.name or seq, axis=axis
+        )
+        done.add(id(split))
+        done.update(id(p) for p in mine)
+    if not done:
+        return model, False
+    kept = []
+    for n in nodes:
+        if id(n) in done:
+            if n.op_type == "SplitToSequence":
+                kept.append(replaced[id(n)])
+            continue
+        kept.append(n)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return model, True
+
+
 def _fold_pass(
     model: onnx.ModelProto, opset: int, float_inits: set[str], literal: set[str]
 ) -> tuple[onnx.ModelProto, bool]:
@@ -363,6 +430,10 @@ def _fold_pass(
             attrs = {a.name: a.i for a in node.attribute}
             window = slice(attrs.get("start", 0), attrs.get("end"))
             outs = [np.array(types[node.input[0]].shape[window], dtype=np.int64)]
+        elif node.op_type == "CastLike" and node.input[0] in known and node.input[1] in types:
+            # Only the second input's element type matters: a constant cast to it.
+            target = onnx.helper.tensor_dtype_to_np_dtype(types[node.input[1]].elem_type)
+            outs = [np.asarray(known[node.input[0]]).astype(target)]
         elif (
             node.domain in ("", "ai.onnx")
             and node.op_type not in RANDOM_OPS
@@ -409,6 +480,9 @@ def prepare(path: Path, batch: int | None, *, allow_nonfinite: bool = False) -> 
     for _ in range(_MAX_FOLD_PASSES):
         try:
             model, changed = _fold_pass(model, opset, float_inits, literal)
+            # The splits' sizes may need shapes folding has just made static.
+            model, rewritten = _split_sequences(model, _types(model))
+            changed = changed or rewritten
         except ModelError as e:
             raise ModelError(f"{path}: {e}") from e
         if not changed:
