@@ -1,0 +1,67 @@
+"""Transformers and RNNs as users bring them (tiny configs, random init, dropout 0):
+GPT-2 (tied embeddings), BERT, ViT, T5, BART, nn.TransformerEncoder, an LSTM language
+model, a GRU classifier and a LayerNorm-GELU MLP. Each imports from the exporters that
+export it and trains on a random plan of 2-4 ranks exactly like one device (float64,
+1e-10, 2 steps) under a real mpiexec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.errors import ModelError
+from onnx2soap.importer import load_model
+from onnx2soap.ir import DType
+from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
+
+BATCH, STEPS, LR = 4, 2, 0.05
+MODELS = (
+    "gpt2",
+    "bert",
+    "vit",
+    "t5",
+    "bart",
+    "transformer_encoder",
+    "lstm_lm",
+    "gru_classifier",
+    "mlp_ln_gelu",
+)
+# What does not import, and why (each checked to be refused in one clean line, or not
+# exportable by torch at all).
+NOT_EXPORTED = {("gpt2", "legacy"): "torch 2.13 cannot export aten::diff (opset 17)"}
+REFUSED = {("bert", "dynamo"): "GatherND"}  # the padding mask indexed along the batch
+CASES = [
+    (name, exporter)
+    for name in MODELS
+    for exporter in ("legacy", "dynamo")
+    if (name, exporter) not in NOT_EXPORTED
+]
+
+
+@pytest.mark.parametrize(("name", "exporter"), CASES)
+def test_imports_or_is_refused_clearly(sequence_onnx, name: str, exporter: str) -> None:
+    path = sequence_onnx(name, exporter)
+    if (name, exporter) in REFUSED:
+        with pytest.raises(ModelError, match=REFUSED[(name, exporter)]):
+            load_model(path, BATCH)
+        return
+    graph = load_model(path, BATCH).graph
+    assert graph.loss_op is not None and graph.weights
+
+
+TRAINED = [c for c in CASES if c not in REFUSED]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("name", "exporter"), TRAINED)
+def test_trains_like_one_device(sequence_onnx, tmp_path: Path, name: str, exporter) -> None:
+    model = sequence_onnx(name, exporter)
+    one = tmp_path / "one.json"
+    make_plan(model, one, 1, BATCH, "data-parallel")
+    losses, weights = reference(one, STEPS, DType.FLOAT64, LR)
+    ranks = 2 + (MODELS.index(name) + (exporter == "dynamo")) % 3
+    plan = tmp_path / f"random-{ranks}.json"
+    make_plan(model, plan, ranks, BATCH, "random", seed=13)
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    assert_same_training(mpirun(plan, ranks, tmp_path, *args), losses, weights, rtol=1e-10)
