@@ -34,17 +34,26 @@ def _classes(graph: Graph) -> int | None:
 
 
 def id_bound(graph: Graph, name: str) -> int:
-    """Valid ids of integer input ``name`` are below this: the smallest bound any op that
-    reads it states (an embedding's row count), else that of a 0/1 mask."""
+    """Valid ids of integer tensor ``name`` are below this: the smallest bound any op that
+    reads it states (an embedding's row count), following ops that only move values
+    (a reshape of the ids), else that of a 0/1 mask."""
+    bound = _stated_bound(graph, name)
+    return MASK_BOUND if bound is None else bound
+
+
+def _stated_bound(graph: Graph, name: str) -> int | None:
     bounds = []
     for op in graph.ops:
-        bound_of = definition(op.type).id_bound
-        if bound_of is None:
-            continue
+        d = definition(op.type)
         for k, t in enumerate(op.inputs):
-            if t == name and (b := bound_of(op, k, graph.tensors)) is not None:
-                bounds.append(b)
-    return min(bounds, default=MASK_BOUND)
+            if t != name:
+                continue
+            if d.id_bound is not None:
+                bounds.append(d.id_bound(op, k, graph.tensors))
+            elif d.moves_values:  # ids reshaped on their way to an embedding
+                bounds.append(_stated_bound(graph, op.output))
+    found = [b for b in bounds if b is not None]
+    return min(found) if found else None
 
 
 def _cast(graph: Graph, name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -231,6 +231,9 @@ class OpDef:
     # Integer operands: (op, operand index, tensors) -> the exclusive bound of valid ids
     # (an embedding's row count), so synthetic data draws ids the op can read.
     id_bound: Callable[..., int | None] | None = None
+    # The output holds input values, only moved (reshapes, slices, transposes): ids read
+    # through it keep the bounds of whoever reads the output.
+    moves_values: bool = False
 
     @property
     def is_loss(self) -> bool:

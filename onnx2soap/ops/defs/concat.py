@@ -57,6 +57,7 @@ def backward(xp, attrs: ConcatAttrs, inputs, output, grad_output, args):
 
 
 CONCAT = OpDef(
+    moves_values=True,
     name="Concat",
     versions=(13,),
     convert=convert,

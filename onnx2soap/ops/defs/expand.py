@@ -49,6 +49,7 @@ def backward(xp, attrs: ExpandAttrs, inputs, output, grad_output, args):
 
 
 EXPAND = OpDef(
+    moves_values=True,
     name="Expand",
     versions=(13,),
     convert=convert,

@@ -162,6 +162,7 @@ def backward(xp, attrs, inputs, output, grad_output, args):
 
 
 FLATTEN = OpDef(
+    moves_values=True,
     name="Flatten",
     versions=(13, 21, 23, 24, 25),
     convert=convert_flatten,
@@ -176,6 +177,7 @@ FLATTEN = OpDef(
 )
 
 RESHAPE = OpDef(
+    moves_values=True,
     name="Reshape",
     versions=(13, 14, 19, 21, 23, 24, 25),
     convert=convert_reshape,

@@ -167,6 +167,7 @@ def split_backward(xp, attrs, inputs, output, grad_output, args):
 
 
 SLICE = OpDef(
+    moves_values=True,
     name="Slice",
     versions=(13,),
     convert=convert_slice,
@@ -209,6 +210,7 @@ SLICE = OpDef(
 )
 
 SPLIT = OpDef(
+    moves_values=True,
     name="Split",
     versions=(13, 18),
     convert=convert_split,

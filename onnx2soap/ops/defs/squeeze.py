@@ -58,6 +58,7 @@ def backward(xp, attrs, inputs, output, grad_output, args):
 
 
 SQUEEZE = OpDef(
+    moves_values=True,
     name="Squeeze",
     versions=(13, 21, 23, 24, 25),
     convert=convert_squeeze,
@@ -73,6 +74,7 @@ SQUEEZE = OpDef(
 )
 
 UNSQUEEZE = OpDef(
+    moves_values=True,
     name="Unsqueeze",
     versions=(13, 21, 23, 24, 25),
     convert=convert_unsqueeze,

@@ -87,6 +87,7 @@ def backward(xp, attrs: TransposeAttrs, inputs, output, grad_output, args):
 
 
 TRANSPOSE = OpDef(
+    moves_values=True,
     name="Transpose",
     versions=(13, 21, 23, 24, 25),
     convert=convert,
