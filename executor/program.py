@@ -90,6 +90,28 @@ class ReduceStats:
 
 
 @dataclass(frozen=True)
+class SumOutputs:
+    """Forward of an op with partial sums: add the group's partial output tiles (an
+    all-reduce over its devices); the owner task's output becomes the sum."""
+
+    op: int
+    group: int  # index into PartitionedGraph.sums[op name]
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShareGrad:
+    """Backward of an op with partial sums: the owner assembles its tile's gradient from
+    ``pieces``; an all-reduce in which the others add zeros gives every task of the group
+    that gradient."""
+
+    op: int
+    group: int
+    devices: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
 class Send:
     transfer: Transfer
 
@@ -106,7 +128,7 @@ class AllReduce:
     devices: tuple[int, ...]
 
 
-Instruction = Compute | Partial | ReduceStats | Send | Wait | AllReduce
+Instruction = Compute | Partial | ReduceStats | SumOutputs | ShareGrad | Send | Wait | AllReduce
 
 
 @dataclass(frozen=True)
@@ -154,6 +176,54 @@ def _pieces(pg: PartitionedGraph, fwd: list[Transfer]) -> dict[tuple, list[Piece
     return pieces
 
 
+def _plain_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
+    """One phase of an op: per task, wait, compute, send; an op with statistics first
+    assembles and reduces them (``Partial``, ``ReduceStats``)."""
+    order: list[tuple[int, Instruction]] = []
+    tasks = pg.tasks[op.name]
+    synced = bool(op.nest.sync_dims)
+    if synced:
+        for task in tasks:
+            key = (phase, i, task.index)
+            order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
+            order.append((task.device, Partial(phase, i, task.index, tuple(pieces.get(key, [])))))
+        for g, group in enumerate(pg.stats[op.name]):
+            order += [(d, ReduceStats(phase, i, g, group.devices)) for d in group.devices]
+    for task in tasks:
+        key = (phase, i, task.index)
+        if not synced:
+            order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
+        given = () if synced else tuple(pieces.get(key, []))
+        order.append((task.device, Compute(phase, i, task.index, given)))
+        order += [(t.src, Send(t)) for t in sends.get(key, [])]
+    return order
+
+
+def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
+    """One phase of an op with partial sums. Forward: every task computes its partial
+    tile, each group sums them into its owner, which sends the tile on. Backward: the
+    owners receive their tiles' gradients, each group shares them, every task computes."""
+    order: list[tuple[int, Instruction]] = []
+    tasks, groups = pg.tasks[op.name], pg.sums[op.name]
+    for task in tasks:
+        key = (phase, i, task.index)
+        order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
+        if phase is Phase.FORWARD:
+            order.append((task.device, Compute(phase, i, task.index, tuple(pieces.get(key, [])))))
+    for g, group in enumerate(groups):
+        if phase is Phase.FORWARD:
+            order += [(d, SumOutputs(i, g, group.devices)) for d in group.devices]
+        else:
+            given = tuple(pieces.get((phase, i, group.owner), []))
+            order += [(d, ShareGrad(i, g, group.devices, given)) for d in group.devices]
+    for task in tasks:
+        key = (phase, i, task.index)
+        if phase is Phase.BACKWARD:
+            order.append((task.device, Compute(phase, i, task.index, ())))
+        order += [(t.src, Send(t)) for t in sends.get(key, [])]
+    return order
+
+
 def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
     """Every instruction of a step, with the device that executes it, in global order."""
     graph = pg.graph
@@ -174,22 +244,11 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
         for i, op in ops:
             if phase is Phase.BACKWARD and not graph.differentiable(op.output):
                 continue  # nothing flows back through ids or masks computed from them
-            tasks = pg.tasks[op.name]
-            if op.nest.sync_dims:
-                for task in tasks:
-                    key = (phase, i, task.index)
-                    order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
-                    partial = Partial(phase, i, task.index, tuple(pieces.get(key, [])))
-                    order.append((task.device, partial))
-                for g, group in enumerate(pg.stats[op.name]):
-                    order += [(d, ReduceStats(phase, i, g, group.devices)) for d in group.devices]
-            for task in tasks:
-                key = (phase, i, task.index)
-                if not op.nest.sync_dims:
-                    order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
-                given = () if op.nest.sync_dims else tuple(pieces.get(key, []))
-                order.append((task.device, Compute(phase, i, task.index, given)))
-                order += [(t.src, Send(t)) for t in sends.get(key, [])]
+            links = (waits, sends, pieces)
+            if op.nest.partial_dims:
+                order += _summed_op(pg, phase, i, op, *links)
+            else:
+                order += _plain_op(pg, phase, i, op, *links)
             if phase is Phase.BACKWARD:
                 # The op's weight gradients are complete: all-reduce them now, while the
                 # rest of the backward pass is still ahead (as the simulator schedules it).

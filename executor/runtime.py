@@ -22,6 +22,8 @@ from executor.program import (
     Program,
     ReduceStats,
     Send,
+    ShareGrad,
+    SumOutputs,
     Transfer,
     Wait,
 )
@@ -93,7 +95,10 @@ class Runtime:
             if g.trainable and len(g.devices) > 1
         )
         transport.make_groups(
-            g.devices for op in self.graph.ops for g in pg.stats[op.name] if len(g.devices) > 1
+            g.devices
+            for op in self.graph.ops
+            for g in (*pg.stats[op.name], *pg.sums[op.name])
+            if len(g.devices) > 1
         )
 
     def dtype_of(self, tensor: str) -> np.dtype:
@@ -126,6 +131,10 @@ class Runtime:
                 state.partial(ins)
             elif isinstance(ins, ReduceStats):
                 state.reduce_stats(ins)
+            elif isinstance(ins, SumOutputs):
+                state.sum_outputs(ins)
+            elif isinstance(ins, ShareGrad):
+                state.share_grad(ins)
             elif isinstance(ins, Compute) and ins.phase is Phase.FORWARD:
                 state.forward(ins)
             elif isinstance(ins, Compute):
@@ -144,6 +153,8 @@ class Runtime:
 def _phase(ins) -> Phase:
     if isinstance(ins, Compute | Partial | ReduceStats):
         return ins.phase
+    if isinstance(ins, SumOutputs):
+        return Phase.FORWARD
     if isinstance(ins, Send | Wait):
         return ins.transfer.phase
     return Phase.BACKWARD  # all-reduces of weight gradients
@@ -216,6 +227,7 @@ class _Step:
             stats=self.totals.get((Phase.FORWARD, *key)),
             grad_stats=self.totals.get((Phase.BACKWARD, *key)),
             float_dtype=self.rt.dtype,
+            box=task.box,
         )
 
     def partial(self, ins: Partial) -> None:
@@ -233,6 +245,36 @@ class _Step:
             args = self._args(ins.op, task)
             partial = stats.backward(np, op.attrs, inputs, output, grad, args)
         self.partials[(ins.phase, *key)] = np.ascontiguousarray(partial, dtype=self.rt.dtype)
+
+    def _local(self, op_index: int, tasks) -> list[int]:
+        return [t for t in tasks if self.rt.task((op_index, t)).device == self.rt.rank]
+
+    def sum_outputs(self, ins: SumOutputs) -> None:
+        """The group's partial tiles summed; the owner's output becomes the sum."""
+        group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
+        mine = self._local(ins.op, group.tasks)
+        total = self.outputs[(ins.op, mine[0])].copy()
+        for t in mine[1:]:
+            total += self.outputs[(ins.op, t)]
+        if len(group.devices) > 1:
+            self.rt.transport.allreduce_sum(total, group.devices)
+        if group.owner in mine:
+            self.outputs[(ins.op, group.owner)] = total
+
+    def share_grad(self, ins: ShareGrad) -> None:
+        """Every task of the group gets the gradient of the tile its owner received."""
+        group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
+        mine = self._local(ins.op, group.tasks)
+        owner = self.rt.task((ins.op, group.owner))
+        if group.owner in mine:
+            as_compute = Compute(Phase.BACKWARD, ins.op, group.owner, ins.pieces)
+            grad = self._grad_output(as_compute, owner)
+        else:
+            grad = np.zeros(rect_shape(owner.output), dtype=self.rt.dtype)
+        if len(group.devices) > 1:
+            self.rt.transport.allreduce_sum(grad, group.devices)
+        for t in mine:
+            self.grad_outputs[(ins.op, t)] = grad
 
     def reduce_stats(self, ins: ReduceStats) -> None:
         """Gather the group's partials (each task's in its slot, by an exact all-reduce
@@ -287,7 +329,8 @@ class _Step:
     def backward(self, ins: Compute) -> None:
         key = (ins.op, ins.task)
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
-        grad_out = self.grad_outputs.pop(key) if op.nest.sync_dims else self._grad_output(ins, task)
+        shared = op.nest.sync_dims or op.nest.partial_dims
+        grad_out = self.grad_outputs.pop(key) if shared else self._grad_output(ins, task)
         grads = definition(op.type).backward(
             np, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(ins.op, task)
         )

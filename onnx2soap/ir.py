@@ -171,6 +171,13 @@ class LoopNest:
     flops_per_point: int = 1
     sync_dims: tuple[int, ...] = ()
     sync_values: tuple[int, int] = (0, 0)
+    # Reduction dims a plan may split all the same (an embedding's vocabulary): the tasks
+    # that differ only in them compute partial outputs, which are summed; the first of
+    # them owns the tile, and each gets the whole tile's gradient back.
+    partial_dims: tuple[int, ...] = ()
+    # Dims that do no work per point (a lookup's vocabulary: one row is read, not all):
+    # FLOPs count the points of the other dims only.
+    free_dims: tuple[int, ...] = ()
 
     @property
     def points(self) -> int:
@@ -178,7 +185,11 @@ class LoopNest:
 
     @property
     def flops(self) -> int:
-        return self.points * self.flops_per_point
+        return self.work_points(tuple((0, d.size) for d in self.dims)) * self.flops_per_point
+
+    def work_points(self, box) -> int:
+        """The points of ``box`` that do work (all but ``free_dims``)."""
+        return math.prod(hi - lo for i, (lo, hi) in enumerate(box) if i not in self.free_dims)
 
     def dim_index(self, name: str) -> int:
         for i, d in enumerate(self.dims):

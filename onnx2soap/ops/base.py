@@ -48,6 +48,8 @@ class TaskArgs:
     grad_stats: the same for the backward's statistics.
     float_dtype: the run's float dtype (float32 or float64): what a Cast of ids to float
                 produces.
+    box:        the task's global box, per iteration dim: where a partial op's share of a
+                split reduction lies (an embedding's vocabulary rows).
     """
 
     out_shape: tuple[int, ...]
@@ -59,6 +61,7 @@ class TaskArgs:
     stats: Array | None = None
     grad_stats: Array | None = None
     float_dtype: Any = None
+    box: tuple[Interval, ...] = ()  # the task's box of iteration dims (global)
 
 
 @dataclass(frozen=True)

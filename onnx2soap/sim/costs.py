@@ -27,7 +27,7 @@ class CostModel(Protocol):
 
 
 def task_flops(op: Op, task: Task) -> int:
-    return task.points * op.nest.flops_per_point
+    return op.nest.work_points(task.box) * op.nest.flops_per_point
 
 
 def task_bytes(task: Task, itemsize: int) -> int:

@@ -196,7 +196,42 @@ def _phase_tasks(ctx: _Context, op, kind: TaskKind, durations) -> tuple[dict, di
         for i in group.tasks:
             for before in finished:
                 ctx.b.dep(before, end[i])
+    if op.nest.partial_dims:
+        _partial_sums(ctx, op, kind, start, end)
     return start, end
+
+
+def _partial_sums(ctx: _Context, op, kind: TaskKind, start: dict, end: dict) -> None:
+    """An op with partial sums, as the executor runs it. Forward: each group's partial
+    tiles are all-reduced once computed, and the owner's tile is ready after that ring.
+    Backward: the owner receives the tile's gradient (a gate of no duration), a ring
+    shares it, and every task computes after it."""
+    tasks = ctx.pg.tasks[op.name]
+    forward = kind is TaskKind.FORWARD
+    for group in ctx.pg.sums[op.name]:
+        owner = tasks[group.owner]
+        gate = ctx.b.add(kind, 0.0, (owner.device,), name=lambda o=op: f"sum {o.name}")
+        ready: dict[int, list[int]] = {d: [] for d in group.devices}
+        if forward:
+            for i in group.tasks:
+                ready[tasks[i].device].append(end[i])
+        else:
+            ready[owner.device].append(gate)
+        what = f"partial sums {op.name} {'fwd' if forward else 'bwd'}"
+        if len(group.devices) > 1:
+            finished = _ring(ctx, group.devices, group.numel, ready, what)
+        else:
+            finished = [x for r in ready.values() for x in r]
+        if forward:  # the owner's tile: after the ring
+            for before in finished:
+                ctx.b.dep(before, gate)
+            end[group.owner] = gate
+        else:  # every task computes once the gradient is shared
+            for i in group.tasks:
+                for before in finished:
+                    if before != start[i]:
+                        ctx.b.dep(before, start[i])
+            start[group.owner] = gate
 
 
 def _compute_tasks(ctx: _Context) -> None:

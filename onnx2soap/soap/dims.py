@@ -86,7 +86,8 @@ def op_dims(op: Op, graph: Graph, batch_axes: dict[str, frozenset[int]]) -> tupl
             kind = DimKind.PARAMETER
         else:
             kind = DimKind.ATTRIBUTE
-        splittable = (kept or kind is DimKind.SAMPLE) and i not in hidden and d.size > 1
+        summed = i in nest.partial_dims  # split, the partial outputs summed
+        splittable = (kept or kind is DimKind.SAMPLE or summed) and i not in hidden and d.size > 1
         splittable = splittable and d.max_degree > 1
         dims.append(SoapDim(d.name, d.size, kind, axis_of.get(i), splittable, d.granule))
     return tuple(dims)

@@ -223,6 +223,47 @@ def stat_groups(op: Op, tasks: Sequence[Task]) -> tuple[StatGroup, ...]:
 
 
 @dataclass(frozen=True)
+class SumGroup:
+    """Tasks of an op with ``LoopNest.partial_dims`` that write the same output tile:
+    their partial outputs are summed over ``devices`` (an all-reduce), ``tasks[0]`` owns
+    the sum (it alone sends the tile on), and its gradient is shared back the same way.
+    ``numel`` is the tile's size."""
+
+    tasks: tuple[int, ...]
+    devices: tuple[int, ...]
+    numel: int
+
+    @property
+    def owner(self) -> int:
+        return self.tasks[0]
+
+
+def sum_groups(op: Op, tasks: Sequence[Task]) -> tuple[SumGroup, ...]:
+    if not op.nest.partial_dims:
+        return ()
+    by_tile: dict[Rect, list[Task]] = {}
+    for t in tasks:
+        by_tile.setdefault(t.output, []).append(t)
+    return tuple(
+        SumGroup(
+            tasks=tuple(t.index for t in members),
+            devices=tuple(sorted({t.device for t in members})),
+            numel=rect_volume(tile),
+        )
+        for tile, members in by_tile.items()
+    )
+
+
+def owners(op: Op, tasks: Sequence[Task]) -> tuple[Task, ...]:
+    """The tasks whose output tiles partition the tensor: all of them, or for an op with
+    partial sums the first task of each tile."""
+    if not op.nest.partial_dims:
+        return tuple(tasks)
+    first = {g.owner for g in sum_groups(op, tasks)}
+    return tuple(t for t in tasks if t.index in first)
+
+
+@dataclass(frozen=True)
 class ReplicaGroup:
     """Tasks of one op that read the same Rect of a weight (or a state tensor); each of
     ``devices`` (distinct, sorted) holds one copy of the Rect. A weight's gradients are

@@ -13,11 +13,14 @@ from onnx2soap.soap.partition import (
     ParallelConfig,
     ReplicaGroup,
     StatGroup,
+    SumGroup,
     Task,
     op_tasks,
     overlaps,
+    owners,
     replica_groups,
     stat_groups,
+    sum_groups,
 )
 from onnx2soap.soap.strategy import Strategy
 
@@ -42,6 +45,7 @@ class PartitionedGraph:
     edges: tuple[Edge, ...]  # in consumer order, then operand order
     groups: Mapping[str, tuple[ReplicaGroup, ...]]
     stats: Mapping[str, tuple[StatGroup, ...]]  # empty for ops without statistics
+    sums: Mapping[str, tuple[SumGroup, ...]]  # empty for ops without partial sums
 
     def moves(self) -> Iterator[tuple[Edge, Overlap, Task, Task]]:
         """Every overlap with its producer and consumer task, in edge order: what the
@@ -83,21 +87,22 @@ class Partitioner:
     ) -> Edge:
         key = (producer.name, pconf, consumer.name, cconf, operand)
         if key not in self._overlaps:
-            self._overlaps[key] = overlaps(
-                self.tasks(producer, pconf), self.tasks(consumer, cconf), operand
-            )
+            # Only the tiles' owners send: a partial sum is no tile.
+            producers = owners(producer, self.tasks(producer, pconf))
+            self._overlaps[key] = overlaps(producers, self.tasks(consumer, cconf), operand)
         tensor = consumer.inputs[operand]
         return Edge(tensor, producer.name, consumer.name, operand, self._overlaps[key])
 
     def partition(self, strategy: Strategy) -> PartitionedGraph:
-        tasks, edges, groups, stats = {}, [], {}, {}
+        tasks, edges, groups, stats, sums = {}, [], {}, {}, {}
         for op in self.graph.ops:
             config = strategy[op.name]
             tasks[op.name] = self.tasks(op, config)
             groups[op.name] = self.groups(op, config)
             stats[op.name] = stat_groups(op, tasks[op.name])
+            sums[op.name] = sum_groups(op, tasks[op.name])
             for operand, tensor in enumerate(op.inputs):
                 producer = self._producer.get(tensor)
                 if producer is not None:
                     edges.append(self.edge(producer, strategy[producer.name], op, config, operand))
-        return PartitionedGraph(self.graph, strategy, tasks, tuple(edges), groups, stats)
+        return PartitionedGraph(self.graph, strategy, tasks, tuple(edges), groups, stats, sums)

@@ -26,7 +26,14 @@ from onnx2soap.ir import Graph, LossKind, Op
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import Case, InputKind, RandomKey, Sample
 from onnx2soap.soap import analyze
-from onnx2soap.soap.partition import ParallelConfig, Task, op_tasks, rect_shape, stat_groups
+from onnx2soap.soap.partition import (
+    ParallelConfig,
+    Task,
+    op_tasks,
+    rect_shape,
+    stat_groups,
+    sum_groups,
+)
 
 _ONNX_TYPES = {
     "float32": onnx.TensorProto.FLOAT,
@@ -207,6 +214,7 @@ def task_args(
         valid=tuple(r.valid for r in task.inputs),
         loss_scale=loss_scale,
         origin=tuple(lo for lo, _ in task.output),
+        box=task.box,
         full_shape=tuple(full_shape),
         random=TEST_RANDOM,
     )
@@ -287,15 +295,17 @@ def forward_full(
             for t in tasks_of(graph, op, config)
         ]
         return np.asarray(sum(tiles), dtype=dtype)
-    out = np.full(shape, np.nan, dtype=dtype)
+    out = np.zeros(shape, dtype=dtype)
     covered = np.zeros(shape, dtype=np.int64)
     args = all_task_args(graph, op, config, arrays)
-    for task in tasks_of(graph, op, config):
+    tasks = tasks_of(graph, op, config)
+    for task in tasks:
         tile = d.forward(np, op.attrs, buffers(task, arrays), args[task.index])
         assert tile.shape == rect_shape(task.output), (tile.shape, task.output)
-        out[global_slices(task.output)] = tile
+        out[global_slices(task.output)] += tile  # partial sums add up; others cover once
         covered[global_slices(task.output)] += 1
-    assert (covered == 1).all(), "the task tiles must partition the output"
+    shares = {len(g.tasks) for g in sum_groups(op, tasks)} or {1}
+    assert len(shares) == 1 and (covered == shares.pop()).all(), "tiles must cover the output"
     return out
 
 

@@ -37,8 +37,11 @@ def test_random_plan_bytes(example_onnx: Path, tmp_path: Path, ranks: int, seed:
 def test_random_plan_bytes_with_synchronized_statistics(
     export_model, tmp_path: Path, ranks: int, seed: int
 ) -> None:
-    """BatchNorm in training mode: the statistics' all-reduces count too."""
+    """BatchNorm in training mode: the statistics' all-reduces count too; and a tied
+    embedding whose vocabulary splits: the partial sums' rings and the shared weight's
+    moves count too (int64 ids at their own width)."""
     _check_bytes(export_model("bnnet"), tmp_path, ranks, seed)
+    _check_bytes(export_model("tied"), tmp_path, ranks, seed)
 
 
 def _check_bytes(model: Path, tmp_path: Path, ranks: int, seed: int) -> None:

@@ -1,21 +1,21 @@
 """Gather: rows of ``data`` picked by integer ``indices`` along ``axis``: an embedding
 lookup (data a weight, indices token ids) or a selection by constant indices.
 
-The gathered axis of ``data`` is read whole (which row a task needs depends on the ids'
-values), every other axis one-to-one: so the lookup splits over the ids' axes (the
-batch, the positions) and over the embedding width, and a task holds the whole
-vocabulary of its width slice. The backward scatters the gradient rows back, repeated
-ids accumulating. Splitting the vocabulary itself (Megatron-style partial lookups
-summed) is a split along a reduction: not done yet.
+Every axis of ``data`` but the gathered one is read one-to-one, so a lookup splits over
+the ids' axes (the batch, the positions) and over the embedding width. With ids read at
+run time, the gathered axis (the vocabulary) is a reduction dim ``v`` that splits too,
+Megatron-style: each task looks up the ids that fall in its rows and writes zeros for the
+others, and the partial tiles are summed (``LoopNest.partial_dims``). The backward
+scatters the gradient rows back into the task's rows, repeated ids accumulating.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from onnx2soap.ir import Operand, Whole, identity
+from onnx2soap.ir import AxisMap, Operand, Whole, identity
 from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op
 from onnx2soap.ops.kernel_util import scatter_add
@@ -27,6 +27,7 @@ class GatherAttrs:
     size: int  # data's extent along axis: negative ids wrap by it
     indices: tuple[int, ...] | None = None  # constant indices, flattened; None: an operand
     indices_shape: tuple[int, ...] = ()
+    vocabulary: int | None = None  # the dim ``v`` of the gathered axis, when it splits
 
 
 def convert(ctx: NodeContext, *, axis=0):
@@ -55,15 +56,26 @@ def convert(ctx: NodeContext, *, axis=0):
     picked = [("n" if i == 0 else f"i{i}", s) for i, s in enumerate(index_shape)]
     trail = [("d" if i == 0 else f"d{i}", s) for i, s in enumerate(data.shape[axis + 1 :])]
     dims = [*lead, *picked, *trail]
+    kept = range(len(dims))
+    gathered: AxisMap = Whole()
+    if ids is not None:  # the vocabulary: a reduction whose partial lookups are summed
+        vocabulary = len(dims)
+        dims.append(("v", size))
+        gathered = identity(vocabulary)
+        attrs = replace(attrs, vocabulary=vocabulary)
     data_axes = (
         *(identity(i) for i in range(axis)),
-        Whole(),
+        gathered,
         *(identity(axis + k + i) for i in range(rank - axis - 1)),
     )
     operands = [Operand(data.name, data_axes)]
     if ids is not None:
         operands.append(Operand(ids.name, tuple(identity(axis + i) for i in range(k))))
-    return make_op(ctx, operands, attrs, dims, range(len(dims)), 1)
+    op = make_op(ctx, operands, attrs, dims, kept, 1)
+    if attrs.vocabulary is None:
+        return op
+    vocab = (attrs.vocabulary,)
+    return replace(op, nest=replace(op.nest, partial_dims=vocab, free_dims=vocab))
 
 
 def _indices(xp, attrs: GatherAttrs, inputs, args):
@@ -79,13 +91,37 @@ def _indices(xp, attrs: GatherAttrs, inputs, args):
     return xp.where(ids < 0, ids + attrs.size, ids)  # ONNX: negative ids count from the end
 
 
+def _rows(xp, attrs: GatherAttrs, inputs, args):
+    """(ids made local to the task's rows, which of them fall in its rows): all of them,
+    unless the vocabulary is split."""
+    ids = _indices(xp, attrs, inputs, args)
+    if attrs.vocabulary is None or not args.box:
+        return ids, None
+    lo, hi = args.box[attrs.vocabulary]
+    local = ids - lo
+    mine = (local >= 0) & (local < hi - lo)
+    return xp.where(mine, local, 0), mine
+
+
+def _as_output(mine, attrs: GatherAttrs, rank: int):
+    """The ids' mask shaped to broadcast against the output (or its gradient)."""
+    before, after = attrs.axis, rank - attrs.axis - mine.ndim
+    return mine.reshape((1,) * before + mine.shape + (1,) * after)
+
+
 def forward(xp, attrs: GatherAttrs, inputs, args):
-    return xp.take(inputs[0], _indices(xp, attrs, inputs, args), axis=attrs.axis)
+    ids, mine = _rows(xp, attrs, inputs, args)
+    out = xp.take(inputs[0], ids, axis=attrs.axis)
+    if mine is not None:  # other tasks' rows: zeros, for the partial sums
+        out = out * _as_output(mine, attrs, out.ndim)
+    return out
 
 
 def backward(xp, attrs: GatherAttrs, inputs, output, grad_output, args):
     data = inputs[0]
-    ids = _indices(xp, attrs, inputs, args)
+    ids, mine = _rows(xp, attrs, inputs, args)
+    if mine is not None:
+        grad_output = grad_output * _as_output(mine, attrs, grad_output.ndim)
     k, a = ids.ndim, attrs.axis
     # grad_output is lead + ids + trail: bring the ids' axes first, flattened, and the
     # gathered axis of the gradient first too, then add each row where its id points.
