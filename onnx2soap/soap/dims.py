@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from onnx2soap.ir import Affine, Graph, Op, TensorRole, Whole
+from onnx2soap.ir import Affine, Graph, Grouped, Op, TensorRole, Whole
 
 
 class DimKind(Enum):
@@ -46,12 +46,23 @@ def _direct_dim(m) -> int | None:
     return None
 
 
+def _batch_dim(m) -> int | None:
+    """The dim that carries the batch when an axis holding it is read through ``m``: a
+    one-to-one copy's dim; the outer dim of a split axis ([N*T] read as [N, T]); the
+    merged dim of a merge ([N, T] read as [N*T])."""
+    if isinstance(m, Grouped):
+        return m.dim
+    if isinstance(m, Affine) and m.terms and m.terms[-1][1] == 1:
+        return max(m.terms, key=lambda term: term[1])[0]  # the outermost (largest stride)
+    return None
+
+
 def _sample_dims(op: Op, batch_axes: dict[str, frozenset[int]]) -> set[int]:
     found = set()
     for operand in op.nest.inputs:
         axes = batch_axes.get(operand.tensor, frozenset())
         for a, m in enumerate(operand.axes):
-            d = _direct_dim(m)
+            d = _batch_dim(m)
             if d is not None and a in axes:
                 found.add(d)
     return found

@@ -65,3 +65,23 @@ def test_trains_like_one_device(sequence_onnx, tmp_path: Path, name: str, export
     make_plan(model, plan, ranks, BATCH, "random", seed=13)
     args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
     assert_same_training(mpirun(plan, ranks, tmp_path, *args), losses, weights, rtol=1e-10)
+
+
+def test_gpt2_dims_are_where_megatron_splits(sequence_onnx) -> None:
+    """inspect's view of GPT-2: the batch stays a sample dim through the reshapes that
+    merge it with the positions, the heads are an attribute dim that splits, and the
+    embedding's vocabulary is a reduction dim that splits (partial sums)."""
+    from onnx2soap.soap import DimKind, analyze
+
+    graph = load_model(sequence_onnx("gpt2", "dynamo"), BATCH).graph
+    space = analyze(graph)
+    lookup = next(op for op in graph.ops if op.type == "Gather" and op.nest.partial_dims)
+    vocabulary = {d.name: d for d in space[lookup.name]}["v"]
+    assert vocabulary.kind is DimKind.REDUCTION and vocabulary.splittable
+    heads = [op for op in graph.ops if op.type == "Softmax"]
+    assert heads
+    for op in heads:  # scores [batch, heads, query, key]
+        n, h = space[op.name][0], space[op.name][1]
+        assert n.kind is DimKind.SAMPLE and n.splittable
+        assert h.size == 2 and h.splittable
+    assert all(space[op.name][0].kind is DimKind.SAMPLE for op in graph.ops if op.type == "MatMul")
