@@ -7,6 +7,7 @@ import json
 
 from onnx2soap.cli.common import add_model_options, human, loss_choice
 from onnx2soap.importer import load_model
+from onnx2soap.importer.copies import weight_copies
 from onnx2soap.ir import Graph, Op
 from onnx2soap.soap import DimKind, SoapDim, analyze
 
@@ -105,10 +106,27 @@ def table(doc: dict, graph: Graph) -> str:
     return "\n".join(lines)
 
 
+def copy_lines(copies) -> list[str]:
+    """One warning per pair of weights that are copies: a tie the exporter broke."""
+    return [
+        f"warning: weights '{c.first}' and '{c.second}' are {c.kind.value} copies: if the "
+        "model ties them, the export broke the tie and they will train apart (export with "
+        "the legacy exporter, or dynamo with optimize=False)"
+        for c in copies
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     model = load_model(
         args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
     )
     doc = report(model.graph, args.model)
-    print(json.dumps(doc, indent=2) if args.json else table(doc, model.graph))
+    copies = weight_copies(model.weights)
+    doc["weight_copies"] = [
+        {"first": c.first, "second": c.second, "kind": c.kind.value} for c in copies
+    ]
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join([table(doc, model.graph), *copy_lines(copies)]))
     return 0

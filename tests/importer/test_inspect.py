@@ -130,3 +130,29 @@ def test_batchnorm_mode_shows_in_its_synchronized_dims(tmp_path: Path) -> None:
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]), path)
         (bn,) = report(load_model(path, loss=LossKind.NONE).graph, str(path))["ops"]
         assert {d["name"] for d in bn["dims"] if d["synchronized"]} == synced
+
+
+def test_weight_copies_are_found_and_constant_arrays_ignored() -> None:
+    import numpy as np
+
+    from onnx2soap.importer.copies import CopyKind, weight_copies
+
+    w = np.arange(6.0).reshape(2, 3)
+    copies = weight_copies(
+        {"a": w, "b": w.copy(), "c": w.T.copy(), "zeros1": np.zeros(4), "zeros2": np.zeros(4)}
+    )
+    assert {(c.first, c.second, c.kind) for c in copies} == {
+        ("a", "b", CopyKind.EQUAL),
+        ("a", "c", CopyKind.TRANSPOSED),
+    }
+
+
+@pytest.mark.parametrize(("exporter", "warned"), [("dynamo", True), ("legacy", False)])
+def test_inspect_warns_when_an_export_broke_a_tie(export_model, exporter, warned) -> None:
+    """Dynamo's default optimizer stores the tied LM head as a transposed copy of the
+    embedding; the legacy exporter keeps one weight."""
+    from tests.importer.helpers import run_cli
+
+    result = run_cli(["inspect", export_model("tied", exporter), "--batch", "4"])
+    assert result.code == 0
+    assert ("are transposed copies" in result.stdout) is warned, result.stdout[-500:]
