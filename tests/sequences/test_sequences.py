@@ -100,3 +100,46 @@ def test_search_is_no_slower_than_data_parallel(sequence_onnx, tmp_path: Path, n
     assert onnx2soap_main([*args, "-o", str(tmp_path / "p.json")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["predicted_step_time_s"] <= report["baselines"]["data-parallel"] * (1 + 1e-9)
+
+
+@pytest.mark.mpi
+def test_megatron_style_splits_train_like_one_device(sequence_onnx, tmp_path: Path) -> None:
+    """GPT-2 on 2 ranks with the splits Megatron-LM makes, on purpose rather than by
+    chance: the embedding's vocabulary split (partial lookups summed), attention split by
+    heads, the tied weight's Identity split by rows while its uses are split otherwise,
+    and everything else split over the batch; tasks placed across both ranks."""
+    import math
+
+    from onnx2soap.importer import file_sha256
+    from onnx2soap.soap import ParallelConfig, Plan, Strategy, analyze, plan_ops, save_plan
+
+    model = sequence_onnx("gpt2", "dynamo")
+    graph = load_model(model, BATCH).graph
+    space = analyze(graph)
+    shared = {op.name for op in graph.ops if op.name.endswith(":shared")}
+    configs, seen = {}, set()
+    for k, op in enumerate(graph.ops):
+        dims = space[op.name]
+        names = {d.name: d for d in dims if d.splittable}
+        if op.nest.partial_dims and "v" in names:
+            want = "v"  # the vocabulary
+        elif op.type in ("Softmax", "MatMul") and len(dims) > 2 and dims[1].splittable:
+            want = dims[1].name  # the heads (scores [batch, heads, ...], and their MatMuls)
+        elif op.name in shared:
+            want = dims[0].name  # the tied weight's rows
+        else:
+            want = next((d.name for d in dims if d.kind.value == "sample" and d.splittable), "")
+        degrees = tuple(2 if d.name == want else 1 for d in dims)
+        seen.add(want and ("v" if want == "v" else op.type))
+        tasks = math.prod(degrees)
+        configs[op.name] = ParallelConfig(degrees, tuple((i + k) % 2 for i in range(tasks)))
+    assert {"v", "Softmax", "Identity"} <= seen, seen
+    plan = tmp_path / "megatron.json"
+    strategy = Strategy(2, configs)
+    doc = Plan(model, file_sha256(model), BATCH, graph.loss, 2, plan_ops(strategy, graph, space))
+    save_plan(doc, plan)
+    one = tmp_path / "one.json"
+    make_plan(model, one, 1, BATCH, "data-parallel")
+    losses, weights = reference(one, STEPS, DType.FLOAT64, LR)
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    assert_same_training(mpirun(plan, 2, tmp_path, *args), losses, weights, rtol=1e-10)
