@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from onnx2soap.errors import ModelError
 from onnx2soap.importer import load_model
 from onnx2soap.ir import DType
 from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
@@ -28,10 +27,8 @@ MODELS = (
     "gru_classifier",
     "mlp_ln_gelu",
 )
-# What does not import, and why (each checked to be refused in one clean line, or not
-# exportable by torch at all).
+# What torch cannot export at all.
 NOT_EXPORTED = {("gpt2", "legacy"): "torch 2.13 cannot export aten::diff (opset 17)"}
-REFUSED = {("bert", "dynamo"): "GatherND"}  # the padding mask indexed along the batch
 CASES = [
     (name, exporter)
     for name in MODELS
@@ -41,17 +38,12 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "exporter"), CASES)
-def test_imports_or_is_refused_clearly(sequence_onnx, name: str, exporter: str) -> None:
-    path = sequence_onnx(name, exporter)
-    if (name, exporter) in REFUSED:
-        with pytest.raises(ModelError, match=REFUSED[(name, exporter)]):
-            load_model(path, BATCH)
-        return
-    graph = load_model(path, BATCH).graph
+def test_imports(sequence_onnx, name: str, exporter: str) -> None:
+    graph = load_model(sequence_onnx(name, exporter), BATCH).graph
     assert graph.loss_op is not None and graph.weights
 
 
-TRAINED = [c for c in CASES if c not in REFUSED]
+TRAINED = CASES
 
 
 @pytest.mark.mpi
