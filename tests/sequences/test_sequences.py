@@ -80,7 +80,7 @@ def test_gpt2_dims_are_where_megatron_splits(sequence_onnx) -> None:
     assert all(space[op.name][0].kind is DimKind.SAMPLE for op in graph.ops if op.type == "MatMul")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "lstm_lm"])
+@pytest.mark.parametrize("name", MODELS)
 def test_search_is_no_slower_than_data_parallel(sequence_onnx, tmp_path: Path, name, capsys):
     import json
 
