@@ -32,7 +32,7 @@ from onnx2soap.ir import Graph, TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey
 from onnx2soap.soap import PartitionedGraph
-from onnx2soap.soap.partition import Rect, Task, rect_shape
+from onnx2soap.soap.partition import Rect, Task, owners, rect_shape
 
 TaskKey = tuple[int, int]  # (op index, task index)
 WeightKey = tuple[str, Rect]
@@ -109,11 +109,19 @@ class Runtime:
         return self.tasks[key[0]][key[1]]
 
     def forward(self, batch: Batch) -> dict[tuple[str, int], np.ndarray]:
-        """Only the forward phase; the output tile of every local task, by (op, task)."""
+        """Only the forward phase; the output tile of every local task that owns one, by
+        (op, task) (a partial sum is no tile)."""
         state = _Step(self, batch, forward_only=True)
         self._run(state, forward_only=True)
         names = [op.name for op in self.graph.ops]
-        return {(names[op], task): tile for (op, task), tile in state.outputs.items()}
+        owned = {
+            (i, t.index) for i, op in enumerate(self.graph.ops) for t in owners(op, self.tasks[i])
+        }
+        return {
+            (names[op], task): tile
+            for (op, task), tile in state.outputs.items()
+            if (op, task) in owned
+        }
 
     def step(self, batch: Batch, lr: float) -> float:
         """Run one SGD step; returns the sum of this rank's partial losses."""

@@ -381,6 +381,7 @@ def _split_sequences(
             or np.ndim(sizes) != 1
             or attrs.get("keepdims", 1) != 1
             or any(v is None for v in positions)
+            or len({int(v) % len(sizes) for v in positions}) != len(positions)  # repeats
             or len([p for p in picks if p.input[0] == seq]) != len(mine)
             or any(seq in n.input for n in nodes if n.op_type != "SequenceAt")
         ):

@@ -58,7 +58,9 @@ def convert(ctx: NodeContext, *, axis=0):
     dims = [*lead, *picked, *trail]
     kept = range(len(dims))
     gathered: AxisMap = Whole()
-    if ids is not None:  # the vocabulary: a reduction whose partial lookups are summed
+    if ids is not None and data.dtype.is_float:
+        # the vocabulary: a reduction whose partial lookups are summed (ids gathered from
+        # ids gain nothing by it, and their tiles would be summed at int64 width)
         vocabulary = len(dims)
         dims.append(("v", size))
         gathered = identity(vocabulary)
@@ -112,8 +114,9 @@ def _as_output(mine, attrs: GatherAttrs, rank: int):
 def forward(xp, attrs: GatherAttrs, inputs, args):
     ids, mine = _rows(xp, attrs, inputs, args)
     out = xp.take(inputs[0], ids, axis=attrs.axis)
-    if mine is not None:  # other tasks' rows: zeros, for the partial sums
-        out = out * _as_output(mine, attrs, out.ndim)
+    if mine is not None:  # other tasks' rows: zeros, for the partial sums (where, not a
+        # product: an inf in the row standing in for them must not become NaN)
+        out = xp.where(_as_output(mine, attrs, out.ndim), out, 0).astype(out.dtype)
     return out
 
 
@@ -121,7 +124,8 @@ def backward(xp, attrs: GatherAttrs, inputs, output, grad_output, args):
     data = inputs[0]
     ids, mine = _rows(xp, attrs, inputs, args)
     if mine is not None:
-        grad_output = grad_output * _as_output(mine, attrs, grad_output.ndim)
+        mask = _as_output(mine, attrs, grad_output.ndim)
+        grad_output = xp.where(mask, grad_output, 0).astype(grad_output.dtype)
     k, a = ids.ndim, attrs.axis
     # grad_output is lead + ids + trail: bring the ids' axes first, flattened, and the
     # gathered axis of the gradient first too, then add each row where its id points.
