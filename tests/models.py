@@ -306,8 +306,11 @@ def export_dynamo(
     output_names: Sequence[str],
     dynamic_batch: bool = True,
     opset: int = DYNAMO_OPSET,
+    optimize: bool = True,
 ) -> Path:
-    """torch.export-based export; weights go to ``<path>.data`` beside the model."""
+    """torch.export-based export; weights go to ``<path>.data`` beside the model.
+    ``optimize=False`` keeps weights as the model has them (the optimizer may store a
+    tied weight as two initializers, one transposed)."""
     import torch
 
     dynamic_shapes = None
@@ -320,11 +323,13 @@ def export_dynamo(
         # deprecation notices are not ours to fix.
         warnings.filterwarnings("ignore", "Exporting a model while it is in training mode")
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
             model,
             args,
             str(path),
             dynamo=True,
+            optimize=optimize,
             dynamic_shapes=dynamic_shapes,
             external_data=True,
             opset_version=opset,
@@ -345,12 +350,13 @@ def export(
     output_names: Sequence[str] = ("output",),
     dynamic_batch: bool = True,
     opset: int | None = None,
+    optimize: bool = True,
 ) -> Path:
     """Export ``model`` to ``path`` with a symbolic batch axis named "batch".
 
     ``legacy``: TorchScript exporter, training mode, no constant folding, weights inside
     the file. ``dynamo``: torch.export-based exporter, weights in ``<path>.data``.
-    ``dynamic_batch=False`` fixes the batch at the example's.
+    ``dynamic_batch=False`` fixes the batch at the example's; ``optimize`` is dynamo's.
     """
     args = _as_tuple(example_input)
     path = Path(path)
@@ -362,6 +368,10 @@ def export(
         opset = DYNAMO_OPSET if opset is None else opset
     else:
         raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
+    if exporter == "dynamo":
+        return export_dynamo(
+            model, args, path, input_names, output_names, dynamic_batch, opset, optimize
+        )
     return fn(model, args, path, input_names, output_names, dynamic_batch, opset)
 
 

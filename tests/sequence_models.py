@@ -18,13 +18,12 @@ mode, no constant folding, opset 17); ``dynamo`` is exported here with ``optimiz
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tests.models import DYNAMO_OPSET, Exporter, export
+from tests.models import Exporter, export
 
 if TYPE_CHECKING:
     import torch
@@ -363,38 +362,19 @@ def sequence_inputs(name: str, batch: int = 2, seed: int = 1) -> tuple[torch.Ten
     return tuple(out)
 
 
-def export_dynamo_keep_ties(
-    model: nn.Module,
-    args: tuple[torch.Tensor, ...],
-    path: Path,
-    input_names: Sequence[str],
-    output_names: Sequence[str],
-    opset: int = DYNAMO_OPSET,
-) -> Path:
-    """torch.export-based export with ``optimize=False``, batch axis 0 of every input
-    symbolic (one shared Dim); weights in ``<path>.data``."""
-    import torch
-
-    batch = torch.export.Dim("batch")
-    model.train()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Exporting a model while it is in training mode")
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(
-            model,
-            args,
-            str(path),
-            dynamo=True,
-            optimize=False,
-            dynamic_shapes=tuple({0: batch} for _ in args),
-            external_data=True,
-            opset_version=opset,
-            input_names=list(input_names),
-            output_names=list(output_names),
-            verbose=False,
-        )
-    return path
+def export_built(name: str, model: nn.Module, args: tuple, path: Path, exporter: Exporter):
+    """Export a model built for ``name`` (inputs named as in its spec, output "logits");
+    dynamo with ``optimize=False``, which keeps tied weights as one initializer."""
+    spec = SEQUENCE_MODELS[name]
+    return export(
+        model,
+        args,
+        path,
+        exporter,
+        input_names=tuple(i.name for i in spec.inputs),
+        output_names=(spec.output_name,),
+        optimize=False,
+    )
 
 
 def export_sequence(
@@ -408,13 +388,6 @@ def export_sequence(
 ) -> Path:
     """Build model ``name`` of ``SEQUENCE_MODELS`` and export it to
     ``directory/<name>_<exporter>.onnx`` (inputs named as in the spec, output "logits")."""
-    spec = SEQUENCE_MODELS[name]
-    model = spec.build(seed=seed, dropout=dropout)
-    args = sequence_inputs(name, batch)
-    input_names = tuple(i.name for i in spec.inputs)
+    model = SEQUENCE_MODELS[name].build(seed=seed, dropout=dropout)
     path = Path(directory) / f"{name}_{exporter}.onnx"
-    if exporter == "dynamo":
-        return export_dynamo_keep_ties(model, args, path, input_names, (spec.output_name,))
-    return export(
-        model, args, path, exporter, input_names=input_names, output_names=(spec.output_name,)
-    )
+    return export_built(name, model, sequence_inputs(name, batch), path, exporter)

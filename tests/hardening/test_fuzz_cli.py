@@ -42,7 +42,7 @@ class Case:
 
 
 class Hang(Exception):
-    pass
+    """A case that gave no answer within its time limit."""
 
 
 @contextmanager

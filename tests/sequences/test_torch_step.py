@@ -113,22 +113,15 @@ def _export_float64(name: str, directory: Path) -> Path:
     example inputs in float64 (ids stay int64), the same two export paths."""
     import torch
 
-    from tests.models import export
-    from tests.sequence_models import SEQUENCE_MODELS, export_dynamo_keep_ties, sequence_inputs
+    from tests.sequence_models import SEQUENCE_MODELS, export_built, sequence_inputs
 
-    spec = SEQUENCE_MODELS[name]
-    model = spec.build(seed=0, dropout=0.0).double()
+    model = SEQUENCE_MODELS[name].build(seed=0, dropout=0.0).double()
     args = tuple(
         a.to(torch.float64) if a.is_floating_point() else a
         for a in sequence_inputs(name, EXPORT_BATCH)
     )
-    input_names = tuple(i.name for i in spec.inputs)
     path = directory / f"{name}_{EXPORTERS[name]}_float64.onnx"
-    if EXPORTERS[name] == "dynamo":
-        return export_dynamo_keep_ties(model, args, path, input_names, (spec.output_name,))
-    return export(
-        model, args, path, "legacy", input_names=input_names, output_names=(spec.output_name,)
-    )
+    return export_built(name, model, args, path, EXPORTERS[name])
 
 
 @pytest.fixture(scope="module")

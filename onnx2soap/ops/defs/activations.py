@@ -10,6 +10,7 @@ subgradient, and the cases draw their data away from it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -60,11 +61,9 @@ def _erf(xp, x):
     """erf(x) in x's dtype, accurate to ~1e-15 (computed in float64). cupy has a native
     erf (cupyx.scipy.special, no scipy needed); numpy gets the portable series."""
     if xp.__name__ == "cupy":
-        try:
+        with contextlib.suppress(ImportError):  # an older cupy: the portable series
             from cupyx.scipy.special import erf
-        except ImportError:
-            pass
-        else:
+
             return erf(x)
     return _erf_portable(xp, x.astype(xp.float64)).astype(x.dtype, copy=False)
 
