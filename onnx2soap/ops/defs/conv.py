@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import product
 
 from onnx2soap.ir import AxisMap, Grouped, Operand, identity
 from onnx2soap.ops.base import OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names
 from onnx2soap.ops.kernel_util import check_window_buffer, window_taps
 from onnx2soap.ops.windows import window, window_axes, window_outputs
+
+_LEAD = (slice(None), slice(None))  # n and channels: read as they are
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,23 @@ class _Layout:
     c_out: int  # output channels per group, in this task
     taps: int  # kernel positions
     out_spatial: tuple[int, ...]
-
-    @property
-    def points(self) -> int:
-        return math.prod(self.out_spatial)
+    buffer: tuple[int, ...]  # the X buffer's spatial shape
+    wide: bool  # stride 1 everywhere: the columns are flat shifted slices (see _Grid)
 
     @property
     def depth(self) -> int:  # the contraction length: channels x kernel positions
         return self.c_in * self.taps
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """The positions one column set spans per sample: the outputs themselves, or for
+        a wide layout every buffer position of the output rows (outputs and garbage)."""
+        return (self.out_spatial[0], *self.buffer[1:]) if self.wide else self.out_spatial
+
+    @property
+    def corner(self) -> tuple[slice, ...]:
+        """The outputs within the grid."""
+        return tuple(slice(o) for o in self.out_spatial)
 
 
 def _layout(attrs: ConvAttrs, x, w, out_shape) -> _Layout:
@@ -126,57 +138,135 @@ def _layout(attrs: ConvAttrs, x, w, out_shape) -> _Layout:
         c_out=w.shape[0] // g,
         taps=math.prod(attrs.kernel_shape),
         out_spatial=out_spatial,
+        buffer=tuple(x.shape[2:]),
+        wide=all(s == 1 for s in attrs.strides) and 0 not in out_spatial,
     )
 
 
+# The columns are (n, groups, c_in * taps, grid): what every output reads, per sample,
+# channel-major then tap (the row-major flattening of W's (c_in, *kernel) axes), so that
+# each product is one GEMM per sample and group (one xp.matmul call) that writes the
+# output in its own layout. Each tap is copied once, straight into its place.
+#
+# With stride 1 (the "wide" layout) output (i, j, ...) reads buffer position (i + a,
+# j + b, ...) at tap (a, b, ...): in the row-major flattened buffer, one shift per tap.
+# The columns then hold, per tap, one contiguous run of the flat buffer from that shift:
+# the outputs plus the "garbage" positions between output rows (j >= the output width),
+# whose results are dropped and whose gradients are zero. Long contiguous copies beat
+# short strided rows by far; the GEMMs grow by the ratio of buffer and output widths.
+
+
+def _offsets(attrs: ConvAttrs, buffer: tuple[int, ...]) -> list[int]:
+    """Per tap, row-major, the flat buffer index that output 0 reads."""
+    flat = [math.prod(buffer[i + 1 :]) for i in range(len(buffer))]
+    steps = [d * f for d, f in zip(attrs.dilations, flat, strict=True)]
+    return [
+        sum(k * s for k, s in zip(pos, steps, strict=True))
+        for pos in product(*(range(k) for k in attrs.kernel_shape))
+    ]
+
+
 def _columns(xp, attrs: ConvAttrs, x, lay: _Layout):
-    """(groups, c_in * taps, n * points): what every output reads, channel-major then tap,
-    matching the row-major flattening of W's (c_in, *kernel) axes."""
-    lead = (slice(None), slice(None))
-    taps = [x[(*lead, *sl)] for sl in window_taps(attrs, lay.out_spatial)]
-    cols = xp.stack(taps, axis=2)  # (n, C, taps, *out)
-    cols = cols.reshape(lay.n, lay.groups, lay.depth, lay.points)
-    return cols.transpose(1, 2, 0, 3).reshape(lay.groups, lay.depth, lay.n * lay.points)
+    n, c, length = lay.n, x.shape[1], math.prod(lay.grid)
+    shape = (n, lay.groups, lay.depth, length)
+    if lay.wide:
+        flat = x.reshape(n, c, -1)
+        if lay.taps == 1:  # a 1x1 convolution reads the buffer as it is
+            return flat[:, :, :length].reshape(shape)
+        runs = xp.empty((n, c, lay.taps, length), dtype=x.dtype)
+        for t, off in enumerate(_offsets(attrs, lay.buffer)):
+            m = min(length, flat.shape[2] - off)  # the grid's tail reads past the buffer
+            runs[:, :, t, :m] = flat[:, :, off : off + m]
+            runs[:, :, t, m:] = 0  # garbage, but finite: dW multiplies it by 0
+        return runs.reshape(shape)
+    cols = xp.empty((n, c, lay.taps, *lay.grid), dtype=x.dtype)
+    for t, sl in enumerate(window_taps(attrs, lay.out_spatial)):
+        cols[:, :, t] = x[(*_LEAD, *sl)]
+    return cols.reshape(shape)
 
 
-def _to_groups(y, lay: _Layout):
-    """(n, C_out, *out) -> (groups, c_out, n * points)."""
-    y = y.reshape(lay.n, lay.groups, lay.c_out, lay.points)
-    return y.transpose(1, 2, 0, 3).reshape(lay.groups, lay.c_out, lay.n * lay.points)
+def _col2im(xp, attrs: ConvAttrs, grad_cols, x, lay: _Layout):
+    """The gradient of the X buffer from that of its columns (the adjoint of _columns).
+    One slice per tap never repeats an index, so += is an exact scatter-add; taps that
+    overlap accumulate across iterations."""
+    n, c, length = lay.n, x.shape[1], math.prod(lay.grid)
+    if lay.wide and lay.taps == 1 and length * n * c == x.size:  # the columns were X
+        return grad_cols.reshape(x.shape)
+    grad_x = xp.zeros_like(x)
+    if lay.wide:
+        flat, runs = grad_x.reshape(n, c, -1), grad_cols.reshape(n, c, lay.taps, length)
+        for t, off in enumerate(_offsets(attrs, lay.buffer)):
+            m = min(length, flat.shape[2] - off)  # the rest is garbage, with gradient 0
+            flat[:, :, off : off + m] += runs[:, :, t, :m]
+        return grad_x
+    grad_cols = grad_cols.reshape(n, c, lay.taps, *lay.grid)
+    for t, sl in enumerate(window_taps(attrs, lay.out_spatial)):
+        grad_x[(*_LEAD, *sl)] += grad_cols[:, :, t]
+    return grad_x
 
 
-def _from_groups(y, lay: _Layout):
-    """(groups, c_out, n * points) -> (n, C_out, *out)."""
-    y = y.reshape(lay.groups, lay.c_out, lay.n, lay.points).transpose(2, 0, 1, 3)
-    return y.reshape(lay.n, lay.groups * lay.c_out, *lay.out_spatial)
+def _weight_grad(xp, gy, cols, lay: _Layout):
+    """dW (groups, c_out, depth): the sum over samples of gy[i] @ cols[i]^T.
+
+    One batched GEMM and a sum where its per-sample products are no larger than the
+    columns (large images: the early layers); a loop over the samples where they would
+    be (many channels on small images), to keep memory in check.
+    """
+    cols_t = xp.swapaxes(cols, 2, 3)  # BLAS reads it transposed, no copy
+    if lay.c_out <= math.prod(lay.grid):
+        return xp.matmul(gy, cols_t).sum(axis=0)
+    grad = xp.matmul(gy[0], cols_t[0])
+    for i in range(1, lay.n):
+        grad += xp.matmul(gy[i], cols_t[i])
+    return grad
+
+
+def _output(xp, product_, bias, lay: _Layout):
+    """(n, C_out, *out), contiguous, from the GEMM's (n, groups, c_out, grid), plus the
+    bias: in place, or where the grid has garbage one pass that also drops it."""
+    y = product_.reshape(lay.n, lay.groups * lay.c_out, *lay.grid)
+    b = None if bias is None else bias.reshape(1, -1, *(1 for _ in lay.grid))
+    if lay.grid == lay.out_spatial:
+        if b is not None:
+            y += b
+        return y
+    out = xp.empty((*y.shape[:2], *lay.out_spatial), dtype=y.dtype)
+    y = y[(*_LEAD, *lay.corner)]
+    if b is None:
+        out[...] = y
+    else:
+        xp.add(y, b, out=out)
+    return out
+
+
+def _grad_grid(xp, grad_output, lay: _Layout):
+    """The output gradient as (n, groups, c_out, grid), zero at the garbage positions."""
+    shape = (lay.n, lay.groups, lay.c_out, math.prod(lay.grid))
+    if lay.grid == lay.out_spatial:
+        return grad_output.reshape(shape)
+    gy = xp.zeros((*grad_output.shape[:2], *lay.grid), dtype=grad_output.dtype)
+    gy[(*_LEAD, *lay.corner)] = grad_output
+    return gy.reshape(shape)
 
 
 def forward(xp, attrs: ConvAttrs, inputs, args):
     x, w = inputs[0], inputs[1]
     lay = _layout(attrs, x, w, args.out_shape)
     weights = w.reshape(lay.groups, lay.c_out, lay.depth)
-    y = _from_groups(xp.matmul(weights, _columns(xp, attrs, x, lay)), lay)
-    if len(inputs) > 2:
-        y += inputs[2].reshape(1, -1, *(1 for _ in lay.out_spatial))
-    return y
+    product_ = xp.matmul(weights, _columns(xp, attrs, x, lay))
+    return _output(xp, product_, inputs[2] if len(inputs) > 2 else None, lay)
 
 
 def backward(xp, attrs: ConvAttrs, inputs, output, grad_output, args):
     x, w = inputs[0], inputs[1]
     lay = _layout(attrs, x, w, args.out_shape)
-    gy = _to_groups(grad_output, lay)  # (groups, c_out, n * points)
+    gy = _grad_grid(xp, grad_output, lay)  # (n, groups, c_out, grid)
     cols = _columns(xp, attrs, x, lay)
-    grad_w = xp.matmul(gy, xp.swapaxes(cols, 1, 2)).reshape(w.shape)
+    grad_w = _weight_grad(xp, gy, cols, lay).reshape(w.shape)
+    del cols  # freed before the column gradient takes their size again
     weights = w.reshape(lay.groups, lay.c_out, lay.depth)
-    grad_cols = xp.matmul(xp.swapaxes(weights, 1, 2), gy)  # (groups, depth, n * points)
-    grad_cols = grad_cols.reshape(lay.groups * lay.c_in, lay.taps, lay.n, *lay.out_spatial)
-    grad_x = xp.zeros_like(x)
-    lead = (slice(None), slice(None))
-    # One strided slice per tap never repeats an index, so += is an exact scatter-add;
-    # taps that overlap (stride < kernel extent) accumulate across iterations.
-    for t, sl in enumerate(window_taps(attrs, lay.out_spatial)):
-        grad_x[(*lead, *sl)] += xp.swapaxes(grad_cols[:, t], 0, 1)
-    grads = [grad_x, grad_w]
+    grad_cols = xp.matmul(xp.swapaxes(weights, 1, 2), gy)  # (n, groups, depth, grid)
+    grads = [_col2im(xp, attrs, grad_cols, x, lay), grad_w]
     if len(inputs) > 2:
         grads.append(grad_output.sum(axis=(0, *range(2, grad_output.ndim))))
     return tuple(grads)
