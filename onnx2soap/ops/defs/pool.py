@@ -125,40 +125,62 @@ def _out_spatial(attrs: PoolAttrs, x, args: TaskArgs, op: str) -> tuple[int, ...
     return out_spatial
 
 
-def _argmax_taps(xp, attrs: PoolAttrs, x, out_spatial):
-    """The window maxima and, per output, the first kernel position (row-major) holding
-    it. A strict ``>`` keeps the earliest tap on ties, so a task that holds the window in
-    a split buffer picks the same element as the whole tensor would."""
-    best = arg = None
-    for t, sl in enumerate(window_taps(attrs, out_spatial)):
-        tap = x[(*_LEAD, *sl)]
-        if best is None:
-            best, arg = tap.copy(), xp.zeros(tap.shape, dtype=xp.int32)
-            continue
-        better = tap > best
-        best = xp.where(better, tap, best)
-        arg = xp.where(better, t, arg)
-    return best, arg
-
-
-def maxpool_forward(xp, attrs: PoolAttrs, inputs, args):
-    x = inputs[0]
-    # The maximum alone: which tap holds it matters only to the backward.
+def _window_max(xp, attrs: PoolAttrs, x, out_spatial):
+    """The maximum of every window, one in-place ``maximum`` per kernel position."""
     best = None
-    for sl in window_taps(attrs, _out_spatial(attrs, x, args, "MaxPool")):
+    for sl in window_taps(attrs, out_spatial):
         tap = x[(*_LEAD, *sl)]
         best = tap.copy() if best is None else xp.maximum(best, tap, out=best)
     return best
 
 
+def _disjoint(attrs: PoolAttrs) -> bool:
+    """No two kernel positions of any windows read the same buffer element: each tap's
+    gradient can be assigned instead of accumulated."""
+    return all(
+        s >= (k - 1) * d + 1
+        for k, s, d in zip(attrs.kernel_shape, attrs.strides, attrs.dilations, strict=True)
+    )
+
+
+def _tiled(attrs: PoolAttrs, buffer, out_spatial) -> bool:
+    """The windows cover the whole buffer, each element once: no zero fill is needed."""
+    return all(
+        s == k and d == 1 and b == o * k
+        for k, s, d, b, o in zip(
+            attrs.kernel_shape, attrs.strides, attrs.dilations, buffer, out_spatial, strict=True
+        )
+    )
+
+
+def maxpool_forward(xp, attrs: PoolAttrs, inputs, args):
+    x = inputs[0]
+    return _window_max(xp, attrs, x, _out_spatial(attrs, x, args, "MaxPool"))
+
+
 def maxpool_backward(xp, attrs: PoolAttrs, inputs, output, grad_output, args):
+    """Each window's gradient goes to its first maximal tap in row-major kernel order, as
+    a task holding the whole tensor would pick it: ties are common (a window of zeros
+    after a ReLU). Scanning the taps in that order, ``rest`` holds the gradient of the
+    windows whose maximum has not been met yet; ``rest * hit`` is exact (x * 1, x * 0)."""
     x = inputs[0]
     out_spatial = _out_spatial(attrs, x, args, "MaxPool")
-    # Recomputed rather than read from ``output``: ties must go to one tap only.
-    arg = _argmax_taps(xp, attrs, x, out_spatial)[1]
-    grad_x = xp.zeros_like(x)
-    for t, sl in enumerate(window_taps(attrs, out_spatial)):
-        grad_x[(*_LEAD, *sl)] += grad_output * (arg == t)
+    best = _window_max(xp, attrs, x, out_spatial)  # the same bits as the forward's output
+    rest = grad_output.copy()
+    hit = xp.empty(best.shape, dtype=bool)
+    share = xp.empty_like(rest)
+    disjoint = _disjoint(attrs)
+    tiled = disjoint and _tiled(attrs, x.shape[2:], out_spatial)
+    grad_x = xp.empty_like(x) if tiled else xp.zeros_like(x)
+    for sl in window_taps(attrs, out_spatial):
+        where = (*_LEAD, *sl)
+        xp.equal(x[where], best, out=hit)
+        xp.multiply(rest, hit, out=share)
+        rest -= share
+        if disjoint:
+            grad_x[where] = share
+        else:
+            grad_x[where] += share
     return (grad_x,)
 
 
