@@ -1,8 +1,12 @@
 """Training data: batches from an .npz file, or synthetic batches drawn from the seed.
 
 Every graph input that is not an initializer is a data input batched along axis 0:
-float data, or int64 ids (tokens, masks). Every rank builds the same whole batch; each
-task cuts its own region from it.
+float data, or int64 ids (tokens, masks). A rank holds only the rows its tasks read (one
+span per input, from ``rows_needed``); the labels are read whole to count the batch's
+labels for a mean loss, and cut like the inputs.
+
+Synthetic data draws every sample from its own stream (seed, step, row), so a rank makes
+its rows alone and gets what one device holding the batch would.
 """
 
 from __future__ import annotations
@@ -13,12 +17,35 @@ from pathlib import Path
 
 import numpy as np
 
-from executor.runtime import Batch
+from executor.runtime import Batch, loss_scale
 from onnx2soap.errors import UserError
-from onnx2soap.ir import DType, Graph
+from onnx2soap.ir import DType, Graph, TensorRole
 from onnx2soap.ops import definition
+from onnx2soap.soap import PartitionedGraph
 
 MASK_BOUND = 2  # ids no op bounds (attention masks, token types) are drawn in [0, 2)
+
+
+def rows_needed(pg: PartitionedGraph, rank: int) -> dict[str, tuple[int, int]]:
+    """Per data input (and the labels), the span of batch rows the rank's tasks read;
+    inputs none of them reads are absent."""
+    spans: dict[str, tuple[int, int]] = {}
+    for op in pg.graph.ops:
+        for task in pg.tasks[op.name]:
+            if task.device != rank:
+                continue
+            for name, region in zip(op.inputs, task.inputs, strict=True):
+                role = pg.graph.tensors[name].role
+                if role not in (TensorRole.INPUT, TensorRole.LABELS) or region.empty:
+                    continue
+                lo, hi = region.data[0]
+                old = spans.get(name, (lo, hi))
+                spans[name] = (min(lo, old[0]), max(hi, old[1]))
+    return spans
+
+
+def _scale(graph: Graph, labels: np.ndarray) -> float | None:
+    return loss_scale(graph, labels) if graph.loss_op is not None else None
 
 
 def _label_shape(graph: Graph) -> tuple[int, ...]:
@@ -67,21 +94,43 @@ class SyntheticData:
     seed: int
     dtype: np.dtype
 
-    def batch(self, step: int) -> Batch:
+    def _sample(self, name: str, step: int, row: int) -> np.ndarray:
+        t = self.graph.tensors[name]
+        rng = np.random.default_rng([self.seed, step, row, self.graph.inputs.index(name)])
+        if t.dtype.is_float:
+            return rng.standard_normal(t.shape[1:]).astype(self.dtype)
+        return rng.integers(0, id_bound(self.graph, name), t.shape[1:], np.int64)
+
+    def _labels(self, step: int) -> np.ndarray:
+        # (seed, step): a stream apart from every row's (seed, step, row, input).
         rng = np.random.default_rng([self.seed, step])
-        inputs = {}
-        for name in self.graph.inputs:
-            t = self.graph.tensors[name]
-            if t.dtype.is_float:
-                inputs[name] = rng.standard_normal(t.shape).astype(self.dtype)
-            else:
-                inputs[name] = rng.integers(0, id_bound(self.graph, name), t.shape, np.int64)
         classes = _classes(self.graph)
         if classes is not None:
-            y = rng.integers(0, classes, size=_label_shape(self.graph), dtype=np.int64)
-        else:
-            y = rng.standard_normal(_label_shape(self.graph)).astype(self.dtype)
-        return Batch(inputs, y, step)
+            return rng.integers(0, classes, size=_label_shape(self.graph), dtype=np.int64)
+        return rng.standard_normal(_label_shape(self.graph)).astype(self.dtype)
+
+    def batch(self, step: int, rows: Mapping[str, tuple[int, int]] | None = None) -> Batch:
+        """The rows ``rows`` names of each input (every row when None)."""
+        rows = rows if rows is not None else _all_rows(self.graph)
+        inputs = {
+            name: np.stack([self._sample(name, step, r) for r in range(lo, hi)])
+            for name, (lo, hi) in rows.items()
+            if name in self.graph.inputs
+        }
+        return _cut(self.graph, inputs, self._labels(step), step, rows)
+
+
+def _all_rows(graph: Graph) -> dict[str, tuple[int, int]]:
+    names = (*graph.inputs, graph.labels) if graph.labels else graph.inputs
+    return {name: (0, graph.batch) for name in names}
+
+
+def _cut(graph: Graph, inputs, labels: np.ndarray, step: int, rows) -> Batch:
+    """A batch of the given input rows, with the labels' rows cut from the whole labels
+    (which give a mean loss its divisor)."""
+    lo, hi = rows.get(graph.labels, (0, 0))
+    first = {name: lo for name, (lo, _) in rows.items()}
+    return Batch(inputs, labels[lo:hi], step, first, _scale(graph, labels))
 
 
 @dataclass(frozen=True)
@@ -89,14 +138,21 @@ class FileData:
     """One array per data input and ``labels``, batched along axis 0; step ``s`` takes
     batch ``s mod (samples // batch)``."""
 
+    graph: Graph
     inputs: Mapping[str, np.ndarray]
     labels: np.ndarray
     batch_size: int
 
-    def batch(self, step: int) -> Batch:
-        b = step % (len(self.labels) // self.batch_size)
-        rows = slice(b * self.batch_size, (b + 1) * self.batch_size)
-        return Batch({k: v[rows] for k, v in self.inputs.items()}, self.labels[rows], step)
+    def batch(self, step: int, rows: Mapping[str, tuple[int, int]] | None = None) -> Batch:
+        rows = rows if rows is not None else _all_rows(self.graph)
+        start = (step % (len(self.labels) // self.batch_size)) * self.batch_size
+        inputs = {
+            name: np.ascontiguousarray(self.inputs[name][start + lo : start + hi])
+            for name, (lo, hi) in rows.items()
+            if name in self.inputs
+        }
+        labels = self.labels[start : start + self.batch_size]
+        return _cut(self.graph, inputs, labels, step, rows)
 
 
 def _check(path: Path, name: str, array: np.ndarray, want: tuple[int, ...], batch: int) -> None:
@@ -175,4 +231,4 @@ def load_npz(path: Path, graph: Graph, dtype: np.dtype) -> FileData:
         if not graph.tensors[name].dtype.is_float:
             _check_ids(path, graph, name, key, x)
         inputs[name] = _cast(graph, name, x, dtype)
-    return FileData(inputs, _labels(path, graph, y, dtype), graph.batch)
+    return FileData(graph, inputs, _labels(path, graph, y, dtype), graph.batch)

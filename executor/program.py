@@ -15,9 +15,14 @@ every task assembles its inputs and its partial statistics (``Partial``), each g
 tasks that split the statistics' dims sums them (``ReduceStats``, an all-reduce over the
 group's devices), then every task finishes (``Compute``) and sends.
 
-Sends are nonblocking and every receive is posted at the start of the step, so a rank
-only ever waits for data whose send comes earlier in the global order; an all-reduce
-waits for members that each reach it once everything before it in the order is done.
+Every transfer is a ``Send`` on its source and a ``Recv`` on its destination at the same
+place in the global order, and a ``Wait`` on the destination before the consumer reads
+it. So each pair of ranks issues its sends and receives in one identical order: messages
+match by that order alone (no tags, which MPI bounds at 32767 and NCCL lacks), and with
+every communication of a rank issued in global order the earliest unfinished one always
+has both ends issued, so nothing can deadlock, even where a transport serializes a
+rank's transfers on one stream (NCCL). An all-reduce waits for members that each reach
+it once everything before it in the order is done.
 """
 
 from __future__ import annotations
@@ -41,18 +46,22 @@ class Piece:
     Forward: a tile piece of input ``operand`` of the consumer task, coming from the
     output of producer task ``peer``. Backward: a piece of the producer task's output
     gradient, coming from input-gradient ``operand`` of consumer task ``peer``.
-    ``tag`` is set when the piece crosses devices (it is then received, not copied).
+    ``transfer`` (the transfer's id) is set when the piece crosses devices: it is then
+    received, not copied.
     """
 
     rect: Rect
     operand: int
     peer: tuple[int, int]  # (op index, task index)
-    tag: int | None
+    transfer: int | None
 
 
 @dataclass(frozen=True)
 class Transfer:
-    tag: int
+    """A tile (forward) or gradient piece (backward) that crosses devices. ``id`` names
+    it in the program; it never goes on the wire."""
+
+    id: int
     phase: Phase
     src: int
     dst: int
@@ -117,7 +126,16 @@ class Send:
 
 
 @dataclass(frozen=True)
+class Recv:
+    """Post the receive of ``transfer`` (at its ``Send``'s place in the global order)."""
+
+    transfer: Transfer
+
+
+@dataclass(frozen=True)
 class Wait:
+    """The received ``transfer`` must be complete before the next instruction reads it."""
+
     transfer: Transfer
 
 
@@ -128,19 +146,24 @@ class AllReduce:
     devices: tuple[int, ...]
 
 
-Instruction = Compute | Partial | ReduceStats | SumOutputs | ShareGrad | Send | Wait | AllReduce
+Instruction = (
+    Compute | Partial | ReduceStats | SumOutputs | ShareGrad | Send | Recv | Wait | AllReduce
+)
 
 
 @dataclass(frozen=True)
 class Program:
     rank: int
     instructions: tuple[Instruction, ...]
-    receives: tuple[Transfer, ...]  # posted at the start of every step
+
+    @property
+    def receives(self) -> tuple[Transfer, ...]:
+        return tuple(ins.transfer for ins in self.instructions if isinstance(ins, Recv))
 
 
 def _transfers(pg: PartitionedGraph) -> tuple[list[Transfer], list[Transfer]]:
-    """Every overlap crossing devices, tagged in a fixed order: forward tiles, and the
-    gradient pieces of the differentiable ones (token ids take no gradient), tagged as
+    """Every overlap crossing devices, numbered in a fixed order: forward tiles, and the
+    gradient pieces of the differentiable ones (token ids take no gradient), numbered as
     their forward tile plus the number of forward transfers."""
     index = {op.name: i for i, op in enumerate(pg.graph.ops)}
     crossing = []
@@ -162,15 +185,15 @@ def _transfers(pg: PartitionedGraph) -> tuple[list[Transfer], list[Transfer]]:
 def _pieces(pg: PartitionedGraph, fwd: list[Transfer]) -> dict[tuple, list[Piece]]:
     """Pieces each (phase, op, task) assembles, in edge and overlap order."""
     index = {op.name: i for i, op in enumerate(pg.graph.ops)}
-    tags = {(t.producer, t.consumer, t.operand, t.rect): t.tag for t in fwd}
+    ids = {(t.producer, t.consumer, t.operand, t.rect): t.id for t in fwd}
     n = len(fwd)
     pieces: dict[tuple, list[Piece]] = {}
     for edge, o, p, c in pg.moves():
         prod, cons = (index[edge.producer], p.index), (index[edge.consumer], c.index)
-        tag = tags.get((prod, cons, edge.operand, o.rect))
-        back = None if tag is None else tag + n
+        sent = ids.get((prod, cons, edge.operand, o.rect))
+        back = None if sent is None else sent + n
         key_f, key_b = (Phase.FORWARD, *cons), (Phase.BACKWARD, *prod)
-        pieces.setdefault(key_f, []).append(Piece(o.rect, edge.operand, prod, tag))
+        pieces.setdefault(key_f, []).append(Piece(o.rect, edge.operand, prod, sent))
         if pg.graph.differentiable(edge.tensor):
             pieces.setdefault(key_b, []).append(Piece(o.rect, edge.operand, cons, back))
     return pieces
@@ -195,8 +218,13 @@ def _plain_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
             order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
         given = () if synced else tuple(pieces.get(key, []))
         order.append((task.device, Compute(phase, i, task.index, given)))
-        order += [(t.src, Send(t)) for t in sends.get(key, [])]
+        order += _send_recv(sends.get(key, []))
     return order
+
+
+def _send_recv(transfers: list[Transfer]) -> list[tuple[int, Instruction]]:
+    """Each transfer's send and its receive side by side in the global order."""
+    return [pair for t in transfers for pair in ((t.src, Send(t)), (t.dst, Recv(t)))]
 
 
 def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
@@ -220,7 +248,7 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
         key = (phase, i, task.index)
         if phase is Phase.BACKWARD:
             order.append((task.device, Compute(phase, i, task.index, ())))
-        order += [(t.src, Send(t)) for t in sends.get(key, [])]
+        order += _send_recv(sends.get(key, []))
     return order
 
 
@@ -259,6 +287,4 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
 
 
 def compile_program(pg: PartitionedGraph, rank: int) -> Program:
-    mine = tuple(ins for device, ins in global_order(pg) if device == rank)
-    receives = tuple(ins.transfer for ins in mine if isinstance(ins, Wait))
-    return Program(rank, mine, receives)
+    return Program(rank, tuple(ins for device, ins in global_order(pg) if device == rank))

@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from executor.data import FileData, SyntheticData, load_npz
+from executor.data import FileData, SyntheticData, load_npz, rows_needed
+from executor.device import DeviceKind, open_device
 from executor.program import compile_program
 from executor.runtime import Runtime
-from executor.transport import Transport
+from executor.transport import TransportKind, make_transport
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
@@ -40,6 +41,8 @@ class RunOptions:
     data: Path | None = None
     save_weights: Path | None = None
     allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
+    device: DeviceKind | None = None  # None: a GPU when cupy sees one, else the CPU
+    transport: TransportKind = TransportKind.AUTO
 
 
 @dataclass(frozen=True)
@@ -118,24 +121,23 @@ def agreed_setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
 
 def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.ndarray] | None:
     """Assemble every weight and state tensor on rank 0 from the lowest device of each
-    replica group."""
+    replica group. Rank 0 receives in the order every owner sends (group order), so the
+    messages need no tags."""
     rank = comm.Get_rank()
     held = (*graph.weights, *graph.states)
     full = {w.name: np.empty(w.shape, dtype=rt.dtype) for w in held} if rank == 0 else {}
-    tag = 0
     for op in graph.ops:
         for group in rt.pg.groups[op.name]:
             owner, key = group.devices[0], (group.weight, group.rect)
             where = tuple(slice(lo, hi) for lo, hi in group.rect)
             if rank == 0 and owner == 0:
-                full[group.weight][where] = rt.shards[key]
+                full[group.weight][where] = rt.device.to_host(rt.shards[key])
             elif rank == 0:
                 buf = np.empty(rect_shape(group.rect), dtype=rt.dtype)
-                comm.Recv(buf, source=owner, tag=tag)
+                comm.Recv(buf, source=owner)
                 full[group.weight][where] = buf
             elif rank == owner:
-                comm.Send(rt.shards[key], dest=0, tag=tag)
-            tag += 1
+                comm.Send(np.ascontiguousarray(rt.device.to_host(rt.shards[key])), dest=0)
     return full if rank == 0 else None
 
 
@@ -170,7 +172,8 @@ def train(
     ranks = comm.allgather((MPI.Get_processor_name(), os.getpid()))
     if on_start is not None and rank == 0:
         on_start(tuple(RankInfo(r, host, pid) for r, (host, pid) in enumerate(ranks)))
-    transport = Transport(comm)
+    device = open_device(options.device, comm)
+    transport = make_transport(options.transport, comm, device)
     program = compile_program(s.pg, rank)
     values = {**s.model.weights, **s.model.state}
     rt = Runtime(
@@ -181,7 +184,9 @@ def train(
         np.dtype(options.dtype.value),
         s.model.constants,
         options.seed,
+        device,
     )
+    rows = rows_needed(s.pg, rank)
     records = []
     total = np.zeros(1)
     # [SIGINT seen, SIGTERM seen] summed over ranks: one tiny collective per step.
@@ -194,7 +199,7 @@ def train(
         if seen.any():
             interrupted = int(signal.SIGTERM if seen[1] else signal.SIGINT)
             break
-        batch = s.data.batch(step)
+        batch = s.data.batch(step, rows)
         start = time.perf_counter()
         partial = rt.step(batch, options.lr)
         comm.Allreduce(np.array([partial]), total, op=MPI.SUM)

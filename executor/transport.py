@@ -1,58 +1,335 @@
-"""Point-to-point and all-reduce over MPI buffers (never pickles), with byte counters."""
+"""Moving tiles and summing gradients between ranks: one ``Transport`` interface, three ways.
+
+- ``mpi``: MPI on the arrays themselves: numpy arrays on CPU ranks, device arrays when
+  the MPI library is CUDA-aware (``mpi-cuda``);
+- ``mpi-host``: device arrays staged through page-locked host buffers over MPI; it runs
+  anywhere, also with several ranks on one GPU (which NCCL refuses);
+- ``nccl``: NCCL on the GPU's communication stream (executor/nccl.py).
+
+Messages carry no tags: the program gives each pair of ranks one order of sends and
+receives (see executor/program.py), and MPI delivers messages between a pair on one
+communicator in the order they were posted. All-reduces are our own ring (the chunks and
+steps the simulator counts), nonblocking: ``allreduce`` starts one and every later call
+into the transport moves the rings on, so a weight group's reduction proceeds while the
+backward pass computes. Rings on one communicator run one after another, in the order
+they were started, which is the program's order on every member.
+
+``bytes_sent`` counts the payload this rank sends in training steps (tiles, gradient
+pieces, all-reduce chunks): the figure the simulator predicts.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
+from executor.device import Device
 from onnx2soap.soap.collectives import ring_chunks, ring_steps
 
+Array = Any  # numpy or cupy
 
-class Transport:
-    """Wraps the world communicator. ``bytes_sent`` counts the payload this rank sends in
-    training steps (tiles, gradient pieces, all-reduce chunks), the figure the simulator
-    predicts."""
 
-    def __init__(self, comm: MPI.Comm) -> None:
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.bytes_sent = 0
-        self._tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
-        self._groups: dict[tuple[int, ...], MPI.Comm] = {}
+class TransportKind(Enum):
+    AUTO = "auto"
+    MPI = "mpi"
+    MPI_HOST = "mpi-host"
+    MPI_CUDA = "mpi-cuda"
+    NCCL = "nccl"
+
+
+class Pending(Protocol):
+    """A receive or all-reduce in flight; ``Transport.wait`` completes it."""
+
+
+class Transport(Protocol):
+    rank: int
+    bytes_sent: int
 
     def make_groups(self, device_sets: Iterable[tuple[int, ...]]) -> None:
-        """Create one sub-communicator per device set. Collective over the world: every
-        rank must pass the same sets (it is called with sets derived from the plan)."""
+        """One communicator per device set. Collective over the world: every rank
+        passes the same sets."""
+
+    def send(self, array: Array, dest: int) -> None:
+        """Start sending a contiguous array; it must stay untouched until ``end_step``."""
+
+    def recv(self, buffer: Array, source: int) -> Pending:
+        """Start receiving into a contiguous buffer."""
+
+    def allreduce(self, array: Array, devices: tuple[int, ...]) -> Pending:
+        """Start an in-place sum of a contiguous array over ``devices``."""
+
+    def wait(self, pending: Pending) -> None:
+        """The receive or all-reduce is complete as far as the computation that follows
+        can tell (on a GPU: the compute stream waits for it)."""
+
+    def end_step(self) -> None:
+        """Every send and reduction of the step is done; their buffers may be reused."""
+
+
+class _Ring:
+    """One nonblocking ring all-reduce (sum): at each step a rank sends one chunk to its
+    right neighbour and receives one from its left, adding it in the reduce-scatter
+    half and copying it in the all-gather half. Every rank ends with the same values:
+    each chunk is summed once, on one rank, then passed on."""
+
+    def __init__(self, comm: MPI.Comm, flat: Array, counter: _Counter, device: Device) -> None:
+        """``flat`` is a numpy array, or device memory under a CUDA-aware MPI (then
+        each step waits for the addition before MPI reads the chunk)."""
+        self.comm, self.flat, self.counter = comm, flat, counter
+        self.device = device if not isinstance(flat, np.ndarray) else None
+        k, r = comm.Get_size(), comm.Get_rank()
+        self.chunks = ring_chunks(flat.size, k)
+        self.steps = list(ring_steps(r, k))
+        self.right, self.left = (r + 1) % k, (r - 1) % k
+        widest = max(hi - lo for lo, hi in self.chunks)
+        xp = np if self.device is None else device.xp
+        self.scratch = xp.empty(widest, dtype=flat.dtype)
+        self.next = 0
+        self.requests: list[MPI.Request] | None = None
+        self.done = k == 1
+
+    def advance(self) -> bool:
+        """Move on as far as the messages allow; True once the sum is complete."""
+        while not self.done:
+            if self.requests is not None:
+                if not MPI.Request.Testall(self.requests):
+                    return False
+                self._land(self.steps[self.next - 1])
+                self.requests = None
+            if self.next == len(self.steps):
+                self.done = True
+            else:
+                self._post(self.steps[self.next])
+                self.next += 1
+        return True
+
+    def _post(self, step) -> None:
+        slo, shi = self.chunks[step.send_chunk]
+        rlo, rhi = self.chunks[step.recv_chunk]
+        self.counter.bytes += (shi - slo) * self.flat.itemsize
+        if self.device is not None:
+            self.device.synchronize()
+        self.requests = [
+            self.comm.Isend(self.flat[slo:shi], dest=self.right),
+            self.comm.Irecv(self.scratch[: rhi - rlo], source=self.left),
+        ]
+
+    def _land(self, step) -> None:
+        rlo, rhi = self.chunks[step.recv_chunk]
+        if step.reduce:
+            self.flat[rlo:rhi] += self.scratch[: rhi - rlo]
+        else:
+            self.flat[rlo:rhi] = self.scratch[: rhi - rlo]
+
+
+@dataclass
+class _Counter:
+    bytes: int = 0
+
+
+@dataclass
+class _RingQueues:
+    """The rings started on each communicator, oldest first: only the oldest moves, so
+    every member exchanges one ring's messages at a time, in the program's order."""
+
+    queues: dict[tuple[int, ...], deque[_Ring]] = field(default_factory=dict)
+
+    def start(self, devices: tuple[int, ...], ring: _Ring) -> None:
+        self.queues.setdefault(devices, deque()).append(ring)
+        self.progress()
+
+    def progress(self) -> None:
+        for queue in self.queues.values():
+            while queue and queue[0].advance():
+                queue.popleft()
+
+    def busy(self) -> bool:
+        return any(self.queues.values())
+
+
+@dataclass(frozen=True)
+class _MpiReceive:
+    request: MPI.Request
+    host: np.ndarray | None = None  # mpi-host: where the message lands before the device
+    target: Array = None
+
+
+@dataclass(frozen=True)
+class _MpiReduce:
+    ring: _Ring
+    target: Array = None  # mpi-host: the device array the host sum is copied back to
+
+
+class MpiTransport:
+    """MPI point-to-point on the world communicator and rings on sub-communicators.
+
+    ``staged`` (mpi-host): device arrays are copied to page-locked host buffers, moved
+    by MPI and copied back; the host buffers are made in the first step and reused. Not
+    staged: MPI reads and writes the arrays directly (numpy, or device memory under a
+    CUDA-aware MPI, after the compute stream is synchronized)."""
+
+    def __init__(self, comm: MPI.Comm, device: Device, staged: bool = False) -> None:
+        self.comm, self.device, self.staged = comm, device, staged
+        self.rank = comm.Get_rank()
+        self._counter = _Counter()
+        self._groups: dict[tuple[int, ...], MPI.Comm] = {}
+        self._rings = _RingQueues()
+        self._sends: list[tuple[MPI.Request, Array]] = []
+        self._pool = _HostPool(device)
+        self._direct_device = not staged and device.xp is not np
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._counter.bytes
+
+    def make_groups(self, device_sets: Iterable[tuple[int, ...]]) -> None:
         for devices in sorted(set(device_sets)):
             color = 0 if self.rank in devices else MPI.UNDEFINED
             sub = self.comm.Split(color, key=self.rank)
             if sub != MPI.COMM_NULL:
                 self._groups[devices] = sub
 
-    def isend(self, array: np.ndarray, dest: int, tag: int) -> MPI.Request:
-        self.bytes_sent += array.nbytes
-        return self.comm.Isend(array, dest=dest, tag=tag % self._tag_ub)
+    def _host(self, array: Array) -> np.ndarray:
+        if self.staged:
+            return self.device.to_host(array, out=self._pool.take(array.shape, array.dtype))
+        if self._direct_device:
+            self.device.synchronize()  # MPI reads device memory the kernels wrote
+        return array
 
-    def irecv(self, buffer: np.ndarray, source: int, tag: int) -> MPI.Request:
-        return self.comm.Irecv(buffer, source=source, tag=tag % self._tag_ub)
+    def send(self, array: Array, dest: int) -> None:
+        payload = self._host(array)
+        self._counter.bytes += array.nbytes
+        self._sends.append((self.comm.Isend(payload, dest=dest), payload))
+        self._rings.progress()
 
-    def allreduce_sum(self, array: np.ndarray, devices: tuple[int, ...]) -> None:
-        """In-place ring all-reduce (sum) of a contiguous array over ``devices``."""
-        sub = self._groups[devices]
-        k, r = sub.Get_size(), sub.Get_rank()
-        flat = array.reshape(-1)
-        chunks = ring_chunks(flat.size, k)
-        right, left = (r + 1) % k, (r - 1) % k
-        scratch = np.empty(max(hi - lo for lo, hi in chunks), dtype=flat.dtype)
-        for step in ring_steps(r, k):
-            slo, shi = chunks[step.send_chunk]
-            rlo, rhi = chunks[step.recv_chunk]
-            incoming = scratch[: rhi - rlo]
-            sub.Sendrecv(flat[slo:shi], dest=right, recvbuf=incoming, source=left)
-            self.bytes_sent += (shi - slo) * flat.itemsize
-            if step.reduce:
-                flat[rlo:rhi] += incoming
-            else:
-                flat[rlo:rhi] = incoming
+    def recv(self, buffer: Array, source: int) -> _MpiReceive:
+        if self.staged:
+            host = self._pool.take(buffer.shape, buffer.dtype)
+            return _MpiReceive(self.comm.Irecv(host, source=source), host, buffer)
+        return _MpiReceive(self.comm.Irecv(buffer, source=source))
+
+    def allreduce(self, array: Array, devices: tuple[int, ...]) -> _MpiReduce:
+        flat = self._host(array).reshape(-1)
+        ring = _Ring(self._groups[devices], flat, self._counter, self.device)
+        self._rings.start(devices, ring)
+        return _MpiReduce(ring, array if self.staged else None)
+
+    def wait(self, pending: _MpiReceive | _MpiReduce) -> None:
+        if isinstance(pending, _MpiReceive):
+            self._wait_request(pending.request)
+            if pending.host is not None:
+                self.device.to_device(pending.host, out=pending.target)
+            return
+        while not pending.ring.done:
+            self._rings.progress()
+        if pending.target is not None:
+            self.device.to_device(pending.ring.flat.reshape(pending.target.shape), pending.target)
+
+    def _wait_request(self, request: MPI.Request) -> None:
+        # Rings move on while this rank waits: a peer may be waiting for our chunk.
+        while self._rings.busy():
+            if request.Test():
+                return
+            self._rings.progress()
+        request.Wait()
+
+    def end_step(self) -> None:
+        while self._rings.busy():
+            self._rings.progress()
+        MPI.Request.Waitall([request for request, _ in self._sends])
+        self._sends.clear()
+        self._pool.release()
+
+
+class _HostPool:
+    """Page-locked host buffers by (shape, dtype), taken during a step and all released
+    at its end: the first step makes them, later steps reuse them."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.free: dict[tuple, list[np.ndarray]] = {}
+        self.used: list[tuple[tuple, np.ndarray]] = []
+
+    def take(self, shape, dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype).str)
+        stack = self.free.get(key)
+        buf = stack.pop() if stack else self.device.host_empty(shape, dtype)
+        self.used.append((key, buf))
+        return buf
+
+    def release(self) -> None:
+        for key, buf in self.used:
+            self.free.setdefault(key, []).append(buf)
+        self.used.clear()
+
+    @property
+    def made(self) -> int:
+        return sum(len(v) for v in self.free.values()) + len(self.used)
+
+
+def mpi_cuda_aware() -> bool:
+    """Whether the loaded MPI library says it takes CUDA device memory (Open MPI's
+    ``MPIX_Query_cuda_support``, MPICH's ``MPIX_GPU_query_support``)."""
+    import ctypes
+
+    libraries = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libmpi" in path and ".so" in path:
+                libraries.add(path)
+    for path in sorted(libraries):
+        lib = ctypes.CDLL(path)
+        if hasattr(lib, "MPIX_Query_cuda_support"):
+            return bool(lib.MPIX_Query_cuda_support())
+        if hasattr(lib, "MPIX_GPU_query_support"):
+            supported = ctypes.c_int(0)
+            cuda = 1  # MPIX_GPU_SUPPORT_CUDA
+            lib.MPIX_GPU_query_support(cuda, ctypes.byref(supported))
+            return bool(supported.value)
+    return False
+
+
+def make_transport(kind: TransportKind, comm: MPI.Comm, device: Device) -> Transport:
+    """``auto``: NCCL when every rank has a GPU of its own, host staging when ranks
+    share one, plain MPI on CPU ranks."""
+    from executor.device import DeviceKind, gpus_per_rank_ok
+    from onnx2soap.errors import UserError
+
+    on_gpu = device.kind is DeviceKind.CUDA
+    if kind is TransportKind.AUTO:
+        if not on_gpu:
+            kind = TransportKind.MPI
+        else:
+            kind = TransportKind.NCCL if gpus_per_rank_ok(comm, device) else TransportKind.MPI_HOST
+    if kind is TransportKind.NCCL:
+        if not on_gpu:
+            raise UserError("--transport nccl needs --device cuda")
+        if not gpus_per_rank_ok(comm, device):
+            raise UserError(
+                "--transport nccl: two ranks share a GPU, which NCCL refuses; use "
+                "--transport mpi-host or one rank per GPU"
+            )
+        from executor.nccl import NcclTransport
+
+        return NcclTransport(comm, device)
+    if kind is TransportKind.MPI_CUDA:
+        if not on_gpu:
+            raise UserError("--transport mpi-cuda needs --device cuda")
+        if not mpi_cuda_aware():
+            raise UserError(
+                f"--transport mpi-cuda: this MPI ({MPI.Get_library_version().split()[0]}) "
+                "does not report CUDA support; use --transport mpi-host or nccl"
+            )
+        return MpiTransport(comm, device)
+    if kind is TransportKind.MPI and on_gpu:
+        raise UserError(
+            "--transport mpi moves host arrays; on --device cuda use mpi-host, mpi-cuda or nccl"
+        )
+    return MpiTransport(comm, device, staged=kind is TransportKind.MPI_HOST)

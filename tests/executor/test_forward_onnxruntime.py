@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 from executor.program import compile_program
 from executor.runtime import Batch, Runtime
-from executor.transport import Transport
+from executor.device import CpuDevice
+from executor.transport import MpiTransport
 from onnx2soap.importer import load_model
 from onnx2soap.ir import LossKind
 from onnx2soap.search.baselines import data_parallel
@@ -38,7 +39,7 @@ def executor_forward(path: Path, x: np.ndarray) -> np.ndarray:
     rt = Runtime(
         pg,
         compile_program(pg, 0),
-        Transport(MPI.COMM_SELF),
+        MpiTransport(MPI.COMM_SELF, CpuDevice()),
         {**model.weights, **model.state},
         np.float64,
         model.constants,

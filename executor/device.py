@@ -1,0 +1,185 @@
+"""Where a rank's arrays live: the CPU (numpy) or one GPU (cupy), and what differs.
+
+The runtime and the kernels are written once on ``xp``; what numpy and cupy spell
+differently for the runtime (moving arrays between host and device, page-locked host
+buffers, streams and events) is one method here. On the CPU streams and events are
+no-ops: work runs in program order and MPI's nonblocking calls give the overlap.
+
+A GPU rank computes on one stream and communicates on another; an ``Event`` recorded
+after a producer lets the other stream wait for it without the host waiting.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from onnx2soap.errors import UserError
+
+
+class DeviceKind(Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+def cupy_module():
+    """cupy when it is installed and sees a GPU, else None."""
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # no cupy, no driver, no device
+        return None
+
+
+class CpuDevice:
+    kind = DeviceKind.CPU
+    xp = np
+    name = "cpu"
+
+    def compute(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def to_device(self, host: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return np.array(host)
+        np.copyto(out, host)
+        return out
+
+    def to_host(self, array, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return np.asarray(array)
+        np.copyto(out, array)
+        return out
+
+    def host_empty(self, shape, dtype) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait_event(self, event: Any, stream: Any = None) -> None:
+        return None
+
+    def comm_stream(self) -> Any:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+@dataclass
+class CudaDevice:
+    """One GPU, chosen by the rank's node-local rank modulo the visible GPUs."""
+
+    cp: Any
+    index: int
+
+    kind = DeviceKind.CUDA
+
+    def __post_init__(self) -> None:
+        self.cp.cuda.Device(self.index).use()
+        self._compute = self.cp.cuda.Stream(non_blocking=True)
+        self._comm = self.cp.cuda.Stream(non_blocking=True)
+
+    @property
+    def xp(self):
+        return self.cp
+
+    @property
+    def name(self) -> str:
+        props = self.cp.cuda.runtime.getDeviceProperties(self.index)
+        return f"cuda:{self.index} ({props['name'].decode()})"
+
+    def compute(self) -> AbstractContextManager:
+        """Make the compute stream current: every kernel launched inside runs on it."""
+        return self._compute
+
+    def to_device(self, host: np.ndarray, out=None):
+        if out is None:
+            out = self.cp.empty(host.shape, dtype=host.dtype)
+        if host.flags.c_contiguous and out.flags.c_contiguous:
+            out.set(host, stream=self._compute)
+        else:
+            out[...] = self.cp.asarray(host)
+        return out
+
+    def to_host(self, array, out: np.ndarray | None = None) -> np.ndarray:
+        # get() on the compute stream waits for the kernels that produced ``array``.
+        if out is None:
+            return array.get(stream=self._compute)
+        array.get(stream=self._compute, out=out)
+        self._compute.synchronize()
+        return out
+
+    def host_empty(self, shape, dtype) -> np.ndarray:
+        """Page-locked (pinned) host memory: copies to and from it run at full speed
+        and asynchronously."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        memory = self.cp.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+        return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+    def record(self, stream=None):
+        event = self.cp.cuda.Event(disable_timing=True)
+        event.record(stream or self._compute)
+        return event
+
+    def wait_event(self, event, stream=None) -> None:
+        (stream or self._compute).wait_event(event)
+
+    def comm_stream(self):
+        return self._comm
+
+    def synchronize(self) -> None:
+        self._comm.synchronize()
+        self._compute.synchronize()
+
+
+Device = CpuDevice | CudaDevice
+
+
+def local_rank(comm) -> int:
+    """This rank's index among the ranks on its node (a shared-memory sub-communicator)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def open_device(kind: DeviceKind | None, comm) -> Device:
+    """``kind`` None: a GPU when cupy sees one, else the CPU. Each rank takes GPU
+    (node-local rank mod visible GPUs), so ranks spread over a node's GPUs."""
+    cp = cupy_module()
+    if kind is DeviceKind.CPU or (kind is None and cp is None):
+        return CpuDevice()
+    if cp is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise UserError(
+            f"--device cuda: cupy is not installed or sees no GPU{hint}; use --device cpu"
+        )
+    count = cp.cuda.runtime.getDeviceCount()
+    return CudaDevice(cp, local_rank(comm) % count)
+
+
+def gpus_per_rank_ok(comm, device: Device) -> bool:
+    """True when no two ranks of a node share a GPU (NCCL refuses that)."""
+    if device.kind is not DeviceKind.CUDA:
+        return False
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        indices = node.allgather(device.index)
+    finally:
+        node.Free()
+    return len(set(indices)) == len(indices)

@@ -1,0 +1,143 @@
+"""Where every array of a rank's step comes from, decided once before the first step.
+
+For each local task: how each input buffer is filled (a weight shard, a constant cut
+once, rows of a data input, a producer's whole tile used as it is, or a buffer made once
+whose pieces are copied in every step), and how its output gradient is gathered (the
+consumer's gradient used as it is, or a buffer summed from pieces). Buffers made here are
+reused by every step; their padding is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.buffers import empty_buffer, local_slices
+from executor.program import Piece
+from onnx2soap.ir import TensorRole
+from onnx2soap.soap.partition import Rect, Region, Task
+
+TaskKey = tuple[int, int]  # (op index, task index)
+Slices = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A weight or state shard, or a constant cut once: the same array every step."""
+
+    array: object
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A data input or the labels: the task's rows copied from the batch every step into
+    ``buffer`` (made once, padding included) at ``into``; ``data`` is the global rect."""
+
+    name: str
+    data: Rect
+    buffer: object
+    into: Slices
+
+
+@dataclass(frozen=True)
+class Alias:
+    """The producer's whole output tile is exactly this buffer: read it without a copy
+    (kernels never write their inputs)."""
+
+    producer: TaskKey
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One piece of an assembled buffer: ``into`` the buffer, from the local producer's
+    (or consumer's) array at ``source``, or from received transfer ``transfer``."""
+
+    into: Slices
+    peer: TaskKey
+    operand: int
+    source: Slices
+    transfer: int | None
+
+
+@dataclass(frozen=True)
+class Assembled:
+    buffer: object
+    copies: tuple[Copy, ...]
+
+
+InputSource = Fixed | Rows | Alias | Assembled
+
+
+@dataclass(frozen=True)
+class GradAlias:
+    """The task's whole output gradient is one local consumer's input gradient."""
+
+    consumer: TaskKey
+    operand: int
+
+
+@dataclass(frozen=True)
+class GradSum:
+    """The output gradient summed from pieces into ``buffer`` (zeroed every step)."""
+
+    buffer: object
+    copies: tuple[Copy, ...]
+
+
+def _whole(rect: Rect, origin: Rect) -> bool:
+    return rect == origin
+
+
+def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> InputSource:
+    """How input ``k`` of a local task is filled."""
+    op = rt.graph.ops[key[0]]
+    name, role, region = op.inputs[k], rt.roles[key[0]][k], task.inputs[k]
+    if role in (TensorRole.WEIGHT, TensorRole.STATE):
+        return Fixed(rt.shards[(name, region.data)])
+    if role is TensorRole.CONSTANT:
+        return Fixed(_cut_constant(rt, name, region))
+    if role in (TensorRole.INPUT, TensorRole.LABELS):
+        buffer = empty_buffer(rt.xp, region, rt.dtype_of(name))
+        return Rows(name, region.data, buffer, local_slices(region.data, region.buffer))
+    mine = [p for p in pieces if p.operand == k]
+    if len(mine) == 1 and mine[0].transfer is None:
+        producer = rt.task(mine[0].peer)
+        if _whole(mine[0].rect, region.buffer) and _whole(mine[0].rect, producer.output):
+            return Alias(mine[0].peer)
+    copies = tuple(
+        Copy(
+            local_slices(p.rect, region.buffer),
+            p.peer,
+            k,
+            local_slices(p.rect, rt.task(p.peer).output),
+            p.transfer,
+        )
+        for p in mine
+    )
+    return Assembled(empty_buffer(rt.xp, region, rt.dtype_of(name)), copies)
+
+
+def _cut_constant(rt, name: str, region: Region):
+    from executor.buffers import slice_from_full
+
+    return slice_from_full(rt.xp, rt.constants[name], region)
+
+
+def grad_source(rt, task: Task, pieces: tuple[Piece, ...]) -> GradAlias | GradSum:
+    """How a local task's output gradient is gathered from its consumers' pieces."""
+    if len(pieces) == 1 and pieces[0].transfer is None:
+        p = pieces[0]
+        consumer = rt.task(p.peer)
+        if _whole(p.rect, task.output) and _whole(p.rect, consumer.inputs[p.operand].buffer):
+            return GradAlias(p.peer, p.operand)
+    copies = tuple(
+        Copy(
+            local_slices(p.rect, task.output),
+            p.peer,
+            p.operand,
+            local_slices(p.rect, rt.task(p.peer).inputs[p.operand].buffer),
+            p.transfer,
+        )
+        for p in pieces
+    )
+    shape = tuple(hi - lo for lo, hi in task.output)
+    return GradSum(rt.xp.zeros(shape, dtype=rt.dtype), copies)

@@ -1,0 +1,102 @@
+"""The ``nccl`` transport: tiles and all-reduces on the GPU's communication stream.
+
+Every send, receive and all-reduce of a rank is issued on one communication stream in
+program order, so each stream runs a subsequence of the global order; NCCL matches a
+pair's point-to-point calls by their order, which the program makes the same on both
+ends (a transfer's ``Recv`` sits at its ``Send``'s place). The earliest unfinished call
+then always has both ends at the head of their streams, so the streams cannot deadlock.
+
+The host never waits inside a step: a send waits (on the GPU) for an event recorded on
+the compute stream after its producer; a consumer's kernels wait for the event recorded
+after its receive; a weight group's all-reduce runs while the compute stream goes on
+with the backward pass. The arrays in flight are held until ``end_step``, since cupy's
+memory pool would otherwise hand a freed array to the next kernel while NCCL still reads
+it.
+
+NCCL refuses two ranks on one GPU: ``--transport auto`` picks ``mpi-host`` there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from mpi4py import MPI
+
+from executor.device import CudaDevice
+from onnx2soap.soap.collectives import ring_chunks, ring_steps
+
+
+def ring_bytes(size: int, itemsize: int, members: int, member: int) -> int:
+    """What ``member`` sends in a ring all-reduce of ``size`` elements: the figure the
+    simulator predicts (NCCL's ring moves chunks of the same sizes)."""
+    chunks = ring_chunks(size, members)
+    total = 0
+    for step in ring_steps(member, members):
+        lo, hi = chunks[step.send_chunk]
+        total += (hi - lo) * itemsize
+    return total
+
+
+class NcclTransport:
+    def __init__(self, comm: MPI.Comm, device: CudaDevice) -> None:
+        from cupy.cuda import nccl
+
+        self.nccl, self.comm, self.device = nccl, comm, device
+        self.rank = comm.Get_rank()
+        self.bytes_sent = 0
+        self.world = self._communicator(comm)
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._held: list[Any] = []
+        self._types = {
+            "float32": nccl.NCCL_FLOAT32,
+            "float64": nccl.NCCL_FLOAT64,
+            "int64": nccl.NCCL_INT64,
+        }
+
+    def _communicator(self, comm: MPI.Comm):
+        uid = self.nccl.get_unique_id() if comm.Get_rank() == 0 else None
+        uid = comm.bcast(uid, root=0)
+        return self.nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
+
+    def make_groups(self, device_sets: Iterable[tuple[int, ...]]) -> None:
+        # Sorted on every rank, so the members of each set create it in the same order.
+        for devices in sorted(set(device_sets)):
+            color = 0 if self.rank in devices else MPI.UNDEFINED
+            sub = self.comm.Split(color, key=self.rank)
+            if sub != MPI.COMM_NULL:
+                self._groups[devices] = self._communicator(sub)
+                sub.Free()
+
+    def _type(self, array) -> int:
+        return self._types[array.dtype.name]
+
+    def send(self, array, dest: int) -> None:
+        stream = self.device.comm_stream()
+        self.device.wait_event(self.device.record(), stream)
+        self.world.send(array.data.ptr, array.size, self._type(array), dest, stream.ptr)
+        self._held.append(array)
+        self.bytes_sent += array.nbytes
+
+    def recv(self, buffer, source: int):
+        stream = self.device.comm_stream()
+        self.world.recv(buffer.data.ptr, buffer.size, self._type(buffer), source, stream.ptr)
+        return self.device.record(stream)
+
+    def allreduce(self, array, devices: tuple[int, ...]):
+        stream = self.device.comm_stream()
+        self.device.wait_event(self.device.record(), stream)
+        ptr, count = array.data.ptr, array.size
+        self._groups[devices].allReduce(
+            ptr, ptr, count, self._type(array), self.nccl.NCCL_SUM, stream.ptr
+        )
+        self._held.append(array)
+        self.bytes_sent += ring_bytes(count, array.itemsize, len(devices), devices.index(self.rank))
+        return self.device.record(stream)
+
+    def wait(self, event) -> None:
+        self.device.wait_event(event)
+
+    def end_step(self) -> None:
+        self.device.comm_stream().synchronize()
+        self._held.clear()
