@@ -27,6 +27,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from executor.kinds import DeviceKind, TransportKind
 from onnx2soap.cli.common import OneLineParser, add_nonfinite_option, float_in, int_in
 from onnx2soap.errors import UserError
 from onnx2soap.ir import DType
@@ -62,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--save-weights",
         type=Path,
         help="write trained weights (.npz) on rank 0 (the path is checked before training)",
+    )
+    run.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="where the arrays live (default: cuda when cupy sees a GPU, else cpu); each "
+        "rank takes GPU (node-local rank mod visible GPUs)",
+    )
+    run.add_argument(
+        "--transport",
+        choices=[k.value for k in TransportKind],
+        default="auto",
+        help="how tiles move: mpi (host arrays), mpi-host (GPU arrays staged through "
+        "pinned host memory; several ranks may share a GPU), mpi-cuda (a CUDA-aware MPI), "
+        "nccl (one rank per GPU); auto: nccl when every rank has its own GPU, else "
+        "mpi-host on GPUs and mpi on CPUs",
     )
     run.add_argument("--json", action="store_true", help="one JSON object per line")
     add_nonfinite_option(run)
@@ -198,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         data=args.data,
         save_weights=args.save_weights,
         allow_nonfinite=args.allow_nonfinite,
+        device=DeviceKind(args.device) if args.device else None,
+        transport=TransportKind(args.transport),
     )
     try:
         result = train(

@@ -14,17 +14,12 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
+from executor.kinds import DeviceKind
 from onnx2soap.errors import UserError
-
-
-class DeviceKind(Enum):
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 def cupy_module():

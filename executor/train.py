@@ -18,10 +18,11 @@ import numpy as np
 from mpi4py import MPI
 
 from executor.data import FileData, SyntheticData, load_npz, rows_needed
-from executor.device import DeviceKind, open_device
+from executor.device import open_device
+from executor.kinds import DeviceKind, TransportKind
 from executor.program import compile_program
 from executor.runtime import Runtime
-from executor.transport import TransportKind, make_transport
+from executor.transport import make_transport
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
@@ -168,12 +169,13 @@ def train(
     problems = [p for p in comm.allgather(problem) if p]
     if problems:
         raise UserError(problems[0])
+    # The device and transport before the model: a wrong --device fails in a second.
+    device = open_device(options.device, comm)
+    transport = make_transport(options.transport, comm, device)
     s = agreed_setup(comm, options)
     ranks = comm.allgather((MPI.Get_processor_name(), os.getpid()))
     if on_start is not None and rank == 0:
         on_start(tuple(RankInfo(r, host, pid) for r, (host, pid) in enumerate(ranks)))
-    device = open_device(options.device, comm)
-    transport = make_transport(options.transport, comm, device)
     program = compile_program(s.pg, rank)
     values = {**s.model.weights, **s.model.state}
     rt = Runtime(

@@ -23,24 +23,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
 from executor.device import Device
+from executor.kinds import DeviceKind, TransportKind
 from onnx2soap.soap.collectives import ring_chunks, ring_steps
 
 Array = Any  # numpy or cupy
-
-
-class TransportKind(Enum):
-    AUTO = "auto"
-    MPI = "mpi"
-    MPI_HOST = "mpi-host"
-    MPI_CUDA = "mpi-cuda"
-    NCCL = "nccl"
 
 
 class Pending(Protocol):
@@ -299,7 +291,7 @@ def mpi_cuda_aware() -> bool:
 def make_transport(kind: TransportKind, comm: MPI.Comm, device: Device) -> Transport:
     """``auto``: NCCL when every rank has a GPU of its own, host staging when ranks
     share one, plain MPI on CPU ranks."""
-    from executor.device import DeviceKind, gpus_per_rank_ok
+    from executor.device import gpus_per_rank_ok
     from onnx2soap.errors import UserError
 
     on_gpu = device.kind is DeviceKind.CUDA

@@ -1,0 +1,155 @@
+"""Transports, the per-pair order they rely on, buffers made once, and rows per rank.
+
+- The compiled programs give every pair of ranks one order: the i-th send from a to b is
+  the i-th receive b posts from a (what tagless MPI matching and NCCL need), for random
+  plans of several models; and every wait follows its receive.
+- ``mpi-host`` (arrays staged through host buffers, as on a GPU) trains random plans on
+  N ranks under mpiexec like one device.
+- A rank's step reuses the buffers made before the first step; staging buffers are made
+  in the first step only.
+- Messages match by order past MPI's guaranteed tag bound (32767).
+- A rank holds only the data rows its tasks read, and those rows equal the whole batch's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+from executor.data import SyntheticData, rows_needed
+from executor.device import CpuDevice
+from executor.program import Recv, Send, Wait, compile_program
+from executor.runtime import Runtime
+from executor.transport import MpiTransport
+from onnx2soap.importer import load_model
+from onnx2soap.ir import DType
+from onnx2soap.search.baselines import data_parallel, random_strategy
+from onnx2soap.soap import Partitioner, analyze
+from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
+
+MODELS = {"cnn": 4, "bnnet": 4, "tokens": 4, "tied": 4, "spatial": 4}  # -> batch
+STEPS, LR = 2, 0.05
+
+
+def _partition(path: Path, batch: int, devices: int, seed: int):
+    graph = load_model(path, batch).graph
+    strategy = random_strategy(graph, analyze(graph), devices, np.random.default_rng(seed))
+    return Partitioner(graph).partition(strategy)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(devices=st.integers(2, 5), seed=st.integers(0, 10_000))
+def test_each_pair_of_ranks_sends_and_receives_in_one_order(export_model, name, devices, seed):
+    pg = _partition(export_model(name), MODELS[name], devices, seed)
+    programs = [compile_program(pg, rank) for rank in range(devices)]
+    sent, posted = defaultdict(list), defaultdict(list)
+    for program in programs:
+        received = set()
+        for ins in program.instructions:
+            if isinstance(ins, Send):
+                assert ins.transfer.src == program.rank
+                sent[(ins.transfer.src, ins.transfer.dst)].append(ins.transfer.id)
+            elif isinstance(ins, Recv):
+                assert ins.transfer.dst == program.rank
+                posted[(ins.transfer.src, ins.transfer.dst)].append(ins.transfer.id)
+                received.add(ins.transfer.id)
+            elif isinstance(ins, Wait):
+                assert ins.transfer.id in received, "a wait before its receive"
+    assert sent == posted
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("name", "ranks", "seed"), [("cnn", 3, 1), ("bnnet", 2, 5), ("tokens", 3, 2)]
+)
+def test_host_staged_transport_trains_like_one_device(export_model, tmp_path, name, ranks, seed):
+    model = export_model(name)
+    one = tmp_path / "one.json"
+    make_plan(model, one, 1, MODELS[name], "data-parallel")
+    losses, weights = reference(one, STEPS, DType.FLOAT64, LR)
+    plan = tmp_path / f"{name}-{ranks}.json"
+    make_plan(model, plan, ranks, MODELS[name], "random", seed)
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    run = mpirun(plan, ranks, tmp_path, *args, "--transport", "mpi-host")
+    assert_same_training(run, losses, weights, rtol=1e-10)
+
+
+def _persistent(rt: Runtime) -> set[int]:
+    """The ids of every array a step reuses."""
+    b = rt.buffers
+    arrays = [*b.grads.values(), *b.received.values(), *b.slots.values(), *b.staging.values()]
+    for sources in b.inputs.values():
+        arrays += [getattr(s, "buffer", None) for s in sources]
+    arrays += [getattr(s, "buffer", None) for s in b.grad_outputs.values()]
+    arrays += list(rt.shards.values())
+    return {id(a) for a in arrays if a is not None}
+
+
+def test_steps_reuse_the_buffers_made_before_the_first(export_model):
+    path = export_model("bnnet")
+    graph = load_model(path, 4).graph
+    # Several tasks per op on one device: assembled buffers, statistics slots.
+    strategy = random_strategy(graph, analyze(graph), 1, np.random.default_rng(3))
+    pg = Partitioner(graph).partition(strategy)
+    model = load_model(path, 4)
+    rt = Runtime(
+        pg,
+        compile_program(pg, 0),
+        MpiTransport(MPI.COMM_SELF, CpuDevice()),
+        {**model.weights, **model.state},
+        np.float64,
+        model.constants,
+    )
+    data = SyntheticData(graph, 0, np.dtype(np.float64))
+    rows = rows_needed(pg, 0)
+    rt.step(data.batch(0, rows), 0.01)
+    before = _persistent(rt)
+    for step in (1, 2):
+        rt.step(data.batch(step, rows), 0.01)
+        assert _persistent(rt) == before
+
+
+def test_staged_messages_match_by_order_past_the_tag_bound():
+    """More messages than MPI's guaranteed tag bound, all without tags, arrive in the
+    order they were sent; staging buffers are made in the first step only."""
+    transport = MpiTransport(MPI.COMM_SELF, CpuDevice(), staged=True)
+    count = 33_000
+    made = []
+    for step in range(2):
+        values = np.arange(count, dtype=np.float64) + step
+        boxes = [np.empty(1) for _ in range(count)]
+        pending = []
+        for i in range(count):
+            transport.send(values[i : i + 1], 0)
+            pending.append(transport.recv(boxes[i], 0))
+        for p in pending:
+            transport.wait(p)
+        transport.end_step()
+        made.append(transport._pool.made)
+        np.testing.assert_array_equal(np.concatenate(boxes), values)
+    assert made[0] == made[1]
+
+
+def test_a_rank_holds_only_the_rows_its_tasks_read(export_model):
+    path = export_model("tokens")
+    graph = load_model(path, 8).graph
+    pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 4))
+    data = SyntheticData(graph, 7, np.dtype(np.float64))
+    whole = data.batch(3)
+    for rank in range(4):
+        rows = rows_needed(pg, rank)
+        assert rows and all(span == (2 * rank, 2 * rank + 2) for span in rows.values())
+        mine = data.batch(3, rows)
+        for name in graph.inputs:
+            np.testing.assert_array_equal(
+                mine.inputs[name], whole.inputs[name][rows[name][0] :][:2]
+            )
+        np.testing.assert_array_equal(mine.labels, whole.labels[2 * rank : 2 * rank + 2])
+        assert mine.loss_scale == whole.loss_scale
