@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from itertools import product
 
 from onnx2soap.ir import AxisMap, Grouped, Operand, identity
 from onnx2soap.ops.base import OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names
-from onnx2soap.ops.kernel_util import check_window_buffer, window_taps
+from onnx2soap.ops.kernel_util import check_window_buffer, flat_shifts, window_taps
 from onnx2soap.ops.windows import window, window_axes, window_outputs
 
 _LEAD = (slice(None), slice(None))  # n and channels: read as they are
@@ -101,17 +100,17 @@ class _Layout:
     taps: int  # kernel positions
     out_spatial: tuple[int, ...]
     buffer: tuple[int, ...]  # the X buffer's spatial shape
-    wide: bool  # stride 1 everywhere: the columns are flat shifted slices (see _Grid)
+    wide: bool  # stride 1 everywhere: the columns are shifted runs of the flat buffer
 
     @property
-    def depth(self) -> int:  # the contraction length: channels x kernel positions
-        return self.c_in * self.taps
+    def depth(self) -> int:  # the contraction length: kernel positions x channels
+        return self.taps * self.c_in
 
     @property
     def grid(self) -> tuple[int, ...]:
-        """The positions one column set spans per sample: the outputs themselves, or for
-        a wide layout every buffer position of the output rows (outputs and garbage)."""
-        return (self.out_spatial[0], *self.buffer[1:]) if self.wide else self.out_spatial
+        """The positions one sample's columns span: the outputs, or in the wide layout
+        the whole buffer (the outputs are its corner, the rest garbage)."""
+        return self.buffer if self.wide else self.out_spatial
 
     @property
     def corner(self) -> tuple[slice, ...]:
@@ -143,100 +142,95 @@ def _layout(attrs: ConvAttrs, x, w, out_shape) -> _Layout:
     )
 
 
-# The columns are (n, groups, c_in * taps, grid): what every output reads, per sample,
-# channel-major then tap (the row-major flattening of W's (c_in, *kernel) axes), so that
-# each product is one GEMM per sample and group (one xp.matmul call) that writes the
-# output in its own layout. Each tap is copied once, straight into its place.
+# The columns are (n, groups, taps * c_in, grid): what every output reads, per sample,
+# tap-major (W is reordered to match), so that each product is one GEMM per sample and
+# group (one xp.matmul call) that writes the output in its own layout. Each tap is
+# copied once, straight into its place.
 #
-# With stride 1 (the "wide" layout) output (i, j, ...) reads buffer position (i + a,
-# j + b, ...) at tap (a, b, ...): in the row-major flattened buffer, one shift per tap.
-# The columns then hold, per tap, one contiguous run of the flat buffer from that shift:
-# the outputs plus the "garbage" positions between output rows (j >= the output width),
-# whose results are dropped and whose gradients are zero. Long contiguous copies beat
-# short strided rows by far; the GEMMs grow by the ratio of buffer and output widths.
+# With stride 1 (the "wide" layout) output position p of a channel reads p + shift at a
+# tap (kernel_util.flat_shifts), so one tap's columns of all samples and channels are a
+# single run of the flat buffer: a long contiguous copy instead of many short strided
+# rows (numpy pays ~100 ns per row). The grid is then the whole buffer: the positions
+# that are no output are garbage, dropped from the output and given zero gradient.
 
 
-def _offsets(attrs: ConvAttrs, buffer: tuple[int, ...]) -> list[int]:
-    """Per tap, row-major, the flat buffer index that output 0 reads."""
-    flat = [math.prod(buffer[i + 1 :]) for i in range(len(buffer))]
-    steps = [d * f for d, f in zip(attrs.dilations, flat, strict=True)]
-    return [
-        sum(k * s for k, s in zip(pos, steps, strict=True))
-        for pos in product(*(range(k) for k in attrs.kernel_shape))
-    ]
+def _tap_major(xp, w, lay: _Layout):
+    """W (C_out, c_in, *kernel) as (groups, c_out, taps * c_in), the columns' order."""
+    w = w.reshape(lay.groups, lay.c_out, lay.c_in, lay.taps)
+    return xp.swapaxes(w, 2, 3).reshape(lay.groups, lay.c_out, lay.depth)
+
+
+def _channel_major(xp, grad_w, w_shape, lay: _Layout):
+    """The inverse of _tap_major, for dW."""
+    grad_w = grad_w.reshape(lay.groups, lay.c_out, lay.taps, lay.c_in)
+    return xp.swapaxes(grad_w, 2, 3).reshape(w_shape)
 
 
 def _columns(xp, attrs: ConvAttrs, x, lay: _Layout):
-    n, c, length = lay.n, x.shape[1], math.prod(lay.grid)
-    shape = (n, lay.groups, lay.depth, length)
+    n, g, ci, size = lay.n, lay.groups, lay.c_in, math.prod(lay.grid)
+    if lay.taps == 1 and lay.wide:  # a 1x1 convolution reads the buffer as it is
+        return x.reshape(n, g, ci, size)
+    cols = xp.empty((n, g, lay.taps, ci, *lay.grid), dtype=x.dtype)
     if lay.wide:
-        flat = x.reshape(n, c, -1)
-        if lay.taps == 1:  # a 1x1 convolution reads the buffer as it is
-            return flat[:, :, :length].reshape(shape)
-        runs = xp.empty((n, c, lay.taps, length), dtype=x.dtype)
-        for t, off in enumerate(_offsets(attrs, lay.buffer)):
-            m = min(length, flat.shape[2] - off)  # the grid's tail reads past the buffer
-            runs[:, :, t, :m] = flat[:, :, off : off + m]
-            runs[:, :, t, m:] = 0  # garbage, but finite: dW multiplies it by 0
-        return runs.reshape(shape)
-    cols = xp.empty((n, c, lay.taps, *lay.grid), dtype=x.dtype)
-    for t, sl in enumerate(window_taps(attrs, lay.out_spatial)):
-        cols[:, :, t] = x[(*_LEAD, *sl)]
-    return cols.reshape(shape)
+        shifts = flat_shifts(attrs, lay.buffer)
+        flat = xp.zeros(x.size + shifts[-1], dtype=x.dtype)  # the last runs read past X
+        flat[: x.size] = x.reshape(-1)
+        for t, off in enumerate(shifts):
+            cols[:, :, t] = flat[off : off + x.size].reshape(n, g, ci, *lay.grid)
+    else:
+        for t, sl in enumerate(window_taps(attrs, lay.out_spatial)):
+            cols[:, :, t] = x[(*_LEAD, *sl)].reshape(n, g, ci, *lay.grid)
+    return cols.reshape(n, g, lay.depth, size)
 
 
 def _col2im(xp, attrs: ConvAttrs, grad_cols, x, lay: _Layout):
     """The gradient of the X buffer from that of its columns (the adjoint of _columns).
     One slice per tap never repeats an index, so += is an exact scatter-add; taps that
     overlap accumulate across iterations."""
-    n, c, length = lay.n, x.shape[1], math.prod(lay.grid)
-    if lay.wide and lay.taps == 1 and length * n * c == x.size:  # the columns were X
+    n, c = lay.n, x.shape[1]
+    if lay.taps == 1 and lay.wide:  # the columns were X
         return grad_cols.reshape(x.shape)
-    grad_x = xp.zeros_like(x)
+    grad_cols = grad_cols.reshape(n, lay.groups, lay.taps, lay.c_in, -1)
     if lay.wide:
-        flat, runs = grad_x.reshape(n, c, -1), grad_cols.reshape(n, c, lay.taps, length)
-        for t, off in enumerate(_offsets(attrs, lay.buffer)):
-            m = min(length, flat.shape[2] - off)  # the rest is garbage, with gradient 0
-            flat[:, :, off : off + m] += runs[:, :, t, :m]
-        return grad_x
-    grad_cols = grad_cols.reshape(n, c, lay.taps, *lay.grid)
+        shifts = flat_shifts(attrs, lay.buffer)
+        flat = xp.zeros(x.size + shifts[-1], dtype=grad_cols.dtype)
+        for t, off in enumerate(shifts):
+            run = flat[off : off + x.size].reshape(grad_cols[:, :, t].shape)
+            run += grad_cols[:, :, t]  # garbage positions add 0
+        return flat[: x.size].reshape(x.shape)  # contiguous, and ours alone
+    grad_x = xp.zeros_like(x)
     for t, sl in enumerate(window_taps(attrs, lay.out_spatial)):
-        grad_x[(*_LEAD, *sl)] += grad_cols[:, :, t]
+        grad_x[(*_LEAD, *sl)] += grad_cols[:, :, t].reshape(n, c, *lay.out_spatial)
     return grad_x
 
 
 def _weight_grad(xp, gy, cols, lay: _Layout):
     """dW (groups, c_out, depth): the sum over samples of gy[i] @ cols[i]^T.
 
-    One batched GEMM and a sum where its per-sample products are no larger than the
-    columns (large images: the early layers); a loop over the samples where they would
-    be (many channels on small images), to keep memory in check.
+    Computed transposed, cols[i] @ gy[i]^T, which OpenBLAS runs faster for the few
+    output channels of small convolutions. One batched GEMM and a sum where its
+    per-sample products are no larger than the columns (large images: the early layers);
+    a loop over the samples where they would be, to keep memory in check.
     """
-    cols_t = xp.swapaxes(cols, 2, 3)  # BLAS reads it transposed, no copy
+    gy_t = xp.swapaxes(gy, 2, 3)  # BLAS reads it transposed, no copy
     if lay.c_out <= math.prod(lay.grid):
-        return xp.matmul(gy, cols_t).sum(axis=0)
-    grad = xp.matmul(gy[0], cols_t[0])
-    for i in range(1, lay.n):
-        grad += xp.matmul(gy[i], cols_t[i])
-    return grad
+        grad = xp.matmul(cols, gy_t).sum(axis=0)
+    else:
+        grad = xp.matmul(cols[0], gy_t[0])
+        for i in range(1, lay.n):
+            grad += xp.matmul(cols[i], gy_t[i])
+    return xp.swapaxes(grad, 1, 2)
 
 
 def _output(xp, product_, bias, lay: _Layout):
     """(n, C_out, *out), contiguous, from the GEMM's (n, groups, c_out, grid), plus the
-    bias: in place, or where the grid has garbage one pass that also drops it."""
+    bias (the garbage dropped by one copy)."""
     y = product_.reshape(lay.n, lay.groups * lay.c_out, *lay.grid)
-    b = None if bias is None else bias.reshape(1, -1, *(1 for _ in lay.grid))
-    if lay.grid == lay.out_spatial:
-        if b is not None:
-            y += b
-        return y
-    out = xp.empty((*y.shape[:2], *lay.out_spatial), dtype=y.dtype)
-    y = y[(*_LEAD, *lay.corner)]
-    if b is None:
-        out[...] = y
-    else:
-        xp.add(y, b, out=out)
-    return out
+    if lay.grid != lay.out_spatial:
+        y = xp.ascontiguousarray(y[(*_LEAD, *lay.corner)])
+    if bias is not None:
+        y += bias.reshape(1, -1, *(1 for _ in lay.grid))
+    return y
 
 
 def _grad_grid(xp, grad_output, lay: _Layout):
@@ -252,8 +246,7 @@ def _grad_grid(xp, grad_output, lay: _Layout):
 def forward(xp, attrs: ConvAttrs, inputs, args):
     x, w = inputs[0], inputs[1]
     lay = _layout(attrs, x, w, args.out_shape)
-    weights = w.reshape(lay.groups, lay.c_out, lay.depth)
-    product_ = xp.matmul(weights, _columns(xp, attrs, x, lay))
+    product_ = xp.matmul(_tap_major(xp, w, lay), _columns(xp, attrs, x, lay))
     return _output(xp, product_, inputs[2] if len(inputs) > 2 else None, lay)
 
 
@@ -262,10 +255,10 @@ def backward(xp, attrs: ConvAttrs, inputs, output, grad_output, args):
     lay = _layout(attrs, x, w, args.out_shape)
     gy = _grad_grid(xp, grad_output, lay)  # (n, groups, c_out, grid)
     cols = _columns(xp, attrs, x, lay)
-    grad_w = _weight_grad(xp, gy, cols, lay).reshape(w.shape)
+    grad_w = _channel_major(xp, _weight_grad(xp, gy, cols, lay), w.shape, lay)
     del cols  # freed before the column gradient takes their size again
-    weights = w.reshape(lay.groups, lay.c_out, lay.depth)
-    grad_cols = xp.matmul(xp.swapaxes(weights, 1, 2), gy)  # (n, groups, depth, grid)
+    weights_t = xp.swapaxes(_tap_major(xp, w, lay), 1, 2)
+    grad_cols = xp.matmul(weights_t, gy)  # (n, groups, depth, grid)
     grads = [_col2im(xp, attrs, grad_cols, x, lay), grad_w]
     if len(inputs) > 2:
         grads.append(grad_output.sum(axis=(0, *range(2, grad_output.ndim))))

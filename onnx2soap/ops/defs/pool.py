@@ -6,13 +6,14 @@ AveragePool), so a window is read at buffer index ``j * stride + k * dilation``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
 from onnx2soap.ir import Operand, identity
 from onnx2soap.ops.base import Interval, OpDef, Sample, TaskArgs, X, case
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names
-from onnx2soap.ops.kernel_util import check_window_buffer, window_taps
+from onnx2soap.ops.kernel_util import check_window_buffer, flat_shifts, window_taps
 from onnx2soap.ops.windows import window, window_axes, window_outputs
 
 _LEAD = (slice(None), slice(None))  # n and c: read as they are
@@ -125,12 +126,22 @@ def _out_spatial(attrs: PoolAttrs, x, args: TaskArgs, op: str) -> tuple[int, ...
     return out_spatial
 
 
-def _window_max(xp, attrs: PoolAttrs, x, out_spatial):
-    """The maximum of every window, one in-place ``maximum`` per kernel position."""
-    best = None
-    for sl in window_taps(attrs, out_spatial):
-        tap = x[(*_LEAD, *sl)]
-        best = tap.copy() if best is None else xp.maximum(best, tap, out=best)
+def _gather(xp, attrs: PoolAttrs, x, out_spatial):
+    """(taps, n, c, *out): every window's elements, one strided copy per kernel position
+    (row-major), so that the arithmetic runs on contiguous arrays, where numpy is many
+    times faster than on short strided rows."""
+    shape = (*x.shape[:2], *out_spatial)
+    taps = math.prod(attrs.kernel_shape)
+    windows = xp.empty((taps, *shape), dtype=x.dtype)
+    for t, sl in enumerate(window_taps(attrs, out_spatial)):
+        windows[t] = x[(*_LEAD, *sl)]
+    return windows
+
+
+def _window_max(xp, windows):
+    best = windows[0].copy()
+    for tap in windows[1:]:
+        xp.maximum(best, tap, out=best)
     return best
 
 
@@ -155,7 +166,11 @@ def _tiled(attrs: PoolAttrs, buffer, out_spatial) -> bool:
 
 def maxpool_forward(xp, attrs: PoolAttrs, inputs, args):
     x = inputs[0]
-    return _window_max(xp, attrs, x, _out_spatial(attrs, x, args, "MaxPool"))
+    taps = window_taps(attrs, _out_spatial(attrs, x, args, "MaxPool"))
+    best = x[(*_LEAD, *next(taps))].copy()
+    for sl in taps:  # in place: no array per tap
+        xp.maximum(best, x[(*_LEAD, *sl)], out=best)
+    return best
 
 
 def maxpool_backward(xp, attrs: PoolAttrs, inputs, output, grad_output, args):
@@ -165,22 +180,21 @@ def maxpool_backward(xp, attrs: PoolAttrs, inputs, output, grad_output, args):
     windows whose maximum has not been met yet; ``rest * hit`` is exact (x * 1, x * 0)."""
     x = inputs[0]
     out_spatial = _out_spatial(attrs, x, args, "MaxPool")
-    best = _window_max(xp, attrs, x, out_spatial)  # the same bits as the forward's output
+    windows = _gather(xp, attrs, x, out_spatial)
+    best = _window_max(xp, windows)  # the same bits as the forward's output
     rest = grad_output.copy()
     hit = xp.empty(best.shape, dtype=bool)
-    share = xp.empty_like(rest)
     disjoint = _disjoint(attrs)
     tiled = disjoint and _tiled(attrs, x.shape[2:], out_spatial)
     grad_x = xp.empty_like(x) if tiled else xp.zeros_like(x)
-    for sl in window_taps(attrs, out_spatial):
-        where = (*_LEAD, *sl)
-        xp.equal(x[where], best, out=hit)
-        xp.multiply(rest, hit, out=share)
+    for share, sl in zip(windows, window_taps(attrs, out_spatial), strict=True):
+        xp.equal(share, best, out=hit)
+        xp.multiply(rest, hit, out=share)  # the tap's values are no longer needed
         rest -= share
         if disjoint:
-            grad_x[where] = share
+            grad_x[(*_LEAD, *sl)] = share
         else:
-            grad_x[where] += share
+            grad_x[(*_LEAD, *sl)] += share
     return (grad_x,)
 
 
@@ -218,20 +232,46 @@ def _divisor(xp, attrs: PoolAttrs, x, out_spatial, valid):
     return xp.maximum(divisor, 1)
 
 
+def _wide(attrs: PoolAttrs, out_spatial) -> bool:
+    """Stride 1 everywhere: each tap is one run of the flat buffer (flat_shifts)."""
+    return all(s == 1 for s in attrs.strides) and 0 not in out_spatial
+
+
+def _corner(out_spatial) -> tuple[slice, ...]:
+    """The outputs within a grid the size of the buffer (the wide layout)."""
+    return (*_LEAD, *(slice(o) for o in out_spatial))
+
+
 def averagepool_forward(xp, attrs: PoolAttrs, inputs, args):
     x = inputs[0]
     out_spatial = _out_spatial(attrs, x, args, "AveragePool")
-    taps = window_taps(attrs, out_spatial)
-    total = x[(*_LEAD, *next(taps))].copy()
-    for sl in taps:
-        total += x[(*_LEAD, *sl)]
-    return total / _divisor(xp, attrs, x, out_spatial, args.valid[0])
+    if _wide(attrs, out_spatial):
+        flat = x.reshape(-1)
+        total = flat.copy()  # the first shift is 0
+        for off in flat_shifts(attrs, x.shape[2:])[1:]:
+            total[: flat.size - off] += flat[off:]  # the rest is garbage
+        total = xp.ascontiguousarray(total.reshape(x.shape)[_corner(out_spatial)])
+    else:
+        taps = window_taps(attrs, out_spatial)
+        total = x[(*_LEAD, *next(taps))].copy()
+        for sl in taps:
+            total += x[(*_LEAD, *sl)]
+    total /= _divisor(xp, attrs, x, out_spatial, args.valid[0])
+    return total
 
 
 def averagepool_backward(xp, attrs: PoolAttrs, inputs, output, grad_output, args):
     x = inputs[0]
     out_spatial = _out_spatial(attrs, x, args, "AveragePool")
     share = grad_output / _divisor(xp, attrs, x, out_spatial, args.valid[0])
+    if _wide(attrs, out_spatial):
+        grid = xp.zeros_like(x)  # the garbage positions have no gradient
+        grid[_corner(out_spatial)] = share
+        share = grid.reshape(-1)
+        grad_x = share.copy()  # the first shift is 0
+        for off in flat_shifts(attrs, x.shape[2:])[1:]:
+            grad_x[off:] += share[: share.size - off]
+        return (grad_x.reshape(x.shape),)
     grad_x = xp.zeros_like(x)
     for sl in window_taps(attrs, out_spatial):
         grad_x[(*_LEAD, *sl)] += share
