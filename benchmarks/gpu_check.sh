@@ -1,17 +1,34 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared run on a machine with a CUDA GPU (and cupy, onnx,
-# onnxruntime, pytest there): cupy kernels against numpy per task, then the kernel
-# timing table. Results go to $OUT (or ./build/gpu when OUT is unset).
+# The GPU checks, as one prepared run (about 8 minutes at most) on a machine with a CUDA
+# GPU and cupy, torch, mpi4py (with mpiexec), onnx, onnxruntime and pytest:
+#   1. every op's cupy kernels equal numpy's (float64), and the backend on cupy;
+#   2. the executor on the GPU: one rank like the CPU, four ranks sharing the GPU over
+#      mpi-host like one device, nccl with one rank, mpi-cuda run or refused;
+#   3. the step-time table: the executor next to PyTorch eager on the same GPU;
+#   4. four ranks sharing the GPU: measured step next to the simulator's prediction;
+#   5. the per-op kernel table, numpy vs cupy.
+# Each part has its own time limit, so one stuck part leaves the others' results. Results
+# go to $OUT (or ./build/gpu when OUT is unset).
 set -u
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPENBLAS_NUM_THREADS=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+PATH="$(dirname "$(command -v "$PY")"):$PATH"
 {
   date -u +%Y-%m-%dT%H:%MZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $PY -c "import sys, cupy, numpy, onnx, onnxruntime; print(sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'onnx', onnx.__version__, 'onnxruntime', onnxruntime.__version__)"
+  $PY -c "import sys, cupy, numpy, onnx, onnxruntime, torch; print(sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'onnx', onnx.__version__, 'onnxruntime', onnxruntime.__version__, 'torch', torch.__version__)"
+  $PY -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+  command -v mpiexec || echo "no mpiexec on PATH"
   lscpu | grep 'Model name'
 } 2>&1 | tee "$OUT/machine.txt"
-$PY -m pytest -q -p no:cacheprovider tests/ops/test_ops_gpu.py tests/conformance/test_backend.py 2>&1 | tail -n 5 | tee "$OUT/gpu_tests.txt"
-$PY -m benchmarks.kernels --batch 256 --repeat 20 2>&1 | tee "$OUT/kernels.txt"
+timeout 150 $PY -m pytest -q -p no:cacheprovider tests/ops/test_ops_gpu.py \
+  tests/conformance/test_backend.py 2>&1 | tail -n 5 | tee "$OUT/gpu_ops.txt"
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/executor/test_gpu.py 2>&1 \
+  | tail -n 15 | tee "$OUT/gpu_executor.txt"
+timeout 90 $PY -m benchmarks.step_time --device cuda --steps 20 2>&1 \
+  | grep -v Warning | tail -n 4 | tee "$OUT/step_time.txt"
+timeout 90 $PY -m benchmarks.multirank --device cuda --ranks 4 --steps 10 2>&1 \
+  | tail -n 6 | tee "$OUT/multirank.txt"
+timeout 45 $PY -m benchmarks.kernels --batch 256 --repeat 20 2>&1 | tee "$OUT/kernels.txt"

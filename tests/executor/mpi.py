@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from executor.kinds import DeviceKind
 from executor.train import RunOptions, train
 from onnx2soap.cli import main as onnx2soap_main
 from onnx2soap.ir import DType
@@ -91,8 +92,10 @@ def mpirun(
 
 
 def reference(plan: Path, steps: int, dtype: DType, lr: float, seed: int = 0):
-    """The same training on one device, in this process (MPI.COMM_SELF)."""
-    options = RunOptions(plan=plan, steps=steps, lr=lr, seed=seed, dtype=dtype)
+    """The same training on one device, in this process (MPI.COMM_SELF), in numpy."""
+    options = RunOptions(
+        plan=plan, steps=steps, lr=lr, seed=seed, dtype=dtype, device=DeviceKind.CPU
+    )
     result = train(MPI.COMM_SELF, options, gather=True)
     return tuple(r.loss for r in result.steps), result.weights
 
