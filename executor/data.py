@@ -19,7 +19,7 @@ import numpy as np
 
 from executor.runtime import Batch, loss_scale
 from onnx2soap.errors import UserError
-from onnx2soap.ir import DType, Graph, TensorRole
+from onnx2soap.ir import DType, Graph
 from onnx2soap.ops import definition
 from onnx2soap.soap import PartitionedGraph
 
@@ -27,21 +27,8 @@ MASK_BOUND = 2  # ids no op bounds (attention masks, token types) are drawn in [
 
 
 def rows_needed(pg: PartitionedGraph, rank: int) -> dict[str, tuple[int, int]]:
-    """Per data input (and the labels), the span of batch rows the rank's tasks read;
-    inputs none of them reads are absent."""
-    spans: dict[str, tuple[int, int]] = {}
-    for op in pg.graph.ops:
-        for task in pg.tasks[op.name]:
-            if task.device != rank:
-                continue
-            for name, region in zip(op.inputs, task.inputs, strict=True):
-                role = pg.graph.tensors[name].role
-                if role not in (TensorRole.INPUT, TensorRole.LABELS) or region.empty:
-                    continue
-                lo, hi = region.data[0]
-                old = spans.get(name, (lo, hi))
-                spans[name] = (min(lo, old[0]), max(hi, old[1]))
-    return spans
+    """Per data input (and the labels), the span of batch rows the rank's tasks read."""
+    return pg.data_rows(rank)
 
 
 def _scale(graph: Graph, labels: np.ndarray) -> float | None:

@@ -1,12 +1,13 @@
 """Per-device peak memory of one training step, as the executor allocates it.
 
-Per device: the whole batch (input and labels: every rank builds it and cuts its
-regions) and every float constant, whole; every weight Rect it holds, once, plus its
-gradient (SGD keeps no optimizer state), and every state Rect (BatchNorm's running
-statistics: no gradient); for every task on it: its assembled input buffers (weights
-excluded) and output tile, kept for the backward, and the gradients of both (activation
-inputs only), kept until the step ends; the receive buffers posted at the start of the
-step and the send copies held until it ends. Labels count at their own width (int64 class ids).
+Per device: the batch rows its tasks read of every data input (a rank holds no others),
+the labels whole (they give a mean loss its divisor) and every constant, whole; every
+weight Rect it holds, once, plus its gradient (SGD keeps no optimizer state), and every
+state Rect (BatchNorm's running statistics: no gradient); for every task on it: its
+assembled input buffers (weights excluded) and output tile, kept for the backward, and
+the gradients of both (activation inputs only), kept until the step ends; the receive
+buffers and the send copies held until it ends. Labels count at their own width (int64
+class ids).
 """
 
 from __future__ import annotations
@@ -40,12 +41,22 @@ def _op_bytes(pg: PartitionedGraph, op, itemsize: int) -> tuple[tuple[int, int],
     return tuple(held.items())
 
 
-def _batch_bytes(graph, itemsize: int) -> int:
-    """Every data input, the labels and the constants, whole: ints at their own width."""
-    held = [graph.tensors[n] for n in graph.inputs] + list(graph.constants)
+def _width(t, itemsize: int) -> int:
+    return itemsize if t.dtype.is_float else t.dtype.itemsize  # ids and labels: int64
+
+
+def _batch_bytes(pg: PartitionedGraph, device: int, itemsize: int) -> int:
+    """The device's rows of every data input; the labels and the constants, whole."""
+    graph = pg.graph
+    held = sum(t.numel * _width(t, itemsize) for t in graph.constants)
     if graph.labels:
-        held.append(graph.tensors[graph.labels])
-    return sum(t.numel * (itemsize if t.dtype.is_float else t.dtype.itemsize) for t in held)
+        labels = graph.tensors[graph.labels]
+        held += labels.numel * _width(labels, itemsize)
+    for name, (lo, hi) in pg.data_rows(device).items():
+        t = graph.tensors[name]
+        if name != graph.labels:
+            held += (hi - lo) * (t.numel // t.shape[0]) * _width(t, itemsize)
+    return held
 
 
 def peak_memory(
@@ -55,7 +66,7 @@ def peak_memory(
     memo: dict[tuple, tuple[tuple[int, int], ...]] | None = None,
 ) -> tuple[int, ...]:
     memo = {} if memo is None else memo
-    held = [_batch_bytes(pg.graph, itemsize)] * devices
+    held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
     for op in pg.graph.ops:
         key = (op.name, pg.strategy[op.name])
         if key not in memo:

@@ -47,6 +47,23 @@ class PartitionedGraph:
     stats: Mapping[str, tuple[StatGroup, ...]]  # empty for ops without statistics
     sums: Mapping[str, tuple[SumGroup, ...]]  # empty for ops without partial sums
 
+    def data_rows(self, device: int) -> dict[str, tuple[int, int]]:
+        """Per data input (and the labels), the span of batch rows the device's tasks
+        read: all a rank needs to hold of the batch. Inputs none of them reads are absent."""
+        spans: dict[str, tuple[int, int]] = {}
+        for op in self.graph.ops:
+            for task in self.tasks[op.name]:
+                if task.device != device:
+                    continue
+                for name, region in zip(op.inputs, task.inputs, strict=True):
+                    role = self.graph.tensors[name].role
+                    if role not in (TensorRole.INPUT, TensorRole.LABELS) or region.empty:
+                        continue
+                    lo, hi = region.data[0]
+                    old = spans.get(name, (lo, hi))
+                    spans[name] = (min(lo, old[0]), max(hi, old[1]))
+        return spans
+
     def moves(self) -> Iterator[tuple[Edge, Overlap, Task, Task]]:
         """Every overlap with its producer and consumer task, in edge order: what the
         executor sends (where the devices differ) and the simulator times, alike."""
