@@ -96,12 +96,13 @@ class CudaDevice:
         return self._compute
 
     def to_device(self, host: np.ndarray, out=None):
-        if out is None:
-            out = self.cp.empty(host.shape, dtype=host.dtype)
-        if host.flags.c_contiguous and out.flags.c_contiguous:
-            out.set(host, stream=self._compute)
-        else:
-            out[...] = self.cp.asarray(host)
+        with self._compute:  # every copy in, like every kernel, on the compute stream
+            if out is None:
+                out = self.cp.empty(host.shape, dtype=host.dtype)
+            if host.flags.c_contiguous and out.flags.c_contiguous:
+                out.set(host, stream=self._compute)
+            else:
+                out[...] = self.cp.asarray(host)
         return out
 
     def to_host(self, array, out: np.ndarray | None = None) -> np.ndarray:

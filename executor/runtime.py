@@ -109,15 +109,17 @@ class Runtime:
                     part = weights[group.weight][global_slices(group.rect)]
                     key = (group.weight, group.rect)
                     host = np.ascontiguousarray(part, dtype=self.dtype)
-                    self.shards[key] = self.device.to_device(host)
+                    with self.device.compute():
+                        self.shards[key] = self.device.to_device(host)
                     if group.trainable:
                         self.trainable.add(key)
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
         # floats in the run's dtype, ids int64.
-        self.constants = {
-            name: self.device.to_device(np.asarray(value, dtype=self.dtype_of(name)))
-            for name, value in (constants or {}).items()
-        }
+        with self.device.compute():
+            self.constants = {
+                name: self.device.to_device(np.asarray(value, dtype=self.dtype_of(name)))
+                for name, value in (constants or {}).items()
+            }
         transport.make_groups(
             g.devices
             for op in self.graph.ops
@@ -130,7 +132,11 @@ class Runtime:
             for g in (*pg.stats[op.name], *pg.sums[op.name])
             if len(g.devices) > 1
         )
-        self.buffers = _Buffers(self)
+        # On a GPU, made on the compute stream that uses them (a non-blocking stream
+        # does not wait for the default one), and complete before the first step.
+        with self.device.compute():
+            self.buffers = _Buffers(self)
+        self.device.synchronize()
 
     def dtype_of(self, tensor: str) -> np.dtype:
         """Float tensors in the run's dtype; ids stay int64."""
