@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from executor.kinds import DeviceKind, TransportKind
+from executor.optim import OptimizerConfig, OptimizerKind, Schedule
 from onnx2soap.cli.common import OneLineParser, add_nonfinite_option, float_in, int_in
 from onnx2soap.errors import UserError
 from onnx2soap.ir import DType
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="write trained weights (.npz) on rank 0 (the path is checked before training)",
     )
+    _add_optimizer_options(run)
     run.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -82,6 +84,57 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="one JSON object per line")
     add_nonfinite_option(run)
     return parser
+
+
+def _add_optimizer_options(run: argparse.ArgumentParser) -> None:
+    opt = run.add_argument_group("optimizer (each step equals torch.optim's)")
+    opt.add_argument(
+        "--optimizer", choices=[k.value for k in OptimizerKind], default="sgd", help="(default sgd)"
+    )
+    opt.add_argument(
+        "--momentum", type=float_in(0, 1), default=0.9, help="momentum, nesterov (default 0.9)"
+    )
+    opt.add_argument(
+        "--weight-decay",
+        type=float_in(0, 1e3),
+        default=0.0,
+        help="L2 added to the gradient; decoupled for adamw (default 0)",
+    )
+    opt.add_argument(
+        "--betas",
+        type=float_in(0, 1),
+        nargs=2,
+        default=(0.9, 0.999),
+        metavar=("B1", "B2"),
+        help="adam, adamw (default 0.9 0.999)",
+    )
+    opt.add_argument(
+        "--eps", type=float_in(0, 1, low_open=True), default=1e-8, help="adam (default 1e-8)"
+    )
+    opt.add_argument(
+        "--lr-schedule",
+        choices=[k.value for k in Schedule],
+        default="constant",
+        help="after the warm-up: constant, cosine or linear decay to 0 at the last step",
+    )
+    opt.add_argument(
+        "--warmup-steps",
+        type=int_in(0, MAX_STEPS),
+        default=0,
+        help="linear warm-up: step k of K uses lr (k+1)/K (default 0)",
+    )
+
+
+def _optimizer(args) -> OptimizerConfig:
+    return OptimizerConfig(
+        kind=OptimizerKind(args.optimizer),
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        betas=tuple(args.betas),
+        eps=args.eps,
+        schedule=Schedule(args.lr_schedule),
+        warmup_steps=args.warmup_steps,
+    )
 
 
 class StopSignals:
@@ -194,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.install()  # first: a Ctrl-C from here on is a request, never a traceback
     try:
         args = build_parser().parse_args(argv)
+        optimizer = _optimizer(args)
     except UserError as e:
         if _world_rank() == 0:
             _error_line(str(e))
@@ -214,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data=args.data,
         save_weights=args.save_weights,
         allow_nonfinite=args.allow_nonfinite,
+        optimizer=optimizer,
         device=DeviceKind(args.device) if args.device else None,
         transport=TransportKind(args.transport),
     )

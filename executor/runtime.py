@@ -33,6 +33,7 @@ from executor.layout import (
     grad_source,
     input_source,
 )
+from executor.optim import OptimizerConfig, apply_update
 from executor.program import (
     AllReduce,
     Compute,
@@ -92,6 +93,7 @@ class Runtime:
         constants: dict[str, np.ndarray] | None = None,
         seed: int = 0,
         device: Device | None = None,
+        optimizer: OptimizerConfig | None = None,
     ) -> None:
         """``weights`` holds the initial values of the weights and of the state tensors."""
         self.pg, self.graph, self.program = pg, pg.graph, program
@@ -99,6 +101,8 @@ class Runtime:
         self.device = device or CpuDevice()
         self.xp = self.device.xp
         self.seed = seed
+        self.optimizer = optimizer or OptimizerConfig()
+        self.updates = 0  # optimizer steps taken (Adam's bias correction counts them)
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
         self.shards: dict[WeightKey, object] = {}
@@ -136,6 +140,11 @@ class Runtime:
         # does not wait for the default one), and complete before the first step.
         with self.device.compute():
             self.buffers = _Buffers(self)
+            # The optimizer's state, shaped and sharded like each trainable shard.
+            self.slots = {
+                key: {name: self.xp.zeros_like(self.shards[key]) for name in self.optimizer.slots}
+                for key in self.trainable
+            }
         self.device.synchronize()
 
     def dtype_of(self, tensor: str) -> np.dtype:
@@ -163,7 +172,8 @@ class Runtime:
         }
 
     def step(self, batch: Batch, lr: float) -> float:
-        """Run one SGD step; returns the sum of this rank's partial losses."""
+        """Run one training step at learning rate ``lr``; returns the sum of this rank's
+        partial losses."""
         state = _Step(self, batch, training=True)
         with self.device.compute():
             for grad in self.buffers.grads.values():
@@ -172,9 +182,10 @@ class Runtime:
             for pending in state.reductions:  # every gradient is summed before the update
                 self.transport.wait(pending)
             self.transport.end_step()
+            self.updates += 1
             for key, grad in self.buffers.grads.items():
-                grad *= lr
-                self.shards[key] -= grad
+                shard, slots = self.shards[key], self.slots[key]
+                apply_update(self.xp, self.optimizer, shard, grad, slots, lr, self.updates)
             loss = state.loss()
         self.device.synchronize()
         return loss

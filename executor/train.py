@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from mpi4py import MPI
 from executor.data import FileData, SyntheticData, load_npz, rows_needed
 from executor.device import open_device
 from executor.kinds import DeviceKind, TransportKind
+from executor.optim import OptimizerConfig
 from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.transport import make_transport
@@ -42,6 +43,7 @@ class RunOptions:
     data: Path | None = None
     save_weights: Path | None = None
     allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: DeviceKind | None = None  # None: a GPU when cupy sees one, else the CPU
     transport: TransportKind = TransportKind.AUTO
 
@@ -187,6 +189,7 @@ def train(
         s.model.constants,
         options.seed,
         device,
+        options.optimizer,
     )
     rows = rows_needed(s.pg, rank)
     records = []
@@ -203,7 +206,8 @@ def train(
             break
         batch = s.data.batch(step, rows)
         start = time.perf_counter()
-        partial = rt.step(batch, options.lr)
+        lr = options.lr * options.optimizer.lr_factor(step, options.steps)
+        partial = rt.step(batch, lr)
         comm.Allreduce(np.array([partial]), total, op=MPI.SUM)
         record = StepRecord(step + 1, float(total[0]), time.perf_counter() - start)
         records.append(record)
