@@ -1,0 +1,91 @@
+"""``onnx2soap show PLAN -o plan.png``: the plan as a picture, and its simulated step.
+
+The picture has two panels: the plan grid (ops in graph order against devices, a cell per
+task coloured by its split, transfers as thin lines) and the Gantt chart of one simulated
+step (a row per device and per link used, bars coloured by task kind). ``--gantt PATH``
+writes the Gantt chart to a file of its own instead, leaving the grid alone in ``-o``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from onnx2soap.cli.common import add_nonfinite_option, int_in, seconds
+from onnx2soap.cli.picture_options import add_picture_options, picture_size
+from onnx2soap.cli.simulate_cmd import model_sha256
+from onnx2soap.errors import UserError
+from onnx2soap.files import check_output, write_atomic
+from onnx2soap.importer import load_model
+from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
+from onnx2soap.sim.simulate import simulate
+from onnx2soap.soap import PartitionedGraph, Partitioner, analyze, import_loss, load_plan
+from onnx2soap.viz import require_matplotlib
+from onnx2soap.viz.layout import MAX_TRANSFERS, gantt_chart, plan_grid
+
+
+def register(sub) -> None:
+    p = sub.add_parser("show", help="draw a plan and its simulated step as a PNG")
+    p.add_argument("plan", help="plan file")
+    add_picture_options(p, default=(1600, 1000))
+    p.add_argument("--gantt", help="write the Gantt chart to this PNG instead of below the grid")
+    p.add_argument("--machine", help="preset or machine file (default: the plan's, else cpu:N)")
+    p.add_argument("--model", help="model file (default: the plan's)")
+    p.add_argument(
+        "--max-transfers",
+        type=int_in(0, 100_000),
+        default=MAX_TRANSFERS,
+        help=f"draw at most this many transfer lines (default {MAX_TRANSFERS})",
+    )
+    add_nonfinite_option(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    require_matplotlib()
+    _check_outputs(args)
+    from onnx2soap.viz.render import render_gantt, render_plan
+
+    pg, simulator = _load(args)
+    space = analyze(pg.graph)
+    grid = plan_grid(pg, space, args.max_transfers)
+    tg = simulator.task_graph(pg, names=True)
+    gantt = gantt_chart(tg, simulate(tg), simulator.machine)
+    size = picture_size(args)
+    title = (
+        f"{args.plan}: {len(grid.cells)} tasks of {len(grid.ops)} ops on "
+        f"{grid.devices} devices ({simulator.machine.name}, step {seconds(gantt.makespan)})"
+    )
+    if args.gantt:
+        write_atomic(args.output, render_plan(grid, None, size, title).png)
+        write_atomic(args.gantt, render_gantt(gantt, size).png)
+        print(f"{args.output}: plan grid; {args.gantt}: simulated step")
+    else:
+        write_atomic(args.output, render_plan(grid, gantt, size, title).png)
+        print(f"{args.output}: plan grid and simulated step")
+    return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Before the work, not after it; two panels cannot both land in one file."""
+    target = check_output(args.output)
+    if args.gantt and check_output(args.gantt).resolve() == target.resolve():
+        raise UserError(f"{args.gantt}: --gantt must be another file than -o")
+
+
+def _load(args: argparse.Namespace) -> tuple[PartitionedGraph, Simulator]:
+    """The plan partitioned on its model, as ``simulate`` loads it (same checks)."""
+    plan = load_plan(args.plan)
+    path = args.model or plan.model_path
+    if model_sha256(path) != plan.model_sha256:
+        raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
+    machine = resolve_machine(args.machine or plan.machine or f"cpu:{plan.devices}")
+    if machine.size != plan.devices:
+        raise UserError(
+            f"{args.plan}: the plan is for {plan.devices} devices but machine "
+            f"'{machine.name}' has {machine.size}"
+        )
+    graph = load_model(
+        path, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
+    ).graph
+    strategy = plan.strategy(graph, analyze(graph))
+    return Partitioner(graph).partition(strategy), Simulator(machine, RooflineCost())
