@@ -132,6 +132,9 @@ class CudaDevice:
     def comm_stream(self):
         return self._comm
 
+    def pci_bus_id(self) -> str:
+        return self.cp.cuda.Device(self.index).pci_bus_id
+
     def synchronize(self) -> None:
         self._comm.synchronize()
         self._compute.synchronize()
@@ -152,10 +155,16 @@ def local_rank(comm) -> int:
 
 
 def open_device(kind: DeviceKind | None, comm) -> Device:
-    """``kind`` None: a GPU when cupy sees one, else the CPU. Each rank takes GPU
-    (node-local rank mod visible GPUs), so ranks spread over a node's GPUs."""
+    """``kind`` None: GPUs when cupy sees one on every rank, else the CPU (all ranks
+    agree: a run never mixes kinds). Each rank takes GPU (node-local rank mod visible
+    GPUs), so ranks spread over a node's GPUs."""
+    from mpi4py import MPI
+
     cp = cupy_module()
-    if kind is DeviceKind.CPU or (kind is None and cp is None):
+    if kind is None:
+        everywhere = comm.allreduce(cp is not None, op=MPI.LAND)
+        kind = DeviceKind.CUDA if everywhere else DeviceKind.CPU
+    if kind is DeviceKind.CPU:
         return CpuDevice()
     if cp is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -168,14 +177,17 @@ def open_device(kind: DeviceKind | None, comm) -> Device:
 
 
 def gpus_per_rank_ok(comm, device: Device) -> bool:
-    """True when no two ranks of a node share a GPU (NCCL refuses that)."""
-    if device.kind is not DeviceKind.CUDA:
-        return False
+    """True on every rank when every rank has a GPU and no two ranks of a node share one
+    (NCCL refuses that). Collective over ``comm``: all ranks get the same answer, so they
+    all pick the same transport. GPUs are told apart by PCI bus id, since a launcher
+    that gives each rank its own CUDA_VISIBLE_DEVICES makes every index 0."""
     from mpi4py import MPI
 
+    bus = device.pci_bus_id() if device.kind is DeviceKind.CUDA else None
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        indices = node.allgather(device.index)
+        ids = node.allgather(bus)
     finally:
         node.Free()
-    return len(set(indices)) == len(indices)
+    local_ok = None not in ids and len(set(ids)) == len(ids)
+    return bool(comm.allreduce(local_ok, op=MPI.LAND))

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from executor.buffers import empty_buffer, local_slices
 from executor.program import Piece
 from onnx2soap.ir import TensorRole
-from onnx2soap.soap.partition import Rect, Region, Task
+from onnx2soap.soap.partition import Rect, Region, Task, rect_shape
 
 TaskKey = tuple[int, int]  # (op index, task index)
 Slices = tuple[slice, ...]
@@ -30,12 +32,16 @@ class Fixed:
 @dataclass(frozen=True)
 class Rows:
     """A data input or the labels: the task's rows copied from the batch every step into
-    ``buffer`` (made once, padding included) at ``into``; ``data`` is the global rect."""
+    ``buffer`` (made once, padding included) at ``into``; ``data`` is the global rect.
+    On a GPU the rows go through ``host`` (pinned: the copy runs asynchronously) and,
+    where the buffer has padding, ``staged`` on the device."""
 
     name: str
     data: Rect
     buffer: object
     into: Slices
+    host: object = None
+    staged: object = None
 
 
 @dataclass(frozen=True)
@@ -96,8 +102,15 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
     if role is TensorRole.CONSTANT:
         return Fixed(_cut_constant(rt, name, region))
     if role in (TensorRole.INPUT, TensorRole.LABELS):
-        buffer = empty_buffer(rt.xp, region, rt.dtype_of(name))
-        return Rows(name, region.data, buffer, local_slices(region.data, region.buffer))
+        dtype = rt.dtype_of(name)
+        buffer = empty_buffer(rt.xp, region, dtype)
+        into = local_slices(region.data, region.buffer)
+        if rt.xp is np:
+            return Rows(name, region.data, buffer, into)
+        shape = rect_shape(region.data)
+        host = rt.device.host_empty(shape, dtype)
+        staged = None if region.data == region.buffer else rt.xp.empty(shape, dtype=dtype)
+        return Rows(name, region.data, buffer, into, host, staged)
     mine = [p for p in pieces if p.operand == k]
     if len(mine) == 1 and mine[0].transfer is None:
         producer = rt.task(mine[0].peer)
@@ -139,5 +152,4 @@ def grad_source(rt, task: Task, pieces: tuple[Piece, ...]) -> GradAlias | GradSu
         )
         for p in pieces
     )
-    shape = tuple(hi - lo for lo, hi in task.output)
-    return GradSum(rt.xp.zeros(shape, dtype=rt.dtype), copies)
+    return GradSum(rt.xp.zeros(rect_shape(task.output), dtype=rt.dtype), copies)

@@ -6,12 +6,12 @@ pair's point-to-point calls by their order, which the program makes the same on 
 ends (a transfer's ``Recv`` sits at its ``Send``'s place). The earliest unfinished call
 then always has both ends at the head of their streams, so the streams cannot deadlock.
 
-The host never waits inside a step: a send waits (on the GPU) for an event recorded on
-the compute stream after its producer; a consumer's kernels wait for the event recorded
-after its receive; a weight group's all-reduce runs while the compute stream goes on
-with the backward pass. The arrays in flight are held until ``end_step``, since cupy's
-memory pool would otherwise hand a freed array to the next kernel while NCCL still reads
-it.
+The host waits for nothing inside a step but the loss at its end: a send waits (on the
+GPU) for an event recorded on the compute stream after its producer; a consumer's
+kernels wait for the event recorded after its receive; a weight group's all-reduce runs
+while the compute stream goes on with the backward pass. The arrays in flight stay
+referenced until the step after theirs has ended, since cupy's memory pool would
+otherwise hand a freed array to the next kernel while NCCL still reads it.
 
 NCCL refuses two ranks on one GPU: ``--transport auto`` picks ``mpi-host`` there.
 """
@@ -47,7 +47,9 @@ class NcclTransport:
         self.bytes_sent = 0
         self.world = self._communicator(comm)
         self._groups: dict[tuple[int, ...], Any] = {}
-        self._held: list[Any] = []
+        self._made: set[tuple[int, ...]] = set()
+        self._held: list[Any] = []  # arrays of this step's communication
+        self._retired: list[Any] = []  # last step's, freed once that step has synchronized
         self._types = {
             "float32": nccl.NCCL_FLOAT32,
             "float64": nccl.NCCL_FLOAT64,
@@ -60,8 +62,10 @@ class NcclTransport:
         return self.nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
 
     def make_groups(self, device_sets: Iterable[tuple[int, ...]]) -> None:
-        # Sorted on every rank, so the members of each set create it in the same order.
-        for devices in sorted(set(device_sets)):
+        # Sorted on every rank, so the members of each set create it in the same order;
+        # every rank skips the same sets (made by an earlier call).
+        for devices in sorted(set(device_sets) - self._made):
+            self._made.add(devices)
             color = 0 if self.rank in devices else MPI.UNDEFINED
             sub = self.comm.Split(color, key=self.rank)
             if sub != MPI.COMM_NULL:
@@ -98,5 +102,8 @@ class NcclTransport:
         self.device.wait_event(event)
 
     def end_step(self) -> None:
-        self.device.comm_stream().synchronize()
-        self._held.clear()
+        """The compute stream waits for the step's communication (the update follows
+        it); the host does not. The arrays in flight stay referenced until the next
+        step's end, after this step's closing synchronization."""
+        self.device.wait_event(self.device.record(self.device.comm_stream()))
+        self._retired, self._held = self._held, []

@@ -161,6 +161,7 @@ class Runtime:
         with self.device.compute():
             self._run(state, self.buffers.forward_program)
             self.transport.end_step()
+        self.device.synchronize()  # staged copies finish before their buffers are reused
         names = [op.name for op in self.graph.ops]
         owned = {
             (i, t.index) for i, op in enumerate(self.graph.ops) for t in owners(op, self.tasks[i])
@@ -363,9 +364,14 @@ class _Step:
         held, first = self.batch.rows(source.name, self.rt.graph.labels)
         (lo, hi), *rest = source.data
         rows = held[(slice(lo - first, hi - first), *global_slices(tuple(rest)))]
-        if source.into == tuple(slice(0, n) for n in source.buffer.shape):
-            return self.rt.device.to_device(np.ascontiguousarray(rows), out=source.buffer)
-        source.buffer[source.into] = self.xp.asarray(rows)
+        if source.host is None:  # numpy: straight into the buffer
+            source.buffer[source.into] = rows
+            return source.buffer
+        np.copyto(source.host, rows)
+        target = source.buffer if source.staged is None else source.staged
+        self.rt.device.to_device(source.host, out=target)
+        if source.staged is not None:
+            source.buffer[source.into] = source.staged
         return source.buffer
 
     def _grad_output(self, key: TaskKey):

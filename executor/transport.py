@@ -171,6 +171,7 @@ class MpiTransport:
         self.rank = comm.Get_rank()
         self._counter = _Counter()
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
+        self._made: set[tuple[int, ...]] = set()
         self._rings = _RingQueues()
         self._sends: list[tuple[MPI.Request, Array]] = []
         self._pool = _HostPool(device)
@@ -181,7 +182,10 @@ class MpiTransport:
         return self._counter.bytes
 
     def make_groups(self, device_sets: Iterable[tuple[int, ...]]) -> None:
-        for devices in sorted(set(device_sets)):
+        # Every rank skips the same sets (made by an earlier call): a skip decided on the
+        # rank's own groups alone would leave non-members in a Split the members skip.
+        for devices in sorted(set(device_sets) - self._made):
+            self._made.add(devices)
             color = 0 if self.rank in devices else MPI.UNDEFINED
             sub = self.comm.Split(color, key=self.rank)
             if sub != MPI.COMM_NULL:
@@ -282,7 +286,7 @@ def mpi_cuda_aware() -> bool:
             return bool(lib.MPIX_Query_cuda_support())
         if hasattr(lib, "MPIX_GPU_query_support"):
             supported = ctypes.c_int(0)
-            cuda = 1  # MPIX_GPU_SUPPORT_CUDA
+            cuda = 0  # MPIX_GPU_SUPPORT_CUDA (mpix.h: CUDA 0, ZE 1, HIP 2)
             lib.MPIX_GPU_query_support(cuda, ctypes.byref(supported))
             return bool(supported.value)
     return False
