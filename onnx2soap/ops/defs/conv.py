@@ -2,8 +2,8 @@
 
 The X buffer already holds the halo and the zero padding, so output ``j`` reads buffer
 index ``j * stride + k * dilation`` at kernel position ``k`` (see ``window_taps``). The
-columns are built with strided slices (no sliding_window_view, which cupy lacks), one per
-kernel position, and every product is an ``xp.matmul`` batched over the groups.
+columns are built with one slice copy per kernel position (no sliding_window_view, which
+cupy lacks), and every product is an ``xp.matmul`` batched over the samples and groups.
 
 A grouped convolution's output channel ``c`` reads the input channels of its group
 ``c // (C_out / group)``: a ``Grouped`` map, and the output channel dim is split in whole
@@ -313,6 +313,11 @@ CONV = OpDef(
             "conv1d", "Conv", X(2, 3, 11), W(4, 3, 3), W(4), strides=[2], dilations=[2], pads=[2, 1]
         ),
         case("conv3d", "Conv", X(1, 2, 4, 5, 4), W(3, 2, 2, 3, 2), pads=[1, 0, 1, 0, 1, 1]),
+        # 1x1: the columns are the buffer itself (stride 1) or one strided slice
+        case("conv2d_pointwise", "Conv", X(2, 4, 5, 5), W(6, 4, 1, 1), W(6)),
+        case("conv2d_pointwise_strided", "Conv", X(2, 3, 6, 5), W(4, 3, 1, 1), strides=[2, 2]),
+        # more output channels than grid positions: dW sums its products sample by sample
+        case("conv2d_many_channels", "Conv", X(2, 2, 3, 3), W(12, 2, 2, 2), W(12)),
     ),
 )
 

@@ -308,6 +308,8 @@ MAXPOOL = OpDef(
                 dict(kernel_shape=[4], strides=[3], auto_pad="SAME_LOWER"),
             ),
             ("maxpool3d", (1, 2, 5, 4, 5), dict(kernel_shape=[2, 2, 3], strides=[2, 1, 2])),
+            # disjoint windows tiling the buffer: the gradient is assigned, not added
+            ("maxpool2d_tiled", (2, 3, 8, 6), dict(kernel_shape=[2, 2], strides=[2, 2])),
         )
     ),
 )
@@ -374,6 +376,8 @@ AVERAGEPOOL = OpDef(
             count_include_pad=1,
         ),
         _avg("avgpool3d", (1, 2, 5, 4, 5), kernel_shape=[2, 2, 3], pads=[0, 1, 1] * 2),
+        # stride 1: taps are runs of the flat buffer
+        _avg("avgpool2d_stride1", (2, 3, 6, 5), kernel_shape=[3, 3], pads=[1] * 4),
     ),
 )
 
