@@ -9,7 +9,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from onnx2soap.cli import inspect_cmd, machine_cmd, plan_cmd, simulate_cmd
+from onnx2soap.cli import (
+    inspect_cmd,
+    machine_cmd,
+    plan_cmd,
+    plot_cmd,
+    show_cmd,
+    simulate_cmd,
+)
 from onnx2soap.cli.common import OneLineParser
 from onnx2soap.errors import UserError
 
@@ -22,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find SOAP parallelization plans for ONNX models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (inspect_cmd, plan_cmd, simulate_cmd, machine_cmd):
+    commands = (inspect_cmd, plan_cmd, simulate_cmd, machine_cmd, show_cmd, plot_cmd)
+    for module in commands:
         module.register(sub)
     return parser
 
