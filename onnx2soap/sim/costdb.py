@@ -1,0 +1,304 @@
+"""The cost database: kernel times measured by ``onnx2soap profile``, in SQLite.
+
+One file (by default next to the machine file: ``host.yaml`` -> ``host.costs.sqlite``)
+holds timings under a device *fingerprint*: what makes a measurement valid elsewhere
+(device kind, processor or GPU name, library versions, BLAS threads per rank, float
+dtype). A reader asks for the fingerprint of the host it runs on; timings taken under
+another one are never used silently (``Fingerprint.differences`` says what differs).
+
+A timing's key is what makes two kernel calls identical (``cost_key``): op type,
+attributes, the task's input buffer shapes and output shape; with its phase (forward,
+backward, or the SGD update of ``numel`` elements). Tasks of different ops, configs or
+models that share a key share one measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from onnx2soap.errors import UserError
+from onnx2soap.ir import Op
+from onnx2soap.soap.partition import Task, rect_shape
+
+FORMAT = "onnx2soap.costs"
+VERSION = 1
+SUFFIX = ".costs.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS fingerprints (id INTEGER PRIMARY KEY, doc TEXT NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS timings (
+    fingerprint INTEGER NOT NULL REFERENCES fingerprints(id),
+    phase TEXT NOT NULL,
+    key TEXT NOT NULL,
+    op_type TEXT NOT NULL,
+    flops REAL NOT NULL,
+    bytes REAL NOT NULL,
+    seconds REAL NOT NULL,
+    ranks INTEGER NOT NULL,
+    PRIMARY KEY (fingerprint, phase, key)
+);
+"""
+
+
+class Phase(Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UPDATE = "update"  # SGD on a weight shard: key names its element count
+
+
+class DeviceKind(Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Where timings were taken. Two hosts with equal fingerprints time kernels alike."""
+
+    kind: DeviceKind
+    processor: str  # the CPU model, or the GPU's name under CUDA
+    libraries: tuple[tuple[str, str], ...]  # (name, version), sorted
+    threads: int  # BLAS threads per rank
+    dtype: str  # the run's float dtype
+
+    def to_json(self) -> str:
+        doc = asdict(self)
+        doc["kind"] = self.kind.value
+        doc["libraries"] = dict(self.libraries)
+        return json.dumps(doc, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str, source: str) -> Fingerprint:
+        try:
+            doc = json.loads(text)
+            return Fingerprint(
+                DeviceKind(doc["kind"]),
+                str(doc["processor"]),
+                tuple(sorted((str(k), str(v)) for k, v in doc["libraries"].items())),
+                int(doc["threads"]),
+                str(doc["dtype"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{source}: fingerprints: a malformed fingerprint ({e})") from e
+
+    def differences(self, other: Fingerprint) -> list[str]:
+        """What differs, as ``field: here vs there`` phrases (``self`` is here)."""
+        out = []
+        for name in ("kind", "processor", "threads", "dtype"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                out.append(f"{name} {_shown(a)} vs {_shown(b)}")
+        mine, theirs = dict(self.libraries), dict(other.libraries)
+        for lib in sorted(set(mine) | set(theirs)):
+            if mine.get(lib) != theirs.get(lib):
+                out.append(f"{lib} {mine.get(lib, 'absent')} vs {theirs.get(lib, 'absent')}")
+        return out
+
+    def describe(self) -> str:
+        libs = ", ".join(f"{k} {v}" for k, v in self.libraries)
+        threads = f"{self.threads} thread{'s' * (self.threads != 1)}"
+        return f"{self.kind.value} {self.processor!r}, {libs}, {threads}, {self.dtype}"
+
+
+def _shown(v) -> str:
+    return v.value if isinstance(v, Enum) else repr(v) if isinstance(v, str) else str(v)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _blas() -> tuple[str, str]:
+    import numpy as np
+
+    try:
+        info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return str(info.get("name", "blas")), str(info.get("version", "unknown"))
+    except Exception:  # an older numpy without the dict mode: its version says enough
+        return "blas", "unknown"
+
+
+def blas_threads() -> int:
+    """BLAS threads per rank as the executor and the profile run them (one by default)."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        value = os.environ.get(var, "")
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def host_fingerprint(kind: DeviceKind, dtype: str, threads: int | None = None) -> Fingerprint:
+    """This host's fingerprint for ``kind``. CUDA needs CuPy and a GPU (device 0's name);
+    a ``UserError`` says which is missing."""
+    import numpy as np
+
+    blas = _blas()
+    libs = {"numpy": np.__version__, blas[0]: blas[1]}
+    processor = _cpu_name()
+    if kind is DeviceKind.CUDA:
+        try:
+            import cupy
+
+            props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        except Exception as e:  # no cupy, no driver, no device
+            raise UserError(f"no CUDA device to fingerprint ({type(e).__name__}: {e})") from e
+        name = props["name"]
+        processor = name.decode() if isinstance(name, bytes) else str(name)
+        libs["cupy"] = cupy.__version__
+        libs["cuda-runtime"] = str(cupy.cuda.runtime.runtimeGetVersion())
+    threads = blas_threads() if threads is None else threads
+    return Fingerprint(kind, processor, tuple(sorted(libs.items())), threads, dtype)
+
+
+# --- keys ------------------------------------------------------------------------------------
+
+
+def cost_key(op: Op, task: Task) -> str:
+    """What makes two tasks' kernel calls identical: op type, attributes (their repr: a
+    frozen dataclass of plain values), input buffer shapes (padding included), output
+    tile shape."""
+    shapes = ",".join("x".join(map(str, rect_shape(r.buffer))) for r in task.inputs)
+    out = "x".join(map(str, rect_shape(task.output)))
+    return f"{op.type} {op.attrs!r} in=[{shapes}] out=[{out}]"
+
+
+def update_key(numel: int) -> str:
+    return f"SGD numel={numel}"
+
+
+# --- the file --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    phase: Phase
+    key: str
+    op_type: str
+    flops: float  # what the roofline counts for the task, for fitting unmeasured keys
+    nbytes: float
+    seconds: float  # median of the repeats
+    ranks: int = 1  # ranks timing at once
+
+
+def db_path_for(machine_file: Path | str) -> Path:
+    """``host.yaml`` -> ``host.costs.sqlite`` in the same folder."""
+    path = Path(machine_file)
+    return path.with_name(path.stem + SUFFIX)
+
+
+class CostDB:
+    """An open cost database. ``CostDB.open`` checks it is one (format and version)."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self.conn, self.path = conn, path
+
+    @staticmethod
+    def open(path: Path | str, create: bool = False) -> CostDB:
+        path = Path(path)
+        if not create and not path.is_file():
+            raise UserError(f"{path}: no such cost database")
+        try:
+            if create:
+                conn = sqlite3.connect(path)
+            else:  # read-only: planning never changes the file
+                conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            db = CostDB(conn, path)
+            db._check(create)
+        except sqlite3.Error as e:
+            raise UserError(f"{path}: not a cost database ({e})") from e
+        return db
+
+    def _check(self, create: bool) -> None:
+        names = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master")}
+        if create and not names:
+            self.conn.executescript(_SCHEMA)
+            self.conn.executemany(
+                "INSERT INTO meta VALUES (?, ?)", [("format", FORMAT), ("version", str(VERSION))]
+            )
+            self.conn.commit()
+            return
+        if not {"meta", "fingerprints", "timings"} <= names:
+            raise UserError(f"{self.path}: not a cost database (tables missing)")
+        meta = dict(self.conn.execute("SELECT name, value FROM meta"))
+        if meta.get("format") != FORMAT:
+            raise UserError(f"{self.path}: meta.format: expected {FORMAT!r}")
+        if meta.get("version") != str(VERSION):
+            raise UserError(
+                f"{self.path}: meta.version: {meta.get('version')!r}; this onnx2soap reads "
+                f"version {VERSION}"
+            )
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> CostDB:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def fingerprints(self) -> dict[int, Fingerprint]:
+        rows = self.conn.execute("SELECT id, doc FROM fingerprints ORDER BY id")
+        return {i: Fingerprint.from_json(doc, str(self.path)) for i, doc in rows}
+
+    def find(self, fp: Fingerprint) -> int | None:
+        """The id of ``fp``'s timings, compared field by field (not as text)."""
+        return next((i for i, f in self.fingerprints().items() if f == fp), None)
+
+    def add_fingerprint(self, fp: Fingerprint) -> int:
+        found = self.find(fp)
+        if found is not None:
+            return found
+        cur = self.conn.execute("INSERT INTO fingerprints (doc) VALUES (?)", (fp.to_json(),))
+        self.conn.commit()
+        return int(cur.lastrowid)
+
+    def keys(self, fp_id: int) -> set[tuple[Phase, str]]:
+        rows = self.conn.execute("SELECT phase, key FROM timings WHERE fingerprint = ?", (fp_id,))
+        return {(Phase(p), k) for p, k in rows}
+
+    def add(self, fp_id: int, timings: Iterable[Timing]) -> None:
+        """Store a batch in one transaction: an interrupted profile loses at most it."""
+        rows = [
+            (fp_id, t.phase.value, t.key, t.op_type, t.flops, t.nbytes, t.seconds, t.ranks)
+            for t in timings
+        ]
+        with self.conn:
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO timings VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows
+            )
+
+    def timings(self, fp_id: int) -> tuple[Timing, ...]:
+        rows = self.conn.execute(
+            "SELECT phase, key, op_type, flops, bytes, seconds, ranks FROM timings "
+            "WHERE fingerprint = ? ORDER BY phase, key",
+            (fp_id,),
+        )
+        out = []
+        for phase, key, op_type, flops, nbytes, seconds, ranks in rows:
+            try:
+                timing = Timing(Phase(phase), str(key), str(op_type), flops, nbytes, seconds, ranks)
+            except ValueError as e:
+                raise UserError(f"{self.path}: timings.phase: {phase!r} is no phase") from e
+            for name in ("flops", "nbytes", "seconds"):
+                value = getattr(timing, name)
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    raise UserError(f"{self.path}: timings.{name} of {key!r}: {value!r}")
+            out.append(timing)
+        return tuple(out)

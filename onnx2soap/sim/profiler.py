@@ -1,0 +1,390 @@
+"""Time a model's tasks with the executor's kernels (``onnx2soap profile``, under mpiexec).
+
+    mpiexec -n N python -m onnx2soap.sim.profiler MODEL --batch B --devices D --db FILE
+
+What is timed: for every op, every candidate config the search may choose on D devices
+(``soap/candidates.py``), every task of it (``Partitioner.tasks``), one timing per
+distinct ``cost_key`` and phase; plus the SGD update of every weight shard size those
+configs make. A timing is the median of the repeats after a warm-up call, of the kernels
+as the executor calls them: buffers cut as ``executor/buffers.py`` cuts them (the pad
+value where a window reads past the tensor), ``TaskArgs`` as the runtime fixes them, a
+random key (Dropout drops), and for ops with statistics their partial half, the combine
+and the finishing half together (the simulator splits the phase in two).
+
+The N ranks time at once, each its share, so every timing sees the others computing (as
+the executor's ranks do); one BLAS thread per rank. Rank 0 reads which keys the database
+already holds (they are skipped: a profile resumes), and after every round stores the
+round's timings in one transaction, so an interrupted profile loses at most a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from executor.buffers import empty_buffer, local_slices  # the executor's cut, not a copy
+from onnx2soap.errors import UserError
+from onnx2soap.importer import load_model
+from onnx2soap.ir import Graph, LossKind, Op, TensorRole
+from onnx2soap.ops import TaskArgs, definition
+from onnx2soap.ops.base import RandomKey
+from onnx2soap.sim.costdb import (
+    CostDB,
+    DeviceKind,
+    Phase,
+    Timing,
+    cost_key,
+    host_fingerprint,
+    update_key,
+)
+from onnx2soap.sim.costs import task_bytes, task_flops
+from onnx2soap.soap import Partitioner, analyze
+from onnx2soap.soap.candidates import candidates
+from onnx2soap.soap.partition import ParallelConfig, Task, rect_shape, rect_volume
+
+MASK_BOUND = 2  # ids no op bounds are drawn in [0, 2), as the executor's synthetic data
+ROUND_ITEMS = 4  # timings per rank between two commits
+# SGD's multiply by the learning rate, by 1 so that repeats never reach denormals (which
+# are slow on CPUs); the cost of the multiply is the same.
+LR = 1.0
+
+
+@dataclass(frozen=True)
+class Item:
+    """One timing to take: a task of one op under one config, or an SGD update."""
+
+    phase: Phase
+    key: str
+    op_type: str
+    flops: float
+    nbytes: float
+    op: int = -1  # the op's index in the graph (-1: an update)
+    config: ParallelConfig | None = None
+    task: int = 0
+    numel: int = 0  # an update's element count
+
+
+def _shapes(graph: Graph, op: Op) -> list[tuple[int, ...]]:
+    return [graph.tensors[t].shape for t in op.inputs]
+
+
+def _configs(graph: Graph, devices: int) -> Iterator[tuple[int, Op, ParallelConfig]]:
+    """Every op's candidate configs, one per degree vector (placement does not change a
+    task's shapes)."""
+    space = analyze(graph)
+    for index, op in enumerate(graph.ops):
+        seen = set()
+        for config in candidates(space[op.name], devices):
+            if config.degrees not in seen:
+                seen.add(config.degrees)
+                yield index, op, config
+
+
+def profile_items(graph: Graph, devices: int, itemsize: int) -> list[Item]:
+    """What to time for ``graph`` on ``devices`` devices: distinct keys, each once."""
+    partitioner, items, seen = Partitioner(graph), [], set()
+    shards: set[int] = set()
+    for index, op, config in _configs(graph, devices):
+        backward = graph.differentiable(op.output)  # ids: the executor runs no backward
+        for task in partitioner.tasks(op, config):
+            key = cost_key(op, task)
+            flops, nbytes = task_flops(op, task), task_bytes(task, itemsize)
+            phases = [(Phase.FORWARD, 1)] + [(Phase.BACKWARD, 2)] * backward
+            for phase, factor in phases:  # the backward counted as RooflineCost counts it
+                if (phase, key) not in seen:
+                    seen.add((phase, key))
+                    items.append(
+                        Item(
+                            phase,
+                            key,
+                            op.type,
+                            flops * factor,
+                            nbytes * factor,
+                            index,
+                            config,
+                            task.index,
+                        )
+                    )
+            for k, name in enumerate(op.inputs):
+                if graph.tensors[name].role is TensorRole.WEIGHT:
+                    shards.add(rect_volume(task.inputs[k].data))
+    for numel in sorted(shards):
+        items.append(
+            Item(
+                Phase.UPDATE, update_key(numel), "SGD", 2 * numel, 3 * numel * itemsize, numel=numel
+            )
+        )
+    return items
+
+
+# --- one timing -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Where and how to run: numpy or cupy, the float dtype, how to wait for the device."""
+
+    xp: object
+    dtype: np.dtype
+    sync: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a rank times: the graph, its partitioner (tasks memoized per config), where."""
+
+    graph: Graph
+    partitioner: Partitioner
+    kernels: Kernels
+
+
+def numpy_kernels(dtype: np.dtype) -> Kernels:
+    return Kernels(np, np.dtype(dtype), lambda: None)
+
+
+def cuda_kernels(dtype: np.dtype, rank: int) -> Kernels:
+    """Rank r on GPU r mod the visible GPUs, as the executor places ranks."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise UserError("--device cuda needs CuPy (pip install .[gpu])") from e
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 1:
+        raise UserError("--device cuda: no GPU visible")
+    cupy.cuda.Device(rank % count).use()
+    return Kernels(cupy, np.dtype(dtype), lambda: cupy.cuda.Device().synchronize())
+
+
+def _bound(graph: Graph, op: Op, k: int) -> int:
+    d = definition(op.type)
+    bound = d.id_bound(op, k, graph.tensors) if d.id_bound is not None else None
+    return MASK_BOUND if bound is None else max(int(bound), 1)
+
+
+def _buffers(graph: Graph, op: Op, task: Task, kernels: Kernels, seed: int) -> list:
+    """The task's input buffers: random data where the tensor is, the pad value around it."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, (name, region) in enumerate(zip(op.inputs, task.inputs, strict=True)):
+        t = graph.tensors[name]
+        dtype = kernels.dtype if t.dtype.is_float else np.dtype(np.int64)
+        buf = empty_buffer(np, region, dtype)
+        shape = rect_shape(region.data)
+        if t.dtype.is_float:
+            values = rng.standard_normal(shape).astype(dtype)
+        else:
+            values = rng.integers(0, _bound(graph, op, k), size=shape, dtype=np.int64)
+        buf[local_slices(region.data, region.buffer)] = values
+        out.append(kernels.xp.asarray(buf))
+    return out
+
+
+def _args(graph: Graph, op: Op, index: int, task: Task, dtype: np.dtype) -> TaskArgs:
+    """As the runtime fixes them (executor/runtime.py ``_fixed_args``), with a random key."""
+    return TaskArgs(
+        out_shape=rect_shape(task.output),
+        valid=tuple(r.valid for r in task.inputs),
+        origin=tuple(lo for lo, _ in task.output),
+        full_shape=graph.tensors[op.output].shape,
+        float_dtype=dtype,
+        box=task.box,
+        random=RandomKey(0, 0, index),
+    )
+
+
+def _phases(target: Target, item: Item) -> Callable[[], None]:
+    """The call to time for a task item: its forward, or its backward (the forward run
+    once before, untimed, for the output and statistics the backward reads)."""
+    graph, kernels = target.graph, target.kernels
+    xp, op = kernels.xp, graph.ops[item.op]
+    task = target.partitioner.tasks(op, item.config)[item.task]
+    d = definition(op.type)
+    bufs = _buffers(graph, op, task, kernels, seed=item.op)
+    args = _args(graph, op, item.op, task, kernels.dtype)
+    stats = d.statistics
+
+    def forward():
+        a = args
+        if stats is not None:  # partial half, combine (one task's share), finishing half
+            partial = xp.ascontiguousarray(stats.forward(xp, op.attrs, bufs, a), kernels.dtype)
+            a = replace(a, stats=stats.combine_forward(xp, partial[None]))
+            out = d.forward(xp, op.attrs, bufs, a)
+            stats.update(xp, op.attrs, bufs, a)
+            return out, a
+        return d.forward(xp, op.attrs, bufs, a), a
+
+    if item.phase is Phase.FORWARD:
+        return lambda: forward()
+    out, fargs = forward()
+    grad = xp.ones((), kernels.dtype) if op.is_loss else xp.ones_like(out)
+
+    def backward():
+        a = fargs
+        if stats is not None:
+            partial = stats.backward(xp, op.attrs, bufs, out, grad, a)
+            partial = xp.ascontiguousarray(partial, kernels.dtype)
+            a = replace(a, grad_stats=stats.combine_backward(xp, partial[None]))
+        d.backward(xp, op.attrs, bufs, out, grad, a)
+
+    return backward
+
+
+def _update(item: Item, kernels: Kernels) -> Callable[[], None]:
+    """SGD as the executor applies it (executor/optim.py): grad *= lr; param -= grad."""
+    xp = kernels.xp
+    param = xp.ones(item.numel, kernels.dtype)
+    grad = xp.full(item.numel, 0.5, kernels.dtype)
+
+    def step() -> None:
+        grad.__imul__(LR)
+        param.__isub__(grad)
+
+    return step
+
+
+def time_call(run: Callable[[], object], kernels: Kernels, repeat: int, min_s: float) -> float:
+    """Median seconds of ``run`` over at least ``repeat`` calls and ``min_s`` seconds,
+    after one warm-up call (buffers allocated, caches and BLAS warmed)."""
+    run()
+    kernels.sync()
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < repeat or (time.perf_counter() - began < min_s and len(times) < 1000):
+        start = time.perf_counter()
+        run()
+        kernels.sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(target: Target, item: Item, repeat: int, min_s: float) -> Timing:
+    update = item.phase is Phase.UPDATE
+    run = _update(item, target.kernels) if update else _phases(target, item)
+    seconds = time_call(run, target.kernels, repeat, min_s)
+    return Timing(item.phase, item.key, item.op_type, item.flops, item.nbytes, seconds)
+
+
+# --- under mpiexec ---------------------------------------------------------------------------
+
+
+def _todo(db_path: Path, fp, items: list[Item]) -> tuple[int, list[Item]]:
+    """Rank 0: the fingerprint's id and the items the database does not hold yet, the
+    largest first (so rounds of equal items keep the ranks equally busy)."""
+    with CostDB.open(db_path, create=True) as db:
+        fp_id = db.add_fingerprint(fp)
+        done = db.keys(fp_id)
+    todo = [x for x in items if (x.phase, x.key) not in done]
+    todo.sort(key=lambda x: x.flops + x.nbytes, reverse=True)
+    return fp_id, todo
+
+
+def run_ranks(comm, args: argparse.Namespace) -> dict:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dtype = np.dtype(args.dtype)
+    kind = DeviceKind(args.device)
+    kernels = numpy_kernels(dtype) if kind is DeviceKind.CPU else cuda_kernels(dtype, rank)
+    loss = LossKind(args.loss) if args.loss else None
+    model = load_model(args.model, args.batch, loss, allow_nonfinite=args.allow_nonfinite)
+    graph = model.graph
+    fp = host_fingerprint(kind, dtype.name)
+    plan: tuple | str | None = None
+    if rank == 0:
+        try:
+            items = profile_items(graph, args.devices, dtype.itemsize)
+            fp_id, todo = _todo(Path(args.db), fp, items)
+            plan = (fp_id, todo, len(items))
+        except UserError as e:  # told to every rank, so none waits for ever
+            plan = str(e)
+    plan = comm.bcast(plan, root=0)
+    if isinstance(plan, str):
+        raise UserError(plan)
+    fp_id, todo, total = plan
+    target = Target(graph, Partitioner(graph), kernels)
+    mine = todo[rank::size]
+    rounds = -(-len(todo) // (size * ROUND_ITEMS)) if todo else 0
+    done, began, shown = 0, time.perf_counter(), 0.0
+    db = CostDB.open(Path(args.db), create=True) if rank == 0 else None
+    try:
+        for r in range(rounds):
+            batch = mine[r * ROUND_ITEMS : (r + 1) * ROUND_ITEMS]
+            timed = [
+                replace(measure(target, x, args.repeat, args.min_time), ranks=size) for x in batch
+            ]
+            gathered = comm.gather(timed, root=0)
+            if rank == 0:
+                flat = [t for part in gathered for t in part]
+                db.add(fp_id, flat)
+                done += len(flat)
+                now = time.perf_counter() - began
+                if now - shown >= args.progress_every or done == len(todo):
+                    shown = now
+                    print(
+                        f"progress: {done}/{len(todo)} timings, {now:.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        if db is not None:
+            db.close()
+    return {
+        "keys": total,
+        "measured": len(todo),
+        "skipped": total - len(todo),
+        "ranks": size,
+        "seconds": time.perf_counter() - began,
+        "fingerprint": fp.describe(),
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m onnx2soap.sim.profiler")
+    p.add_argument("model")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--loss")
+    p.add_argument("--allow-nonfinite", action="store_true")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--db", required=True)
+    p.add_argument("--device", choices=[k.value for k in DeviceKind], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--min-time", type=float, default=0.01)
+    p.add_argument("--progress-every", type=float, default=1.0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    args = parse_args(argv)
+    try:
+        summary = run_ranks(comm, args)
+    except UserError as e:
+        # Every rank raises the same error after the broadcast; one that fails alone
+        # (its GPU) must not leave the others waiting: abort them.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if comm.Get_size() > 1:
+            comm.Abort(2)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(1)
+    if comm.Get_rank() == 0:
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

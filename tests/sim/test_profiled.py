@@ -1,0 +1,190 @@
+"""The cost DB and ``ProfiledCost``: round trip, fingerprints, measured values exactly."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onnx2soap.errors import UserError
+from onnx2soap.search.baselines import data_parallel
+from onnx2soap.sim import Simulator
+from onnx2soap.sim.costdb import (
+    CostDB,
+    DeviceKind,
+    Fingerprint,
+    Phase,
+    Timing,
+    cost_key,
+    db_path_for,
+    host_fingerprint,
+    update_key,
+)
+from onnx2soap.sim.costs import RooflineCost
+from onnx2soap.sim.machine import ComputeDevice
+from onnx2soap.sim.profiled import FingerprintMismatch, ProfiledCost, fit
+from onnx2soap.sim.profiler import profile_items
+from onnx2soap.soap import Partitioner, analyze
+from onnx2soap.soap.candidates import candidates
+from tests.sim.tiny import tiny_graph
+
+HOST = Fingerprint(
+    DeviceKind.CPU, "Test CPU", (("numpy", "2.0"), ("openblas", "0.3")), 1, "float32"
+)
+DEVICE = ComputeDevice("cpu-rank", 1e10, 1e10, 1 << 30, 1e-6)
+
+
+def _timings(n: int = 3) -> list[Timing]:
+    return [
+        Timing(Phase.FORWARD, f"Relu k{i}", "Relu", 100.0 * i, 8.0 * i, 1e-5 * (i + 1), 2)
+        for i in range(n)
+    ]
+
+
+def test_db_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "host.costs.sqlite"
+    with CostDB.open(path, create=True) as db:
+        fp_id = db.add_fingerprint(HOST)
+        assert db.add_fingerprint(HOST) == fp_id  # one id per fingerprint
+        db.add(fp_id, _timings())
+    with CostDB.open(path) as db:  # read-only
+        assert db.fingerprints() == {fp_id: HOST}
+        assert db.find(HOST) == fp_id
+        assert db.timings(fp_id) == tuple(sorted(_timings(), key=lambda t: t.key))
+        assert db.keys(fp_id) == {(Phase.FORWARD, t.key) for t in _timings()}
+        other = replace(HOST, threads=2)
+        assert db.find(other) is None
+
+
+def test_db_next_to_the_machine_file() -> None:
+    assert db_path_for("plans/host.yaml") == Path("plans/host.costs.sqlite")
+
+
+def test_fingerprint_text_round_trip_and_differences() -> None:
+    assert Fingerprint.from_json(HOST.to_json(), "x") == HOST
+    there = replace(HOST, processor="Other CPU", libraries=(("numpy", "1.26"),))
+    diffs = HOST.differences(there)
+    assert any(d.startswith("processor 'Test CPU' vs 'Other CPU'") for d in diffs)
+    assert "numpy 2.0 vs 1.26" in diffs and "openblas 0.3 vs absent" in diffs
+
+
+def test_host_fingerprint_is_stable() -> None:
+    a, b = host_fingerprint(DeviceKind.CPU, "float32"), host_fingerprint(DeviceKind.CPU, "float32")
+    assert a == b and a.kind is DeviceKind.CPU and dict(a.libraries)["numpy"] == np.__version__
+    assert host_fingerprint(DeviceKind.CPU, "float64") != a
+
+
+def test_a_db_from_another_device_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "host.costs.sqlite"
+    with CostDB.open(path, create=True) as db:
+        db.add(db.add_fingerprint(HOST), _timings())
+    here = replace(HOST, processor="This CPU")
+    with pytest.raises(FingerprintMismatch, match="processor 'This CPU' vs 'Test CPU'") as e:
+        ProfiledCost.load(path, here, DEVICE)
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value)
+    assert ProfiledCost.load(path, HOST, DEVICE).measured == 3
+
+
+@pytest.mark.parametrize("content", [b"not a database at all, just text" * 100, b"\0" * 4096])
+def test_a_file_that_is_no_cost_db_is_one_line(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "host.costs.sqlite"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match="not a cost database"):
+        CostDB.open(path)
+
+
+def test_another_sqlite_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "other.sqlite"
+    sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.commit()
+    with pytest.raises(UserError, match="tables missing"):
+        CostDB.open(path)
+
+
+def test_profiled_cost_answers_measured_values_exactly(tmp_path: Path) -> None:
+    graph = tiny_graph(tmp_path, batch=8, relu=True)
+    space, partitioner = analyze(graph), Partitioner(graph)
+    timings, expected = [], {}
+    for k, op in enumerate(graph.ops):
+        for config in candidates(space[op.name], 2):
+            for task in partitioner.tasks(op, config):
+                key = cost_key(op, task)
+                for phase in (Phase.FORWARD, Phase.BACKWARD):
+                    seconds = 1e-6 * (1 + len(expected)) + 1e-9 * k  # all different
+                    expected.setdefault((phase, key), seconds)
+    timings = [Timing(p, k, "any", 1.0, 1.0, s) for (p, k), s in expected.items()]
+    timings.append(Timing(Phase.UPDATE, update_key(32), "SGD", 64, 384, 3.25e-6))
+    cost = ProfiledCost.from_timings(timings, DEVICE, itemsize=4)
+    for op in graph.ops:
+        for config in candidates(space[op.name], 2):
+            for task in partitioner.tasks(op, config):
+                key = cost_key(op, task)
+                assert cost.forward(op, task, DEVICE, 4) == expected[(Phase.FORWARD, key)]
+                assert cost.backward(op, task, DEVICE, 4) == expected[(Phase.BACKWARD, key)]
+    assert cost.update(32, DEVICE, 4) == 3.25e-6
+    # Another device (a preset's GPU) or float width: no measured time is used.
+    other = replace(DEVICE, name="gpu", peak_flops=1e13, kernel_overhead=7e-6)
+    op = graph.ops[0]
+    task = partitioner.tasks(op, candidates(space[op.name], 2)[0])[0]
+    assert cost.forward(op, task, other, 4) == pytest.approx(7e-6, rel=1e-3)
+    assert cost.update(32, DEVICE, 8) != 3.25e-6
+
+
+def test_unknown_keys_get_the_fitted_roofline(tmp_path: Path) -> None:
+    overhead, per_flop, per_byte = 2e-6, 1 / 5e9, 1 / 2e9
+    rng = np.random.default_rng(0)
+    timings = []
+    for i in range(20):
+        flops, nbytes = float(rng.integers(1, 10**7)), float(rng.integers(1, 10**7))
+        seconds = overhead + flops * per_flop + nbytes * per_byte
+        timings.append(Timing(Phase.FORWARD, f"Gemm {i}", "Gemm", flops, nbytes, seconds))
+    f = fit(timings)
+    assert f.overhead == pytest.approx(overhead, rel=1e-6)
+    assert f.per_flop == pytest.approx(per_flop, rel=1e-6)
+    assert f.per_byte == pytest.approx(per_byte, rel=1e-6)
+    assert f.efficiency(DEVICE) == pytest.approx((0.5, 0.2), rel=1e-6)
+    graph = tiny_graph(tmp_path, batch=8)
+    op = graph.ops[0]
+    (task,) = Partitioner(graph).tasks(op, candidates(analyze(graph)[op.name], 1)[0])
+    cost = ProfiledCost.from_timings(timings, DEVICE, itemsize=4)
+    from onnx2soap.sim.costs import task_bytes, task_flops
+
+    want = overhead + task_flops(op, task) * per_flop + task_bytes(task, 4) * per_byte
+    assert cost.forward(op, task, DEVICE, 4) == pytest.approx(want, rel=1e-6)
+    # Nothing to fit for the backward: the roofline.
+    assert cost.backward(op, task, DEVICE, 4) == RooflineCost().backward(op, task, DEVICE, 4)
+
+
+def test_profile_items_cover_every_candidate_task(tmp_path: Path) -> None:
+    """Measuring the profile's items leaves no task of any candidate unmeasured."""
+    graph = tiny_graph(tmp_path, batch=8, relu=True)
+    items = profile_items(graph, 4, 4)
+    assert len({(x.phase, x.key) for x in items}) == len(items)
+    timings = [Timing(x.phase, x.key, x.op_type, x.flops, x.nbytes, 1e-3) for x in items]
+    cost = ProfiledCost.from_timings(timings, DEVICE, itemsize=4)
+    space, partitioner = analyze(graph), Partitioner(graph)
+    for op in graph.ops:
+        for config in candidates(space[op.name], 4):
+            for task in partitioner.tasks(op, config):
+                assert cost.forward(op, task, DEVICE, 4) == 1e-3
+    pg = partitioner.partition(data_parallel(graph, space, 4))
+    for group in pg.groups[graph.ops[0].name]:
+        from onnx2soap.soap.partition import rect_volume
+
+        assert cost.update(rect_volume(group.rect), DEVICE, 4) == 1e-3
+
+
+def test_simulator_takes_profiled_costs(tmp_path: Path) -> None:
+    from onnx2soap.sim.presets import cpu
+
+    graph = tiny_graph(tmp_path, batch=8)
+    items = profile_items(graph, 2, 4)
+    timings = [Timing(x.phase, x.key, x.op_type, x.flops, x.nbytes, 1e-3) for x in items]
+    machine = cpu(2, DEVICE, 1e9, 1e-6)
+    cost = ProfiledCost.from_timings(timings, DEVICE, itemsize=4)
+    pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 2))
+    ev = Simulator(machine, cost).evaluate(pg)
+    # Forward and backward of two ops, one after the other, at 1 ms each, at least.
+    assert ev.step_time_s >= 4e-3
