@@ -114,15 +114,19 @@ def _transfers(
     pg: PartitionedGraph, cells: Sequence[Cell], limit: int
 ) -> tuple[tuple[Transfer, ...], int]:
     """Lines for the moves that cross devices, one per pair of cells (a tile split across
-    several overlaps is still one line), the first ``limit`` in edge order."""
+    several overlaps is still one line); past ``limit``, an evenly spaced sample of them,
+    so that every part of the graph keeps some lines."""
     index = {name: i for i, name in enumerate(op.name for op in pg.graph.ops)}
     cell = {(c.op, c.task): c for c in cells}
     pairs: dict[tuple[tuple[int, int], tuple[int, int]], None] = {}
     for edge, _, src, dst in pg.moves():
         if src.device != dst.device:
             pairs.setdefault(((index[edge.producer], src.index), (index[edge.consumer], dst.index)))
+    every = list(pairs)
+    if len(every) > limit:
+        every = [every[i * len(every) // limit] for i in range(limit)]
     lines = []
-    for a, b in list(pairs)[:limit]:
+    for a, b in every:
         p, c = cell[a], cell[b]
         lines.append(Transfer((p.x + p.width, p.centre[1]), (c.x, c.centre[1])))
     return tuple(lines), len(pairs)

@@ -133,7 +133,7 @@ def draw_grid(ax: Axes, grid: PlanGrid, size: Size, title: str) -> None:
 
 def _transfer_label(grid: PlanGrid) -> str:
     if grid.transfers_total > len(grid.transfers):
-        return f"transfers (first {len(grid.transfers)} of {grid.transfers_total} drawn)"
+        return f"transfers ({len(grid.transfers)} of {grid.transfers_total} drawn)"
     return f"transfers ({grid.transfers_total})"
 
 

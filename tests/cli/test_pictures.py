@@ -91,6 +91,9 @@ def test_splits_and_transfers_of_the_random_plan() -> None:
     assert grid.transfers_total == len(crossing) == len(grid.transfers) > 0
     capped = plan_grid(pg, space, max_transfers=7)
     assert len(capped.transfers) == 7 and capped.transfers_total == len(crossing)
+    # An even sample of all the lines, not the first few edges only.
+    assert set(capped.transfers) <= set(grid.transfers)
+    assert capped.transfers[-1] not in grid.transfers[:7]
 
 
 def test_split_labels() -> None:
