@@ -1,4 +1,4 @@
-"""The ``onnx2soap`` command: inspect, plan, simulate, machine.
+"""The ``onnx2soap`` command: inspect, plan, simulate, machine, profile.
 
 Every user error is printed as one line on stderr and exits with code 2, no traceback.
 """
@@ -14,6 +14,7 @@ from onnx2soap.cli import (
     machine_cmd,
     plan_cmd,
     plot_cmd,
+    profile_cmd,
     show_cmd,
     simulate_cmd,
 )
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find SOAP parallelization plans for ONNX models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = (inspect_cmd, plan_cmd, simulate_cmd, machine_cmd, show_cmd, plot_cmd)
+    commands = (inspect_cmd, plan_cmd, simulate_cmd, machine_cmd, profile_cmd, show_cmd, plot_cmd)
     for module in commands:
         module.register(sub)
     return parser

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from onnx2soap.cli.common import add_model_options, float_in, int_in, loss_choice, seconds
+from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
@@ -26,7 +27,7 @@ from onnx2soap.search.mcmc import (
     SearchOptions,
     mcmc,
 )
-from onnx2soap.sim import Evaluation, RooflineCost, Simulator, resolve_machine
+from onnx2soap.sim import Evaluation, Simulator, resolve_machine
 from onnx2soap.soap import (
     Partitioner,
     Plan,
@@ -79,6 +80,7 @@ def register(sub) -> None:
         default=0,
         help="seed of the search / random strategy",
     )
+    add_costs_option(p)
     p.add_argument("-o", "--output", required=True, help="plan file to write")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output)  # before the search, not after it
     spec = machine_spec(args.machine, args.devices)
     machine = resolve_machine(spec)
+    costs = choose_costs(spec, machine, args.costs)  # a foreign cost DB: refused before work
     model = load_model(
         args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
     )
@@ -188,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         )
     space = analyze(graph)
     _check_dims(space)
-    simulator = Simulator(machine, RooflineCost())
+    simulator = Simulator(machine, costs.model)
     if searching:
         outcome = _search(args, graph, space, simulator)
     else:
@@ -212,11 +215,13 @@ def run(args: argparse.Namespace) -> int:
         search=outcome.search,
     )
     save_plan(plan, args.output)
-    _report(args, plan, machine.name, searching, outcome.time_s)
+    _report(args, plan, machine.name, searching, outcome.time_s, costs)
     return 0
 
 
-def _report(args, plan: Plan, machine: str, searching: bool, time_s: float) -> None:
+def _report(
+    args, plan: Plan, machine: str, searching: bool, time_s: float, costs: ChosenCosts
+) -> None:
     p, s = plan.predicted, plan.search
     baselines = dict(p.baselines)
     if args.json:
@@ -226,6 +231,7 @@ def _report(args, plan: Plan, machine: str, searching: bool, time_s: float) -> N
             "baselines": baselines,
             "evaluated": s.evaluated if s else 1,
             "search_time_s": time_s,
+            "costs": costs.name,
         }
         print(json.dumps(doc))
         return
@@ -234,6 +240,7 @@ def _report(args, plan: Plan, machine: str, searching: bool, time_s: float) -> N
         noun = "strategy" if s.evaluated == 1 else "strategies"
         how = f"MCMC ({s.evaluated} {noun} simulated in {time_s:.1f}s)"
     print(f"wrote {args.output}: {how} on {machine}")
+    print(f"  costs: {costs.description}")
     print(f"  {'predicted step time':<22}{seconds(p.step_time_s):>12}   plan's speed-up")
     for name, t in baselines.items():
         speedup = t / p.step_time_s if p.step_time_s > 0 else float("inf")

@@ -6,10 +6,11 @@ import argparse
 import json
 
 from onnx2soap.cli.common import add_nonfinite_option, gib, seconds
+from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_input, check_output
 from onnx2soap.importer import file_sha256, load_model
-from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
+from onnx2soap.sim import Simulator, resolve_machine
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
 from onnx2soap.soap import Partitioner, analyze, import_loss, load_plan
@@ -22,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--model", help="model file (default: the plan's)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of the timeline")
     p.add_argument("--json", action="store_true")
+    add_costs_option(p)
     add_nonfinite_option(p)
     p.set_defaults(run=run)
 
@@ -33,17 +35,19 @@ def run(args: argparse.Namespace) -> int:
     path = args.model or plan.model_path
     if model_sha256(path) != plan.model_sha256:
         raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
-    machine = resolve_machine(args.machine or plan.machine or f"cpu:{plan.devices}")
+    spec = args.machine or plan.machine or f"cpu:{plan.devices}"
+    machine = resolve_machine(spec)
     if machine.size != plan.devices:
         raise UserError(
             f"{args.plan}: the plan is for {plan.devices} devices but machine "
             f"'{machine.name}' has {machine.size}"
         )
+    costs = choose_costs(spec, machine, args.costs)
     graph = load_model(
         path, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
     ).graph
     strategy = plan.strategy(graph, analyze(graph))
-    simulator = Simulator(machine, RooflineCost())
+    simulator = Simulator(machine, costs.model)
     pg = Partitioner(graph).partition(strategy)
     ev = simulator.evaluate(pg)
     if args.trace:
@@ -56,10 +60,12 @@ def run(args: argparse.Namespace) -> int:
             "bytes_moved": ev.bytes_moved,
             "fits": ev.fits,
             "machine": machine.name,
+            "costs": costs.name,
         }
         print(json.dumps(doc))
         return 0
     print(f"{args.plan} on {machine.name}: step time {seconds(ev.step_time_s)}")
+    print(f"  costs            {costs.description}")
     print(f"  moved per step   {ev.bytes_moved} bytes")
     for d, (m, dev) in enumerate(zip(ev.peak_memory_bytes, machine.devices, strict=False)):
         flag = "" if m <= dev.memory else "  EXCEEDS"

@@ -188,3 +188,17 @@ def test_simulator_takes_profiled_costs(tmp_path: Path) -> None:
     ev = Simulator(machine, cost).evaluate(pg)
     # Forward and backward of two ops, one after the other, at 1 ms each, at least.
     assert ev.step_time_s >= 4e-3
+
+
+@pytest.mark.parametrize("name", ["bnnet", "tied"])
+def test_every_item_runs_with_the_executors_kernels(export_model, name: str) -> None:
+    """Statistics (BatchNorm's halves), Dropout's random key, ids below their bound,
+    partial sums: every timing the profile would take runs, in-process."""
+    from onnx2soap.importer import load_model
+    from onnx2soap.sim.profiler import Target, measure, numpy_kernels
+
+    graph = load_model(export_model(name), batch=4).graph
+    target = Target(graph, Partitioner(graph), numpy_kernels(np.float32))
+    for item in profile_items(graph, 2, 4):
+        timing = measure(target, item, repeat=1, min_s=0.0)
+        assert 0 < timing.seconds < 1 and timing.key == item.key

@@ -1,0 +1,233 @@
+"""``onnx2soap profile MODEL``: time the model's tasks with the executor's kernels, and the
+cost-model choice ``plan`` and ``simulate`` share (``--costs``).
+
+The timings go to a SQLite database next to the machine file (``host.yaml`` ->
+``host.costs.sqlite``) under this host's fingerprint. The ranks run under mpiexec, as the
+executor's do; a second run measures only what is missing, so an interrupted profile
+resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from onnx2soap.cli.common import add_model_options, float_in, int_in, loss_choice, seconds
+from onnx2soap.cli.machine_cmd import _mpiexec
+from onnx2soap.errors import UserError
+from onnx2soap.files import check_output
+from onnx2soap.importer import load_model
+from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerprint
+from onnx2soap.sim.costs import CostModel, RooflineCost
+from onnx2soap.sim.machine import Machine
+from onnx2soap.sim.presets import _is_file
+from onnx2soap.sim.profiled import FingerprintMismatch, ProfiledCost
+from onnx2soap.soap.plan import MAX_DEVICES
+
+MAX_REPEAT = 1000
+MAX_MIN_TIME_S = 10.0
+EXIT_INTERRUPTED = 130
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="time a model's tasks on this host into a cost database")
+    add_model_options(p)
+    p.add_argument("--machine", required=True, help="machine file (or a preset, with --db)")
+    p.add_argument("--db", help="cost database (default: next to the machine file)")
+    p.add_argument(
+        "--device",
+        choices=[k.value for k in DeviceKind],
+        default=DeviceKind.CPU.value,
+        help="where the kernels run: CPU ranks (numpy) or GPUs (cupy)",
+    )
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument(
+        "--ranks",
+        type=int_in(1, MAX_DEVICES),
+        help="ranks timing at once (default: the machine's devices, at most this host's "
+        "cores for CPU ranks)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int_in(1, MAX_REPEAT),
+        default=5,
+        help="timed calls per task at least (the median is kept)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=float_in(0, MAX_MIN_TIME_S),
+        default=0.01,
+        help="seconds per task at least",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(run=run)
+
+
+def _db_path(args) -> Path:
+    if args.db:
+        return Path(args.db)
+    if not _is_file(Path(args.machine)):
+        raise UserError(
+            f"--machine {args.machine}: a preset has no file to keep the costs next to; "
+            "give --db PATH (or a machine file from onnx2soap machine probe)"
+        )
+    return db_path_for(args.machine)
+
+
+def _ranks(args, machine: Machine) -> int:
+    if args.ranks:
+        return args.ranks
+    if args.device == DeviceKind.CUDA.value:
+        return machine.size
+    # Ranks sharing a host beyond its cores would time each other's time slices.
+    return max(1, min(machine.size, os.cpu_count() or 1))
+
+
+def _command(args, db: Path, devices: int, ranks: int) -> list[str]:
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "onnx2soap.sim.profiler"]
+    command += [str(args.model), "--devices", str(devices), "--db", str(db)]
+    command += ["--device", args.device, "--dtype", args.dtype]
+    command += ["--repeat", str(args.repeat), "--min-time", str(args.min_time)]
+    if args.batch:
+        command += ["--batch", str(args.batch)]
+    if args.loss:
+        command += ["--loss", args.loss]
+    if args.allow_nonfinite:
+        command += ["--allow-nonfinite"]
+    return command
+
+
+def _failure(lines: list[str], code: int) -> str:
+    """The ranks' one-line error if one printed it, else their last line."""
+    errors = [x for x in lines if x.startswith("error: ")]
+    if errors:
+        return errors[-1][len("error: ") :]
+    last = next((x for x in reversed(lines) if x.strip()), "(no output)")
+    return f"profile under mpiexec failed ({code}): {last.strip()}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from onnx2soap.sim.presets import resolve_machine
+
+    machine = resolve_machine(args.machine)
+    db = _db_path(args)
+    check_output(db)  # before the ranks start measuring
+    if db.exists():
+        CostDB.open(db, create=True).close()  # a file that is no cost DB: refused now
+    # Checked here, where an error is one line; the ranks load it again.
+    load_model(args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite)
+    ranks = _ranks(args, machine)
+    env = dict(os.environ)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")  # as the executor runs: one BLAS thread per rank
+    proc = subprocess.Popen(
+        _command(args, db, machine.size, ranks),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        for line in proc.stderr:
+            if line.startswith("progress: "):
+                if not args.quiet:
+                    print(
+                        f"onnx2soap profile: {line[len('progress: ') :]}", end="", file=sys.stderr
+                    )
+            else:
+                lines = [*lines[-40:], line.rstrip("\n")]
+        out = proc.stdout.read()
+        code = proc.wait()
+    except KeyboardInterrupt:
+        _stop(proc)
+        print(
+            f"onnx2soap: interrupted; the timings taken so far are in {db} "
+            "(run the same command again to resume)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    if code != 0:
+        raise UserError(_failure(lines, code))
+    summary = json.loads(out.strip().splitlines()[-1])
+    print(
+        f"wrote {db}: {summary['measured']} timings taken, {summary['skipped']} already there, "
+        f"in {seconds(summary['seconds'])} on {summary['ranks']} ranks"
+    )
+    print(f"  fingerprint: {summary['fingerprint']}")
+    return 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C reached mpiexec too (same process group); make sure it is gone."""
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.kill()
+        proc.wait()
+
+
+# --- the cost model plan and simulate use ----------------------------------------------------
+
+
+class CostsChoice(Enum):
+    AUTO = "auto"  # profiled when a matching cost DB sits next to the machine file
+    PROFILED = "profiled"
+    ROOFLINE = "roofline"
+
+
+@dataclass(frozen=True)
+class ChosenCosts:
+    model: CostModel
+    description: str  # for the command's output
+
+    @property
+    def name(self) -> str:
+        return "profiled" if isinstance(self.model, ProfiledCost) else "roofline"
+
+
+def add_costs_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--costs",
+        choices=[c.value for c in CostsChoice],
+        default=CostsChoice.AUTO.value,
+        help="task costs: measured by onnx2soap profile (a cost DB next to the machine "
+        "file, for this host), or the roofline; auto: profiled where there is such a DB",
+    )
+
+
+def choose_costs(spec: str, machine: Machine, choice: str, dtype: str = "float32") -> ChosenCosts:
+    """The cost model for ``machine`` (given as ``spec``). A cost DB measured on another
+    device is refused (never used silently), with how to go on."""
+    want = CostsChoice(choice)
+    roofline = ChosenCosts(RooflineCost(), "roofline")
+    if want is CostsChoice.ROOFLINE:
+        return roofline
+    db = db_path_for(spec) if _is_file(Path(spec)) else None
+    if db is None or not db.exists():
+        if want is CostsChoice.PROFILED:
+            where = f"no cost DB at {db}" if db else f"{spec} is a preset, not a machine file"
+            raise UserError(f"--costs profiled: {where}; run onnx2soap profile first")
+        return roofline
+    with CostDB.open(db) as opened:
+        stored = list(opened.fingerprints().values())
+    kinds = [DeviceKind.CUDA] if any(f.kind is DeviceKind.CUDA for f in stored) else []
+    here = None
+    for kind in [*kinds, DeviceKind.CPU]:
+        try:
+            fp = host_fingerprint(kind, dtype)
+        except UserError:  # no GPU here to match the DB's GPU timings
+            continue
+        here = here or fp
+        if fp in stored:
+            cost = ProfiledCost.load(db, fp, machine.devices[0])
+            return ChosenCosts(cost, f"profiled ({cost.measured} timings from {db})")
+    raise FingerprintMismatch(db, here, stored)

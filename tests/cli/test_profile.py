@@ -1,0 +1,150 @@
+"""`onnx2soap profile` under mpiexec, and `plan`/`simulate` choosing their costs from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.cli import main as cli
+from onnx2soap.sim.machine import dump_machine
+from onnx2soap.sim.presets import cpu
+from tests.sim.tiny import gemm_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny model and a two-rank machine file with its cost DB, profiled once for real."""
+    folder = tmp_path_factory.mktemp("profile")
+    model = gemm_model(folder / "tiny.onnx", hidden=8, relu=True)
+    machine = folder / "host.yaml"
+    machine.write_text(dump_machine(cpu(2)))
+    code = cli(["profile", str(model), "--batch", "8", "--machine", str(machine), "--quiet"])
+    assert code == 0
+    return model, machine
+
+
+def _plan(model: Path, machine: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "plan",
+        str(model),
+        "--batch",
+        "8",
+        "--machine",
+        str(machine),
+        "--strategy",
+        "data-parallel",
+        "-o",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.mark.mpi
+def test_profile_writes_the_db_next_to_the_machine_and_resumes(profiled, capsys) -> None:
+    model, machine = profiled
+    db = machine.with_name("host.costs.sqlite")
+    rows = sqlite3.connect(db).execute("SELECT phase, COUNT(*) FROM timings GROUP BY phase")
+    counts = dict(rows.fetchall())
+    assert counts["forward"] > 0 and counts["backward"] > 0 and counts["update"] > 0
+    capsys.readouterr()
+    assert cli(["profile", str(model), "--batch", "8", "--machine", str(machine)]) == 0
+    out = capsys.readouterr().out
+    assert f"0 timings taken, {sum(counts.values())} already there" in out
+
+
+@pytest.mark.mpi
+def test_plan_and_simulate_use_the_measured_costs(profiled, tmp_path: Path, capsys) -> None:
+    model, machine = profiled
+    plan = tmp_path / "plan.json"
+    capsys.readouterr()
+    assert cli(_plan(model, machine, plan)) == 0
+    out = capsys.readouterr().out
+    assert "costs: profiled (" in out and "host.costs.sqlite" in out
+    assert cli(["simulate", str(plan), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    predicted = json.loads(plan.read_text())["predicted"]["step_time_s"]
+    assert doc["costs"] == "profiled" and doc["step_time_s"] == pytest.approx(predicted)
+    assert cli(["simulate", str(plan), "--json", "--costs", "roofline"]) == 0
+    assert json.loads(capsys.readouterr().out)["costs"] == "roofline"
+
+
+@pytest.mark.mpi
+def test_a_db_from_another_device_is_refused(profiled, tmp_path: Path, capsys) -> None:
+    model, machine = profiled
+    other = tmp_path / "host.yaml"
+    other.write_text(machine.read_text())
+    db = tmp_path / "host.costs.sqlite"
+    db.write_bytes(machine.with_name("host.costs.sqlite").read_bytes())
+    conn = sqlite3.connect(db)
+    (doc,) = conn.execute("SELECT doc FROM fingerprints").fetchone()
+    fp = json.loads(doc)
+    fp["processor"] = "Some Other CPU"
+    conn.execute("UPDATE fingerprints SET doc = ?", (json.dumps(fp, sort_keys=True),))
+    conn.commit()
+    conn.close()
+    capsys.readouterr()
+    assert cli(_plan(model, other, tmp_path / "p.json")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "measured on another device" in err
+    assert "'Some Other CPU'" in err and "--costs roofline" in err
+    assert not (tmp_path / "p.json").exists()
+    assert cli(_plan(model, other, tmp_path / "p.json", "--costs", "roofline")) == 0
+
+
+def test_costs_without_a_db(tmp_path: Path, capsys) -> None:
+    model = gemm_model(tmp_path / "tiny.onnx")
+    machine = tmp_path / "host.yaml"
+    machine.write_text(dump_machine(cpu(2)))
+    assert cli(_plan(model, machine, tmp_path / "p.json")) == 0
+    assert "costs: roofline" in capsys.readouterr().out
+    code = cli(_plan(model, machine, tmp_path / "p.json", "--costs", "profiled"))
+    assert code == 2 and "no cost DB at" in capsys.readouterr().err
+    code = cli(_plan(model, "cpu:2", tmp_path / "p.json", "--costs", "profiled"))
+    assert code == 2 and "is a preset" in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_before_any_work(tmp_path: Path, capsys) -> None:
+    model = gemm_model(tmp_path / "tiny.onnx")
+    machine = tmp_path / "host.yaml"
+    machine.write_text(dump_machine(cpu(2)))
+    base = ["profile", str(model), "--batch", "8"]
+    assert cli([*base, "--machine", "cpu:2"]) == 2
+    assert "give --db PATH" in capsys.readouterr().err
+    assert cli([*base, "--machine", str(machine), "--db", str(tmp_path)]) == 2
+    assert "cannot write over a folder" in capsys.readouterr().err
+    machine.with_name("host.costs.sqlite").write_text("hello " * 1000)
+    assert cli([*base, "--machine", str(machine)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a cost database" in err
+    assert cli(_plan(model, machine, tmp_path / "p.json")) == 2  # plan refuses it too
+    assert "not a cost database" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+def test_ctrl_c_exits_130_and_a_rerun_resumes(tmp_path: Path) -> None:
+    machine = tmp_path / "host.yaml"
+    machine.write_text(dump_machine(cpu(2)))
+    command = [sys.executable, "-m", "onnx2soap", "profile", str(REPO / "examples/cnn.onnx")]
+    command += ["--batch", "16", "--machine", str(machine), "--min-time", "0.02"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    first = proc.stderr.readline()  # a round stored
+    assert first.startswith("onnx2soap profile: "), first
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == 130
+    assert rest.count("\n") == 1 and rest.startswith("onnx2soap: interrupted;"), rest
+    db = tmp_path / "host.costs.sqlite"
+    (stored,) = sqlite3.connect(db).execute("SELECT COUNT(*) FROM timings").fetchone()
+    assert stored > 0
