@@ -66,6 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="write trained weights (.npz) on rank 0 (the path is checked before training)",
     )
     _add_optimizer_options(run)
+    ckpt = run.add_argument_group("checkpoints")
+    ckpt.add_argument(
+        "--checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="write checkpoints here (atomically: a crash leaves the previous one whole), "
+        "at the end, on Ctrl-C/SIGTERM, and every --checkpoint-every steps",
+    )
+    ckpt.add_argument(
+        "--checkpoint-every",
+        type=int_in(0, MAX_STEPS),
+        default=0,
+        metavar="K",
+        help="(default 0: only at the end)",
+    )
+    ckpt.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue from the newest checkpoint in DIR, under this plan or another "
+        "(re-sharded); --steps counts from the start of training",
+    )
     run.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -235,11 +257,14 @@ def _abort(comm, code: int) -> int:
     return code  # not reached
 
 
-def _interrupted_line(result, steps: int, save_weights: Path | None) -> str:
+def _interrupted_line(result, steps: int, args) -> str:
     name = _SIGNAL_NAMES.get(result.interrupted, f"signal {result.interrupted}")
-    done = len(result.steps)
-    saved = f"; weights after step {done} saved to {save_weights}" if save_weights else ""
-    return f"executor: interrupted by {name}: stopped after step {done} of {steps}{saved}"
+    done = result.first_step + len(result.steps)
+    saved = [f"weights saved to {args.save_weights}"] if args.save_weights else []
+    if args.checkpoint:
+        saved.append(f"checkpoint in {args.checkpoint} (--resume {args.checkpoint} continues)")
+    said = "; " + ", ".join(saved) if saved else ""
+    return f"executor: interrupted by {name}: stopped after step {done} of {steps}{said}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,6 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_weights=args.save_weights,
         allow_nonfinite=args.allow_nonfinite,
         optimizer=optimizer,
+        checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
         device=DeviceKind(args.device) if args.device else None,
         transport=TransportKind(args.transport),
     )
@@ -291,6 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         _summary(result, args.json)
     if result.interrupted:
         if rank == 0:
-            print(_interrupted_line(result, args.steps, args.save_weights), file=sys.stderr)
+            print(_interrupted_line(result, args.steps, args), file=sys.stderr)
         return 128 + result.interrupted
     return 0

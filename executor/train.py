@@ -17,6 +17,13 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from executor.checkpoint import (
+    RunIdentity,
+    check_identity,
+    read_manifest,
+    restore,
+    save_checkpoint,
+)
 from executor.data import FileData, SyntheticData, load_npz, rows_needed
 from executor.device import open_device
 from executor.kinds import DeviceKind, TransportKind
@@ -25,7 +32,7 @@ from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.transport import make_transport
 from onnx2soap.errors import UserError
-from onnx2soap.files import check_output, write_atomic
+from onnx2soap.files import check_directory, check_output, write_atomic
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
 from onnx2soap.ir import DType, Graph
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
@@ -46,6 +53,9 @@ class RunOptions:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: DeviceKind | None = None  # None: a GPU when cupy sees one, else the CPU
     transport: TransportKind = TransportKind.AUTO
+    checkpoint: Path | None = None  # a folder of checkpoints
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end or a stop)
+    resume: Path | None = None  # a checkpoint folder to continue from
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class RunResult:
     bytes_sent: tuple[int, ...]  # per rank, over all steps
     weights: dict[str, np.ndarray] | None  # gathered on rank 0 when asked
     interrupted: int = 0  # the signal every rank stopped on early (0: all steps ran)
+    first_step: int = 0  # steps done before this run (a resumed run)
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,68 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     write_atomic(path, blob.getvalue())
 
 
+def _check_outputs(comm: MPI.Comm, options: RunOptions) -> None:
+    """Output paths are checked before hours of training, not after them."""
+    problem = None
+    if comm.Get_rank() == 0:
+        try:
+            if options.save_weights is not None:
+                check_output(options.save_weights)
+            if options.checkpoint is not None:
+                check_directory(options.checkpoint)
+        except UserError as e:
+            problem = str(e)
+    problems = [p for p in comm.allgather(problem) if p]
+    if problems:
+        raise UserError(problems[0])
+
+
+def _identity(s: _Setup, options: RunOptions) -> RunIdentity:
+    return RunIdentity(
+        s.plan.model_sha256,
+        s.plan.batch,
+        options.dtype.value,
+        options.seed,
+        options.optimizer.kind.value,
+    )
+
+
+def _resume(comm: MPI.Comm, rt: Runtime, s: _Setup, options: RunOptions) -> int:
+    """Restore from ``--resume`` (every rank reads what it needs); the steps done."""
+    error, done = None, 0
+    try:
+        manifest, path = read_manifest(options.resume)
+        check_identity(options.resume, manifest.identity, _identity(s, options))
+        restore(rt, manifest, path)
+        done = manifest.step
+    except UserError as e:
+        error = str(e)
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    return done
+
+
+@dataclass
+class _Checkpoints:
+    """Saves every ``every`` steps, on an interrupt and at the end (when asked)."""
+
+    comm: MPI.Comm
+    rt: Runtime
+    options: RunOptions
+    identity: RunIdentity
+    plan_sha: str
+    saved: int = -1
+
+    def maybe(self, done: int, force: bool = False) -> None:
+        every, directory = self.options.checkpoint_every, self.options.checkpoint
+        if directory is None or done == self.saved:
+            return
+        if force or (every and done % every == 0):
+            save_checkpoint(self.comm, self.rt, directory, done, self.identity, self.plan_sha)
+            self.saved = done
+
+
 def train(
     comm: MPI.Comm,
     options: RunOptions,
@@ -159,18 +232,10 @@ def train(
     on_start: Callable[[tuple[RankInfo, ...]], None] | None = None,
 ) -> RunResult:
     """``stop()`` gives the signal this rank received (0: none); the ranks agree on it at
-    every step boundary and all stop there, the weights of the last step intact."""
+    every step boundary and all stop there, the weights of the last step intact (and
+    checkpointed when ``--checkpoint`` is given)."""
     rank = comm.Get_rank()
-    # The output path is checked before hours of training, not after them.
-    problem = None
-    if rank == 0 and options.save_weights is not None:
-        try:
-            check_output(options.save_weights)
-        except UserError as e:
-            problem = str(e)
-    problems = [p for p in comm.allgather(problem) if p]
-    if problems:
-        raise UserError(problems[0])
+    _check_outputs(comm, options)
     # The device and transport before the model: a wrong --device fails in a second.
     device = open_device(options.device, comm)
     transport = make_transport(options.transport, comm, device)
@@ -178,26 +243,27 @@ def train(
     ranks = comm.allgather((MPI.Get_processor_name(), os.getpid()))
     if on_start is not None and rank == 0:
         on_start(tuple(RankInfo(r, host, pid) for r, (host, pid) in enumerate(ranks)))
-    program = compile_program(s.pg, rank)
-    values = {**s.model.weights, **s.model.state}
     rt = Runtime(
         s.pg,
-        program,
+        compile_program(s.pg, rank),
         transport,
-        values,
+        {**s.model.weights, **s.model.state},
         np.dtype(options.dtype.value),
         s.model.constants,
         options.seed,
         device,
         options.optimizer,
     )
+    first = _resume(comm, rt, s, options) if options.resume is not None else 0
+    plan_sha = file_sha256(Path(options.plan))
+    checkpoints = _Checkpoints(comm, rt, options, _identity(s, options), plan_sha, saved=first)
     rows = rows_needed(s.pg, rank)
     records = []
     total = np.zeros(1)
     # [SIGINT seen, SIGTERM seen] summed over ranks: one tiny collective per step.
     signals, seen = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
     interrupted = 0
-    for step in range(options.steps):
+    for step in range(first, options.steps):
         received = stop() if stop is not None else 0
         signals[:] = (received == signal.SIGINT, received == signal.SIGTERM)
         comm.Allreduce(signals, seen, op=MPI.SUM)
@@ -213,6 +279,8 @@ def train(
         records.append(record)
         if on_step is not None and rank == 0:
             on_step(record)
+        checkpoints.maybe(step + 1)
+    checkpoints.maybe(first + len(records), force=True)
     counts = np.zeros(comm.Get_size(), dtype=np.int64)
     comm.Allgather(np.array([transport.bytes_sent], dtype=np.int64), counts)
     weights = None
@@ -220,4 +288,5 @@ def train(
         weights = gather_weights(comm, rt, s.model.graph)
         if rank == 0 and options.save_weights:
             save_npz(options.save_weights, weights)
-    return RunResult(tuple(records), tuple(int(c) for c in counts), weights, interrupted)
+    sent = tuple(int(c) for c in counts)
+    return RunResult(tuple(records), sent, weights, interrupted, first)

@@ -89,6 +89,22 @@ def check_output(path: Path | str) -> Path:
     return target
 
 
+def check_directory(path: Path | str) -> Path:
+    """Refuse, before any work, a folder path that cannot hold outputs (a checkpoint
+    folder): a file in its place, or no writable ancestor to create it in."""
+    path = Path(path)
+    if _has_nul(path):
+        raise UserError(f"{path!r}: a folder path cannot contain a NUL byte")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path}: not a folder; give a folder path")
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{path}: cannot write (folder {folder} is not writable)")
+    return path
+
+
 def write_atomic(path: Path | str, data: str | bytes) -> None:
     """Write ``data`` to a temporary file beside the target, then rename it over it."""
     path = Path(path)

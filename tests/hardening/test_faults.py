@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from executor.checkpoint import read_manifest
 from tests.executor.mpi import MPIEXEC, make_plan
 
 pytestmark = pytest.mark.mpi
@@ -87,8 +88,9 @@ def our_lines(stderr: str) -> list[str]:
 def test_signal_stops_every_rank_at_a_step_boundary(
     plan: Path, tmp_path: Path, signum: int, code: int
 ) -> None:
-    weights = tmp_path / "w.npz"
-    proc = start(plan, tmp_path, "--steps", FOREVER, "--save-weights", str(weights))
+    weights, checkpoints = tmp_path / "w.npz", tmp_path / "ckpt"
+    args = ("--save-weights", str(weights), "--checkpoint", str(checkpoints))
+    proc = start(plan, tmp_path, "--steps", FOREVER, *args)
     wait_for_steps(proc, 2)
     sent = time.monotonic()
     proc.send_signal(signum)  # to mpiexec, as Ctrl-C in its terminal would
@@ -102,6 +104,10 @@ def test_signal_stops_every_rank_at_a_step_boundary(
     assert ended.seconds < 10
     with np.load(weights) as saved:  # nothing trained is lost
         assert saved.files and all(np.isfinite(saved[k]).all() for k in saved.files)
+    # ... and the run can be continued from where it stopped.
+    done = int(lines[0].split("stopped after step ")[1].split()[0])
+    manifest, _ = read_manifest(checkpoints)
+    assert manifest.step == done and "--resume" in lines[0]
 
 
 def test_killed_rank_ends_the_run_at_once(plan: Path, tmp_path: Path) -> None:
