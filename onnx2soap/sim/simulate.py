@@ -1,13 +1,15 @@
-"""Full simulation (FlexFlow Algorithm 1): list scheduling in order of ready time.
+"""Full simulation: every resource runs its tasks in the executor's program order.
 
-Tasks are taken from a priority queue by (ready time, id); a task starts when it is ready
-and every resource it holds is free, and holds them until it ends. Each resource thus
-runs its tasks first-come first-served (assumption A3). The makespan is one step.
+Tasks are numbered in that order (``taskgraph.py``) and every predecessor of a task is
+numbered below it, so one pass in task order is the schedule: a task starts when its
+predecessors have ended and every resource it holds has ended the task before it in the
+order, and holds them until it ends. The makespan is one step. ``run_task`` is the one
+formula, shared with delta simulation so that both give bit-identical times.
 """
 
 from __future__ import annotations
 
-import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,33 +27,33 @@ class Timeline:
         return float(self.end.max()) if len(self.end) else 0.0
 
 
+def run_task(ready: Iterable[float], resources: Iterable[int], free: list[float]) -> float:
+    """Start time: the latest of the predecessors' ends and the resources' last ends."""
+    s = 0.0
+    for t in ready:
+        if t > s:
+            s = t
+    for r in resources:
+        if free[r] > s:
+            s = free[r]
+    return s
+
+
 def simulate(tg: TaskGraph) -> Timeline:
     n = tg.size
     duration = tg.duration.tolist()
     res_ptr, res_idx = tg.res_ptr.tolist(), tg.res_idx.tolist()
-    succ_ptr, succ_idx = tg.succ_ptr.tolist(), tg.succ_idx.tolist()
-    waiting = tg.num_preds.tolist()
-    ready = [0.0] * n
+    pred_ptr, pred_idx = tg.pred_ptr.tolist(), tg.pred_idx.tolist()
     start, end = [0.0] * n, [0.0] * n
     free = [0.0] * tg.num_resources
-    queue = [(0.0, i) for i in range(n) if waiting[i] == 0]
-    heapq.heapify(queue)
-    done = 0
-    while queue:
-        t_ready, i = heapq.heappop(queue)
+    for i in range(n):
+        preds = pred_idx[pred_ptr[i] : pred_ptr[i + 1]]
+        if preds and max(preds) >= i:
+            raise RuntimeError(f"task {i} waits for a task after it in program order")
         resources = res_idx[res_ptr[i] : res_ptr[i + 1]]
-        s = max(t_ready, *(free[r] for r in resources)) if resources else t_ready
+        s = run_task([end[p] for p in preds], resources, free)
         e = s + duration[i]
         start[i], end[i] = s, e
         for r in resources:
             free[r] = e
-        done += 1
-        for j in succ_idx[succ_ptr[i] : succ_ptr[i + 1]]:
-            if e > ready[j]:
-                ready[j] = e
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(queue, (ready[j], j))
-    if done != n:
-        raise RuntimeError(f"task graph has a cycle: {n - done} tasks never became ready")
     return Timeline(np.array(start), np.array(end))

@@ -1,28 +1,44 @@
-"""The task graph of one training step (FlexFlow §5.1), on flat arrays.
+"""The task graph of one training step (FlexFlow §5.1), in the executor's program order.
 
 Tasks: forward and backward compute per op task, a transfer per overlap that crosses
 devices (forward tile and backward gradient piece: the same rects the executor sends),
-a ring all-reduce per weight replica group (lock-step ring steps following soap's ring
-schedule),
-and an SGD update per weight shard. Resources: compute devices ``0..D-1``, then links
-``D..D+L-1``; a transfer holds every link of its route (and both end devices on machines
-whose cores copy messages themselves).
+a ring all-reduce per weight replica group (soap's ring schedule: its 2(k-1) lock-step
+steps run back to back on every ring link, so the ring is one task of their summed
+duration) and an SGD update per weight shard. Resources: compute devices ``0..D-1``,
+then links ``D..D+L-1``; a transfer holds every link of its route (and both end devices
+on machines whose cores copy messages themselves).
+
+Tasks are numbered in the executor's global order (``executor/program.py``): forward
+ops in graph order, each op's tasks in task order (an op with statistics: every partial
+half, the statistics rings, every finishing half; an op with partial sums: the tasks,
+then the sums); an op's outgoing transfers right after it, edge by edge; backward in
+reverse graph order (ops whose output takes no gradient run none), each op's gradient
+transfers and then its weight all-reduces after it; the updates last. Every resource
+runs its tasks in that order (``simulate.py``).
+
+The graph is built as *slots*, one per (phase, op) or (phase, edge), fixed by the graph
+alone, each holding a ``Segment`` that depends only on the configs of the op or of the
+edge's two ops. A proposal that changes one op's config changes only the slots of that
+op and its edges: ``delta.py`` rebuilds those and splices them in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
 
 from onnx2soap.errors import PlanError
-from onnx2soap.ir import Graph
+from onnx2soap.ir import Graph, Op
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Machine
-from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
 from onnx2soap.soap.collectives import ring_chunks, ring_steps
-from onnx2soap.soap.partition import Task, rect_volume
+from onnx2soap.soap.partition import ReplicaGroup, StatGroup, SumGroup, Task, rect_volume
+
+Ref = tuple[int, int]  # (slot, task index in the slot's segment)
 
 
 class TaskKind(IntEnum):
@@ -37,12 +53,11 @@ class TaskKind(IntEnum):
 class TaskGraph:
     duration: np.ndarray  # float64 seconds
     kind: np.ndarray  # TaskKind codes
-    nbytes: np.ndarray  # bytes moved (transfers and all-reduce steps), else 0
+    nbytes: np.ndarray  # bytes moved (transfers and all-reduces), else 0
     res_ptr: np.ndarray  # CSR: resources of task i are res_idx[res_ptr[i]:res_ptr[i+1]]
     res_idx: np.ndarray
-    succ_ptr: np.ndarray  # CSR: successors of task i
-    succ_idx: np.ndarray
-    num_preds: np.ndarray
+    pred_ptr: np.ndarray  # CSR: predecessors of task i, all numbered below i
+    pred_idx: np.ndarray
     num_resources: int
     names: tuple[str, ...] = field(default=())  # only when built with names=True
 
@@ -51,48 +66,58 @@ class TaskGraph:
         return len(self.duration)
 
 
-class _Builder:
-    def __init__(self, names: bool) -> None:
+@dataclass(frozen=True)
+class Segment:
+    """The tasks of one slot, in program order. ``preds`` name earlier tasks (of this or
+    earlier slots). A compute slot says which of its tasks first reads an op task's inputs
+    (``starts``) and which produces its output (``ends``); an edge slot adds ``feeds``:
+    (task in the target slot, predecessor) pairs, the edge's data arriving."""
+
+    duration: tuple[float, ...] = ()
+    kind: tuple[int, ...] = ()
+    nbytes: tuple[int, ...] = ()
+    resources: tuple[tuple[int, ...], ...] = ()
+    preds: tuple[tuple[Ref, ...], ...] = ()
+    names: tuple[str, ...] = ()
+    starts: tuple[int, ...] = ()
+    ends: tuple[int, ...] = ()
+    feeds: tuple[tuple[int, Ref], ...] = ()
+
+
+EMPTY = Segment()
+
+
+class _SegmentBuilder:
+    def __init__(self, slot: int, names: bool) -> None:
+        self.slot = slot
         self.duration: list[float] = []
         self.kind: list[int] = []
         self.nbytes: list[int] = []
         self.resources: list[tuple[int, ...]] = []
-        self.edges: list[tuple[int, int]] = []
+        self.preds: list[tuple[Ref, ...]] = []
         self.names: list[str] | None = [] if names else None
 
-    def add(self, kind: TaskKind, duration: float, resources, nbytes: int = 0, name=None) -> int:
-        self.duration.append(duration)
+    def add(self, kind: TaskKind, seconds: float, resources, preds, nbytes=0, name=None) -> Ref:
+        self.duration.append(seconds)
         self.kind.append(int(kind))
         self.nbytes.append(nbytes)
         self.resources.append(tuple(resources))
+        self.preds.append(tuple(preds))
         if self.names is not None:
             self.names.append(name() if callable(name) else str(name))
-        return len(self.duration) - 1
+        return (self.slot, len(self.duration) - 1)
 
-    def dep(self, a: int, b: int) -> None:
-        self.edges.append((a, b))
-
-    def build(self, num_resources: int) -> TaskGraph:
-        n = len(self.duration)
-        res_ptr = np.zeros(n + 1, dtype=np.int64)
-        res_ptr[1:] = np.cumsum([len(r) for r in self.resources])
-        res_idx = np.fromiter((x for r in self.resources for x in r), dtype=np.int64)
-        edges = np.array(sorted(set(self.edges)), dtype=np.int64).reshape(-1, 2)
-        succ_ptr = np.zeros(n + 1, dtype=np.int64)
-        np.add.at(succ_ptr, edges[:, 0] + 1, 1)
-        succ_ptr = np.cumsum(succ_ptr)
-        num_preds = np.bincount(edges[:, 1], minlength=n)
-        return TaskGraph(
-            duration=np.array(self.duration, dtype=np.float64),
-            kind=np.array(self.kind, dtype=np.int8),
-            nbytes=np.array(self.nbytes, dtype=np.int64),
-            res_ptr=res_ptr,
-            res_idx=res_idx,
-            succ_ptr=succ_ptr,
-            succ_idx=edges[:, 1].copy(),
-            num_preds=num_preds,
-            num_resources=num_resources,
-            names=tuple(self.names or ()),
+    def segment(self, starts=(), ends=(), feeds=()) -> Segment:
+        return Segment(
+            tuple(self.duration),
+            tuple(self.kind),
+            tuple(self.nbytes),
+            tuple(self.resources),
+            tuple(self.preds),
+            tuple(self.names or ()),
+            tuple(starts),
+            tuple(ends),
+            tuple(feeds),
         )
 
 
@@ -108,7 +133,7 @@ class Memo:
     transfers: dict[tuple[int, int, int], tuple[float, tuple[int, ...]]] = field(
         default_factory=dict
     )
-    rings: dict[tuple, tuple] = field(default_factory=dict)
+    rings: dict[tuple, tuple[float, tuple[int, ...], int]] = field(default_factory=dict)
     memory: dict[tuple, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     def bind(self, graph: Graph) -> None:
@@ -118,230 +143,497 @@ class Memo:
             self.memory.clear()
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The slots of a graph, in program order. Edge ``j`` is the ``j``-th edge of every
+    ``PartitionedGraph`` of the graph (edges come in consumer, then operand order)."""
+
+    forward: tuple[int, ...]  # per op
+    backward: tuple[int, ...]
+    weights: tuple[int, ...]
+    updates: tuple[int, ...]
+    edge_forward: tuple[int, ...]  # per edge
+    edge_backward: tuple[int, ...]
+    edges: tuple[tuple[int, int, int], ...]  # per edge: (producer, consumer, operand)
+    outs: tuple[tuple[int, ...], ...]  # per op: its outgoing edges, in edge order
+    ins: tuple[tuple[int, ...], ...]  # per op: its incoming edges, in operand order
+    size: int
+
+    def of_op(self, i: int) -> tuple[int, ...]:
+        return (self.forward[i], self.backward[i], self.weights[i], self.updates[i])
+
+
+def graph_edges(graph: Graph) -> tuple[tuple[int, int, int], ...]:
+    """(producer, consumer, operand) per edge, in ``Partitioner.partition``'s order."""
+    producer = {op.output: i for i, op in enumerate(graph.ops)}
+    return tuple(
+        (producer[t], c, k)
+        for c, op in enumerate(graph.ops)
+        for k, t in enumerate(op.inputs)
+        if t in producer
+    )
+
+
+def layout(graph: Graph) -> Layout:
+    edges = graph_edges(graph)
+    n = len(graph.ops)
+    outs: list[list[int]] = [[] for _ in range(n)]
+    ins: list[list[int]] = [[] for _ in range(n)]
+    for j, (p, c, _) in enumerate(edges):
+        outs[p].append(j)
+        ins[c].append(j)
+    slot = iter(range(1 << 62))
+    fwd, bwd, wts, upd = [0] * n, [0] * n, [0] * n, [0] * n
+    ef, eb = [0] * len(edges), [0] * len(edges)
+    for i in range(n):
+        fwd[i] = next(slot)
+        for j in outs[i]:
+            ef[j] = next(slot)
+    for i in reversed(range(n)):
+        bwd[i] = next(slot)
+        for j in ins[i]:
+            eb[j] = next(slot)
+        wts[i] = next(slot)
+    for i in range(n):
+        upd[i] = next(slot)
+    return Layout(
+        *(tuple(x) for x in (fwd, bwd, wts, upd, ef, eb)),
+        edges=edges,
+        outs=tuple(map(tuple, outs)),
+        ins=tuple(map(tuple, ins)),
+        size=next(slot),
+    )
+
+
+@dataclass(frozen=True)
+class OpParts:
+    """What the partition math says about one op under one config."""
+
+    op: Op
+    config: ParallelConfig
+    tasks: tuple[Task, ...]
+    groups: tuple[ReplicaGroup, ...]
+    stats: tuple[StatGroup, ...]
+    sums: tuple[SumGroup, ...]
+
+
+def op_parts(pg: PartitionedGraph, op: Op) -> OpParts:
+    name = op.name
+    return OpParts(
+        op, pg.strategy[name], pg.tasks[name], pg.groups[name], pg.stats[name], pg.sums[name]
+    )
+
+
 @dataclass
-class _Context:
-    pg: PartitionedGraph
+class Costs:
+    """Durations and resources of tasks, memoized in ``memo``."""
+
     machine: Machine
     cost: CostModel
     itemsize: int
-    b: _Builder
     memo: Memo
-    # The task that produces an op task's output (fwd) or input gradients (bwd), and the
-    # one that first reads its inputs / output gradient: the same task, except for ops
-    # with statistics, whose phases are a partial half, a ring, and a finishing half.
-    fwd: dict[tuple[str, int], int] = field(default_factory=dict)
-    bwd: dict[tuple[str, int], int] = field(default_factory=dict)
-    fwd_start: dict[tuple[str, int], int] = field(default_factory=dict)
-    bwd_start: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def link_resources(self, src: int, dst: int) -> tuple[int, ...]:
         links = tuple(self.machine.size + link for link in self.machine.route(src, dst))
         return (src, dst, *links) if self.machine.transfers_use_compute else links
 
-    def transfer(self, kind: TaskKind, src: int, dst: int, nbytes: int, name) -> int:
+    def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...]]:
         key = (src, dst, nbytes)
         if key not in self.memo.transfers:
             seconds = self.machine.transfer_time(src, dst, nbytes)
             self.memo.transfers[key] = (seconds, self.link_resources(src, dst))
-        seconds, resources = self.memo.transfers[key]
-        return self.b.add(kind, seconds, resources, nbytes, name)
+        return self.memo.transfers[key]
 
-    def durations(self, op) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Forward and backward seconds of every task of ``op`` under the strategy."""
-        config = self.pg.strategy[op.name]
-        key = (op.name, config)
+    def durations(self, parts: OpParts) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Forward and backward seconds of every task of an op under its config."""
+        key = (parts.op.name, parts.config)
         if key not in self.memo.compute:
-            devices, tasks = self.machine.devices, self.pg.tasks[op.name]
-            size = self.itemsize
+            devices, op, size = self.machine.devices, parts.op, self.itemsize
             self.memo.compute[key] = (
-                tuple(self.cost.forward(op, t, devices[t.device], size) for t in tasks),
-                tuple(self.cost.backward(op, t, devices[t.device], size) for t in tasks),
+                tuple(self.cost.forward(op, t, devices[t.device], size) for t in parts.tasks),
+                tuple(self.cost.backward(op, t, devices[t.device], size) for t in parts.tasks),
             )
         return self.memo.compute[key]
 
+    def ring(self, devices: tuple[int, ...], numel: int) -> tuple[float, tuple[int, ...], int]:
+        """(seconds, links, bytes) of a ring all-reduce: its 2(k-1) lock-step steps (as
+        NCCL runs them: every member sends one chunk to the next, so a step lasts as long
+        as its slowest send), summed in step order."""
+        key = (devices, numel)
+        if key not in self.memo.rings:
+            k = len(devices)
+            chunks = ring_chunks(numel, k)
+            steps = [ring_steps(i, k) for i in range(k)]
+            hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
+            links = tuple(sorted({r for a, b in hops for r in self.link_resources(a, b)}))
+            seconds, nbytes = 0.0, 0
+            for s in range(2 * (k - 1)):
+                sizes = []
+                for i in range(k):
+                    lo, hi = chunks[steps[i][s].send_chunk]
+                    sizes.append((hi - lo) * self.itemsize)
+                transfer = self.machine.transfer_time
+                seconds += max(transfer(a, b, n) for (a, b), n in zip(hops, sizes, strict=True))
+                nbytes += sum(sizes)
+            self.memo.rings[key] = (seconds, links, nbytes)
+        return self.memo.rings[key]
 
-def _phase_tasks(ctx: _Context, op, kind: TaskKind, durations) -> tuple[dict, dict]:
-    """(start, end) task per op task of one phase. An op with statistics runs as the
-    executor does: half the work (partial sums), a ring all-reduce per stat group over
-    its devices, then the other half."""
+
+def _group_ring(costs, b, devices, numel, ready: Sequence[Ref], what) -> tuple[Ref, ...]:
+    """A ring over ``devices`` after ``ready``; returns what its members then wait for:
+    the ring, or with one device the ready tasks themselves."""
+    if len(devices) < 2:
+        return tuple(ready)
+    seconds, links, nbytes = costs.ring(devices, numel)
+    return (b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what),)
+
+
+def _synced_phase(costs, b, parts, kind, seconds, after) -> tuple[list, list]:
+    """An op with statistics, as the executor runs it: every task's partial half, a ring
+    per statistics group, then every task's finishing half."""
     tag = "fwd" if kind is TaskKind.FORWARD else "bwd"
-    tasks = ctx.pg.tasks[op.name]
-    start, end = {}, {}
-    halves = 2 if op.nest.sync_dims else 1
-    for t, seconds in zip(tasks, durations, strict=True):
-        for half in range(halves):
-            task = ctx.b.add(
-                kind,
-                seconds / halves,
-                (t.device,),
-                name=lambda o=op, t=t, h=half: (
-                    f"{tag} {o.name}[{t.index}]" + " partial" * (h == 0 and halves == 2)
-                ),
-            )
-            if half == 0:
-                start[t.index] = task
-            else:
-                ctx.b.dep(start[t.index], task)
-            end[t.index] = task
-    for group in ctx.pg.stats[op.name]:
-        ready: dict[int, list[int]] = {d: [] for d in group.devices}
-        for i in group.tasks:
-            ready[tasks[i].device].append(start[i])
-        what = f"stats {op.name} {tag}"
-        numel = group.numel[0 if kind is TaskKind.FORWARD else 1]
-        if len(group.devices) > 1:
-            finished = _ring(ctx, group.devices, numel, ready, what)
-        else:
-            finished = [x for r in ready.values() for x in r]
-        for i in group.tasks:
-            for before in finished:
-                ctx.b.dep(before, end[i])
-    if op.nest.partial_dims:
-        _partial_sums(ctx, op, kind, start, end)
-    return start, end
-
-
-def _partial_sums(ctx: _Context, op, kind: TaskKind, start: dict, end: dict) -> None:
-    """An op with partial sums, as the executor runs it. Forward: each group's partial
-    tiles are all-reduced once computed, and the owner's tile is ready after that ring.
-    Backward: the owner receives the tile's gradient (a gate of no duration), a ring
-    shares it, and every task computes after it."""
-    tasks = ctx.pg.tasks[op.name]
-    forward = kind is TaskKind.FORWARD
-    for group in ctx.pg.sums[op.name]:
-        owner = tasks[group.owner]
-        gate = ctx.b.add(kind, 0.0, (owner.device,), name=lambda o=op: f"sum {o.name}")
-        ready: dict[int, list[int]] = {d: [] for d in group.devices}
-        if forward:
-            for i in group.tasks:
-                ready[tasks[i].device].append(end[i])
-        else:
-            ready[owner.device].append(gate)
-        what = f"partial sums {op.name} {'fwd' if forward else 'bwd'}"
-        if len(group.devices) > 1:
-            finished = _ring(ctx, group.devices, group.numel, ready, what)
-        else:
-            finished = [x for r in ready.values() for x in r]
-        if forward:  # the owner's tile: after the ring
-            for before in finished:
-                ctx.b.dep(before, gate)
-            end[group.owner] = gate
-        else:  # every task computes once the gradient is shared
-            for i in group.tasks:
-                for before in finished:
-                    if before != start[i]:
-                        ctx.b.dep(before, start[i])
-            start[group.owner] = gate
-
-
-def _compute_tasks(ctx: _Context) -> None:
-    graph = ctx.pg.graph
-    for op in graph.ops:
-        forward, _ = ctx.durations(op)
-        start, end = _phase_tasks(ctx, op, TaskKind.FORWARD, forward)
-        for i in start:
-            ctx.fwd_start[(op.name, i)], ctx.fwd[(op.name, i)] = start[i], end[i]
-    for op in reversed(graph.ops):
-        _, backward = ctx.durations(op)
-        if not graph.differentiable(op.output):  # ids: the executor runs no backward
-            backward = tuple(0.0 for _ in backward)
-        start, end = _phase_tasks(ctx, op, TaskKind.BACKWARD, backward)
-        for i in start:
-            ctx.bwd_start[(op.name, i)], ctx.bwd[(op.name, i)] = start[i], end[i]
-            ctx.b.dep(ctx.fwd[(op.name, i)], start[i])
-
-
-def _edge_tasks(ctx: _Context) -> None:
-    for edge, o, p, c in ctx.pg.moves():
-        pf, pb = ctx.fwd[(edge.producer, p.index)], ctx.bwd_start[(edge.producer, p.index)]
-        cf, cb = ctx.fwd_start[(edge.consumer, c.index)], ctx.bwd[(edge.consumer, c.index)]
-        if p.device == c.device:
-            ctx.b.dep(pf, cf)
-            ctx.b.dep(cb, pb)
-            continue
-        graph = ctx.pg.graph
-        tensor = graph.tensors[edge.tensor]
-        width = ctx.itemsize if tensor.dtype.is_float else tensor.dtype.itemsize
-        nbytes = o.volume * width
-        what = f"{edge.tensor} {p.device}->{c.device}"
-        x = ctx.transfer(TaskKind.TRANSFER, p.device, c.device, nbytes, lambda w=what: f"send {w}")
-        ctx.b.dep(pf, x)
-        ctx.b.dep(x, cf)
-        if not graph.differentiable(edge.tensor):
-            continue  # ids send no gradient back
-        y = ctx.transfer(TaskKind.TRANSFER, c.device, p.device, nbytes, lambda w=what: f"grad {w}")
-        ctx.b.dep(cb, y)
-        ctx.b.dep(y, pb)
-
-
-def _ring_steps(ctx: _Context, devices: tuple[int, ...], numel: int) -> tuple:
-    """(seconds, links, bytes) of each lock-step step of a ring all-reduce."""
-    key = (devices, numel)
-    if key not in ctx.memo.rings:
-        k = len(devices)
-        chunks = ring_chunks(numel, k)
-        steps = [ring_steps(i, k) for i in range(k)]
-        hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
-        links = tuple(sorted({r for src, dst in hops for r in ctx.link_resources(src, dst)}))
-        out = []
-        for s in range(2 * (k - 1)):
-            sizes = []
-            for i in range(k):
-                lo, hi = chunks[steps[i][s].send_chunk]
-                sizes.append((hi - lo) * ctx.itemsize)
-            seconds = max(
-                ctx.machine.transfer_time(a, b, n) for (a, b), n in zip(hops, sizes, strict=True)
-            )
-            out.append((seconds, links, sum(sizes)))
-        ctx.memo.rings[key] = tuple(out)
-    return ctx.memo.rings[key]
-
-
-def _ring(
-    ctx: _Context, devices: tuple[int, ...], numel: int, ready: dict[int, list[int]], what: str
-) -> list[int]:
-    """A ring all-reduce as 2(k-1) lock-step steps (as NCCL runs it): in each step every
-    member sends one chunk to the next, so the step holds every link of the ring and lasts
-    as long as its slowest send. Returns the task that finishes it."""
-    previous = [t for d in devices for t in ready[d]]
-    for s, (seconds, links, nbytes) in enumerate(_ring_steps(ctx, devices, numel)):
-        step = ctx.b.add(
-            TaskKind.ALLREDUCE,
-            seconds,
-            links,
-            nbytes,
-            name=lambda s=s: f"allreduce {what} step {s}",
+    op, tasks = parts.op, parts.tasks
+    starts = [
+        b.add(
+            kind,
+            s / 2,
+            (t.device,),
+            after[t.index],
+            0,
+            lambda t=t: f"{tag} {op.name}[{t.index}] partial",
         )
-        for before in previous:
-            ctx.b.dep(before, step)
-        previous = [step]
-    return previous
+        for t, s in zip(tasks, seconds, strict=True)
+    ]
+    finished: dict[int, tuple[Ref, ...]] = {}
+    for group in parts.stats:
+        numel = group.numel[0 if kind is TaskKind.FORWARD else 1]
+        ready = [starts[i] for i in group.tasks]
+        done = _group_ring(costs, b, group.devices, numel, ready, f"stats {op.name} {tag}")
+        finished |= dict.fromkeys(group.tasks, done)
+    ends = [
+        b.add(
+            kind,
+            s / 2,
+            (t.device,),
+            (starts[t.index], *finished[t.index]),
+            0,
+            lambda t=t: f"{tag} {op.name}[{t.index}]",
+        )
+        for t, s in zip(tasks, seconds, strict=True)
+    ]
+    return starts, ends
 
 
-def _weight_tasks(ctx: _Context) -> None:
-    devices = ctx.machine.devices
-    for op in ctx.pg.graph.ops:
-        tasks: tuple[Task, ...] = ctx.pg.tasks[op.name]
-        for group in ctx.pg.groups[op.name]:
-            if not group.trainable:
-                continue  # state: updated by the forward, no gradient to sum or apply
-            ready: dict[int, list[int]] = {d: [] for d in group.devices}
-            for i in group.tasks:
-                ready[tasks[i].device].append(ctx.bwd[(op.name, i)])
-            numel = rect_volume(group.rect)
-            if len(group.devices) > 1:
-                finished = _ring(ctx, group.devices, numel, ready, group.weight)
-            else:
-                finished = None
-            for d in group.devices:
-                u = ctx.b.add(
-                    TaskKind.UPDATE,
-                    ctx.cost.update(numel, devices[d], ctx.itemsize),
-                    (d,),
-                    name=lambda g=group: f"update {g.weight}",
-                )
-                for before in finished or ready[d]:
-                    ctx.b.dep(before, u)
+def _summed_forward(costs, b, parts, seconds) -> tuple[list, list]:
+    """Forward of an op with partial sums: every task, then per group a ring of the
+    partial tiles and a gate on the owner (no duration): its tile is ready after it."""
+    op, tasks = parts.op, parts.tasks
+    starts = [
+        b.add(TaskKind.FORWARD, s, (t.device,), (), 0, lambda t=t: f"fwd {op.name}[{t.index}]")
+        for t, s in zip(tasks, seconds, strict=True)
+    ]
+    ends = list(starts)
+    for group in parts.sums:
+        ready = [starts[i] for i in group.tasks]
+        done = _group_ring(
+            costs, b, group.devices, group.numel, ready, f"partial sums {op.name} fwd"
+        )
+        owner = tasks[group.owner]
+        ends[group.owner] = b.add(TaskKind.FORWARD, 0.0, (owner.device,), done, 0, f"sum {op.name}")
+    return starts, ends
+
+
+def _summed_backward(costs, b, parts, seconds, after) -> tuple[list, list]:
+    """Backward of an op with partial sums: per group the owner receives its tile's
+    gradient (a gate), a ring shares it, then every task computes."""
+    op, tasks = parts.op, parts.tasks
+    ready_at: dict[int, tuple[Ref, ...]] = {}
+    starts: list = [None] * len(tasks)
+    for group in parts.sums:
+        owner = tasks[group.owner]
+        gate = b.add(
+            TaskKind.BACKWARD, 0.0, (owner.device,), after[owner.index], 0, f"sum {op.name}"
+        )
+        starts[group.owner] = gate
+        done = _group_ring(
+            costs, b, group.devices, group.numel, [gate], f"partial sums {op.name} bwd"
+        )
+        ready_at |= dict.fromkeys(group.tasks, done)
+    ends = []
+    for t, s in zip(tasks, seconds, strict=True):
+        preds = (*after[t.index], *ready_at[t.index])
+        x = b.add(
+            TaskKind.BACKWARD, s, (t.device,), preds, 0, lambda t=t: f"bwd {op.name}[{t.index}]"
+        )
+        ends.append(x)
+        if starts[t.index] is None:
+            starts[t.index] = x
+    return starts, ends
+
+
+def _plain_phase(b, parts, kind, seconds, after) -> tuple[list, list]:
+    tag = "fwd" if kind is TaskKind.FORWARD else "bwd"
+    op = parts.op
+    tasks = [
+        b.add(kind, s, (t.device,), after[t.index], 0, lambda t=t: f"{tag} {op.name}[{t.index}]")
+        for t, s in zip(parts.tasks, seconds, strict=True)
+    ]
+    return tasks, list(tasks)
+
+
+def forward_segment(costs: Costs, slot: int, parts: OpParts, names: bool) -> Segment:
+    b = _SegmentBuilder(slot, names)
+    seconds, _ = costs.durations(parts)
+    none = [()] * len(parts.tasks)
+    if parts.op.nest.sync_dims:
+        starts, ends = _synced_phase(costs, b, parts, TaskKind.FORWARD, seconds, none)
+    elif parts.op.nest.partial_dims:
+        starts, ends = _summed_forward(costs, b, parts, seconds)
+    else:
+        starts, ends = _plain_phase(b, parts, TaskKind.FORWARD, seconds, none)
+    return b.segment([x[1] for x in starts], [x[1] for x in ends])
+
+
+def backward_segment(
+    costs: Costs, slot: int, parts: OpParts, fwd_slot: int, fwd: Segment, names: bool
+) -> Segment:
+    """The op's backward tasks, each after its own forward; none where the op's output
+    takes no gradient (the executor runs no backward for ids and masks)."""
+    graph = costs.memo.graph
+    if graph is not None and not graph.differentiable(parts.op.output):
+        return EMPTY
+    b = _SegmentBuilder(slot, names)
+    _, seconds = costs.durations(parts)
+    after = [((fwd_slot, e),) for e in fwd.ends]
+    if parts.op.nest.sync_dims:
+        starts, ends = _synced_phase(costs, b, parts, TaskKind.BACKWARD, seconds, after)
+    elif parts.op.nest.partial_dims:
+        starts, ends = _summed_backward(costs, b, parts, seconds, after)
+    else:
+        starts, ends = _plain_phase(b, parts, TaskKind.BACKWARD, seconds, after)
+    return b.segment([x[1] for x in starts], [x[1] for x in ends])
+
+
+def _width(graph: Graph, tensor: str, itemsize: int) -> int:
+    t = graph.tensors[tensor]
+    return itemsize if t.dtype.is_float else t.dtype.itemsize
+
+
+def edge_forward_segment(
+    costs: Costs,
+    slot: int,
+    edge: Edge,
+    ptasks,
+    ctasks,
+    src: tuple[int, Segment],
+    dst: Segment,
+    names: bool,
+) -> Segment:
+    """The edge's tiles: a transfer per crossing overlap, after the producer task; the
+    consumer task reads after the transfer, or straight after the producer on one device."""
+    b = _SegmentBuilder(slot, names)
+    width = _width(costs.memo.graph, edge.tensor, costs.itemsize)
+    feeds = []
+    for o in edge.overlaps:
+        p, c = ptasks[o.src_task], ctasks[o.dst_task]
+        produced = (src[0], src[1].ends[p.index])
+        if p.device == c.device:
+            feeds.append((dst.starts[c.index], produced))
+            continue
+        nbytes = o.volume * width
+        seconds, resources = costs.transfer(p.device, c.device, nbytes)
+        what = f"{edge.tensor} {p.device}->{c.device}"
+        x = b.add(
+            TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
+        )
+        feeds.append((dst.starts[c.index], x))
+    return b.segment(feeds=feeds)
+
+
+def edge_backward_segment(
+    costs: Costs,
+    slot: int,
+    edge: Edge,
+    ptasks,
+    ctasks,
+    src: tuple[int, Segment],
+    dst: Segment,
+    names: bool,
+) -> Segment:
+    """The edge's gradient pieces, from the consumer's backward to the producer's."""
+    graph = costs.memo.graph
+    if not src[1].ends or not graph.differentiable(edge.tensor):
+        return EMPTY  # ids take no gradient; an op without backward sends none
+    b = _SegmentBuilder(slot, names)
+    width = _width(graph, edge.tensor, costs.itemsize)
+    feeds = []
+    for o in edge.overlaps:
+        p, c = ptasks[o.src_task], ctasks[o.dst_task]
+        produced = (src[0], src[1].ends[c.index])
+        if p.device == c.device:
+            feeds.append((dst.starts[p.index], produced))
+            continue
+        nbytes = o.volume * width
+        seconds, resources = costs.transfer(c.device, p.device, nbytes)
+        what = f"{edge.tensor} {p.device}->{c.device}"
+        x = b.add(
+            TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
+        )
+        feeds.append((dst.starts[p.index], x))
+    return b.segment(feeds=feeds)
+
+
+def _weight_ready(parts: OpParts, phase: tuple[int, Segment], group: ReplicaGroup):
+    slot, seg = phase
+    return {
+        d: [(slot, seg.ends[i]) for i in group.tasks if parts.tasks[i].device == d]
+        for d in group.devices
+    }
+
+
+def weight_segment(
+    costs: Costs, slot: int, parts: OpParts, last: tuple[int, Segment], names: bool
+) -> Segment:
+    """A ring all-reduce per trainable replica group over several devices, after the
+    group's backward tasks (``last``: the op's backward, or its forward if it has none)."""
+    b = _SegmentBuilder(slot, names)
+    for group in parts.groups:
+        if group.trainable and len(group.devices) > 1:
+            ready = [r for refs in _weight_ready(parts, last, group).values() for r in refs]
+            _group_ring(
+                costs, b, group.devices, rect_volume(group.rect), ready, f"allreduce {group.weight}"
+            )
+    return b.segment()
+
+
+def update_segment(
+    costs: Costs,
+    slot: int,
+    parts: OpParts,
+    last: tuple[int, Segment],
+    rings: tuple[int, Segment],
+    names: bool,
+) -> Segment:
+    """An SGD update per trainable weight shard and device, after its ring (or its own
+    device's backward tasks when the shard has one copy)."""
+    b = _SegmentBuilder(slot, names)
+    ring = 0
+    for group in parts.groups:
+        if not group.trainable:
+            continue  # state: updated by the forward, no gradient to sum or apply
+        ready = _weight_ready(parts, last, group)
+        if len(group.devices) > 1:
+            ready = dict.fromkeys(group.devices, ((rings[0], ring),))
+            ring += 1
+        numel = rect_volume(group.rect)
+        for d in group.devices:
+            seconds = costs.cost.update(numel, costs.machine.devices[d], costs.itemsize)
+            b.add(TaskKind.UPDATE, seconds, (d,), ready[d], 0, f"update {group.weight}")
+    return b.segment()
+
+
+def merged_preds(segment: Segment, feeds: Sequence[Segment]) -> tuple[tuple[Ref, ...], ...]:
+    """A compute slot's predecessors: its own, and what its edges' ``feeds`` bring."""
+    if not any(f.feeds for f in feeds):
+        return segment.preds
+    preds = [list(p) for p in segment.preds]
+    for f in feeds:
+        for target, ref in f.feeds:
+            preds[target].append(ref)
+    return tuple(tuple(p) for p in preds)
+
+
+@dataclass
+class SlotBuilder:
+    """Builds every slot of one strategy: ``segments[slot]``. Used whole by the full
+    simulation and slot by slot by delta simulation."""
+
+    costs: Costs
+    lay: Layout
+    names: bool = False
+
+    def op_slots(self, segments: list, i: int, parts: OpParts) -> None:
+        lay, c, n = self.lay, self.costs, self.names
+        f, bw, w, u = lay.of_op(i)
+        segments[f] = forward_segment(c, f, parts, n)
+        segments[bw] = backward_segment(c, bw, parts, f, segments[f], n)
+        last = (bw, segments[bw]) if segments[bw].ends else (f, segments[f])
+        segments[w] = weight_segment(c, w, parts, last, n)
+        segments[u] = update_segment(c, u, parts, last, (w, segments[w]), n)
+
+    def edge_slots(self, segments: list, j: int, edge: Edge, ptasks, ctasks) -> None:
+        lay, c, n = self.lay, self.costs, self.names
+        p, q, _ = lay.edges[j]
+        pf, cf, pb, cb = lay.forward[p], lay.forward[q], lay.backward[p], lay.backward[q]
+        ef, eb = lay.edge_forward[j], lay.edge_backward[j]
+        segments[ef] = edge_forward_segment(
+            c, ef, edge, ptasks, ctasks, (pf, segments[pf]), segments[cf], n
+        )
+        segments[eb] = edge_backward_segment(
+            c, eb, edge, ptasks, ctasks, (cb, segments[cb]), segments[pb], n
+        )
+
+    def preds(self, segments: Sequence[Segment], slot_op: tuple[str, int]) -> tuple:
+        """Merged predecessors of a compute slot: ("fwd", i) or ("bwd", i)."""
+        phase, i = slot_op
+        lay = self.lay
+        if phase == "fwd":
+            return merged_preds(
+                segments[lay.forward[i]], [segments[lay.edge_forward[j]] for j in lay.ins[i]]
+            )
+        return merged_preds(
+            segments[lay.backward[i]], [segments[lay.edge_backward[j]] for j in lay.outs[i]]
+        )
+
+
+def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segment], list[tuple]]:
+    """Every slot's segment and merged predecessors for ``pg``."""
+    lay, ops = builder.lay, pg.graph.ops
+    segments: list[Segment] = [EMPTY] * lay.size
+    for i, op in enumerate(ops):
+        builder.op_slots(segments, i, op_parts(pg, op))
+    for j, edge in enumerate(pg.edges):
+        builder.edge_slots(segments, j, edge, pg.tasks[edge.producer], pg.tasks[edge.consumer])
+    preds = [s.preds for s in segments]
+    for i in range(len(ops)):
+        preds[lay.forward[i]] = builder.preds(segments, ("fwd", i))
+        preds[lay.backward[i]] = builder.preds(segments, ("bwd", i))
+    return segments, preds
+
+
+def flatten(
+    segments: Sequence[Segment], preds: Sequence[tuple], num_resources: int, names: bool
+) -> TaskGraph:
+    offsets = np.zeros(len(segments) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(s.duration) for s in segments])
+    base = offsets.tolist()
+    flat_preds = [[base[s] + k for s, k in p] for ps in preds for p in ps]
+    resources = [r for s in segments for r in s.resources]
+    return TaskGraph(
+        duration=np.array([d for s in segments for d in s.duration], dtype=np.float64),
+        kind=np.array([k for s in segments for k in s.kind], dtype=np.int8),
+        nbytes=np.array([x for s in segments for x in s.nbytes], dtype=np.int64),
+        res_ptr=_ptr(resources),
+        res_idx=np.fromiter((x for r in resources for x in r), dtype=np.int64),
+        pred_ptr=_ptr(flat_preds),
+        pred_idx=np.fromiter((x for p in flat_preds for x in p), dtype=np.int64),
+        num_resources=num_resources,
+        names=tuple(x for s in segments for x in s.names) if names else (),
+    )
+
+
+def _ptr(lists: Sequence[Sequence[int]]) -> np.ndarray:
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([len(x) for x in lists])
+    return ptr
+
+
+def check_devices(pg: PartitionedGraph, machine: Machine) -> None:
+    if pg.strategy.devices > machine.size:
+        raise PlanError(
+            f"the plan uses {pg.strategy.devices} devices but machine '{machine.name}' has "
+            f"{machine.size}"
+        )
 
 
 def build_task_graph(
@@ -352,15 +644,9 @@ def build_task_graph(
     names: bool = False,
     memo: Memo | None = None,
 ) -> TaskGraph:
-    if pg.strategy.devices > machine.size:
-        raise PlanError(
-            f"the plan uses {pg.strategy.devices} devices but machine '{machine.name}' has "
-            f"{machine.size}"
-        )
+    check_devices(pg, machine)
     memo = memo or Memo()
     memo.bind(pg.graph)
-    ctx = _Context(pg, machine, cost, itemsize, _Builder(names), memo)
-    _compute_tasks(ctx)
-    _edge_tasks(ctx)
-    _weight_tasks(ctx)
-    return ctx.b.build(machine.size + len(machine.links))
+    builder = SlotBuilder(Costs(machine, cost, itemsize, memo), layout(pg.graph), names)
+    segments, preds = all_segments(builder, pg)
+    return flatten(segments, preds, machine.size + len(machine.links), names)

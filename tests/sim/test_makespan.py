@@ -76,12 +76,19 @@ def test_task_graph_counts_and_bytes(tmp_path) -> None:
     assert timeline.makespan == pytest.approx(step_time(g, s, 3))
 
 
-def test_transfers_that_use_compute_queue_behind_kernels(tmp_path) -> None:
-    """On CPU ranks a message is copied by the cores at both ends. Gemm split over samples
-    on devices 0 and 1, loss on device 0: after the loss backward, device 0 runs its Gemm
-    backward (256 ns) and sends device 1 its gradient piece. With copy engines both go at
-    once; when the cores copy, the send waits for the kernel, delaying the end by 256 ns."""
+def test_transfers_that_use_compute_hold_both_cores(tmp_path) -> None:
+    """On CPU ranks a message is copied by the cores at both ends, so a rank cannot send
+    and receive at once. Gemm split over samples on devices 0 and 1, the loss split over
+    samples the other way round (loss[0] on device 1, loss[1] on device 0): each device
+    sends its [2, 4] tile (32 bytes, 34 us) to the other. On separate links with copy
+    engines the two go at once; when the cores copy, one after the other: 34 us more in
+    the forward pass and 34 us more for the gradient pieces of the backward."""
     g = tiny_graph(tmp_path)
-    s = Strategy(2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0])})
+    s = Strategy(
+        2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [1, 0], n=2)}
+    )
     overlapped, serialized = step_time(g, s, 2), step_time(g, s, 2, use_compute=True)
-    assert serialized - overlapped == pytest.approx(256 * NS, rel=1e-6)
+    # gemm fwd 128 ns, tile 34 us, loss fwd 32 ns and bwd 64 ns, gradient 34 us, gemm bwd
+    # 256 ns, ring all-reduce of W 2 * 66 us, update 64 ns
+    assert overlapped == pytest.approx((0.128 + 34 + 0.096 + 34 + 0.256 + 132 + 0.064) * US)
+    assert serialized - overlapped == pytest.approx(2 * 34 * US, rel=1e-6)
