@@ -14,6 +14,11 @@ revisited strategy answered from memory) or when the best has not improved for h
 them. Everything random comes from the seed, so a search that ends on ``max_evals``
 (before the budget) is reproducible: same seed, same plan.
 
+Each chain keeps its current strategy's simulation state, and a proposal is simulated by
+delta simulation from it (``sim/delta.py``): only the slots of the changed op and its
+edges are rebuilt and re-timed from the first of them, with the same timeline, memory
+and ``fits`` as a full simulation.
+
 The cost of a strategy is its simulated step time, or infinity when it does not fit in
 device memory, so an infeasible plan is never returned.
 """
@@ -31,6 +36,7 @@ from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import Rule, by_rule
 from onnx2soap.sim import Evaluation, Simulator
+from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
 
 MAX_BUDGET_S = 7 * 24 * 3600.0  # a week: beyond it a budget is a typo, not a plan
@@ -91,11 +97,12 @@ class SearchResult:
 
 
 class _Evaluator:
-    """Simulates strategies, remembering every one it has seen."""
+    """Simulates strategies by delta simulation from a base state, remembering the
+    evaluation of every one it has seen."""
 
     def __init__(self, graph: Graph, simulator: Simulator) -> None:
         self.partitioner = Partitioner(graph)
-        self.simulator = simulator
+        self.delta = DeltaSimulator(simulator, self.partitioner)
         self.seen: dict[Strategy, Evaluation] = {}
 
     @property
@@ -103,9 +110,20 @@ class _Evaluator:
         return len(self.seen)
 
     def __call__(self, strategy: Strategy) -> Evaluation:
-        if strategy not in self.seen:
-            self.seen[strategy] = self.simulator.evaluate(self.partitioner.partition(strategy))
-        return self.seen[strategy]
+        return self.with_state(strategy)[0]
+
+    def with_state(
+        self, strategy: Strategy, base: DeltaState | None = None
+    ) -> tuple[Evaluation, DeltaState | None]:
+        """The evaluation, and the state when it had to be simulated (else None)."""
+        if strategy in self.seen:
+            return self.seen[strategy], None
+        ev, state = self.delta.evaluate(strategy, base)
+        self.seen[strategy] = ev
+        return ev, state
+
+    def state(self, strategy: Strategy, base: DeltaState | None) -> DeltaState:
+        return self.delta.evaluate(strategy, base)[1]
 
 
 def cost_of(ev: Evaluation) -> float:
@@ -118,6 +136,7 @@ class _Chain:
     current: Strategy
     cost: float
     best_cost: float
+    state: DeltaState
     evals: int = 0
     last_improvement: int = 0
     active: bool = True
@@ -151,9 +170,11 @@ class _Search:
             )
         else:
             strategy = by_rule(rule, self.graph, self.space, self.devices)
-        cost = cost_of(self.evaluate(strategy))
+        ev, state = self.evaluate.with_state(strategy)
+        cost = cost_of(ev)
         self.consider(strategy, cost)
-        return _Chain(rng, strategy, cost, cost)
+        state = state or self.evaluate.state(strategy, None)
+        return _Chain(rng, strategy, cost, cost, state)
 
     def _accept(self, rng: np.random.Generator, old: float, new: float, scale: float) -> bool:
         if new <= old:
@@ -176,9 +197,11 @@ class _Search:
         config = moves[int(rng.integers(len(moves)))]
         if config != chain.current[name]:
             proposal = chain.current.replace(name, config)
-            cost = cost_of(self.evaluate(proposal))
+            ev, state = self.evaluate.with_state(proposal, chain.state)
+            cost = cost_of(ev)
             if self._accept(rng, chain.cost, cost, scale):
                 chain.current, chain.cost = proposal, cost
+                chain.state = state or self.evaluate.state(proposal, chain.state)
             if cost < chain.best_cost:
                 chain.best_cost, chain.last_improvement = cost, chain.evals
             self.consider(proposal, cost)

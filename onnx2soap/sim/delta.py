@@ -1,0 +1,309 @@
+"""Delta simulation (FlexFlow §5.3): after a proposal changes one op's config, rebuild
+only the slots it affects and re-time only from the first of them on.
+
+Every resource runs its tasks in program order (``simulate.py``), so a timeline is a
+longest-path pass over slots in order. A ``DeltaState`` keeps, per slot, its segment, its
+tasks' start and end times and every resource's last end before it. Evaluating a
+strategy from a base state rebuilds the slots of the changed ops and of their edges
+(segments are memoized by the configs they depend on), and re-runs the pass from the
+first changed slot with the same float operations as ``simulate``: the times are
+bit-identical to a full simulation. Memory is summed per op, per edge and for the batch
+from the same pieces ``memory.py`` counts, and updated by exact integer differences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from onnx2soap.ir import TensorRole
+from onnx2soap.sim import Evaluation, Simulator
+from onnx2soap.sim.memory import _batch_bytes, _op_bytes
+from onnx2soap.sim.simulate import Timeline
+from onnx2soap.sim.taskgraph import (
+    EMPTY,
+    Costs,
+    OpParts,
+    Segment,
+    SlotBuilder,
+    TaskGraph,
+    flatten,
+    layout,
+)
+from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
+from onnx2soap.soap.partition import stat_groups, sum_groups
+
+
+@dataclass(frozen=True)
+class DeltaState:
+    """One strategy's simulation, slot by slot (treat as immutable: states share lists)."""
+
+    strategy: Strategy
+    segments: list[Segment]
+    preds: list[tuple]
+    starts: list[list[float]]
+    ends: list[list[float]]
+    free: list[tuple[float, ...]]  # per slot: every resource's last end before the slot
+    latest: list[float]  # per slot: the latest end up to and including it
+    moved: list[int]  # per slot: bytes moved
+    op_memory: list[tuple[tuple[int, int], ...]]  # per op: (device, bytes)
+    edge_memory: list[tuple[tuple[int, int], ...]]  # per edge: (device, bytes)
+    batch: tuple[int, ...]
+    held: tuple[int, ...]  # per device: peak memory
+
+    @property
+    def makespan(self) -> float:
+        return self.latest[-1] if self.latest else 0.0
+
+
+class DeltaSimulator:
+    """Evaluates strategies of one graph incrementally from a base state."""
+
+    def __init__(self, simulator: Simulator, partitioner: Partitioner) -> None:
+        self.simulator, self.partitioner = simulator, partitioner
+        self.graph = graph = partitioner.graph
+        simulator.memo.bind(graph)
+        m = simulator.machine
+        self.costs = Costs(m, simulator.cost, simulator.itemsize, simulator.memo)
+        self.lay = layout(graph)
+        self.builder = SlotBuilder(self.costs, self.lay)
+        self.num_resources = m.size + len(m.links)
+        self.op_segments: dict[tuple[int, ParallelConfig], tuple[Segment, ...]] = {}
+        self.edge_segments: dict[tuple, tuple[Segment, Segment]] = {}
+        self.parts_memo: dict[tuple[int, ParallelConfig], OpParts] = {}
+        self.batch_memo: dict[tuple, tuple[int, ...]] = {}
+        self.edge_memory_memo: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        roles = (TensorRole.INPUT, TensorRole.LABELS)
+        self.readers = tuple(
+            i
+            for i, op in enumerate(graph.ops)
+            if any(graph.tensors[t].role in roles for t in op.inputs)
+        )
+
+    # -- pieces, memoized by the configs they depend on ---------------------------------
+
+    def parts(self, i: int, config: ParallelConfig) -> OpParts:
+        key = (i, config)
+        if key not in self.parts_memo:
+            op, p = self.graph.ops[i], self.partitioner
+            tasks = p.tasks(op, config)
+            self.parts_memo[key] = OpParts(
+                op,
+                config,
+                tasks,
+                p.groups(op, config),
+                stat_groups(op, tasks),
+                sum_groups(op, tasks),
+            )
+        return self.parts_memo[key]
+
+    def edge(self, j: int, strategy: Strategy) -> Edge:
+        p, c, k = self.lay.edges[j]
+        ops = self.graph.ops
+        return self.partitioner.edge(
+            ops[p], strategy[ops[p].name], ops[c], strategy[ops[c].name], k
+        )
+
+    def _op_slots(self, segments: list, i: int, config: ParallelConfig) -> None:
+        key = (i, config)
+        slots = self.lay.of_op(i)
+        if key not in self.op_segments:
+            self.builder.op_slots(segments, i, self.parts(i, config))
+            self.op_segments[key] = tuple(segments[s] for s in slots)
+        for s, seg in zip(slots, self.op_segments[key], strict=True):
+            segments[s] = seg
+
+    def _edge_slots(self, segments: list, j: int, strategy: Strategy) -> None:
+        p, c, _ = self.lay.edges[j]
+        ops = self.graph.ops
+        pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
+        key = (j, pconf, cconf)
+        slots = (self.lay.edge_forward[j], self.lay.edge_backward[j])
+        if key not in self.edge_segments:
+            edge = self.edge(j, strategy)
+            ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
+            self.builder.edge_slots(segments, j, edge, ptasks, ctasks)
+            self.edge_segments[key] = (segments[slots[0]], segments[slots[1]])
+        segments[slots[0]], segments[slots[1]] = self.edge_segments[key]
+
+    # -- memory --------------------------------------------------------------------------
+
+    def _op_memory(self, i: int, strategy: Strategy) -> tuple[tuple[int, int], ...]:
+        op = self.graph.ops[i]
+        key = (op.name, strategy[op.name])
+        memo = self.simulator.memo.memory
+        if key not in memo:
+            parts = self.parts(i, key[1])
+            pg = PartitionedGraph(
+                self.graph, strategy, {op.name: parts.tasks}, (), {op.name: parts.groups}, {}, {}
+            )
+            memo[key] = _op_bytes(pg, op, self.simulator.itemsize)
+        return memo[key]
+
+    def _edge_memory(self, j: int, strategy: Strategy) -> tuple[tuple[int, int], ...]:
+        p, c, _ = self.lay.edges[j]
+        ops = self.graph.ops
+        pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
+        key = (j, pconf, cconf)
+        if key not in self.edge_memory_memo:
+            edge = self.edge(j, strategy)
+            ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
+            held: dict[int, int] = {}
+            for o in edge.overlaps:  # send copy and receive buffer, forward and backward
+                a, b = ptasks[o.src_task].device, ctasks[o.dst_task].device
+                if a != b:
+                    n = 2 * o.volume * self.simulator.itemsize
+                    held[a], held[b] = held.get(a, 0) + n, held.get(b, 0) + n
+            self.edge_memory_memo[key] = tuple(held.items())
+        return self.edge_memory_memo[key]
+
+    def _batch(self, strategy: Strategy) -> tuple[int, ...]:
+        ops = self.graph.ops
+        key = tuple(strategy[ops[i].name] for i in self.readers)
+        if key not in self.batch_memo:
+            tasks = {op.name: () for op in ops}
+            for i in self.readers:
+                tasks[ops[i].name] = self.parts(i, strategy[ops[i].name]).tasks
+            pg = PartitionedGraph(self.graph, strategy, tasks, (), {}, {}, {})
+            size = self.simulator.itemsize
+            self.batch_memo[key] = tuple(
+                _batch_bytes(pg, d, size) for d in range(self.simulator.machine.size)
+            )
+        return self.batch_memo[key]
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def evaluate(
+        self, strategy: Strategy, base: DeltaState | None = None
+    ) -> tuple[Evaluation, DeltaState]:
+        if strategy.devices > self.simulator.machine.size:
+            raise ValueError("the strategy uses more devices than the machine has")
+        ops, lay = self.graph.ops, self.lay
+        if base is None:
+            changed = list(range(len(ops)))
+        else:
+            changed = [i for i, op in enumerate(ops) if strategy[op.name] != base.strategy[op.name]]
+        if base is not None and not changed:
+            return self._evaluation(base), base
+        segments = [EMPTY] * lay.size if base is None else list(base.segments)
+        preds = [()] * lay.size if base is None else list(base.preds)
+        edges = sorted({j for i in changed for j in (*lay.outs[i], *lay.ins[i])})
+        for i in changed:
+            self._op_slots(segments, i, strategy[ops[i].name])
+        for j in edges:
+            self._edge_slots(segments, j, strategy)
+        dirty = {s for i in changed for s in lay.of_op(i)}
+        dirty |= {s for j in edges for s in (lay.edge_forward[j], lay.edge_backward[j])}
+        for s in dirty:
+            preds[s] = segments[s].preds
+        targets = {("fwd", i) for i in changed} | {("bwd", i) for i in changed}
+        targets |= {("fwd", lay.edges[j][1]) for j in edges}
+        targets |= {("bwd", lay.edges[j][0]) for j in edges}
+        for phase, i in targets:
+            slot = lay.forward[i] if phase == "fwd" else lay.backward[i]
+            preds[slot] = self.builder.preds(segments, (phase, i))
+            dirty.add(slot)
+        state = self._run(strategy, segments, preds, min(dirty), base)
+        state = self._with_memory(state, strategy, changed, edges, base)
+        return self._evaluation(state), state
+
+    def _run(self, strategy, segments, preds, first: int, base: DeltaState | None) -> DeltaState:
+        size = self.lay.size
+        if base is None:
+            starts, ends, frees = [[]] * size, [[]] * size, [()] * size
+            latest, moved = [0.0] * size, [0] * size
+            free = [0.0] * self.num_resources
+            first = 0
+        else:
+            starts, ends, frees = list(base.starts), list(base.ends), list(base.free)
+            latest, moved = list(base.latest), list(base.moved)
+            free = list(base.free[first])
+        snapshot = tuple(free)
+        last = latest[first - 1] if first > 0 else 0.0
+        for slot in range(first, size):
+            seg = segments[slot]
+            frees[slot] = snapshot
+            if not seg.duration:
+                starts[slot] = ends[slot] = []
+                latest[slot], moved[slot] = last, 0
+                continue
+            begun, ends[slot] = [], (cur := [])
+            for d, resources, ps in zip(seg.duration, seg.resources, preds[slot], strict=True):
+                s = 0.0  # the formula of simulate.run_task, inlined
+                for ps_slot, k in ps:
+                    t = ends[ps_slot][k]
+                    if t > s:
+                        s = t
+                for r in resources:
+                    if free[r] > s:
+                        s = free[r]
+                e = s + d
+                begun.append(s)
+                cur.append(e)
+                for r in resources:
+                    free[r] = e
+                if e > last:
+                    last = e
+            starts[slot] = begun
+            latest[slot], moved[slot] = last, sum(seg.nbytes)
+            snapshot = tuple(free)
+        return DeltaState(
+            strategy,
+            segments,
+            preds,
+            starts,
+            ends,
+            frees,
+            latest,
+            moved,
+            [] if base is None else base.op_memory,
+            [] if base is None else base.edge_memory,
+            (),
+            (),
+        )
+
+    def _with_memory(self, state, strategy, changed, edges, base) -> DeltaState:
+        devices = self.simulator.machine.size
+        if base is None:
+            ops = [self._op_memory(i, strategy) for i in range(len(self.graph.ops))]
+            em = [self._edge_memory(j, strategy) for j in range(len(self.lay.edges))]
+            batch = self._batch(strategy)
+            held = list(batch)
+            for part in (*ops, *em):
+                for d, n in part:
+                    held[d] += n
+            return replace(state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held))
+        ops, em, held = list(base.op_memory), list(base.edge_memory), list(base.held)
+        for i in changed:
+            new = self._op_memory(i, strategy)
+            _shift(held, ops[i], new)
+            ops[i] = new
+        for j in edges:
+            new = self._edge_memory(j, strategy)
+            _shift(held, em[j], new)
+            em[j] = new
+        batch = self._batch(strategy)
+        for d in range(devices):
+            held[d] += batch[d] - base.batch[d]
+        return replace(state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held))
+
+    def _evaluation(self, state: DeltaState) -> Evaluation:
+        devices = self.simulator.machine.devices
+        fits = all(m <= d.memory for m, d in zip(state.held, devices, strict=False))
+        return Evaluation(state.makespan, state.held, sum(state.moved), fits)
+
+    def task_graph(self, state: DeltaState) -> tuple[TaskGraph, Timeline]:
+        """The state as a flat task graph and timeline, numbered as a full build numbers
+        them (for tests and traces)."""
+        tg = flatten(state.segments, state.preds, self.num_resources, False)
+        start = np.array([x for s in state.starts for x in s], dtype=np.float64)
+        end = np.array([x for s in state.ends for x in s], dtype=np.float64)
+        return tg, Timeline(start, end)
+
+
+def _shift(held: list[int], old, new) -> None:
+    for d, n in old:
+        held[d] -= n
+    for d, n in new:
+        held[d] += n
