@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         "nccl (one rank per GPU); auto: nccl when every rank has its own GPU, else "
         "mpi-host on GPUs and mpi on CPUs",
     )
+    run.add_argument(
+        "--save-model",
+        type=Path,
+        metavar="OUT.onnx",
+        help="write the input model with the trained initializers and state (on rank 0; "
+        "weights in OUT.onnx.data when the input had external data or is over 2 GB)",
+    )
     run.add_argument("--json", action="store_true", help="one JSON object per line")
     add_nonfinite_option(run)
     return parser
@@ -292,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=DType(args.dtype),
         data=args.data,
         save_weights=args.save_weights,
+        save_model=args.save_model,
         allow_nonfinite=args.allow_nonfinite,
         optimizer=optimizer,
         checkpoint=args.checkpoint,

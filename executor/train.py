@@ -27,6 +27,7 @@ from executor.checkpoint import (
 from executor.data import FileData, SyntheticData, load_npz, rows_needed
 from executor.device import open_device
 from executor.kinds import DeviceKind, TransportKind
+from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
 from executor.program import compile_program
 from executor.runtime import Runtime
@@ -49,6 +50,7 @@ class RunOptions:
     dtype: DType = DType.FLOAT32
     data: Path | None = None
     save_weights: Path | None = None
+    save_model: Path | None = None  # the input model with the trained initializers
     allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: DeviceKind | None = None  # None: a GPU when cupy sees one, else the CPU
@@ -166,8 +168,9 @@ def _check_outputs(comm: MPI.Comm, options: RunOptions) -> None:
     problem = None
     if comm.Get_rank() == 0:
         try:
-            if options.save_weights is not None:
-                check_output(options.save_weights)
+            for out in (options.save_weights, options.save_model):
+                if out is not None:
+                    check_output(out)
             if options.checkpoint is not None:
                 check_directory(options.checkpoint)
         except UserError as e:
@@ -175,6 +178,19 @@ def _check_outputs(comm: MPI.Comm, options: RunOptions) -> None:
     problems = [p for p in comm.allgather(problem) if p]
     if problems:
         raise UserError(problems[0])
+
+
+def _agree_on(comm: MPI.Comm, work: Callable[[], None]) -> None:
+    """Run ``work`` on rank 0; a UserError there is raised on every rank."""
+    problem = None
+    if comm.Get_rank() == 0:
+        try:
+            work()
+        except UserError as e:
+            problem = str(e)
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise UserError(problem)
 
 
 def _identity(s: _Setup, options: RunOptions) -> RunIdentity:
@@ -240,6 +256,8 @@ def train(
     device = open_device(options.device, comm)
     transport = make_transport(options.transport, comm, device)
     s = agreed_setup(comm, options)
+    if options.save_model is not None:
+        _agree_on(comm, lambda: check_saveable(s.model.path, s.model.graph, options.save_model))
     ranks = comm.allgather((MPI.Get_processor_name(), os.getpid()))
     if on_start is not None and rank == 0:
         on_start(tuple(RankInfo(r, host, pid) for r, (host, pid) in enumerate(ranks)))
@@ -284,9 +302,11 @@ def train(
     counts = np.zeros(comm.Get_size(), dtype=np.int64)
     comm.Allgather(np.array([transport.bytes_sent], dtype=np.int64), counts)
     weights = None
-    if gather or options.save_weights:
+    if gather or options.save_weights or options.save_model:
         weights = gather_weights(comm, rt, s.model.graph)
         if rank == 0 and options.save_weights:
             save_npz(options.save_weights, weights)
+        if options.save_model:
+            _agree_on(comm, lambda: save_model(s.model.path, weights, options.save_model))
     sent = tuple(int(c) for c in counts)
     return RunResult(tuple(records), sent, weights, interrupted, first)
