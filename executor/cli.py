@@ -59,7 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dtype", choices=[DType.FLOAT32.value, DType.FLOAT64.value], default="float32"
     )
-    run.add_argument("--data", type=Path, help=".npz with arrays 'input' and 'labels'")
+    data = run.add_argument_group("data")
+    data.add_argument(
+        "--data",
+        type=Path,
+        help="an .npz, or a folder of .npy files (memory-mapped), with one array per data "
+        "input (by its ONNX name; 'input' for a single input) and 'labels' "
+        "(default: synthetic data from --seed)",
+    )
+    data.add_argument(
+        "--shuffle",
+        action="store_true",
+        help="visit --data in a new order each epoch (from --seed)",
+    )
+    data.add_argument("--eval-data", type=Path, help="evaluation data, laid out as --data")
+    data.add_argument(
+        "--eval-every",
+        type=int_in(0, MAX_STEPS),
+        default=0,
+        metavar="K",
+        help="evaluate every K steps (default 0: once, at the end)",
+    )
+    run.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="RUN.jsonl",
+        help="one JSON line per step and evaluation (rank 0; `onnx2soap plot` draws it)",
+    )
     run.add_argument(
         "--save-weights",
         type=Path,
@@ -186,19 +212,6 @@ class StopSignals:
         return self.received
 
 
-def _printer(as_json: bool):
-    def show(record) -> None:
-        if as_json:
-            print(json.dumps({"step": record.step, "loss": record.loss, "time_s": record.time_s}))
-        else:
-            print(
-                f"step {record.step:4d}  loss {record.loss:.6f}  time {record.time_s * 1e3:8.2f} ms"
-            )
-        sys.stdout.flush()
-
-    return show
-
-
 def _rank_map(as_json: bool):
     """One line before the first step: each rank's host and pid. A rank killed by a
     signal takes the run down at once (mpiexec kills the others), and mpiexec names only
@@ -286,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     from mpi4py import MPI  # imported here so --help works without MPI
 
+    from executor.progress import Progress
     from executor.train import RunOptions, train
 
     comm = MPI.COMM_WORLD
@@ -298,6 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         dtype=DType(args.dtype),
         data=args.data,
+        shuffle=args.shuffle,
+        eval_data=args.eval_data,
+        eval_every=args.eval_every,
+        metrics=args.metrics,
         save_weights=args.save_weights,
         save_model=args.save_model,
         allow_nonfinite=args.allow_nonfinite,
@@ -308,9 +326,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=DeviceKind(args.device) if args.device else None,
         transport=TransportKind(args.transport),
     )
+    progress = Progress(args.steps, args.json, args.metrics, resumed=args.resume is not None)
     try:
         result = train(
-            comm, options, on_step=_printer(args.json), stop=stop, on_start=_rank_map(args.json)
+            comm,
+            options,
+            on_step=progress.step,
+            stop=stop,
+            on_start=_rank_map(args.json),
+            on_eval=progress.evaluation,
         )
     except UserError as e:
         if rank == 0:
@@ -323,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"executor: rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         return _abort(comm, 1)
+    progress.close()
     if rank == 0:
         _summary(result, args.json)
     if result.interrupted:

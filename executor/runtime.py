@@ -157,20 +157,30 @@ class Runtime:
     def forward(self, batch: Batch) -> dict[tuple[str, int], np.ndarray]:
         """Only the forward phase; the output tile (on the host) of every local task that
         owns one, by (op, task) (a partial sum is no tile)."""
+        return self.evaluate(batch)[1]
+
+    def evaluate(
+        self, batch: Batch, ops: set[str] | None = None
+    ) -> tuple[float, dict[tuple[str, int], np.ndarray]]:
+        """The forward phase without training (no Dropout, no statistics updates): the
+        sum of this rank's partial losses, and the owned output tiles (on the host) of
+        ``ops`` (every op when None), by (op, task)."""
         state = _Step(self, batch, training=False)
         with self.device.compute():
             self._run(state, self.buffers.forward_program)
             self.transport.end_step()
+            loss = state.loss()
         self.device.synchronize()  # staged copies finish before their buffers are reused
         names = [op.name for op in self.graph.ops]
         owned = {
             (i, t.index) for i, op in enumerate(self.graph.ops) for t in owners(op, self.tasks[i])
         }
-        return {
+        tiles = {
             (names[op], task): self.device.to_host(tile)
             for (op, task), tile in state.outputs.items()
-            if (op, task) in owned
+            if (op, task) in owned and (ops is None or names[op] in ops)
         }
+        return loss, tiles
 
     def step(self, batch: Batch, lr: float) -> float:
         """Run one training step at learning rate ``lr``; returns the sum of this rank's

@@ -24,8 +24,10 @@ from executor.checkpoint import (
     restore,
     save_checkpoint,
 )
-from executor.data import FileData, SyntheticData, load_npz, rows_needed
+from executor.data import SyntheticData, rows_needed
+from executor.dataset import FileData, open_dataset
 from executor.device import open_device
+from executor.evaluation import EvalRecord, evaluate
 from executor.kinds import DeviceKind, TransportKind
 from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
@@ -48,7 +50,11 @@ class RunOptions:
     lr: float = 0.01
     seed: int = 0
     dtype: DType = DType.FLOAT32
-    data: Path | None = None
+    data: Path | None = None  # an .npz or a folder of .npy (memory-mapped)
+    shuffle: bool = False  # reshuffle the data file every epoch, from the seed
+    eval_data: Path | None = None
+    eval_every: int = 0  # steps between evaluations (0: only at the end, with eval_data)
+    metrics: Path | None = None  # one JSON line per step and evaluation (rank 0)
     save_weights: Path | None = None
     save_model: Path | None = None  # the input model with the trained initializers
     allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
@@ -76,6 +82,8 @@ class StepRecord:
     step: int
     loss: float
     time_s: float
+    lr: float = 0.0
+    samples_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,7 @@ class _Setup:
     model: ImportedModel
     pg: PartitionedGraph
     data: SyntheticData | FileData
+    eval_data: FileData | None = None
 
 
 def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
@@ -116,10 +125,14 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
     pg = Partitioner(model.graph).partition(strategy)
     dtype = np.dtype(options.dtype.value)
     if options.data is not None:
-        data = load_npz(Path(options.data), model.graph, dtype)
+        shuffle = options.seed if options.shuffle else None
+        data = open_dataset(Path(options.data), model.graph, dtype, shuffle)
     else:
         data = SyntheticData(model.graph, options.seed, dtype)
-    return _Setup(plan, model, pg, data)
+    eval_data = None
+    if options.eval_data is not None:
+        eval_data = open_dataset(Path(options.eval_data), model.graph, dtype)
+    return _Setup(plan, model, pg, data, eval_data)
 
 
 def agreed_setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
@@ -168,7 +181,7 @@ def _check_outputs(comm: MPI.Comm, options: RunOptions) -> None:
     problem = None
     if comm.Get_rank() == 0:
         try:
-            for out in (options.save_weights, options.save_model):
+            for out in (options.save_weights, options.save_model, options.metrics):
                 if out is not None:
                     check_output(out)
             if options.checkpoint is not None:
@@ -239,6 +252,40 @@ class _Checkpoints:
             self.saved = done
 
 
+def _load(data, step: int, rows) -> tuple[object, str | None]:
+    """The step's batch, or the one line that says what is wrong with the data (every
+    rank learns of it at the step's flags, so none is left waiting)."""
+    try:
+        return data.batch(step, rows), None
+    except UserError as e:
+        return None, str(e)
+
+
+@dataclass
+class _Evaluation:
+    """Evaluates every ``every`` steps and at the end, when there is evaluation data."""
+
+    comm: MPI.Comm
+    rt: Runtime
+    data: FileData | None
+    rows: dict
+    every: int
+    report: Callable[[EvalRecord], None] | None
+    done: int = -1
+
+    def maybe(self, step: int, force: bool = False) -> None:
+        if (
+            self.data is None
+            or step == self.done
+            or not (force or (self.every and step % self.every == 0))
+        ):
+            return
+        record = evaluate(self.comm, self.rt, self.data, self.rows, step)
+        self.done = step
+        if self.report is not None and self.comm.Get_rank() == 0:
+            self.report(record)
+
+
 def train(
     comm: MPI.Comm,
     options: RunOptions,
@@ -246,6 +293,7 @@ def train(
     gather: bool = False,
     stop: Callable[[], int] | None = None,
     on_start: Callable[[tuple[RankInfo, ...]], None] | None = None,
+    on_eval: Callable[[EvalRecord], None] | None = None,
 ) -> RunResult:
     """``stop()`` gives the signal this rank received (0: none); the ranks agree on it at
     every step boundary and all stop there, the weights of the last step intact (and
@@ -276,28 +324,36 @@ def train(
     plan_sha = file_sha256(Path(options.plan))
     checkpoints = _Checkpoints(comm, rt, options, _identity(s, options), plan_sha, saved=first)
     rows = rows_needed(s.pg, rank)
+    evaluation = _Evaluation(comm, rt, s.eval_data, rows, options.eval_every, on_eval)
     records = []
     total = np.zeros(1)
-    # [SIGINT seen, SIGTERM seen] summed over ranks: one tiny collective per step.
-    signals, seen = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    # [SIGINT seen, SIGTERM seen, bad data] summed over ranks: one tiny collective a step.
+    flags, seen = np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
     interrupted = 0
     for step in range(first, options.steps):
+        batch, bad = _load(s.data, step, rows)
         received = stop() if stop is not None else 0
-        signals[:] = (received == signal.SIGINT, received == signal.SIGTERM)
-        comm.Allreduce(signals, seen, op=MPI.SUM)
-        if seen.any():
+        flags[:] = (received == signal.SIGINT, received == signal.SIGTERM, bad is not None)
+        comm.Allreduce(flags, seen, op=MPI.SUM)
+        if seen[2]:
+            raise UserError(next(e for e in comm.allgather(bad) if e))
+        if seen[:2].any():
             interrupted = int(signal.SIGTERM if seen[1] else signal.SIGINT)
             break
-        batch = s.data.batch(step, rows)
         start = time.perf_counter()
         lr = options.lr * options.optimizer.lr_factor(step, options.steps)
         partial = rt.step(batch, lr)
         comm.Allreduce(np.array([partial]), total, op=MPI.SUM)
-        record = StepRecord(step + 1, float(total[0]), time.perf_counter() - start)
+        took = time.perf_counter() - start
+        rate = s.plan.batch / took if took > 0 else None
+        record = StepRecord(step + 1, float(total[0]), took, lr, rate)
         records.append(record)
         if on_step is not None and rank == 0:
             on_step(record)
         checkpoints.maybe(step + 1)
+        evaluation.maybe(step + 1)
+    if not interrupted:
+        evaluation.maybe(first + len(records), force=True)
     checkpoints.maybe(first + len(records), force=True)
     counts = np.zeros(comm.Get_size(), dtype=np.int64)
     comm.Allgather(np.array([transport.bytes_sent], dtype=np.int64), counts)

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from executor.data import load_npz
+from executor.dataset import open_dataset
 from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
 
@@ -37,7 +37,7 @@ def test_the_data_input_by_its_onnx_name_or_input(graph, tmp_path: Path, name: s
     x = np.arange(30.0).reshape(6, 5)
     path = tmp_path / "d.npz"
     np.savez(path, **{name: x}, labels=np.array([0, 1, 2, 0, 1, 2]))
-    data = load_npz(path, graph, np.dtype(np.float64))
+    data = open_dataset(path, graph, np.dtype(np.float64))
     batch = data.batch(1)  # one full batch of 4 in 6 samples: step 1 wraps to batch 0
     np.testing.assert_array_equal(batch.inputs["pixels"], x[:4])
     np.testing.assert_array_equal(batch.labels, [0, 1, 2, 0])
@@ -47,4 +47,4 @@ def test_a_missing_data_array_names_what_is_needed(graph, tmp_path: Path) -> Non
     path = tmp_path / "d.npz"
     np.savez(path, x=np.zeros((4, 5)), labels=np.zeros(4, np.int64))
     with pytest.raises(UserError, match=r"missing arrays \['pixels'\].*'pixels' \(or 'input'\)"):
-        load_npz(path, graph, np.dtype(np.float64))
+        open_dataset(path, graph, np.dtype(np.float64))

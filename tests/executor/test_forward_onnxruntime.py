@@ -9,9 +9,9 @@ import onnxruntime as ort
 import pytest
 from mpi4py import MPI
 
+from executor.device import CpuDevice
 from executor.program import compile_program
 from executor.runtime import Batch, Runtime
-from executor.device import CpuDevice
 from executor.transport import MpiTransport
 from onnx2soap.importer import load_model
 from onnx2soap.ir import LossKind
