@@ -17,7 +17,7 @@ from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_cost
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
-from onnx2soap.search.baselines import Rule, by_rule
+from onnx2soap.search.baselines import BASELINES, Rule, by_rule
 from onnx2soap.search.mcmc import (
     MAX_BETA,
     MAX_BUDGET_S,
@@ -159,10 +159,7 @@ def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
             f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
             file=sys.stderr,
         )
-    baselines = {
-        r.value: evaluate(by_rule(r, graph, space, devices))
-        for r in (Rule.DATA_PARALLEL, Rule.EXPERT)
-    }
+    baselines = {r.value: evaluate(by_rule(r, graph, space, devices)) for r in BASELINES}
     return _Outcome(strategy, chosen, baselines, None)
 
 
@@ -202,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         peak_memory_bytes=chosen.peak_memory_bytes,
         bytes_moved=chosen.bytes_moved,
         baselines=tuple((k, v.step_time_s) for k, v in outcome.baselines.items()),
+        infeasible=tuple(k for k, v in outcome.baselines.items() if not v.fits),
     )
     plan = Plan(
         model_path=Path(args.model),
@@ -229,6 +227,7 @@ def _report(
             "plan": str(args.output),
             "predicted_step_time_s": p.step_time_s,
             "baselines": baselines,
+            "infeasible_baselines": list(p.infeasible),
             "evaluated": s.evaluated if s else 1,
             "search_time_s": time_s,
             "costs": costs.name,
@@ -243,5 +242,8 @@ def _report(
     print(f"  costs: {costs.description}")
     print(f"  {'predicted step time':<22}{seconds(p.step_time_s):>12}   plan's speed-up")
     for name, t in baselines.items():
+        if name in p.infeasible:
+            print(f"  {name:<22}{seconds(t):>12}   does not fit in device memory")
+            continue
         speedup = t / p.step_time_s if p.step_time_s > 0 else float("inf")
         print(f"  {name:<22}{seconds(t):>12}   {speedup:.2f}x")

@@ -24,6 +24,11 @@ class Rule(Enum):
     RANDOM = "random"
 
 
+# Every plan is compared with each of these (a search could have returned any of them);
+# one that does not fit in memory is reported as such and never used as a reference.
+BASELINES = (Rule.DATA_PARALLEL, Rule.EXPERT, Rule.SINGLE_DEVICE, Rule.MODEL_PARALLEL)
+
+
 def _split_one(dims: tuple[SoapDim, ...], kind: DimKind, devices: int) -> ParallelConfig:
     """Split the first splittable dim of ``kind`` over up to ``devices`` devices."""
     degrees = [1] * len(dims)

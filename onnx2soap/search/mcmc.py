@@ -34,7 +34,7 @@ import numpy as np
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
-from onnx2soap.search.baselines import Rule, by_rule
+from onnx2soap.search.baselines import BASELINES, Rule, by_rule
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
@@ -235,12 +235,11 @@ def mcmc(
     chains = [new_chain() for _ in range(max(options.chains, 1))]
     # Model parallelism starts no chain (it is a poor place to walk from), but the search
     # must never return a plan slower than a baseline it could have returned.
-    model_parallel = by_rule(Rule.MODEL_PARALLEL, graph, space, search.devices)
-    search.consider(model_parallel, cost_of(search.evaluate(model_parallel)))
-    baselines = {
-        rule.value: search.evaluate(by_rule(rule, graph, space, search.devices))
-        for rule in (Rule.DATA_PARALLEL, Rule.EXPERT)
-    }
+    baselines = {}
+    for rule in BASELINES:
+        strategy = by_rule(rule, graph, space, search.devices)
+        baselines[rule.value] = search.evaluate(strategy)
+        search.consider(strategy, cost_of(baselines[rule.value]))
     scale = next((c.cost for c in chains if math.isfinite(c.cost)), 1.0)
     best, last_report = search.best_cost, 0.0
     improved_s, improved_at, proposals = 0.0, 0, 0

@@ -63,6 +63,7 @@ class Predicted:
     peak_memory_bytes: tuple[int, ...]
     bytes_moved: int
     baselines: tuple[tuple[str, float], ...] = ()
+    infeasible: tuple[str, ...] = ()  # baselines that do not fit in device memory
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
             "peak_memory_bytes": list(p.peak_memory_bytes),
             "bytes_moved": p.bytes_moved,
             "baselines": dict(p.baselines),
+            "infeasible_baselines": list(p.infeasible),
         }
     if plan.search:
         s = plan.search
@@ -270,11 +272,21 @@ def _read_predicted(r: _Reader, doc: Mapping) -> Predicted | None:
     baselines = r.get(p, "baselines", dict, "predicted.baselines", optional=True) or {}
     for name in baselines:
         r.get(baselines, name, (int, float), f"predicted.baselines.{name}")
+    infeasible = (
+        r.get(p, "infeasible_baselines", list, "predicted.infeasible_baselines", optional=True)
+        or []
+    )
+    for i, name in enumerate(infeasible):
+        if name not in baselines:
+            raise PlanError(
+                f"predicted.infeasible_baselines[{i}]: {name!r} is not one of the baselines"
+            )
     return Predicted(
         step_time_s=float(r.get(p, "step_time_s", (int, float), "predicted.step_time_s")),
         peak_memory_bytes=tuple(mem),
         bytes_moved=r.get(p, "bytes_moved", int, "predicted.bytes_moved"),
         baselines=tuple((str(k), float(v)) for k, v in baselines.items()),
+        infeasible=tuple(str(n) for n in infeasible),
     )
 
 

@@ -26,7 +26,12 @@ def plan(tmp_path: Path, example_onnx: Path) -> Path:
 def test_plan_by_rule_records_its_prediction(plan: Path, capsys) -> None:
     doc = json.loads(plan.read_text())
     assert doc["machine"] == "cpu:4" and doc["devices"] == 4 and doc["search"] is None
-    assert set(doc["predicted"]["baselines"]) == {"data-parallel", "expert"}
+    assert set(doc["predicted"]["baselines"]) == {
+        "data-parallel",
+        "expert",
+        "single-device",
+        "model-parallel",
+    }
     assert doc["predicted"]["step_time_s"] == doc["predicted"]["baselines"]["expert"]
     fc = next(o for o in doc["ops"] if o["name"] == "/fc1/Gemm")
     assert fc["degrees"] == {"co": 4}  # the expert splits fully connected layers' outputs

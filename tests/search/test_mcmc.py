@@ -101,8 +101,17 @@ def test_plan_cli_json(example_onnx: Path, tmp_path: Path, capsys) -> None:
     code = cli([*args, "--budget", "60", "--max-evals", "60", "-o", str(plan), "--json"])
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"plan", "predicted_step_time_s", "baselines", "evaluated", "search_time_s"}
-    assert doc["plan"] == str(plan) and set(doc["baselines"]) == {"data-parallel", "expert"}
+    assert set(doc) == {
+        "plan",
+        "predicted_step_time_s",
+        "baselines",
+        "infeasible_baselines",
+        "evaluated",
+        "search_time_s",
+        "costs",
+    }
+    baselines = {"data-parallel", "expert", "single-device", "model-parallel"}
+    assert doc["plan"] == str(plan) and set(doc["baselines"]) == baselines
     assert 0 < doc["predicted_step_time_s"] <= min(doc["baselines"].values())
     assert 0 < doc["evaluated"] <= 63
     saved = json.loads(plan.read_text())
