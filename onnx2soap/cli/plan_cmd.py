@@ -28,6 +28,7 @@ from onnx2soap.search.mcmc import (
     mcmc,
 )
 from onnx2soap.sim import Evaluation, Simulator, resolve_machine
+from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.soap import (
     Partitioner,
     Plan,
@@ -81,6 +82,12 @@ def register(sub) -> None:
         help="seed of the search / random strategy",
     )
     add_costs_option(p)
+    p.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZER_SLOTS),
+        default="sgd",
+        help="the optimizer the plan will train with: its state counts in device memory",
+    )
     p.add_argument("-o", "--output", required=True, help="plan file to write")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -188,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         )
     space = analyze(graph)
     _check_dims(space)
-    simulator = Simulator(machine, costs.model)
+    simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
     if searching:
         outcome = _search(args, graph, space, simulator)
     else:

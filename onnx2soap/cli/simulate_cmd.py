@@ -11,6 +11,7 @@ from onnx2soap.errors import UserError
 from onnx2soap.files import check_input, check_output
 from onnx2soap.importer import file_sha256, load_model
 from onnx2soap.sim import Simulator, resolve_machine
+from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
 from onnx2soap.soap import Partitioner, analyze, import_loss, load_plan
@@ -24,6 +25,12 @@ def register(sub) -> None:
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of the timeline")
     p.add_argument("--json", action="store_true")
     add_costs_option(p)
+    p.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZER_SLOTS),
+        default="sgd",
+        help="the optimizer the plan will train with: its state counts in device memory",
+    )
     add_nonfinite_option(p)
     p.set_defaults(run=run)
 
@@ -47,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         path, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
     ).graph
     strategy = plan.strategy(graph, analyze(graph))
-    simulator = Simulator(machine, costs.model)
+    simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
     pg = Partitioner(graph).partition(strategy)
     ev = simulator.evaluate(pg)
     if args.trace:

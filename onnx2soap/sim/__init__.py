@@ -43,6 +43,7 @@ class Simulator:
     machine: Machine
     cost: CostModel
     itemsize: int = 4
+    optimizer_slots: int = 0  # optimizer arrays per trainable shard (memory.OPTIMIZER_SLOTS)
     memo: Memo = field(default_factory=Memo, compare=False, repr=False)
 
     def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
@@ -51,6 +52,8 @@ class Simulator:
     def evaluate(self, pg: PartitionedGraph) -> Evaluation:
         tg = self.task_graph(pg)  # binds the memo to pg's graph
         timeline: Timeline = simulate(tg)
-        memory = peak_memory(pg, self.machine.size, self.itemsize, self.memo.memory)
+        memory = peak_memory(
+            pg, self.machine.size, self.itemsize, self.memo.memory, self.optimizer_slots
+        )
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))
         return Evaluation(timeline.makespan, memory, int(tg.nbytes.sum()), fits)

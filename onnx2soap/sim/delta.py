@@ -138,7 +138,7 @@ class DeltaSimulator:
             pg = PartitionedGraph(
                 self.graph, strategy, {op.name: parts.tasks}, (), {op.name: parts.groups}, {}, {}
             )
-            memo[key] = _op_bytes(pg, op, self.simulator.itemsize)
+            memo[key] = _op_bytes(pg, op, self.simulator.itemsize, self.simulator.optimizer_slots)
         return memo[key]
 
     def _edge_memory(self, j: int, strategy: Strategy) -> tuple[tuple[int, int], ...]:

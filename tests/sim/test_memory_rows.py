@@ -18,3 +18,20 @@ def test_each_device_counts_its_quarter_of_the_batch(export_model):
     labels = 8 * 8  # int64 class ids, whole on every device
     for device in range(4):
         assert _batch_bytes(pg, device, 4) == 2 * features * 4 + labels + constants
+
+
+def test_optimizer_state_counts_like_its_weights(export_model):
+    """Adam keeps two arrays per trainable shard: data parallelism on 4 devices holds every
+    weight on each, so each device holds 2 x 4 bytes x the parameter count more."""
+    from executor.optim import SLOTS
+    from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
+    from onnx2soap.sim.memory import OPTIMIZER_SLOTS
+
+    assert {k.value: len(v) for k, v in SLOTS.items()} == OPTIMIZER_SLOTS
+    graph = load_model(export_model("mlp"), 8).graph
+    pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 4))
+    machine = resolve_machine("cpu:4")
+    sgd = Simulator(machine, RooflineCost()).evaluate(pg).peak_memory_bytes
+    adam = Simulator(machine, RooflineCost(), optimizer_slots=2).evaluate(pg).peak_memory_bytes
+    params = sum(t.numel for t in graph.weights)
+    assert all(a - s == 2 * 4 * params for a, s in zip(adam, sgd, strict=True))
