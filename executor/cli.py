@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the input model with the trained initializers and state (on rank 0; "
         "weights in OUT.onnx.data when the input had external data or is over 2 GB)",
     )
+    run.add_argument(
+        "--trace",
+        type=Path,
+        metavar="MEASURED.json",
+        help="time every task of steps 2-11 on every rank (in the simulator's names) and write "
+        "one Perfetto file, with each rank's peak memory; `onnx2soap compare` reads it",
+    )
     run.add_argument("--json", action="store_true", help="one JSON object per line")
     add_nonfinite_option(run)
     return parser
@@ -316,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         eval_data=args.eval_data,
         eval_every=args.eval_every,
         metrics=args.metrics,
+        trace=args.trace,
         save_weights=args.save_weights,
         save_model=args.save_model,
         allow_nonfinite=args.allow_nonfinite,

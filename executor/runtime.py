@@ -14,7 +14,9 @@ nothing but the loss at the end of the step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -48,6 +50,7 @@ from executor.program import (
     Transfer,
     Wait,
 )
+from executor.trace import Tracer, task_name
 from executor.transport import Transport
 from onnx2soap.ir import Graph, TensorRole
 from onnx2soap.ops import TaskArgs, definition
@@ -102,6 +105,7 @@ class Runtime:
         self.xp = self.device.xp
         self.seed = seed
         self.optimizer = optimizer or OptimizerConfig()
+        self.tracer: Tracer | None = None  # set to time every instruction (--trace)
         self.updates = 0  # optimizer steps taken (Adam's bias correction counts them)
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
@@ -190,21 +194,37 @@ class Runtime:
             for grad in self.buffers.grads.values():
                 grad.fill(0)
             self._run(state, self.program.instructions)
-            for pending in state.reductions:  # every gradient is summed before the update
-                self.transport.wait(pending)
-            self.transport.end_step()
+            tracing = self.tracer is not None and self.tracer.active
+            with self._timed("wait allreduce", "allreduce") if tracing else nullcontext():
+                for pending in state.reductions:  # every gradient is summed before the update
+                    self.transport.wait(pending)
+                self.transport.end_step()
             self.updates += 1
             for key, grad in self.buffers.grads.items():
                 shard, slots = self.shards[key], self.slots[key]
-                apply_update(self.xp, self.optimizer, shard, grad, slots, lr, self.updates)
+                with self._timed(f"update {key[0]}", "update") if tracing else nullcontext():
+                    apply_update(self.xp, self.optimizer, shard, grad, slots, lr, self.updates)
             loss = state.loss()
         self.device.synchronize()
         return loss
 
     def _run(self, state: _Step, instructions) -> None:
         dispatch = state.dispatch
+        if self.tracer is None or not self.tracer.active:
+            for ins in instructions:
+                dispatch[type(ins)](ins)
+            return
         for ins in instructions:
-            dispatch[type(ins)](ins)
+            with self._timed(*task_name(self.pg, ins)):
+                dispatch[type(ins)](ins)
+
+    @contextmanager
+    def _timed(self, name: str, kind: str):
+        """Time one task for the trace: on a GPU, until the device has done it."""
+        start = time.perf_counter()
+        yield
+        self.device.synchronize()
+        self.tracer.record(name, kind, start, time.perf_counter())
 
 
 class _Buffers:

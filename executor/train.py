@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
 from executor.program import compile_program
 from executor.runtime import Runtime
+from executor.trace import Tracer, write_measured
 from executor.transport import make_transport
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_directory, check_output, write_atomic
@@ -55,6 +56,7 @@ class RunOptions:
     eval_data: Path | None = None
     eval_every: int = 0  # steps between evaluations (0: only at the end, with eval_data)
     metrics: Path | None = None  # one JSON line per step and evaluation (rank 0)
+    trace: Path | None = None  # every rank's measured timeline (Perfetto JSON, rank 0)
     save_weights: Path | None = None
     save_model: Path | None = None  # the input model with the trained initializers
     allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
@@ -181,7 +183,8 @@ def _check_outputs(comm: MPI.Comm, options: RunOptions) -> None:
     problem = None
     if comm.Get_rank() == 0:
         try:
-            for out in (options.save_weights, options.save_model, options.metrics):
+            outputs = (options.save_weights, options.save_model, options.metrics, options.trace)
+            for out in outputs:
                 if out is not None:
                     check_output(out)
             if options.checkpoint is not None:
@@ -309,6 +312,8 @@ def train(
     ranks = comm.allgather((MPI.Get_processor_name(), os.getpid()))
     if on_start is not None and rank == 0:
         on_start(tuple(RankInfo(r, host, pid) for r, (host, pid) in enumerate(ranks)))
+    # Traced runs count what the rank allocates from here on (its shards, buffers, steps).
+    tracer = Tracer(rank, s.pg, device) if options.trace is not None else None
     rt = Runtime(
         s.pg,
         compile_program(s.pg, rank),
@@ -320,6 +325,9 @@ def train(
         device,
         options.optimizer,
     )
+    rt.tracer = tracer
+    # The rank keeps its shards only: the whole model's values are dropped.
+    s = replace(s, model=replace(s.model, weights={}, state={}))
     first = _resume(comm, rt, s, options) if options.resume is not None else 0
     plan_sha = file_sha256(Path(options.plan))
     checkpoints = _Checkpoints(comm, rt, options, _identity(s, options), plan_sha, saved=first)
@@ -340,9 +348,13 @@ def train(
         if seen[:2].any():
             interrupted = int(signal.SIGTERM if seen[1] else signal.SIGINT)
             break
+        if rt.tracer is not None:
+            rt.tracer.begin_step(step + 1 - first)
         start = time.perf_counter()
         lr = options.lr * options.optimizer.lr_factor(step, options.steps)
         partial = rt.step(batch, lr)
+        if rt.tracer is not None:
+            rt.tracer.end_step()
         comm.Allreduce(np.array([partial]), total, op=MPI.SUM)
         took = time.perf_counter() - start
         rate = s.plan.batch / took if took > 0 else None
@@ -355,6 +367,10 @@ def train(
     if not interrupted:
         evaluation.maybe(first + len(records), force=True)
     checkpoints.maybe(first + len(records), force=True)
+    if rt.tracer is not None:
+        gathered = comm.gather((rt.tracer.events, rt.tracer.peak_bytes), root=0)
+        if rank == 0:
+            write_measured(options.trace, gathered, options.plan)
     counts = np.zeros(comm.Get_size(), dtype=np.int64)
     comm.Allgather(np.array([transport.bytes_sent], dtype=np.int64), counts)
     weights = None

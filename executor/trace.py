@@ -1,0 +1,135 @@
+"""``--trace measured.json``: every rank's measured timeline, in the simulator's names.
+
+Each instruction a rank runs is timed (on a GPU the rank waits for the device after each
+one while tracing, so a task's time is its own) and named as the simulator names the
+task it stands for (``fwd conv[2]``, ``bwd conv[2] partial``, ``stats bn fwd``,
+``send x 0->1``, ``allreduce w``, ``update w``...), so ``onnx2soap compare`` can set
+the two timelines side by side. Steps 2 to ``1 + TRACED_STEPS`` are kept (the first warms
+up), each rank's times relative to the start of its step; rank 0 writes one
+Chrome/Perfetto JSON file: one process per rank, a compute row and a communication row.
+
+While tracing, each rank also records the peak of the memory it allocates (tracemalloc
+on the CPU, which numpy reports to; cupy's pool on a GPU), for the memory model's check.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import tracemalloc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from executor.program import (
+    AllReduce,
+    Compute,
+    Partial,
+    Phase,
+    Recv,
+    ReduceStats,
+    Send,
+    ShareGrad,
+    SumOutputs,
+    Wait,
+)
+from onnx2soap.files import write_atomic
+
+TRACED_STEPS = 10
+COMPUTE_ROW, COMMUNICATION_ROW = 0, 1
+
+
+def task_name(pg, ins) -> tuple[str, str]:
+    """(the simulator's name of the task, its kind) for one instruction."""
+    graph = pg.graph
+    if isinstance(ins, Compute | Partial | ReduceStats):
+        tag = "fwd" if ins.phase is Phase.FORWARD else "bwd"
+        op = graph.ops[ins.op].name
+        if isinstance(ins, ReduceStats):
+            return f"stats {op} {tag}", "allreduce"
+        half = " partial" if isinstance(ins, Partial) else ""
+        return f"{tag} {op}[{ins.task}]{half}", "forward" if tag == "fwd" else "backward"
+    if isinstance(ins, SumOutputs):
+        return f"partial sums {graph.ops[ins.op].name} fwd", "allreduce"
+    if isinstance(ins, ShareGrad):
+        return f"partial sums {graph.ops[ins.op].name} bwd", "allreduce"
+    if isinstance(ins, AllReduce):
+        return f"allreduce {pg.groups[graph.ops[ins.op].name][ins.group].weight}", "allreduce"
+    t = ins.transfer
+    tensor = graph.ops[t.producer[0]].output
+    verb = "send" if t.phase is Phase.FORWARD else "grad"
+    what = {Send: "", Recv: "post ", Wait: "wait "}[type(ins)]
+    return f"{what}{verb} {tensor} {t.src}->{t.dst}", "transfer"
+
+
+@dataclass
+class Tracer:
+    """Collects one rank's events for the traced steps."""
+
+    rank: int
+    pg: object
+    device: object
+    events: list[dict] = field(default_factory=list)
+    step: int = 0
+    origin: float = 0.0
+    peak_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device.xp.__name__ == "numpy" and not tracemalloc.is_tracing():
+            tracemalloc.start()
+
+    @property
+    def active(self) -> bool:
+        return 2 <= self.step <= 1 + TRACED_STEPS
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.origin = time.perf_counter()
+
+    def end_step(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self._allocated_peak())
+
+    def _allocated_peak(self) -> int:
+        if self.device.xp.__name__ == "numpy":
+            return tracemalloc.get_traced_memory()[1]
+        return int(self.device.xp.get_default_memory_pool().total_bytes())
+
+    def record(self, name: str, kind: str, start: float, end: float) -> None:
+        if not self.active:
+            return
+        row = COMPUTE_ROW if kind in ("forward", "backward", "update") else COMMUNICATION_ROW
+        self.events.append(
+            {
+                "name": name,
+                "cat": kind,
+                "ph": "X",
+                "pid": self.rank,
+                "tid": row,
+                "ts": (start - self.origin) * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": {"step": self.step},
+            }
+        )
+
+
+def write_measured(path: Path, per_rank: list[tuple[list[dict], int]], plan: Path) -> None:
+    """Rank 0: every rank's events and peak memory in one Perfetto file."""
+    events = []
+    for rank, (rank_events, _) in enumerate(per_rank):
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
+        for tid, row in ((COMPUTE_ROW, "compute"), (COMMUNICATION_ROW, "communication")):
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": row}}
+            )
+        events += rank_events
+    doc = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "plan": str(plan),
+            "measured": True,
+            "peak_memory_bytes": [peak for _, peak in per_rank],
+        },
+    }
+    write_atomic(path, json.dumps(doc))
