@@ -10,6 +10,7 @@ from ``sim``, ``search`` or the executor's runtime.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -75,6 +76,22 @@ Forward = Callable[[Any, Any, Sequence[Array], TaskArgs], Array]
 Backward = Callable[[Any, Any, Sequence[Array], Array, Array, TaskArgs], tuple[Array | None, ...]]
 """(xp, attrs, inputs, output, grad_output, args) -> a gradient per input buffer (same
 shape, padding included, fresh arrays) or None where none is needed (labels, constants)."""
+
+Workspace = Callable[[Any, Sequence[tuple[int, ...]], tuple[int, ...], int], tuple[int, int]]
+"""(attrs, input buffer shapes, output tile shape, itemsize) -> (forward, backward) bytes
+(``OpDef.workspace``)."""
+
+
+def output_copies(forward: float, backward: float) -> Workspace:
+    """A workspace of so many arrays the size of the output tile in each phase: what
+    elementwise kernels' temporaries come to (measured under tracemalloc, rounded up)."""
+
+    def workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+        n = math.prod(out_shape) * itemsize
+        return math.ceil(forward * n), math.ceil(backward * n)
+
+    return workspace
+
 
 LossScale = Callable[[Any, Any, tuple[int, ...]], float]
 """Losses: (attrs, the whole batch's labels (numpy), the prediction's shape) -> the divisor
@@ -237,6 +254,11 @@ class OpDef:
     # The output holds input values, only moved (reshapes, slices, transposes): ids read
     # through it keep the bounds of whoever reads the output.
     moves_values: bool = False
+    # Kernels that hold large temporaries (Conv's columns, MaxPool's tap copies):
+    # (attrs, input buffer shapes, output tile shape, itemsize) -> the bytes a task's
+    # forward and backward kernels hold at once beyond its buffers, its output and the
+    # gradients they return. The memory model adds them where they run.
+    workspace: Workspace | None = None
 
     @property
     def is_loss(self) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 
 from onnx2soap.ir import TensorRole
 from onnx2soap.sim import Evaluation, Simulator
-from onnx2soap.sim.memory import _batch_bytes, _op_bytes
+from onnx2soap.sim.memory import OpMemory, Pieces, _batch_bytes, _edge_bytes, _op_bytes, total
 from onnx2soap.sim.simulate import Timeline
 from onnx2soap.sim.taskgraph import (
     EMPTY,
@@ -47,10 +47,11 @@ class DeltaState:
     free: list[tuple[float, ...]]  # per slot: every resource's last end before the slot
     latest: list[float]  # per slot: the latest end up to and including it
     moved: list[int]  # per slot: bytes moved
-    op_memory: list[tuple[tuple[int, int], ...]]  # per op: (device, bytes)
-    edge_memory: list[tuple[tuple[int, int], ...]]  # per edge: (device, bytes)
+    op_memory: list[OpMemory]  # per op: held and transient (device, bytes)
+    edge_memory: list[Pieces]  # per edge: (device, bytes)
     batch: tuple[int, ...]
-    held: tuple[int, ...]  # per device: peak memory
+    held: tuple[int, ...]  # per device: bytes held to the end of the step
+    peak: tuple[int, ...]  # per device: peak memory (held + the largest transient)
 
     @property
     def makespan(self) -> float:
@@ -73,7 +74,9 @@ class DeltaSimulator:
         self.edge_segments: dict[tuple, tuple[Segment, Segment]] = {}
         self.parts_memo: dict[tuple[int, ParallelConfig], OpParts] = {}
         self.batch_memo: dict[tuple, tuple[int, ...]] = {}
-        self.edge_memory_memo: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        self.edge_memory_memo: dict[tuple, Pieces] = {}
+        tensors = [graph.ops[p].output for p, _, _ in self.lay.edges]
+        self.sole = [tensors.count(t) == 1 for t in tensors]  # a tensor's only reader
         roles = (TensorRole.INPUT, TensorRole.LABELS)
         self.readers = tuple(
             i
@@ -129,19 +132,18 @@ class DeltaSimulator:
 
     # -- memory --------------------------------------------------------------------------
 
-    def _op_memory(self, i: int, strategy: Strategy) -> tuple[tuple[int, int], ...]:
+    def _op_memory(self, i: int, strategy: Strategy) -> OpMemory:
         op = self.graph.ops[i]
         key = (op.name, strategy[op.name])
         memo = self.simulator.memo.memory
         if key not in memo:
-            parts = self.parts(i, key[1])
-            pg = PartitionedGraph(
-                self.graph, strategy, {op.name: parts.tasks}, (), {op.name: parts.groups}, {}, {}
+            parts, sim = self.parts(i, key[1]), self.simulator
+            memo[key] = _op_bytes(
+                self.graph, op, parts.tasks, parts.groups, sim.itemsize, sim.optimizer_slots
             )
-            memo[key] = _op_bytes(pg, op, self.simulator.itemsize, self.simulator.optimizer_slots)
         return memo[key]
 
-    def _edge_memory(self, j: int, strategy: Strategy) -> tuple[tuple[int, int], ...]:
+    def _edge_memory(self, j: int, strategy: Strategy) -> Pieces:
         p, c, _ = self.lay.edges[j]
         ops = self.graph.ops
         pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
@@ -149,13 +151,9 @@ class DeltaSimulator:
         if key not in self.edge_memory_memo:
             edge = self.edge(j, strategy)
             ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
-            held: dict[int, int] = {}
-            for o in edge.overlaps:  # send copy and receive buffer, forward and backward
-                a, b = ptasks[o.src_task].device, ctasks[o.dst_task].device
-                if a != b:
-                    n = 2 * o.volume * self.simulator.itemsize
-                    held[a], held[b] = held.get(a, 0) + n, held.get(b, 0) + n
-            self.edge_memory_memo[key] = tuple(held.items())
+            self.edge_memory_memo[key] = _edge_bytes(
+                self.graph, edge, ptasks, ctasks, self.simulator.itemsize, self.sole[j]
+            )
         return self.edge_memory_memo[key]
 
     def _batch(self, strategy: Strategy) -> tuple[int, ...]:
@@ -261,6 +259,7 @@ class DeltaSimulator:
             [] if base is None else base.edge_memory,
             (),
             (),
+            (),
         )
 
     def _with_memory(self, state, strategy, changed, edges, base) -> DeltaState:
@@ -270,14 +269,14 @@ class DeltaSimulator:
             em = [self._edge_memory(j, strategy) for j in range(len(self.lay.edges))]
             batch = self._batch(strategy)
             held = list(batch)
-            for part in (*ops, *em):
+            for part in (*(m.held for m in ops), *em):
                 for d, n in part:
                     held[d] += n
-            return replace(state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held))
+            return self._with_peak(state, ops, em, batch, held)
         ops, em, held = list(base.op_memory), list(base.edge_memory), list(base.held)
         for i in changed:
             new = self._op_memory(i, strategy)
-            _shift(held, ops[i], new)
+            _shift(held, ops[i].held, new.held)
             ops[i] = new
         for j in edges:
             new = self._edge_memory(j, strategy)
@@ -286,12 +285,20 @@ class DeltaSimulator:
         batch = self._batch(strategy)
         for d in range(devices):
             held[d] += batch[d] - base.batch[d]
-        return replace(state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held))
+        return self._with_peak(state, ops, em, batch, held)
+
+    @staticmethod
+    def _with_peak(state, ops, em, batch, held) -> DeltaState:
+        # The largest transient is a max over all ops: O(ops), exact, no bookkeeping.
+        peak = total(held, ops)
+        return replace(
+            state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held), peak=peak
+        )
 
     def _evaluation(self, state: DeltaState) -> Evaluation:
         devices = self.simulator.machine.devices
-        fits = all(m <= d.memory for m, d in zip(state.held, devices, strict=False))
-        return Evaluation(state.makespan, state.held, sum(state.moved), fits)
+        fits = all(m <= d.memory for m, d in zip(state.peak, devices, strict=False))
+        return Evaluation(state.makespan, state.peak, sum(state.moved), fits)
 
     def task_graph(self, state: DeltaState) -> tuple[TaskGraph, Timeline]:
         """The state as a flat task graph and timeline, numbered as a full build numbers

@@ -1,55 +1,177 @@
 """Per-device peak memory of one training step, as the executor allocates it.
 
-Per device: the batch rows its tasks read of every data input (a rank holds no others),
-the labels whole (they give a mean loss its divisor) and every constant, whole; every
-weight Rect it holds, once, plus its gradient and the optimizer's state (none for SGD,
-one array for momentum, two for Adam), and every state Rect (BatchNorm's running
-statistics: no gradient); for every task on it: its assembled input buffers (weights
-excluded) and output tile, kept for the backward, and the gradients of both (activation
-inputs only), kept until the step ends; the receive buffers and the send copies held
-until it ends. Labels count at their own width (int64
-class ids).
+A step frees nothing before it ends, so a rank's peak is in its backward, over all it
+holds, or in its forward, over what it holds before and during one kernel:
+
+- made once, before the first step (``executor/layout.py``, ``runtime.py``): every
+  weight and state Rect it holds, once, with a gradient accumulator and the optimizer's
+  state per trainable one (none for SGD, one array for momentum, two for Adam); per task,
+  an input buffer per operand (data rows, labels at their own width, a constant's cut),
+  except where the producer's whole tile *is* the buffer (read in place); an output
+  gradient buffer, except where a consumer's whole input gradient *is* it; a receive
+  buffer per transfer; a staging copy per strided tile sent; the partial sums' slots;
+- made by each step: the batch rows its tasks read (the labels and the constants whole),
+  every task's output tile and the gradients of its activation inputs, kept until the
+  step ends;
+- on top of that, what a kernel holds while it runs (``OpDef.workspace``: Conv's
+  columns, MaxPool's tap copies), in the backward with the fresh gradients of weights and
+  data inputs it returns before they are summed or dropped. The forward peak counts the
+  output tiles of the ops before in graph order; the backward one counts everything.
+
+Bytes are what ``tracemalloc`` counts on CPU ranks: numpy's heap allocations. Python's
+own objects (the program, the trace) are not modelled.
 """
 
 from __future__ import annotations
 
-from onnx2soap.ir import TensorRole
-from onnx2soap.soap import PartitionedGraph
-from onnx2soap.soap.partition import rect_volume
+from collections import Counter
+from dataclasses import dataclass
 
-# Arrays of optimizer state per trainable shard (the executor's ``--optimizer``).
+from onnx2soap.ir import Graph, Op, TensorRole
+from onnx2soap.ops import definition
+from onnx2soap.soap import Edge, PartitionedGraph
+from onnx2soap.soap.partition import (
+    Rect,
+    ReplicaGroup,
+    Task,
+    owners,
+    rect_shape,
+    rect_volume,
+    sum_groups,
+)
+
+# Arrays of optimizer state per trainable shard (the executor's ``--optimizer``). The
+# temporaries of momentum's and Adam's updates (a shard's size or two) are not counted.
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2}
 
+Pieces = tuple[tuple[int, int], ...]  # (device, bytes)
 
-def _op_bytes(
-    pg: PartitionedGraph, op, itemsize: int, slots: int = 0
-) -> tuple[tuple[int, int], ...]:
-    """(device, bytes) held for one op: weight shards with gradients and ``slots``
-    optimizer arrays each, task buffers."""
-    graph = pg.graph
-    held: dict[int, int] = {}
-    shards = {(g.weight, g.rect, d, g.trainable) for g in pg.groups[op.name] for d in g.devices}
-    for _, rect, d, trainable in shards:
-        copies = 2 + slots if trainable else 1  # weight, gradient, optimizer; state alone
-        held[d] = held.get(d, 0) + copies * rect_volume(rect) * itemsize
-    roles = [graph.tensors[t].role for t in op.inputs]
-    widths = [
-        graph.tensors[t].dtype.itemsize if r is TensorRole.LABELS else itemsize
-        for t, r in zip(op.inputs, roles, strict=True)
-    ]
-    for t in pg.tasks[op.name]:
-        out = rect_volume(t.output) * itemsize
-        total = 2 * out  # the output tile and its gradient
-        for region, role, width in zip(t.inputs, roles, widths, strict=True):
-            if role not in (TensorRole.WEIGHT, TensorRole.STATE):
-                copies = 2 if role is TensorRole.ACTIVATION else 1  # buffer (+ its gradient)
-                total += copies * rect_volume(region.buffer) * width
-        held[t.device] = held.get(t.device, 0) + total
-    return tuple(held.items())
+
+@dataclass(frozen=True)
+class OpMemory:
+    """One op's share of every device's peak: ``held`` until the step ends (its output
+    tiles, ``outputs``, and its inputs' gradients, ``grads``, are part of it), and the
+    most one of its ``forward`` and one of its ``backward`` kernels holds at once besides."""
+
+    held: Pieces
+    outputs: Pieces
+    grads: Pieces
+    forward: Pieces
+    backward: Pieces
 
 
 def _width(t, itemsize: int) -> int:
     return itemsize if t.dtype.is_float else t.dtype.itemsize  # ids and labels: int64
+
+
+def _add(held: dict[int, int], device: int, n: int) -> None:
+    held[device] = held.get(device, 0) + n
+
+
+def _op_bytes(
+    graph: Graph,
+    op: Op,
+    tasks: tuple[Task, ...],
+    groups: tuple[ReplicaGroup, ...],
+    itemsize: int,
+    slots: int = 0,
+) -> OpMemory:
+    """What one op holds per device, counting every activation input buffer and output
+    gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place)."""
+    held: dict[int, int] = {}
+    outputs: dict[int, int] = {}
+    grads: dict[int, int] = {}
+    forward: dict[int, int] = {}
+    backward_: dict[int, int] = {}
+    shards = {(g.weight, g.rect, d, g.trainable) for g in groups for d in g.devices}
+    for _, rect, d, trainable in shards:
+        n = rect_volume(rect) * itemsize
+        _add(held, d, (2 + slots) * n if trainable else n)  # + gradient, optimizer
+    backward = graph.differentiable(op.output)
+    graded = {t.index for t in owners(op, tasks)} if backward and not op.is_loss else set()
+    out_width = _width(graph.tensors[op.output], itemsize)
+    workspace = definition(op.type).workspace
+    tensors = [graph.tensors[name] for name in op.inputs]
+    for t in tasks:
+        out = rect_volume(t.output) * out_width
+        _add(outputs, t.device, out)
+        total = 2 * out if t.index in graded else out  # the tile and its gradient buffer
+        dropped = 0  # gradients a backward kernel returns and the runtime sums or drops
+        for tensor, region in zip(tensors, t.inputs, strict=True):
+            n = rect_volume(region.buffer)
+            grad = backward and graph.differentiable(tensor.name)
+            if tensor.role in (TensorRole.WEIGHT, TensorRole.STATE):
+                dropped += n * itemsize if grad and tensor.role is TensorRole.WEIGHT else 0
+                continue
+            total += n * _width(tensor, itemsize)  # the input buffer
+            if tensor.role is TensorRole.ACTIVATION and grad:
+                total += n * itemsize  # its gradient, kept for the producer
+                _add(grads, t.device, n * itemsize)
+            elif tensor.role is TensorRole.INPUT:
+                dropped += n * itemsize if grad else 0
+        _add(held, t.device, total)
+        shapes = [rect_shape(r.buffer) for r in t.inputs]
+        fw, bw = (
+            workspace(op.attrs, shapes, rect_shape(t.output), itemsize) if workspace else (0, 0)
+        )
+        forward[t.device] = max(forward.get(t.device, 0), fw)
+        if backward:
+            backward_[t.device] = max(backward_.get(t.device, 0), bw + dropped)
+    if op.nest.partial_dims:
+        for group in sum_groups(op, tasks):
+            n = rect_volume(tasks[group.owner].output) * out_width
+            for d in group.devices:  # the summed tile, and its shared gradient
+                _add(held, d, 2 * n if backward else n)
+    return OpMemory(*(tuple(x.items()) for x in (held, outputs, grads, forward, backward_)))
+
+
+def _contiguous(rect: Rect, origin: Rect) -> bool:
+    """Whether ``rect`` of an array spanning ``origin`` is one C-contiguous run (as numpy
+    says: axes of extent 1 do not count), so that sending it needs no staging copy."""
+    if rect_volume(rect) == 0:
+        return True
+    cut = False
+    for (lo, hi), (olo, ohi) in zip(rect, origin, strict=True):
+        if cut and hi - lo != ohi - olo:
+            return False
+        cut = cut or hi - lo > 1
+    return True
+
+
+def _edge_bytes(
+    graph: Graph,
+    edge: Edge,
+    ptasks: tuple[Task, ...],
+    ctasks: tuple[Task, ...],
+    itemsize: int,
+    sole: bool,
+) -> Pieces:
+    """What one edge adds per device: receive buffers and staging copies where a piece
+    crosses devices (both ways when a gradient flows back); minus the input buffer of a
+    consumer that reads a local producer's whole tile in place and, where the edge is the
+    tensor's ``sole`` reader, the producer's gradient buffer that the consumer's input
+    gradient stands in for (``executor/layout.py``: ``Alias``, ``GradAlias``)."""
+    width = _width(graph.tensors[edge.tensor], itemsize)
+    grad = graph.differentiable(edge.tensor)
+    feeds = Counter(o.dst_task for o in edge.overlaps)
+    sends = Counter(o.src_task for o in edge.overlaps)
+    held: dict[int, int] = {}
+    for o in edge.overlaps:
+        p, c = ptasks[o.src_task], ctasks[o.dst_task]
+        buffer = c.inputs[edge.operand].buffer
+        if p.device != c.device:
+            _add(held, c.device, o.volume * width)
+            _add(held, p.device, 0 if _contiguous(o.rect, p.output) else o.volume * width)
+            if grad:
+                _add(held, p.device, o.volume * itemsize)
+                _add(held, c.device, 0 if _contiguous(o.rect, buffer) else o.volume * itemsize)
+            continue
+        whole = o.rect == buffer == p.output
+        if whole and feeds[o.dst_task] == 1:
+            _add(held, c.device, -o.volume * width)
+        if whole and grad and sole and sends[o.src_task] == 1:
+            _add(held, p.device, -o.volume * itemsize)
+    return tuple(held.items())
 
 
 def _batch_bytes(pg: PartitionedGraph, device: int, itemsize: int) -> int:
@@ -66,25 +188,58 @@ def _batch_bytes(pg: PartitionedGraph, device: int, itemsize: int) -> int:
     return held
 
 
+def readers(edges) -> Counter:
+    """How many edges read each tensor: a gradient buffer is read in place only where
+    one does."""
+    return Counter(e.tensor for e in edges)
+
+
+def total(held: list[int], ops: list[OpMemory]) -> tuple[int, ...]:
+    """The peak per device from what it holds at the end of the step and each op's
+    kernels (in graph order): the larger of the backward's peak, over everything, and
+    the forward's, over the output tiles of the ops before and the kernel's own."""
+    devices = len(held)
+    made, forward, backward = [0] * devices, [0] * devices, [0] * devices
+    later = [0] * devices  # the backward's gradients
+    for m in ops:
+        for d, n in m.grads:
+            later[d] += n
+        for d, n in m.forward:
+            forward[d] = max(forward[d], made[d] + n)
+        for d, n in m.outputs:
+            made[d] += n
+            forward[d] = max(forward[d], made[d])
+        for d, n in m.backward:
+            backward[d] = max(backward[d], n)
+    return tuple(
+        h + max(b, f - o - g)
+        for h, b, f, o, g in zip(held, backward, forward, made, later, strict=True)
+    )
+
+
 def peak_memory(
     pg: PartitionedGraph,
     devices: int,
     itemsize: int = 4,
-    memo: dict[tuple, tuple[tuple[int, int], ...]] | None = None,
+    memo: dict[tuple, OpMemory] | None = None,
     slots: int = 0,
 ) -> tuple[int, ...]:
     """``memo`` must belong to one (itemsize, slots) pair, as a Simulator's does."""
     memo = {} if memo is None else memo
+    graph = pg.graph
     held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
-    for op in pg.graph.ops:
+    parts = []
+    for op in graph.ops:
         key = (op.name, pg.strategy[op.name])
         if key not in memo:
-            memo[key] = _op_bytes(pg, op, itemsize, slots)
-        for d, n in memo[key]:
+            memo[key] = _op_bytes(graph, op, pg.tasks[op.name], pg.groups[op.name], itemsize, slots)
+        for d, n in memo[key].held:
             held[d] += n
-    for _, o, p, c in pg.moves():
-        if p.device != c.device:
-            # forward: p keeps a send copy, c a receive buffer; backward: the reverse
-            held[p.device] += 2 * o.volume * itemsize
-            held[c.device] += 2 * o.volume * itemsize
-    return tuple(held)
+        parts.append(memo[key])
+    count = readers(pg.edges)
+    for edge in pg.edges:
+        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
+        sole = count[edge.tensor] == 1
+        for d, n in _edge_bytes(graph, edge, ptasks, ctasks, itemsize, sole):
+            held[d] += n
+    return total(held, parts)

@@ -134,7 +134,7 @@ class Memo:
         default_factory=dict
     )
     rings: dict[tuple, tuple[float, tuple[int, ...], int]] = field(default_factory=dict)
-    memory: dict[tuple, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    memory: dict[tuple, object] = field(default_factory=dict)  # sim.memory.OpMemory
 
     def bind(self, graph: Graph) -> None:
         if self.graph is not graph:

@@ -17,7 +17,7 @@ from enum import Enum
 
 import numpy as np
 
-from onnx2soap.ops.base import NoAttrs, OpDef, Sample, X, case
+from onnx2soap.ops.base import NoAttrs, OpDef, Sample, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, elementwise, text
 
 # --- erf ---------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def gelu_backward(xp, attrs, inputs, output, grad_output, args):
 # --- definitions ----------------------------------------------------------------------------
 
 
-def _op(name, versions, convert, forward, backward, *cases) -> OpDef:
+def _op(name, versions, convert, forward, backward, *cases, workspace=None) -> OpDef:
     return OpDef(
         name=name,
         versions=versions,
@@ -411,7 +411,14 @@ def _op(name, versions, convert, forward, backward, *cases) -> OpDef:
         forward=forward,
         backward=backward,
         cases=cases,
+        workspace=workspace,
     )
+
+
+def _erf_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """The portable series holds about 13 float64 arrays of the tile at once."""
+    n = math.prod(out_shape)
+    return 13 * n * 8, n * itemsize
 
 
 AWAY = Sample.AWAY_FROM_ZERO
@@ -445,6 +452,7 @@ SIGMOID = _op(
     sigmoid_backward,
     case("sigmoid", "Sigmoid", X(2, 3, 4)),
     case("sigmoid_2d", "Sigmoid", X(4, 6)),
+    workspace=output_copies(3.8, 2.2),
 )
 
 # 22 only adds bfloat16 to the types of HardSigmoid, HardSwish, Elu, Selu and Softplus.
@@ -557,6 +565,7 @@ ERF = _op(
     erf_backward,
     case("erf", "Erf", X(2, 3, 4)),
     case("erf_2d", "Erf", X(6, 7)),
+    workspace=_erf_workspace,
 )
 
 GELU = _op(

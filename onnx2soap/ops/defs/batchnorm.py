@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from onnx2soap.ir import Binding, Operand, identity
-from onnx2soap.ops.base import OpDef, Sample, Statistics, W, X, case
+from onnx2soap.ops.base import OpDef, Sample, Statistics, W, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 
@@ -193,6 +193,7 @@ BATCH_NORMALIZATION = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    workspace=output_copies(2.2, 2.2),
     statistics=Statistics(
         forward=partial_forward,
         backward=partial_backward,

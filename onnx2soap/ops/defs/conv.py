@@ -265,12 +265,38 @@ def backward(xp, attrs: ConvAttrs, inputs, output, grad_output, args):
     return tuple(grads)
 
 
+def workspace(attrs: ConvAttrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """The most the kernels above hold at once besides X, W, Y and the gradients they
+    return: the columns with the flat copy of X (wide layout) or the GEMM's result, the
+    reordered W; in the backward the padded output gradient, the columns with dW's
+    per-sample products, then the columns' gradient."""
+    x, w = shapes[0], shapes[1]
+    n, c_in = x[0], w[1]
+    g = x[1] // c_in if c_in else 0
+    c_out = w[0] // g if g else 0
+    taps, out_spatial = math.prod(attrs.kernel_shape), tuple(out_shape[2:])
+    wide = all(s == 1 for s in attrs.strides) and 0 not in out_spatial
+    grid = tuple(x[2:]) if wide else out_spatial
+    size, depth = math.prod(grid), taps * c_in
+    cols = 0 if taps == 1 and wide else n * g * depth * size
+    flat = math.prod(x) if wide and cols else 0
+    product_ = n * g * c_out * size if grid != out_spatial else 0  # else it is Y itself
+    per_sample = n if c_out <= size else 2  # _weight_grad: one batched GEMM or a loop
+    forward_ = max(cols + flat, cols + product_ + math.prod(w))
+    backward_ = product_ + max(
+        cols + max(flat, per_sample * g * depth * c_out),
+        math.prod(w) + (n * g * depth * size if cols else 0),
+    )
+    return forward_ * itemsize, backward_ * itemsize
+
+
 CONV = OpDef(
     name="Conv",
     versions=(11, 22),
     convert=convert,
     forward=forward,
     backward=backward,
+    workspace=workspace,
     cases=(
         case("conv2d", "Conv", X(2, 3, 6, 7), W(4, 3, 3, 3), W(4), pads=[1, 1, 1, 1]),
         case(

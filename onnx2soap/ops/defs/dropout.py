@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx2soap.ir import DType
-from onnx2soap.ops.base import NONE, C, OpDef, RandomKey, X, case
+from onnx2soap.ops.base import NONE, C, OpDef, RandomKey, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, elementwise
 from onnx2soap.ops.random_bits import float_stream, uniform
 
@@ -164,6 +164,7 @@ DROPOUT = OpDef(
     convert=convert_dropout,
     forward=dropout_forward,
     backward=dropout_backward,
+    workspace=output_copies(5, 5),
     cases=(
         # Identities (ORT-comparable): no optionals, training_mode False, ratio 0.
         case("dropout_inference", "Dropout", X(2, 3, 4)),

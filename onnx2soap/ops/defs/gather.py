@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from onnx2soap.ir import AxisMap, Operand, Whole, identity
-from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
+from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, make_op
 from onnx2soap.ops.kernel_util import scatter_add
 
@@ -154,6 +154,7 @@ GATHER = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    workspace=output_copies(2.2, 2.2),
     id_bound=id_bound,
     cases=(
         # an embedding: a weight [vocabulary, width] read by token ids [batch, positions]

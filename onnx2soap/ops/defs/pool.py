@@ -282,12 +282,27 @@ def _avg(id: str, shape, opset: int = 17, **attrs) -> object:
     return case(id, "AveragePool", X(*shape), opset=opset, **attrs)
 
 
+def maxpool_workspace(attrs: PoolAttrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """The backward's copies of every tap, the window maxima, the gradient still to
+    place and a mask (the forward writes only its output)."""
+    out = math.prod(out_shape)
+    return 0, (math.prod(attrs.kernel_shape) + 2) * out * itemsize + out
+
+
+def averagepool_workspace(attrs: PoolAttrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """The divided output gradient; with stride 1 the whole-buffer sums (forward) and
+    the gradient spread on a grid the size of X (backward)."""
+    grid = math.prod(shapes[0]) if _wide(attrs, tuple(out_shape[2:])) else 0
+    return grid * itemsize, (math.prod(out_shape) + grid) * itemsize
+
+
 MAXPOOL = OpDef(
     name="MaxPool",
     versions=(12, 22),
     convert=convert_maxpool,
     forward=maxpool_forward,
     backward=maxpool_backward,
+    workspace=maxpool_workspace,
     cases=tuple(
         case(id, "MaxPool", X(*shape), sample=Sample.DISTINCT, **attrs)
         for id, shape, attrs in (
@@ -320,6 +335,7 @@ AVERAGEPOOL = OpDef(
     convert=convert_averagepool,
     forward=averagepool_forward,
     backward=averagepool_backward,
+    workspace=averagepool_workspace,
     cases=(
         _avg("avgpool2d", (2, 3, 7, 7), kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4),
         _avg(
