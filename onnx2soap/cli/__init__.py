@@ -1,4 +1,4 @@
-"""The ``onnx2soap`` command: inspect, plan, simulate, machine, profile.
+"""The ``onnx2soap`` command: inspect, plan, simulate, compare, machine, profile, show, plot.
 
 Every user error is printed as one line on stderr and exits with code 2, no traceback.
 """
@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from onnx2soap.cli import (
+    compare_cmd,
     inspect_cmd,
     machine_cmd,
     plan_cmd,
@@ -30,7 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find SOAP parallelization plans for ONNX models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = (inspect_cmd, plan_cmd, simulate_cmd, machine_cmd, profile_cmd, show_cmd, plot_cmd)
+    commands = (
+        inspect_cmd,
+        plan_cmd,
+        simulate_cmd,
+        compare_cmd,
+        machine_cmd,
+        profile_cmd,
+        show_cmd,
+        plot_cmd,
+    )
     for module in commands:
         module.register(sub)
     return parser

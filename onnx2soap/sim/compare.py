@@ -1,0 +1,279 @@
+"""Predicted next to measured: the simulator's timeline of a plan against the executor's
+``--trace`` of the same plan (``onnx2soap compare``).
+
+Both name tasks alike (``fwd OP[t]``, ``bwd OP[t] partial``, ``update W``...). Per op and
+phase, predicted = the sum of the simulated compute tasks' durations, measured = the
+median over the traced steps of the sum of the measured compute events; a step is, per
+traced step, the latest end over all ranks (times are relative to each rank's step
+start), and its measured value the median over the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from onnx2soap.errors import UserError
+from onnx2soap.files import check_input
+from onnx2soap.sim.machine import Machine
+from onnx2soap.sim.simulate import Timeline
+from onnx2soap.sim.taskgraph import TaskGraph, TaskKind
+
+COMPUTE_KINDS = ("forward", "backward", "update")
+_COMPUTE = re.compile(r"(fwd|bwd) (.+)\[\d+\]( partial)?")
+MEASURED_PID = 100  # measured rank r is process 100 + r in the combined trace
+MAX_EVENTS = 5_000_000  # a trace larger than this is no executor's
+
+
+@dataclass(frozen=True)
+class Event:
+    name: str
+    kind: str
+    rank: int
+    row: int
+    start_us: float
+    dur_us: float
+    step: int
+
+
+@dataclass(frozen=True)
+class Measured:
+    plan: str
+    events: tuple[Event, ...]
+    peak_memory_bytes: tuple[int, ...]
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return tuple(sorted({e.step for e in self.events}))
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str  # the op (an update: the weight)
+    phase: str  # fwd, bwd or update
+    predicted_s: float
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rows: tuple[Row, ...]  # sorted by measured time, largest first
+    predicted_step_s: float
+    measured_steps_s: tuple[float, ...]  # per traced step
+    predicted_memory: tuple[int, ...]
+    measured_memory: tuple[int, ...]
+
+    @property
+    def measured_step_s(self) -> float:
+        return statistics.median(self.measured_steps_s) if self.measured_steps_s else 0.0
+
+
+def op_phase(name: str, kind: str) -> tuple[str, str] | None:
+    """(op, phase) of a compute task's name; None for anything else."""
+    if kind == "update" and name.startswith("update "):
+        return name[len("update ") :], "update"
+    m = _COMPUTE.fullmatch(name)
+    return (m[2], m[1]) if m else None
+
+
+def read_measured(path: Path | str) -> Measured:
+    """The executor's ``--trace`` file, checked: a refusal is one line."""
+    path = check_input(path, "measured trace")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{path}: not a measured trace (not JSON: {e})") from e
+    other = doc.get("otherData") if isinstance(doc, dict) else None
+    events = doc.get("traceEvents") if isinstance(doc, dict) else None
+    if (
+        not isinstance(other, dict)
+        or other.get("measured") is not True
+        or not isinstance(events, list)
+    ):
+        raise UserError(
+            f"{path}: not a measured trace (write one with python -m executor run PLAN "
+            "--trace FILE)"
+        )
+    peaks = other.get("peak_memory_bytes", [])
+    if not isinstance(peaks, list) or not all(isinstance(p, int) for p in peaks):
+        raise UserError(f"{path}: otherData.peak_memory_bytes must be a list of integers")
+    if len(events) > MAX_EVENTS:
+        raise UserError(f"{path}: more than {MAX_EVENTS} events; not an executor's trace")
+    return Measured(str(other.get("plan", "")), _events(path, events), tuple(peaks))
+
+
+def _events(path: Path, events: list) -> tuple[Event, ...]:
+    found = []
+    for i, e in enumerate(events):
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue  # metadata (process and thread names)
+        try:
+            found.append(
+                Event(
+                    str(e["name"]),
+                    str(e.get("cat", "")),
+                    _int(e["pid"]),
+                    _int(e.get("tid", 0)),
+                    float(e["ts"]),
+                    float(e["dur"]),
+                    _int(e.get("args", {}).get("step", 0)),
+                )
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise UserError(f"{path}: event {i} is not a measured task ({err})") from err
+    return tuple(found)
+
+
+def _int(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an integer")
+    return value
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """The simulated step's tasks by resource: compute devices, then links."""
+
+    tg: TaskGraph
+    timeline: Timeline
+    machine: Machine
+
+    def compute(self) -> list[tuple[str, str, int, float]]:
+        """(name, kind, device, seconds) of every compute task."""
+        kinds = {TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE}
+        found = []
+        for i in range(self.tg.size):
+            kind = TaskKind(int(self.tg.kind[i]))
+            if kind in kinds:
+                device = int(self.tg.res_idx[self.tg.res_ptr[i]])
+                found.append(
+                    (self.tg.names[i], kind.name.lower(), device, float(self.tg.duration[i]))
+                )
+        return found
+
+
+def check_same_plan(predicted: Predicted, measured: Measured, where: str) -> None:
+    """Refuse a trace of another plan: every measured compute task must be one the plan
+    gives to that rank, and the ranks must be the plan's devices."""
+    devices = predicted.machine.size
+    ranks = {e.rank for e in measured.events}
+    if not measured.events:
+        raise UserError(f"{where}: the trace holds no measured task")
+    if max(ranks) >= devices or len(measured.peak_memory_bytes) != devices:
+        raise UserError(
+            f"{where}: a trace of {max(len(measured.peak_memory_bytes), max(ranks) + 1)} "
+            f"ranks, but the plan has {devices} devices"
+        )
+    planned = {(name, device) for name, _, device, _ in predicted.compute()}
+    for e in measured.events:
+        if e.kind in COMPUTE_KINDS and op_phase(e.name, e.kind) and (e.name, e.rank) not in planned:
+            raise UserError(
+                f"{where}: not a trace of this plan (rank {e.rank} ran '{e.name}', which "
+                "the plan does not give it)"
+            )
+
+
+def compare(predicted: Predicted, measured: Measured, memory: Sequence[int]) -> Comparison:
+    pred: dict[tuple[str, str], float] = defaultdict(float)
+    for name, kind, _, seconds in predicted.compute():
+        key = op_phase(name, kind)
+        if key is not None:
+            pred[key] += seconds
+    steps = measured.steps
+    per_step: dict[tuple[str, str], dict[int, float]] = defaultdict(
+        lambda: dict.fromkeys(steps, 0.0)
+    )
+    ends: dict[int, float] = dict.fromkeys(steps, 0.0)
+    for e in measured.events:
+        ends[e.step] = max(ends[e.step], (e.start_us + e.dur_us) * 1e-6)
+        key = op_phase(e.name, e.kind) if e.kind in COMPUTE_KINDS else None
+        if key is not None:
+            per_step[key][e.step] += e.dur_us * 1e-6
+    keys = set(pred) | set(per_step)
+    meas = {k: statistics.median(per_step[k].values()) if k in per_step else 0.0 for k in keys}
+    rows = sorted(
+        (Row(op, phase, pred.get((op, phase), 0.0), meas[(op, phase)]) for op, phase in keys),
+        key=lambda r: (-r.measured_s, -r.predicted_s, r.op, r.phase),
+    )
+    return Comparison(
+        tuple(rows),
+        predicted.timeline.makespan,
+        tuple(ends[s] for s in steps),
+        tuple(memory),
+        measured.peak_memory_bytes,
+    )
+
+
+def combined_trace(
+    predicted: Predicted, measured: Measured, comparison: Comparison
+) -> Mapping[str, object]:
+    """One Perfetto document: the simulated step as processes 0..D-1 ("predicted device
+    d", links in process D) and the measured step closest to the median as processes
+    100 + r ("measured rank r"), both from time 0."""
+    machine, tg, timeline = predicted.machine, predicted.tg, predicted.timeline
+    devices = machine.size
+    events: list[dict] = []
+    for d in range(devices):
+        events.append(_process(d, f"predicted device {d}"))
+    events.append(_process(devices, "predicted links"))
+    for i in range(tg.size):
+        for r in tg.res_idx[tg.res_ptr[i] : tg.res_ptr[i + 1]]:
+            pid, tid = (int(r), 0) if r < devices else (devices, int(r) - devices)
+            events.append(
+                _complete(
+                    tg.names[i],
+                    TaskKind(int(tg.kind[i])).name.lower(),
+                    pid,
+                    tid,
+                    float(timeline.start[i]) * 1e6,
+                    float(tg.duration[i]) * 1e6,
+                )
+            )
+    for j, link in enumerate(machine.links):
+        events.append(_thread(devices, j, link.name))
+    step = _median_step(comparison, measured.steps)
+    ranks = sorted({e.rank for e in measured.events})
+    for r in ranks:
+        events.append(_process(MEASURED_PID + r, f"measured rank {r}"))
+        events.append(_thread(MEASURED_PID + r, 0, "compute"))
+        events.append(_thread(MEASURED_PID + r, 1, "communication"))
+    for e in measured.events:
+        if e.step == step:
+            events.append(
+                _complete(e.name, e.kind, MEASURED_PID + e.rank, e.row, e.start_us, e.dur_us)
+            )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "plan": measured.plan,
+            "measured_step": step,
+            "predicted_step_s": comparison.predicted_step_s,
+            "measured_step_s": comparison.measured_step_s,
+        },
+    }
+
+
+def _median_step(comparison: Comparison, steps: Sequence[int]) -> int:
+    if not steps:
+        return 0
+    target = comparison.measured_step_s
+    times = comparison.measured_steps_s
+    return min(zip(steps, times, strict=True), key=lambda st: (abs(st[1] - target), st[0]))[0]
+
+
+def _process(pid: int, name: str) -> dict:
+    return {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+
+
+def _thread(pid: int, tid: int, name: str) -> dict:
+    return {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def _complete(name: str, kind: str, pid: int, tid: int, ts: float, dur: float) -> dict:
+    return {"name": name, "cat": kind, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur}

@@ -1,0 +1,130 @@
+"""`onnx2soap compare PLAN MEASURED`: the simulator's step next to a 2-rank run's trace.
+
+One mpiexec run of the example CNN with --trace; the per-op measured times are checked
+against a sum computed here from the trace file, the step against the latest event end
+per step, the Perfetto output for both timelines, the chart for its size, and bad input
+for one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.cli import main as cli
+from tests.cli.test_pictures import needs_matplotlib, one_line, png_size
+from tests.executor.mpi import make_plan, mpirun
+
+pytestmark = pytest.mark.mpi
+BATCH, STEPS = 8, 4  # steps 2..4 are traced
+
+
+@pytest.fixture(scope="module")
+def traced(example_onnx: Path, tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("compare")
+    plan = folder / "plan.json"
+    make_plan(example_onnx, plan, 2, BATCH, "random", 1)
+    trace = folder / "measured.json"
+    run = mpirun(plan, 2, folder, "--steps", str(STEPS), "--trace", str(trace))
+    assert run.returncode == 0, run.stderr[-2000:]
+    return plan, trace
+
+
+def compare_json(plan: Path, trace: Path, capsys, *extra: str) -> dict:
+    assert cli(["compare", str(plan), str(trace), "--costs", "roofline", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_measured_times_are_the_trace_s(traced, capsys) -> None:
+    plan, trace = traced
+    doc = compare_json(plan, trace, capsys)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    steps = sorted({e["args"]["step"] for e in events})
+    assert steps == list(range(2, STEPS + 1))
+    sums: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: dict.fromkeys(steps, 0.0))
+    ends = dict.fromkeys(steps, 0.0)
+    for e in events:
+        ends[e["args"]["step"]] = max(ends[e["args"]["step"]], (e["ts"] + e["dur"]) / 1e6)
+        name = e["name"]
+        if e["cat"] == "update":
+            key = (name.removeprefix("update "), "update")
+        elif e["cat"] in ("forward", "backward"):
+            key = (name.split("[")[0].split(" ", 1)[1], name[:3])
+        else:
+            continue
+        sums[key][e["args"]["step"]] += e["dur"] / 1e6
+    rows = {(r["op"], r["phase"]): r for r in doc["ops"]}
+    assert set(rows) == set(sums)
+    for key, per_step in sums.items():
+        assert rows[key]["measured_s"] == pytest.approx(statistics.median(per_step.values()))
+        assert rows[key]["predicted_s"] > 0
+    measured = [r["measured_s"] for r in doc["ops"]]
+    assert measured == sorted(measured, reverse=True)
+    assert doc["step"]["measured_steps_s"] == pytest.approx([ends[s] for s in steps])
+    assert doc["step"]["measured_s"] == pytest.approx(statistics.median(ends.values()))
+    simulated = compare_json(plan, trace, capsys)["step"]["predicted_s"]
+    assert cli(["simulate", str(plan), "--costs", "roofline", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert simulated == alone["step_time_s"]
+    assert doc["memory"]["predicted_bytes"] == alone["peak_memory_bytes"]
+    assert (
+        doc["memory"]["measured_bytes"]
+        == json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
+    )
+
+
+def test_table_and_both_timelines(traced, tmp_path: Path, capsys) -> None:
+    plan, trace = traced
+    both = tmp_path / "both.json"
+    assert cli(["compare", str(plan), str(trace), "--costs", "roofline", "-o", str(both)]) == 0
+    out = capsys.readouterr().out
+    assert "/conv1/Conv fwd" in out and "step: predicted" in out and "device 1" in out
+    events = json.loads(both.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names[0] == "predicted device 0" and names[1] == "predicted device 1"
+    assert names[100] == "measured rank 0" and names[101] == "measured rank 1"
+    timed = {e["pid"] for e in events if e["ph"] == "X"}
+    assert {0, 1, 100, 101} <= timed
+
+
+@needs_matplotlib
+def test_chart_has_the_requested_size(traced, tmp_path: Path, capsys) -> None:
+    plan, trace = traced
+    chart = tmp_path / "chart.png"
+    args = ["compare", str(plan), str(trace), "--chart", str(chart), "--size", "900x700"]
+    assert cli([*args, "--costs", "roofline"]) == 0
+    assert png_size(chart.read_bytes()) == (900, 700)
+
+
+def test_refusals_in_one_line(traced, example_onnx: Path, tmp_path: Path, capsys, monkeypatch):
+    plan, trace = traced
+    base = ["compare", str(plan)]
+    assert cli([*base, str(tmp_path / "missing.json")]) == 2
+    one_line(capsys, "missing.json")
+    simulated = tmp_path / "simulated.json"
+    assert cli(["simulate", str(plan), "--trace", str(simulated)]) == 0
+    capsys.readouterr()
+    assert cli([*base, str(simulated)]) == 2
+    one_line(capsys, "not a measured trace")
+    other = tmp_path / "other.json"
+    make_plan(example_onnx, other, 2, BATCH, "model-parallel")
+    capsys.readouterr()
+    assert cli(["compare", str(other), str(trace)]) == 2
+    one_line(capsys, "not a trace of this plan")
+    four = tmp_path / "four.json"
+    make_plan(example_onnx, four, 4, BATCH, "data-parallel")
+    capsys.readouterr()
+    assert cli(["compare", str(four), str(trace)]) == 2
+    one_line(capsys, "2 ranks", "4 devices")
+    (tmp_path / "file").write_text("")
+    assert cli([*base, str(trace), "-o", str(tmp_path / "file" / "both.json")]) == 2
+    one_line(capsys, "cannot write")
+    assert cli([*base, str(trace), "-o", str(tmp_path)]) == 2
+    one_line(capsys)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli([*base, str(trace), "--chart", str(tmp_path / "c.png")]) == 2
+    one_line(capsys, "needs matplotlib: pip install 'onnx2soap[plots]'")
