@@ -1,0 +1,242 @@
+"""Simulator fidelity: predicted against measured step time and peak memory, many plans.
+
+    python -m benchmarks.fidelity              # cnn, resnet18, gpt2, lstm_lm on cpu:2, cpu:4
+    python -m benchmarks.fidelity --models cnn --ranks 2 --repeats 2 --costs roofline
+
+Per machine (``onnx2soap machine probe -n N``: this host's N ranks, then ``onnx2soap
+profile`` per model unless ``--costs roofline``) and model, ten plans: data parallel,
+expert, single device, model parallel, five random seeds and an MCMC search. Each plan
+runs ``--repeats`` times under mpiexec with ``--trace``; a run's step is the median over
+its traced steps of the latest end over all ranks, the plan's the median over the runs
+(their spread is printed). Per model and machine: the mean absolute error of the
+predicted step, Kendall's tau-b between predicted and measured steps over the plans, and
+the mean absolute error of the predicted peak memory of every rank the plan gives tasks.
+
+Every rank collects garbage at the end of each step (a driver around the executor): the
+executor's step state sits in a reference cycle, and without a collection the arrays of
+past steps survive for a collector-dependent while, so the measured peak would not be a
+property of the plan. N ranks above this host's cores share them: the table says so.
+Needs torch and transformers (dev extras) for the models other than the example CNN.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+BATCH = {"cnn": 32, "resnet18": 8, "gpt2": 16, "lstm_lm": 32}
+RULES = ("data-parallel", "expert", "single-device", "model-parallel")
+RANDOM_SEEDS = (1, 2, 3, 4, 5)
+DRIVER = """
+import gc, sys
+import executor.runtime as runtime
+step = runtime.Runtime.step
+def collected(self, batch, lr):
+    try:
+        return step(self, batch, lr)
+    finally:
+        gc.collect()
+runtime.Runtime.step = collected
+from executor.cli import main
+sys.argv = ["executor", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+@dataclass(frozen=True)
+class Result:
+    plan: str
+    predicted_s: float
+    measured_s: float  # median over runs
+    spread: tuple[float, float]  # min, max over runs
+    predicted_memory: tuple[int, ...]
+    measured_memory: tuple[int, ...]
+
+
+def export(name: str, folder: Path) -> Path:
+    if name == "cnn":
+        return ROOT / "examples" / "cnn.onnx"
+    if name == "resnet18":
+        from tests.torchvision_models import export_family
+
+        return export_family("resnet18", folder, "legacy")
+    from tests.sequence_models import export_sequence
+
+    return export_sequence(name, folder, "legacy")
+
+
+def onnx2soap(*args: object) -> str:
+    done = subprocess.run(
+        [str(BIN / "onnx2soap"), *map(str, args)], capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        raise SystemExit(f"onnx2soap {' '.join(map(str, args))}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def plans(model: Path, name: str, machine: Path, ranks: int, folder: Path, evals: int):
+    common = ["--batch", BATCH[name], "--machine", machine, "--quiet"]
+    made = []
+    for rule in RULES:
+        made.append((rule, ["--strategy", rule]))
+    for seed in RANDOM_SEEDS:
+        made.append((f"random-{seed}", ["--strategy", "random", "--seed", seed]))
+    made.append(("searched", ["--max-evals", evals, "--seed", 0]))
+    for label, extra in made:
+        path = folder / f"{name}-{ranks}-{label}.json"
+        onnx2soap("plan", model, *common, *extra, "-o", path)
+        yield label, path
+
+
+def measure(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[float, tuple[int, ...]]:
+    trace = folder / "trace.json"
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, "-c", DRIVER, "run"]
+    command += [str(plan), "--steps", str(steps), "--trace", str(trace)]
+    if ranks > (os.cpu_count() or 1):
+        command[1:1] = ["--oversubscribe"] if _open_mpi() else []
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise SystemExit(f"{plan}: the executor failed:\n{done.stderr[-2000:]}")
+    doc = json.loads(trace.read_text())
+    ends: dict[int, float] = {}
+    for e in doc["traceEvents"]:
+        if e.get("ph") == "X":
+            step = e["args"]["step"]
+            ends[step] = max(ends.get(step, 0.0), (e["ts"] + e["dur"]) * 1e-6)
+    return statistics.median(ends.values()), tuple(doc["otherData"]["peak_memory_bytes"])
+
+
+def _open_mpi() -> bool:
+    done = subprocess.run([str(BIN / "mpiexec"), "--version"], capture_output=True, text=True)
+    return "Open MPI" in done.stdout or "OpenRTE" in done.stdout
+
+
+def kendall_tau(xs, ys) -> float:
+    """Kendall's tau-b (ties counted), O(n^2): a handful of plans."""
+    concordant = discordant = tied_x = tied_y = 0
+    n = len(xs)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                tied_x += 1
+            elif dy == 0:
+                tied_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    pairs = concordant + discordant
+    denominator = ((pairs + tied_x) * (pairs + tied_y)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else float("nan")
+
+
+def summary(results: list[Result]) -> dict:
+    step_err = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in results]
+    mem_err = [
+        abs(p - m) / m
+        for r in results
+        for p, m in zip(r.predicted_memory, r.measured_memory, strict=True)
+        if p  # a rank the plan gives nothing holds only Python's objects
+    ]
+    noise = [(r.spread[1] - r.spread[0]) / r.measured_s for r in results]
+    return {
+        "plans": len(results),
+        "step_error": statistics.mean(step_err),
+        "tau": kendall_tau([r.predicted_s for r in results], [r.measured_s for r in results]),
+        "memory_error": statistics.mean(mem_err),
+        "memory_worst": max(mem_err),
+        "noise": statistics.median(noise),
+        "bias": statistics.median(r.measured_s / r.predicted_s for r in results),
+    }
+
+
+def run_model(name, ranks, machine, args, folder) -> list[Result]:
+    model = export(name, folder)
+    if args.costs != "roofline":
+        onnx2soap("profile", model, "--batch", BATCH[name], "--machine", machine, "--quiet")
+    results = []
+    for label, plan in plans(model, name, machine, ranks, folder, args.search_evals):
+        doc = json.loads(onnx2soap("simulate", plan, "--json", "--costs", args.costs))
+        runs = [measure(plan, ranks, args.steps, folder) for _ in range(args.repeats)]
+        times = [t for t, _ in runs]
+        peaks = tuple(max(m[d] for _, m in runs) for d in range(ranks))
+        result = Result(
+            label,
+            doc["step_time_s"],
+            statistics.median(times),
+            (min(times), max(times)),
+            tuple(doc["peak_memory_bytes"]),
+            peaks,
+        )
+        print(
+            f"  {name:9} cpu:{ranks} {label:15} predicted {result.predicted_s * 1e3:8.2f} ms  "
+            f"measured {result.measured_s * 1e3:8.2f} ms ({min(times) * 1e3:.2f}-"
+            f"{max(times) * 1e3:.2f})  memory "
+            + " ".join(
+                f"{(p - m) / m * 100:+.0f}%"
+                for p, m in zip(result.predicted_memory, peaks, strict=True)
+            ),
+            flush=True,
+        )
+        results.append(result)
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="cnn,resnet18,gpt2,lstm_lm")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeats", type=int, default=3, help="runs per plan (default 3)")
+    p.add_argument("--steps", type=int, default=6, help="steps per run, 2.. traced")
+    p.add_argument("--search-evals", type=int, default=300)
+    p.add_argument("--costs", choices=["auto", "profiled", "roofline"], default="profiled")
+    p.add_argument("--json", help="write every result to this file")
+    args = p.parse_args(argv)
+    table, everything = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for ranks in args.ranks:
+            machine = folder / f"host-{ranks}.yaml"
+            onnx2soap("machine", "probe", "-n", ranks, "-o", machine)
+            for name in args.models.split(","):
+                results = run_model(name, ranks, machine, args, folder)
+                everything[f"{name}@cpu:{ranks}"] = [r.__dict__ for r in results]
+                table.append((name, ranks, summary(results)))
+    cores = os.cpu_count()
+    print(
+        "\n| model | machine | plans | step error | Kendall tau | memory error (worst) "
+        "| run-to-run spread | measured/predicted |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, ranks, s in table:
+        over = " (oversubscribed)" if ranks > (cores or 1) else ""
+        print(
+            f"| {name} | cpu:{ranks}{over} | {s['plans']} | {s['step_error'] * 100:.0f} % | "
+            f"{s['tau']:.2f} | {s['memory_error'] * 100:.1f} % ({s['memory_worst'] * 100:.0f} %) | "
+            f"{s['noise'] * 100:.0f} % | {s['bias']:.2f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": everything, "summary": table}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
