@@ -40,20 +40,6 @@ BIN = Path(sys.executable).parent
 BATCH = {"cnn": 32, "resnet18": 8, "gpt2": 16, "lstm_lm": 32}
 RULES = ("data-parallel", "expert", "single-device", "model-parallel")
 RANDOM_SEEDS = (1, 2, 3, 4, 5)
-DRIVER = """
-import gc, sys
-import executor.runtime as runtime
-step = runtime.Runtime.step
-def collected(self, batch, lr):
-    try:
-        return step(self, batch, lr)
-    finally:
-        gc.collect()
-runtime.Runtime.step = collected
-from executor.cli import main
-sys.argv = ["executor", *sys.argv[1:]]
-sys.exit(main())
-"""
 
 
 @dataclass(frozen=True)
@@ -105,7 +91,7 @@ def measure(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[float, tu
     trace = folder / "trace.json"
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
     env.setdefault("OMP_NUM_THREADS", "1")
-    command = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, "-c", DRIVER, "run"]
+    command = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, "-m", "executor", "run"]
     command += [str(plan), "--steps", str(steps), "--trace", str(trace)]
     if ranks > (os.cpu_count() or 1):
         command[1:1] = ["--oversubscribe"] if _open_mpi() else []

@@ -209,7 +209,9 @@ class Runtime:
         return loss
 
     def _run(self, state: _Step, instructions) -> None:
-        dispatch = state.dispatch
+        # Local, not on the step: bound methods held by the step would make it a cycle
+        # that keeps a step's arrays alive until the garbage collector runs.
+        dispatch = state.dispatch()
         if self.tracer is None or not self.tracer.active:
             for ins in instructions:
                 dispatch[type(ins)](ins)
@@ -321,7 +323,10 @@ class _Step:
             self.scale = batch.loss_scale
             if self.scale is None:
                 self.scale = loss_scale(rt.graph, batch.labels)
-        self.dispatch = {
+
+    def dispatch(self) -> dict[type, object]:
+        """The method that runs each kind of instruction."""
+        return {
             Partial: self.partial,
             ReduceStats: self.reduce_stats,
             SumOutputs: self.sum_outputs,

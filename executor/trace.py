@@ -74,8 +74,10 @@ class Tracer:
     peak_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.device.xp.__name__ == "numpy" and not tracemalloc.is_tracing():
-            tracemalloc.start()
+        if self.device.xp.__name__ == "numpy":
+            if not tracemalloc.is_tracing():
+                tracemalloc.start()
+            tracemalloc.reset_peak()  # what came before (reading the plan) is not the run's
 
     @property
     def active(self) -> bool:
@@ -111,7 +113,9 @@ class Tracer:
         )
 
 
-def write_measured(path: Path, per_rank: list[tuple[list[dict], int]], plan: Path) -> None:
+def write_measured(
+    path: Path, per_rank: list[tuple[list[dict], int]], plan: Path, plan_sha256: str
+) -> None:
     """Rank 0: every rank's events and peak memory in one Perfetto file."""
     events = []
     for rank, (rank_events, _) in enumerate(per_rank):
@@ -128,6 +132,7 @@ def write_measured(path: Path, per_rank: list[tuple[list[dict], int]], plan: Pat
         "displayTimeUnit": "ms",
         "otherData": {
             "plan": str(plan),
+            "plan_sha256": plan_sha256,
             "measured": True,
             "peak_memory_bytes": [peak for _, peak in per_rank],
         },

@@ -312,6 +312,7 @@ def train(
     ranks = comm.allgather((MPI.Get_processor_name(), os.getpid()))
     if on_start is not None and rank == 0:
         on_start(tuple(RankInfo(r, host, pid) for r, (host, pid) in enumerate(ranks)))
+    plan_sha = file_sha256(Path(options.plan))
     # Traced runs count what the rank allocates from here on (its shards, buffers, steps).
     tracer = Tracer(rank, s.pg, device) if options.trace is not None else None
     rt = Runtime(
@@ -329,7 +330,6 @@ def train(
     # The rank keeps its shards only: the whole model's values are dropped.
     s = replace(s, model=replace(s.model, weights={}, state={}))
     first = _resume(comm, rt, s, options) if options.resume is not None else 0
-    plan_sha = file_sha256(Path(options.plan))
     checkpoints = _Checkpoints(comm, rt, options, _identity(s, options), plan_sha, saved=first)
     rows = rows_needed(s.pg, rank)
     evaluation = _Evaluation(comm, rt, s.eval_data, rows, options.eval_every, on_eval)
@@ -370,7 +370,7 @@ def train(
     if rt.tracer is not None:
         gathered = comm.gather((rt.tracer.events, rt.tracer.peak_bytes), root=0)
         if rank == 0:
-            write_measured(options.trace, gathered, options.plan)
+            write_measured(options.trace, gathered, options.plan, plan_sha)
     counts = np.zeros(comm.Get_size(), dtype=np.int64)
     comm.Allgather(np.array([transport.bytes_sent], dtype=np.int64), counts)
     weights = None

@@ -1,12 +1,9 @@
 """The memory model against the executor's measured peak (``--trace``: tracemalloc on CPU
 ranks, counted from just before the Runtime is built), on small plans of three models.
 
-Measured here, every rank collects garbage at the end of each step (the driver below):
-a step's arrays are held by a reference cycle in the executor (``_Step.dispatch`` holds
-bound methods of the step), so without a collection they outlive the step by a
-collector-dependent number of steps and the peak is no property of the plan. Batches are
-large enough that numpy's arrays, which the model is about, dominate Python's own
-objects (the program, the trace events) and the 1 MiB that hashing the plan file reads.
+A step's arrays are freed when it ends (no reference cycle holds them), so the peak is
+a property of the plan. Batches are large enough that numpy's arrays, which the model is
+about, dominate Python's own objects (the program, the trace events).
 """
 
 from __future__ import annotations
@@ -25,21 +22,6 @@ from tests.executor.mpi import make_plan, mpirun
 pytestmark = pytest.mark.mpi
 
 TOLERANCE = 0.10
-DRIVER = """
-import gc, sys
-import executor.runtime as runtime
-step = runtime.Runtime.step
-def collected(self, batch, lr):
-    try:
-        return step(self, batch, lr)
-    finally:
-        gc.collect()
-runtime.Runtime.step = collected
-from executor.cli import main
-sys.argv = ["executor", *sys.argv[1:]]
-sys.exit(main())
-"""
-
 CASES = [  # model, batch, ranks, strategy, seed
     ("cnn", 32, 2, "random", 1),
     ("cnn", 32, 3, "random", 2),
@@ -65,9 +47,7 @@ def test_peak_memory_within_ten_percent_of_measured(
     plan = tmp_path / "plan.json"
     make_plan(model, plan, ranks, batch, strategy, seed)
     trace = tmp_path / "measured.json"
-    run = mpirun(
-        plan, ranks, tmp_path, "--steps", "3", "--trace", str(trace), script=["-c", DRIVER]
-    )
+    run = mpirun(plan, ranks, tmp_path, "--steps", "3", "--trace", str(trace))
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
     for rank, (p, m) in enumerate(zip(predicted(plan), measured, strict=True)):
