@@ -8,8 +8,11 @@ the two timelines side by side. Steps 2 to ``1 + TRACED_STEPS`` are kept (the fi
 up), each rank's times relative to the start of its step; rank 0 writes one
 Chrome/Perfetto JSON file: one process per rank, a compute row and a communication row.
 
-While tracing, each rank also records the peak of the memory it allocates (tracemalloc
-on the CPU, which numpy reports to; cupy's pool on a GPU), for the memory model's check.
+While tracing, each rank also records the peak of the memory it allocates, for the
+memory model's check: on the CPU with tracemalloc (which numpy reports to), from just
+before the rank builds its runtime to the end of the first traced step, and then stops
+it, since it slows every allocation: the median of the traced steps is a clean one. On
+a GPU, cupy's pool after every step.
 """
 
 from __future__ import annotations
@@ -88,12 +91,12 @@ class Tracer:
         self.origin = time.perf_counter()
 
     def end_step(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self._allocated_peak())
-
-    def _allocated_peak(self) -> int:
-        if self.device.xp.__name__ == "numpy":
-            return tracemalloc.get_traced_memory()[1]
-        return int(self.device.xp.get_default_memory_pool().total_bytes())
+        if self.device.xp.__name__ != "numpy":
+            pool = self.device.xp.get_default_memory_pool()
+            self.peak_bytes = max(self.peak_bytes, int(pool.total_bytes()))
+        elif tracemalloc.is_tracing() and self.step >= 2:
+            self.peak_bytes = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
 
     def record(self, name: str, kind: str, start: float, end: float) -> None:
         if not self.active:

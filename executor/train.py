@@ -28,6 +28,7 @@ from executor.data import SyntheticData, rows_needed
 from executor.dataset import FileData, open_dataset
 from executor.device import open_device
 from executor.evaluation import EvalRecord, evaluate
+from executor.host_memory import keep_freed_memory
 from executor.kinds import DeviceKind, TransportKind
 from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
@@ -303,6 +304,7 @@ def train(
     checkpointed when ``--checkpoint`` is given)."""
     rank = comm.Get_rank()
     _check_outputs(comm, options)
+    keep_freed_memory()  # a step's temporaries reuse the last step's pages
     # The device and transport before the model: a wrong --device fails in a second.
     device = open_device(options.device, comm)
     transport = make_transport(options.transport, comm, device)
