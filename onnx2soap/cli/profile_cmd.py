@@ -28,7 +28,7 @@ from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerpri
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.presets import _is_file
-from onnx2soap.sim.profiled import FingerprintMismatch, ProfiledCost
+from onnx2soap.sim.profiled import FingerprintMismatch, ProfiledCost, calibrations
 from onnx2soap.soap.plan import MAX_DEVICES
 
 MAX_REPEAT = 1000
@@ -162,7 +162,26 @@ def run(args: argparse.Namespace) -> int:
         f"in {seconds(summary['seconds'])} on {summary['ranks']} ranks"
     )
     print(f"  fingerprint: {summary['fingerprint']}")
+    print(f"  in-step calibration: {_calibration_line(db, args.dtype)}")
     return 0
+
+
+def _calibration_line(db: Path, dtype: str) -> str:
+    """Per phase, how the step's times relate to the isolated ones (every model the
+    database has calibrated counts)."""
+    kind = DeviceKind.CPU
+    fp = host_fingerprint(kind, dtype)
+    with CostDB.open(db) as opened:
+        fp_id = opened.find(fp)
+        if fp_id is None:  # timings of a GPU: no calibration (yet)
+            return "none"
+        fitted = calibrations(opened.timings(fp_id), opened.in_step(fp_id))
+    if not fitted:
+        return "none"
+    return ", ".join(
+        f"{phase.value} {c.scale:.2f} x isolated + {c.overhead * 1e6:.1f} us"
+        for phase, c in sorted(fitted.items(), key=lambda kv: kv[0].value)
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:

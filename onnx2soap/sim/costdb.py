@@ -10,6 +10,12 @@ A timing's key is what makes two kernel calls identical (``cost_key``): op type,
 attributes, the task's input buffer shapes and output shape; with its phase (forward,
 backward, or the SGD update of ``numel`` elements). Tasks of different ops, configs or
 models that share a key share one measurement.
+
+Next to the isolated timings, *in-step* times (``InStep``): what the same tasks took
+inside the executor's own step (``onnx2soap profile`` runs the one-device plan with the
+executor's tracer after timing the kernels). ``ProfiledCost`` fits the step's per-phase
+scale and per-instruction overhead from the pairs. The table is optional (a database
+written before it existed has no calibration; ``open(create=True)`` adds it).
 """
 
 from __future__ import annotations
@@ -32,7 +38,18 @@ FORMAT = "onnx2soap.costs"
 VERSION = 1
 SUFFIX = ".costs.sqlite"
 
-_SCHEMA = """
+_IN_STEP_SCHEMA = """
+CREATE TABLE IF NOT EXISTS in_step (
+    fingerprint INTEGER NOT NULL REFERENCES fingerprints(id),
+    phase TEXT NOT NULL,
+    key TEXT NOT NULL,
+    seconds REAL NOT NULL,
+    PRIMARY KEY (fingerprint, phase, key)
+);
+"""
+
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS fingerprints (id INTEGER PRIMARY KEY, doc TEXT NOT NULL UNIQUE);
 CREATE TABLE IF NOT EXISTS timings (
@@ -47,6 +64,8 @@ CREATE TABLE IF NOT EXISTS timings (
     PRIMARY KEY (fingerprint, phase, key)
 );
 """
+    + _IN_STEP_SCHEMA
+)
 
 
 class Phase(Enum):
@@ -196,6 +215,16 @@ class Timing:
     ranks: int = 1  # ranks timing at once
 
 
+@dataclass(frozen=True)
+class InStep:
+    """A task's seconds inside the executor's step (median over traced steps, mean over
+    the ranks calibrating at once), keyed as its ``Timing``."""
+
+    phase: Phase
+    key: str
+    seconds: float
+
+
 def db_path_for(machine_file: Path | str) -> Path:
     """``host.yaml`` -> ``host.costs.sqlite`` in the same folder."""
     path = Path(machine_file)
@@ -243,6 +272,8 @@ class CostDB:
                 f"{self.path}: meta.version: {meta.get('version')!r}; this onnx2soap reads "
                 f"version {VERSION}"
             )
+        if create:  # a database from before in-step calibration gets its table
+            self.conn.executescript(_IN_STEP_SCHEMA)
 
     def close(self) -> None:
         self.conn.close()
@@ -301,4 +332,29 @@ class CostDB:
                 if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                     raise UserError(f"{self.path}: timings.{name} of {key!r}: {value!r}")
             out.append(timing)
+        return tuple(out)
+
+    def add_in_step(self, fp_id: int, points: Iterable[InStep]) -> None:
+        rows = [(fp_id, p.phase.value, p.key, p.seconds) for p in points]
+        with self.conn:
+            self.conn.executemany("INSERT OR REPLACE INTO in_step VALUES (?, ?, ?, ?)", rows)
+
+    def in_step(self, fp_id: int) -> tuple[InStep, ...]:
+        """The in-step times under ``fp_id``; none in a database without the table."""
+        names = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master")}
+        if "in_step" not in names:
+            return ()
+        rows = self.conn.execute(
+            "SELECT phase, key, seconds FROM in_step WHERE fingerprint = ? ORDER BY phase, key",
+            (fp_id,),
+        )
+        out = []
+        for phase, key, seconds in rows:
+            try:
+                point = InStep(Phase(phase), str(key), seconds)
+            except ValueError as e:
+                raise UserError(f"{self.path}: in_step.phase: {phase!r} is no phase") from e
+            if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+                raise UserError(f"{self.path}: in_step.seconds of {key!r}: {seconds!r}")
+            out.append(point)
         return tuple(out)

@@ -13,6 +13,13 @@ take the larger: measured CPU kernels are neither purely compute- nor memory-bou
 an additive fit is linear. On a device other than the profiled one (a preset GPU) the
 fractions are applied to that device's own peaks and its own overhead, and no measured
 time is used.
+
+On the profiled device, both are then taken into the executor's step by the in-step
+calibration: per phase, ``in_step = scale · isolated + overhead``, fitted by least
+squares over the tasks whose time inside the executor's own step ``onnx2soap profile``
+measured (``InStep``). A kernel inside a step reads inputs that are not in cache and
+writes fresh outputs (the scale), and each instruction costs the runtime its dispatch,
+its inputs' assembly, its arguments and the trace's own timing (the overhead).
 """
 
 from __future__ import annotations
@@ -26,7 +33,15 @@ import numpy as np
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Op
-from onnx2soap.sim.costdb import CostDB, Fingerprint, Phase, Timing, cost_key, update_key
+from onnx2soap.sim.costdb import (
+    CostDB,
+    Fingerprint,
+    InStep,
+    Phase,
+    Timing,
+    cost_key,
+    update_key,
+)
 from onnx2soap.sim.costs import RooflineCost, task_bytes, task_flops
 from onnx2soap.sim.machine import ComputeDevice
 from onnx2soap.soap.partition import Task
@@ -92,6 +107,53 @@ def fit(timings: Sequence[Timing]) -> Fit | None:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Seconds in the executor's step of a task that takes ``isolated`` alone."""
+
+    scale: float = 1.0
+    overhead: float = 0.0
+
+    def seconds(self, isolated: float) -> float:
+        return self.scale * isolated + self.overhead
+
+
+IDENTITY = Calibration()
+
+
+def calibrate(pairs: Sequence[tuple[float, float]]) -> Calibration:
+    """Least squares of in-step over isolated seconds, ``(isolated, in_step)`` pairs, in
+    relative error as ``fit`` (the overhead is what the many microsecond tasks show; a
+    timing disturbed by the host's other work counts no more than any other). A negative
+    overhead is dropped for a fit through the origin; the identity without two pairs
+    of distinct isolated times."""
+    if len(pairs) < 2:
+        return IDENTITY
+    x = np.array([p[0] for p in pairs], dtype=np.float64)
+    y = np.maximum(np.array([p[1] for p in pairs], dtype=np.float64), 1e-9)
+    if np.ptp(x) <= 0:
+        return IDENTITY
+    rows = np.stack([x / y, 1 / y], axis=1)
+    (scale, overhead), *_ = np.linalg.lstsq(rows, np.ones_like(y), rcond=None)
+    if overhead < 0:
+        r = x / y
+        scale, overhead = float(r.sum() / (r @ r)), 0.0
+    if scale <= 0:
+        return IDENTITY
+    return Calibration(float(scale), float(overhead))
+
+
+def calibrations(timings: Sequence[Timing], points: Sequence[InStep]) -> dict[Phase, Calibration]:
+    """Per phase, the calibration of the isolated timings that have an in-step time."""
+    isolated = {(x.phase, x.key): x.seconds for x in timings}
+    pairs: dict[Phase, list[tuple[float, float]]] = {}
+    for p in points:
+        seconds = isolated.get((p.phase, p.key))
+        if seconds is not None:
+            pairs.setdefault(p.phase, []).append((seconds, p.seconds))
+    return {phase: calibrate(v) for phase, v in pairs.items()}
+
+
+@dataclass(frozen=True)
 class _Fits:
     by_type: dict[tuple[Phase, str], Fit]
     by_phase: dict[Phase, Fit]
@@ -126,16 +188,24 @@ class ProfiledCost:
     reference: ComputeDevice
     itemsize: int  # the float width the timings were taken at
     source: str = ""  # where the timings came from, for messages
+    # Per phase: isolated seconds -> seconds in the executor's step, on the profiled
+    # device only (a phase without one: as measured).
+    calibration: dict[Phase, Calibration] = field(default_factory=dict)
     _keys: dict[int, tuple[Op, dict[tuple, str]]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
     @staticmethod
     def from_timings(
-        timings: Sequence[Timing], reference: ComputeDevice, itemsize: int, source: str = ""
+        timings: Sequence[Timing],
+        reference: ComputeDevice,
+        itemsize: int,
+        source: str = "",
+        in_step: Sequence[InStep] = (),
     ) -> ProfiledCost:
         table = {(x.phase, x.key): x.seconds for x in timings}
-        return ProfiledCost(table, _Fits.of(timings), reference, itemsize, source)
+        fitted = calibrations(timings, in_step)
+        return ProfiledCost(table, _Fits.of(timings), reference, itemsize, source, fitted)
 
     @staticmethod
     def load(path: Path | str, fingerprint: Fingerprint, reference: ComputeDevice) -> ProfiledCost:
@@ -145,9 +215,9 @@ class ProfiledCost:
             fp_id = db.find(fingerprint)
             if fp_id is None:
                 raise FingerprintMismatch(path, fingerprint, list(db.fingerprints().values()))
-            timings = db.timings(fp_id)
+            timings, in_step = db.timings(fp_id), db.in_step(fp_id)
         itemsize = DTYPE_ITEMSIZE.get(fingerprint.dtype, 4)
-        return ProfiledCost.from_timings(timings, reference, itemsize, str(path))
+        return ProfiledCost.from_timings(timings, reference, itemsize, str(path), in_step)
 
     @property
     def measured(self) -> int:
@@ -162,13 +232,16 @@ class ProfiledCost:
         return self._task(Phase.BACKWARD, op, task, device, itemsize)
 
     def update(self, numel: int, device: ComputeDevice, itemsize: int) -> float:
-        if self._here(device, itemsize):
+        here = self._here(device, itemsize)
+        if here:
             seconds = self.timings.get((Phase.UPDATE, update_key(numel)))
             if seconds is not None:
-                return seconds
+                return self._in_step(Phase.UPDATE, seconds)
         # SGD reads the weight and its gradient and writes the weight (as RooflineCost).
         fitted = self._fitted(Phase.UPDATE, "SGD", 2 * numel, 3 * numel * itemsize, device)
-        return RooflineCost().update(numel, device, itemsize) if fitted is None else fitted
+        if fitted is None:
+            return RooflineCost().update(numel, device, itemsize)
+        return self._in_step(Phase.UPDATE, fitted) if here else fitted
 
     # -- inside ----------------------------------------------------------------------------
 
@@ -187,17 +260,21 @@ class ProfiledCost:
             key = keys[ident] = cost_key(op, task)
         return key
 
+    def _in_step(self, phase: Phase, isolated: float) -> float:
+        return self.calibration.get(phase, IDENTITY).seconds(isolated)
+
     def _task(self, phase: Phase, op: Op, task: Task, device, itemsize: int) -> float:
-        if self._here(device, itemsize):
+        here = self._here(device, itemsize)
+        if here:
             seconds = self.timings.get((phase, self._key(op, task)))
             if seconds is not None:
-                return seconds
+                return self._in_step(phase, seconds)
         flops, nbytes = task_flops(op, task), task_bytes(task, itemsize)
         if phase is Phase.BACKWARD:  # counted as RooflineCost counts it, like the timings
             flops, nbytes = flops * 2, nbytes * 2
         fitted = self._fitted(phase, op.type, flops, nbytes, device)
-        if fitted is not None:
-            return fitted
+        if fitted is not None:  # a fit of isolated timings: into the step like them
+            return self._in_step(phase, fitted) if here else fitted
         roofline = RooflineCost()
         method = roofline.forward if phase is Phase.FORWARD else roofline.backward
         return method(op, task, device, itemsize)

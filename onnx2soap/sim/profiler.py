@@ -11,6 +11,13 @@ value where a window reads past the tensor), ``TaskArgs`` as the runtime fixes t
 random key (Dropout drops), and for ops with statistics their partial half, the combine
 and the finishing half together (the simulator splits the phase in two).
 
+Then the in-step calibration: every rank runs the executor's own runtime in-process on
+the one-device plan (all its tasks are among those timed), on a communicator of its own,
+with the executor's tracer timing each instruction as ``--trace`` does; the median of
+each task's time over the clean traced steps (after the one tracemalloc slows), averaged
+over the ranks, is stored next to the isolated timing (``InStep``). A profile that
+finds every task of that plan calibrated skips it.
+
 The N ranks time at once, each its share, so every timing sees the others computing (as
 the executor's ranks do); one BLAS thread per rank. Rank 0 reads which keys the database
 already holds (they are skipped: a profile resumes), and after every round stores the
@@ -37,9 +44,11 @@ from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph, LossKind, Op, TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey
+from onnx2soap.search.baselines import data_parallel
 from onnx2soap.sim.costdb import (
     CostDB,
     DeviceKind,
+    InStep,
     Phase,
     Timing,
     cost_key,
@@ -47,7 +56,7 @@ from onnx2soap.sim.costdb import (
     update_key,
 )
 from onnx2soap.sim.costs import task_bytes, task_flops
-from onnx2soap.soap import Partitioner, analyze
+from onnx2soap.soap import PartitionedGraph, Partitioner, analyze
 from onnx2soap.soap.candidates import candidates
 from onnx2soap.soap.partition import ParallelConfig, Task, rect_shape, rect_volume
 
@@ -56,6 +65,10 @@ ROUND_ITEMS = 4  # timings per rank between two commits
 # SGD's multiply by the learning rate, by 1 so that repeats never reach denormals (which
 # are slow on CPUs); the cost of the multiply is the same.
 LR = 1.0
+# The calibration's steps: the tracer keeps steps 2.. and tracemalloc slows step 2 (it
+# measures the peak there), so steps 3..CALIBRATION_STEPS are clean.
+CALIBRATION_STEPS = 11
+CALIBRATION_LR = 1e-3  # small: the weights stay where the synthetic data keeps them finite
 
 
 @dataclass(frozen=True)
@@ -273,6 +286,112 @@ def measure(target: Target, item: Item, repeat: int, min_s: float) -> Timing:
     return Timing(item.phase, item.key, item.op_type, item.flops, item.nbytes, seconds)
 
 
+# --- in the executor's step -----------------------------------------------------------------
+
+
+def calibration_plan(graph: Graph) -> PartitionedGraph:
+    """The one-device plan: every op whole, its tasks among the profile's items."""
+    return Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
+
+
+def calibration_keys(graph: Graph, pg: PartitionedGraph) -> dict[str, tuple[Phase, str]]:
+    """The tracer's name of every compute instruction of ``pg`` on its one device (a
+    statistics op's partial half and its statistics count with its task), and of every
+    update, to the cost DB's key of the task."""
+    names: dict[str, tuple[Phase, str]] = {}
+    for op in graph.ops:
+        (task,) = pg.tasks[op.name]
+        key = cost_key(op, task)
+        for tag, phase in (("fwd", Phase.FORWARD), ("bwd", Phase.BACKWARD)):
+            for name in (f"{tag} {op.name}[0]", f"{tag} {op.name}[0] partial"):
+                names[name] = (phase, key)
+            names[f"stats {op.name} {tag}"] = (phase, key)
+        for group in pg.groups[op.name]:
+            if group.trainable:
+                numel = rect_volume(group.rect)
+                names[f"update {group.weight}"] = (Phase.UPDATE, update_key(numel))
+    return names
+
+
+def in_step_times(model, dtype: np.dtype) -> dict[tuple[Phase, str], float]:
+    """Seconds of every task of the one-device plan inside the executor's step on this
+    rank: per traced step the sum of the task's instructions, the median over the clean
+    steps; tasks that share a key, their mean."""
+    from mpi4py import MPI
+
+    from executor.data import SyntheticData, rows_needed
+    from executor.device import CpuDevice
+    from executor.program import compile_program
+    from executor.runtime import Runtime
+    from executor.trace import Tracer
+    from executor.transport import MpiTransport
+
+    graph = model.graph
+    pg = calibration_plan(graph)
+    device = CpuDevice()
+    tracer = Tracer(0, pg, device)  # as the executor makes it: before the runtime
+    rt = Runtime(
+        pg,
+        compile_program(pg, 0),
+        MpiTransport(MPI.COMM_SELF, device),
+        {**model.weights, **model.state},
+        dtype,
+        model.constants,
+        device=device,
+    )
+    rt.tracer = tracer
+    data, rows = SyntheticData(graph, 0, dtype), rows_needed(pg, 0)
+    for step in range(1, CALIBRATION_STEPS + 1):
+        batch = data.batch(step, rows)
+        tracer.begin_step(step)
+        rt.step(batch, CALIBRATION_LR)
+        tracer.end_step()
+    return _medians(tracer.events, calibration_keys(graph, pg))
+
+
+def _medians(events: list[dict], names: dict[str, tuple[Phase, str]]) -> dict:
+    per_step: dict[tuple[str, int], float] = {}
+    for e in events:
+        step = e["args"]["step"]
+        if step >= 3 and e["name"] in names:  # step 2 ran under tracemalloc
+            k = (e["name"], step)
+            per_step[k] = per_step.get(k, 0.0) + e["dur"] * 1e-6
+    by_name: dict[str, list[float]] = {}
+    for (name, _), seconds in per_step.items():
+        by_name.setdefault(name, []).append(seconds)
+    # An update event is a weight's; updates and ops of one key: their mean.
+    by_key: dict[tuple[Phase, str], list[float]] = {}
+    for name, times in by_name.items():
+        by_key.setdefault(names[name], []).append(statistics.median(times))
+    by_op: dict[tuple[Phase, str], float] = {}
+    for key, values in by_key.items():
+        by_op[key] = statistics.fmean(values)
+    return by_op
+
+
+def _calibrated(db_path: Path, fp, graph: Graph) -> bool:
+    """Rank 0: whether every task of the one-device plan has its in-step time."""
+    wanted = set(calibration_keys(graph, calibration_plan(graph)).values())
+    with CostDB.open(db_path) as db:
+        fp_id = db.find(fp)
+        have = {(p.phase, p.key) for p in db.in_step(fp_id)} if fp_id is not None else set()
+    return wanted <= have
+
+
+def calibrate_ranks(comm, model, dtype: np.dtype, db: CostDB | None, fp_id: int) -> int:
+    """Every rank at once (so each sees the others busy, as in a run); rank 0 stores the
+    mean over the ranks. Returns how many in-step times were stored."""
+    times = comm.gather(in_step_times(model, dtype), root=0)
+    if db is None:
+        return 0
+    points = [
+        InStep(phase, key, statistics.fmean(t[(phase, key)] for t in times))
+        for phase, key in sorted(times[0], key=lambda k: (k[0].value, k[1]))
+    ]
+    db.add_in_step(fp_id, points)
+    return len(points)
+
+
 # --- under mpiexec ---------------------------------------------------------------------------
 
 
@@ -301,13 +420,14 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
         try:
             items = profile_items(graph, args.devices, dtype.itemsize)
             fp_id, todo = _todo(Path(args.db), fp, items)
-            plan = (fp_id, todo, len(items))
+            calibrated = kind is not DeviceKind.CPU or _calibrated(Path(args.db), fp, graph)
+            plan = (fp_id, todo, len(items), calibrated)
         except UserError as e:  # told to every rank, so none waits for ever
             plan = str(e)
     plan = comm.bcast(plan, root=0)
     if isinstance(plan, str):
         raise UserError(plan)
-    fp_id, todo, total = plan
+    fp_id, todo, total, calibrated = plan
     target = Target(graph, Partitioner(graph), kernels)
     mine = todo[rank::size]
     rounds = -(-len(todo) // (size * ROUND_ITEMS)) if todo else 0
@@ -332,6 +452,8 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
                         file=sys.stderr,
                         flush=True,
                     )
+        # The executor's step runs numpy ranks here; on a GPU, no calibration (yet).
+        in_step = 0 if calibrated else calibrate_ranks(comm, model, dtype, db, fp_id)
     finally:
         if db is not None:
             db.close()
@@ -339,6 +461,7 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
         "keys": total,
         "measured": len(todo),
         "skipped": total - len(todo),
+        "in_step": in_step,
         "ranks": size,
         "seconds": time.perf_counter() - began,
         "fingerprint": fp.describe(),

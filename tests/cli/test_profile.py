@@ -55,10 +55,16 @@ def test_profile_writes_the_db_next_to_the_machine_and_resumes(profiled, capsys)
     rows = sqlite3.connect(db).execute("SELECT phase, COUNT(*) FROM timings GROUP BY phase")
     counts = dict(rows.fetchall())
     assert counts["forward"] > 0 and counts["backward"] > 0 and counts["update"] > 0
+    # The one-device plan's tasks timed inside the executor's step, under known keys.
+    in_step = sqlite3.connect(db).execute(
+        "SELECT COUNT(*) FROM in_step JOIN timings USING (fingerprint, phase, key)"
+    )
+    assert in_step.fetchone()[0] > 0
     capsys.readouterr()
     assert cli(["profile", str(model), "--batch", "8", "--machine", str(machine)]) == 0
     out = capsys.readouterr().out
     assert f"0 timings taken, {sum(counts.values())} already there" in out
+    assert "in-step calibration: backward " in out
 
 
 @pytest.mark.mpi

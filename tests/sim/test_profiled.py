@@ -16,6 +16,7 @@ from onnx2soap.sim.costdb import (
     CostDB,
     DeviceKind,
     Fingerprint,
+    InStep,
     Phase,
     Timing,
     cost_key,
@@ -25,7 +26,15 @@ from onnx2soap.sim.costdb import (
 )
 from onnx2soap.sim.costs import RooflineCost
 from onnx2soap.sim.machine import ComputeDevice
-from onnx2soap.sim.profiled import FingerprintMismatch, ProfiledCost, fit
+from onnx2soap.sim.profiled import (
+    IDENTITY,
+    Calibration,
+    FingerprintMismatch,
+    ProfiledCost,
+    calibrate,
+    calibrations,
+    fit,
+)
 from onnx2soap.sim.profiler import profile_items
 from onnx2soap.soap import Partitioner, analyze
 from onnx2soap.soap.candidates import candidates
@@ -104,6 +113,7 @@ def test_another_sqlite_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_profiled_cost_answers_measured_values_exactly(tmp_path: Path) -> None:
+    """Without in-step times (no calibration), a timed key costs its measured seconds."""
     graph = tiny_graph(tmp_path, batch=8, relu=True)
     space, partitioner = analyze(graph), Partitioner(graph)
     timings, expected = [], {}
@@ -202,3 +212,104 @@ def test_every_item_runs_with_the_executors_kernels(export_model, name: str) -> 
     for item in profile_items(graph, 2, 4):
         timing = measure(target, item, repeat=1, min_s=0.0)
         assert 0 < timing.seconds < 1 and timing.key == item.key
+
+
+# --- in-step calibration ---------------------------------------------------------------------
+
+
+def test_calibrate_recovers_scale_and_overhead() -> None:
+    scale, overhead = 1.4, 25e-6
+    isolated = [1e-6, 3e-6, 2e-5, 1e-4, 7e-4, 3e-3]
+    pairs = [(x, scale * x + overhead) for x in isolated]
+    c = calibrate(pairs)
+    assert c.scale == pytest.approx(scale, rel=1e-9)
+    assert c.overhead == pytest.approx(overhead, rel=1e-9)
+    assert calibrate(pairs[:1]) == IDENTITY  # nothing to fit
+    # Faster in the step than alone: no negative overhead, a scale through the origin.
+    c = calibrate([(x, 0.9 * x - 1e-7) for x in isolated[2:]])
+    assert c.overhead == 0.0 and 0.8 < c.scale < 0.9
+
+
+def test_db_round_trip_of_in_step_times(tmp_path: Path) -> None:
+    path = tmp_path / "host.costs.sqlite"
+    timings = _timings(4)
+    points = [InStep(t.phase, t.key, 2 * t.seconds + 3e-5) for t in timings]
+    with CostDB.open(path, create=True) as db:
+        fp_id = db.add_fingerprint(HOST)
+        db.add(fp_id, timings)
+        db.add_in_step(fp_id, points)
+    with CostDB.open(path) as db:
+        assert db.in_step(fp_id) == tuple(sorted(points, key=lambda p: p.key))
+        cost = ProfiledCost.load(path, HOST, DEVICE)
+    c = cost.calibration[Phase.FORWARD]
+    assert c.scale == pytest.approx(2.0) and c.overhead == pytest.approx(3e-5)
+    assert calibrations(timings, points) == cost.calibration
+
+
+def test_a_db_from_before_calibration_reads_and_gets_the_table(tmp_path: Path) -> None:
+    path = tmp_path / "old.costs.sqlite"
+    with CostDB.open(path, create=True) as db:
+        fp_id = db.add_fingerprint(HOST)
+        db.add(fp_id, _timings())
+        db.conn.execute("DROP TABLE in_step")
+    with CostDB.open(path) as db:  # read-only, as planning opens it: no calibration
+        assert db.in_step(fp_id) == ()
+    assert ProfiledCost.load(path, HOST, DEVICE).calibration == {}
+    with CostDB.open(path, create=True) as db:  # the profile adds it
+        db.add_in_step(fp_id, [InStep(Phase.FORWARD, "Relu k1", 1e-4)])
+        assert len(db.in_step(fp_id)) == 1
+
+
+def test_profiled_cost_applies_the_calibration_exactly(tmp_path: Path) -> None:
+    """A timed key costs its isolated seconds taken into the step by its phase's stored
+    calibration, bit for bit; a fitted roofline is taken in too; another device is not."""
+    graph = tiny_graph(tmp_path, batch=8, relu=True)
+    items = profile_items(graph, 2, 4)
+    timings = [
+        Timing(x.phase, x.key, x.op_type, x.flops, x.nbytes, 1e-5 * (1 + i))
+        for i, x in enumerate(items)
+    ]
+    by_key = {(t.phase, t.key): t.seconds for t in timings}
+    cal = {
+        Phase.FORWARD: Calibration(1.5, 2e-5),
+        Phase.BACKWARD: Calibration(1.25, 4e-5),
+        Phase.UPDATE: Calibration(3.0, 1e-6),
+    }
+    plain = ProfiledCost.from_timings(timings, DEVICE, itemsize=4)
+    cost = replace(plain, calibration=cal)
+    space, partitioner = analyze(graph), Partitioner(graph)
+    for op in graph.ops:
+        for config in candidates(space[op.name], 2):
+            for task in partitioner.tasks(op, config):
+                key = cost_key(op, task)
+                f, b = by_key[(Phase.FORWARD, key)], by_key[(Phase.BACKWARD, key)]
+                assert cost.forward(op, task, DEVICE, 4) == 1.5 * f + 2e-5
+                assert cost.backward(op, task, DEVICE, 4) == 1.25 * b + 4e-5
+    for (phase, key), seconds in by_key.items():
+        if phase is Phase.UPDATE:
+            numel = int(key.split("=")[1])
+            assert cost.update(numel, DEVICE, 4) == 3.0 * seconds + 1e-6
+    # An unmeasured shard size: the fitted roofline, taken into the step as well.
+    assert cost.update(12345, DEVICE, 4) == 3.0 * plain.update(12345, DEVICE, 4) + 1e-6
+    # A preset's GPU: the efficiencies on its peaks, no calibration of this host's step.
+    other = replace(DEVICE, name="gpu", peak_flops=1e13, kernel_overhead=7e-6)
+    op = graph.ops[0]
+    task = partitioner.tasks(op, candidates(space[op.name], 2)[0])[0]
+    assert cost.forward(op, task, other, 4) == plain.forward(op, task, other, 4)
+
+
+@pytest.mark.parametrize("name", ["bnnet", "tied"])
+def test_in_step_times_cover_the_one_device_plan(export_model, name: str) -> None:
+    """The executor's runtime in-process: every task of the one-device plan (statistics
+    halves included) and every update gets an in-step time under a key the profile
+    times."""
+    from onnx2soap.importer import load_model
+    from onnx2soap.sim.profiler import calibration_keys, calibration_plan, in_step_times
+
+    model = load_model(export_model(name), batch=4)
+    graph = model.graph
+    times = in_step_times(model, np.dtype(np.float32))
+    wanted = set(calibration_keys(graph, calibration_plan(graph)).values())
+    assert set(times) == wanted
+    assert wanted <= {(x.phase, x.key) for x in profile_items(graph, 2, 4)}
+    assert all(0 < s < 1 for s in times.values())
