@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor.runtime import Batch, loss_scale
+from executor.batch import Batch, loss_scale
 from onnx2soap.ir import DType, Graph
 from onnx2soap.ops import definition
 from onnx2soap.soap import PartitionedGraph

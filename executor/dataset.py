@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from executor.batch import Batch
 from executor.data import _classes, _cut, _label_shape, id_bound
-from executor.runtime import Batch
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
 

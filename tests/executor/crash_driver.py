@@ -14,7 +14,7 @@ import dataclasses  # noqa: E402
 
 from mpi4py import MPI  # noqa: E402
 
-from executor import runtime  # noqa: E402
+from executor import step  # noqa: E402
 from executor.cli import main  # noqa: E402
 from onnx2soap.ops import OpDef, definition  # noqa: E402
 
@@ -33,5 +33,5 @@ def _definition_failing_relu(name: str) -> OpDef:
 
 if __name__ == "__main__":
     if MPI.COMM_WORLD.Get_rank() == FAILING_RANK:
-        runtime.definition = _definition_failing_relu
+        step.definition = _definition_failing_relu
     raise SystemExit(main())
