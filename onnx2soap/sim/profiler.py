@@ -14,7 +14,9 @@ and the finishing half together (the simulator splits the phase in two).
 Then the in-step calibration: every rank runs the executor's own runtime in-process on
 the one-device plan (all its tasks are among those timed), on a communicator of its own,
 with the executor's tracer timing each instruction as ``--trace`` does; the median of
-each task's time over the clean traced steps (after the one tracemalloc slows), averaged
+each task's time over the clean traced steps (after the one tracemalloc slows; an
+instruction's time counted from the end of the one before it, so the runtime's dispatch
+between instructions is in it), averaged
 over the ranks, is stored next to the isolated timing (``InStep``). A profile that
 finds every task of that plan calibrated skips it.
 
@@ -350,23 +352,30 @@ def in_step_times(model, dtype: np.dtype) -> dict[tuple[Phase, str], float]:
 
 
 def _medians(events: list[dict], names: dict[str, tuple[Phase, str]]) -> dict:
-    per_step: dict[tuple[str, int], float] = {}
+    """Per key, the median over the clean steps of its instructions' in-step seconds. An
+    instruction's seconds run from the end of the one before it (the step's start for the
+    first) to its own end: the runtime's dispatch between two timed instructions, and
+    the tracer's own, are part of what a step pays per instruction."""
+    steps: dict[int, list[dict]] = {}
     for e in events:
-        step = e["args"]["step"]
-        if step >= 3 and e["name"] in names:  # step 2 ran under tracemalloc
-            k = (e["name"], step)
-            per_step[k] = per_step.get(k, 0.0) + e["dur"] * 1e-6
+        if e["args"]["step"] >= 3:  # step 2 ran under tracemalloc
+            steps.setdefault(e["args"]["step"], []).append(e)
     by_name: dict[str, list[float]] = {}
-    for (name, _), seconds in per_step.items():
-        by_name.setdefault(name, []).append(seconds)
+    for step_events in steps.values():
+        per_step: dict[str, float] = {}
+        last = 0.0
+        for e in sorted(step_events, key=lambda e: e["ts"]):
+            end = e["ts"] + e["dur"]
+            if e["name"] in names:
+                per_step[e["name"]] = per_step.get(e["name"], 0.0) + (end - last) * 1e-6
+            last = end
+        for name, seconds in per_step.items():
+            by_name.setdefault(name, []).append(seconds)
     # An update event is a weight's; updates and ops of one key: their mean.
     by_key: dict[tuple[Phase, str], list[float]] = {}
     for name, times in by_name.items():
         by_key.setdefault(names[name], []).append(statistics.median(times))
-    by_op: dict[tuple[Phase, str], float] = {}
-    for key, values in by_key.items():
-        by_op[key] = statistics.fmean(values)
-    return by_op
+    return {key: statistics.fmean(values) for key, values in by_key.items()}
 
 
 def _calibrated(db_path: Path, fp, graph: Graph) -> bool:

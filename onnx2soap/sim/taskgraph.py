@@ -4,7 +4,12 @@ Tasks: forward and backward compute per op task, a transfer per overlap that cro
 devices (forward tile and backward gradient piece: the same rects the executor sends),
 a ring all-reduce per weight replica group (soap's ring schedule: its 2(k-1) lock-step
 steps run back to back on every ring link, so the ring is one task of their summed
-duration) and an SGD update per weight shard. Resources: compute devices ``0..D-1``,
+duration) and an SGD update per weight shard. On machines whose cores copy messages
+(CPU ranks), the runtime's assembly copies too: a tile the consumer cannot read in place
+(``executor/layout.py``: anything but one whole local tile) is copied into its input
+buffer, and a gradient piece summed into the producer's output gradient; a local one is
+a copy task on the device after the piece is made, a received one lengthens its transfer
+(which holds both end devices there). Resources: compute devices ``0..D-1``,
 then links ``D..D+L-1``; a transfer holds every link of its route (and both end devices
 on machines whose cores copy messages themselves).
 
@@ -24,6 +29,7 @@ op and its edges: ``delta.py`` rebuilds those and splices them in.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -244,6 +250,14 @@ class Costs:
             self.memo.transfers[key] = (seconds, self.link_resources(src, dst))
         return self.memo.transfers[key]
 
+    def copy(self, device: int, nbytes: int, passes: int) -> float:
+        """The runtime copying ``nbytes`` on a CPU rank, ``passes`` streams of them (a copy
+        reads and writes: 2; a gradient sum fills, reads two and writes: 4) at the
+        device's probed copy bandwidth; nothing where transfers do not use the cores."""
+        if not self.machine.transfers_use_compute:
+            return 0.0
+        return passes * nbytes / self.machine.devices[device].memory_bandwidth
+
     def durations(self, parts: OpParts) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Forward and backward seconds of every task of an op under its config."""
         key = (parts.op.name, parts.config)
@@ -433,16 +447,24 @@ def edge_forward_segment(
     consumer task reads after the transfer, or straight after the producer on one device."""
     b = _SegmentBuilder(slot, names)
     width = _width(costs.memo.graph, edge.tensor, costs.itemsize)
+    pieces = Counter(o.dst_task for o in edge.overlaps)
     feeds = []
     for o in edge.overlaps:
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
         produced = (src[0], src[1].ends[p.index])
+        nbytes = o.volume * width
+        what = f"{edge.tensor} {p.device}->{c.device}"
         if p.device == c.device:
+            whole = o.rect == p.output and o.rect == c.inputs[edge.operand].buffer
+            copy = 0.0 if pieces[o.dst_task] == 1 and whole else costs.copy(c.device, nbytes, 2)
+            if copy > 0:  # assembled, not read in place
+                produced = b.add(
+                    TaskKind.TRANSFER, copy, (c.device,), (produced,), 0, lambda w=what: f"copy {w}"
+                )
             feeds.append((dst.starts[c.index], produced))
             continue
-        nbytes = o.volume * width
         seconds, resources = costs.transfer(p.device, c.device, nbytes)
-        what = f"{edge.tensor} {p.device}->{c.device}"
+        seconds += costs.copy(c.device, nbytes, 2)  # from the receive buffer into place
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
         )
@@ -466,16 +488,33 @@ def edge_backward_segment(
         return EMPTY  # ids take no gradient; an op without backward sends none
     b = _SegmentBuilder(slot, names)
     width = _width(graph, edge.tensor, costs.itemsize)
+    # A producer task's output gradient is read in place only from its one consumer's
+    # one piece; anything else is a zeroed buffer the pieces are summed into.
+    readers = sum(op.inputs.count(edge.tensor) for op in graph.ops)
+    pieces = Counter(o.src_task for o in edge.overlaps)
     feeds = []
     for o in edge.overlaps:
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
         produced = (src[0], src[1].ends[c.index])
+        nbytes = o.volume * width
+        what = f"{edge.tensor} {p.device}->{c.device}"
         if p.device == c.device:
+            whole = o.rect == p.output and o.rect == c.inputs[edge.operand].buffer
+            single = readers == 1 and pieces[o.src_task] == 1 and whole
+            copy = 0.0 if single else costs.copy(p.device, nbytes, 4)
+            if copy > 0:
+                produced = b.add(
+                    TaskKind.TRANSFER,
+                    copy,
+                    (p.device,),
+                    (produced,),
+                    0,
+                    lambda w=what: f"copy grad {w}",
+                )
             feeds.append((dst.starts[p.index], produced))
             continue
-        nbytes = o.volume * width
         seconds, resources = costs.transfer(c.device, p.device, nbytes)
-        what = f"{edge.tensor} {p.device}->{c.device}"
+        seconds += costs.copy(p.device, nbytes, 4)  # summed into the output gradient
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
         )

@@ -1,0 +1,64 @@
+"""The runtime's assembly copies on CPU ranks: a tile not read in place costs a copy."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from onnx2soap.sim import RooflineCost, Simulator
+from onnx2soap.sim.taskgraph import TaskKind
+from onnx2soap.soap import Partitioner, Strategy
+from tests.sim.test_makespan import config
+from tests.sim.tiny import round_machine, tiny_graph
+
+COPY_BW = 1e6  # bytes/s: a copy of b bytes, read and written, takes 2b us
+
+
+def _machine(devices: int, use_compute: bool = True):
+    m = round_machine(devices, use_compute=use_compute)
+    slow = tuple(replace(d, memory_bandwidth=COPY_BW) for d in m.devices)
+    return replace(m, devices=slow)
+
+
+def _copies(graph, strategy, machine) -> list[tuple[str, float]]:
+    sim = Simulator(machine, RooflineCost())
+    tg = sim.task_graph(Partitioner(graph).partition(strategy), names=True)
+    return [
+        (tg.names[i], float(tg.duration[i]))
+        for i in range(tg.size)
+        if tg.kind[i] == int(TaskKind.TRANSFER) and tg.names[i].startswith("copy ")
+    ]
+
+
+def test_split_tiles_are_copied_into_the_whole_buffer(tmp_path) -> None:
+    """Gemm in two batch halves on device 0, the loss whole there: logits [4, 4] is
+    assembled from two [2, 4] tiles (32 bytes each) forward, and its gradient summed
+    into each half's zeroed buffer backward (fill, read two, write: 4 passes)."""
+    g = tiny_graph(tmp_path)
+    s = Strategy(1, {"gemm": config(g, "gemm", [0, 0], n=2), "loss": config(g, "loss", [0])})
+    found = _copies(g, s, _machine(1))
+    tiles = [v for k, v in found if k.startswith("copy logits")]
+    grads = [v for k, v in found if k.startswith("copy grad logits")]
+    assert tiles == pytest.approx([2 * 32 / COPY_BW] * 2, rel=1e-12)
+    assert grads == pytest.approx([4 * 32 / COPY_BW] * 2, rel=1e-12)
+
+
+def test_a_whole_local_tile_is_read_in_place(tmp_path) -> None:
+    g = tiny_graph(tmp_path)
+    s = Strategy(1, {"gemm": config(g, "gemm", [0]), "loss": config(g, "loss", [0])})
+    assert _copies(g, s, _machine(1)) == []
+
+
+def test_a_received_tile_is_copied_within_its_transfer(tmp_path) -> None:
+    g = tiny_graph(tmp_path)
+    s = Strategy(2, {"gemm": config(g, "gemm", [0]), "loss": config(g, "loss", [1])})
+    with_copy = Simulator(_machine(2), RooflineCost())
+    without = Simulator(_machine(2, use_compute=False), RooflineCost())
+    pg = Partitioner(g).partition(s)
+    a, b = with_copy.task_graph(pg), without.task_graph(pg)
+    moved = [i for i in range(a.size) if a.kind[i] == int(TaskKind.TRANSFER)]
+    # Forward: the 64-byte logits copied out of the receive buffer; backward: summed.
+    extra = sorted(float(a.duration[i] - b.duration[i]) for i in moved)
+    assert extra == pytest.approx([2 * 64 / COPY_BW, 4 * 64 / COPY_BW], rel=1e-9)
+    assert _copies(g, s, _machine(2, use_compute=False)) == []
