@@ -12,10 +12,7 @@ its traced steps of the latest end over all ranks, the plan's the median over th
 predicted step, Kendall's tau-b between predicted and measured steps over the plans, and
 the mean absolute error of the predicted peak memory of every rank the plan gives tasks.
 
-Every rank collects garbage at the end of each step (a driver around the executor): the
-executor's step state sits in a reference cycle, and without a collection the arrays of
-past steps survive for a collector-dependent while, so the measured peak would not be a
-property of the plan. N ranks above this host's cores share them: the table says so.
+N ranks above this host's cores share them: the table says so.
 Needs torch and transformers (dev extras) for the models other than the example CNN.
 """
 
@@ -50,6 +47,7 @@ class Result:
     spread: tuple[float, float]  # min, max over runs
     predicted_memory: tuple[int, ...]
     measured_memory: tuple[int, ...]
+    working: tuple[int, ...] = ()  # the ranks the plan gives tasks
 
 
 def export(name: str, folder: Path) -> Path:
@@ -137,10 +135,9 @@ def kendall_tau(xs, ys) -> float:
 def summary(results: list[Result]) -> dict:
     step_err = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in results]
     mem_err = [
-        abs(p - m) / m
+        abs(r.predicted_memory[d] - r.measured_memory[d]) / r.measured_memory[d]
         for r in results
-        for p, m in zip(r.predicted_memory, r.measured_memory, strict=True)
-        if p  # a rank the plan gives nothing holds only Python's objects
+        for d in r.working  # a rank the plan gives nothing holds only Python's objects
     ]
     noise = [(r.spread[1] - r.spread[0]) / r.measured_s for r in results]
     return {
@@ -164,6 +161,7 @@ def run_model(name, ranks, machine, args, folder) -> list[Result]:
         runs = [measure(plan, ranks, args.steps, folder) for _ in range(args.repeats)]
         times = [t for t, _ in runs]
         peaks = tuple(max(m[d] for _, m in runs) for d in range(ranks))
+        working = sorted({d for op in json.loads(plan.read_text())["ops"] for d in op["devices"]})
         result = Result(
             label,
             doc["step_time_s"],
@@ -171,6 +169,7 @@ def run_model(name, ranks, machine, args, folder) -> list[Result]:
             (min(times), max(times)),
             tuple(doc["peak_memory_bytes"]),
             peaks,
+            tuple(working),
         )
         print(
             f"  {name:9} cpu:{ranks} {label:15} predicted {result.predicted_s * 1e3:8.2f} ms  "
