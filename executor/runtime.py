@@ -75,6 +75,8 @@ class Runtime:
         self.seed = seed
         self.optimizer = optimizer or OptimizerConfig()
         self.tracer: Tracer | None = None  # set to time every instruction (--trace)
+        # The simulator's name of every instruction's task, made once for the trace.
+        self._trace_names = {ins: task_name(pg, ins) for ins in program.instructions}
         self.updates = 0  # optimizer steps taken (Adam's bias correction counts them)
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
@@ -186,7 +188,7 @@ class Runtime:
                 dispatch[type(ins)](ins)
             return
         for ins in instructions:
-            with self._timed(*task_name(self.pg, ins)):
+            with self._timed(*self._trace_names[ins]):
                 dispatch[type(ins)](ins)
 
     @contextmanager
