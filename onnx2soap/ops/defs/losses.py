@@ -151,6 +151,15 @@ def mse_backward(xp, attrs: LossAttrs, inputs, output, grad_output, args):
     return (pred - target) * (2 * _scale(xp, grad_output, args, pred.dtype)), None
 
 
+def cross_entropy_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """Per score: the forward's log-softmax holds the shifted scores and one more array
+    of them at once, with the boolean one-hot and its temporaries (~1.4 bytes); the
+    backward's softmax and its products hold one besides the gradient it returns
+    (measured under tracemalloc)."""
+    n = math.prod(shapes[0])
+    return math.ceil(n * (2 * itemsize + 1.4)), math.ceil(n * (itemsize + 1.4))
+
+
 CROSS_ENTROPY = OpDef(
     name=CROSS_ENTROPY_NAME,
     versions=(13,),
@@ -158,6 +167,7 @@ CROSS_ENTROPY = OpDef(
     forward=cross_entropy_forward,
     backward=cross_entropy_backward,
     loss_scale=cross_entropy_scale,
+    workspace=cross_entropy_workspace,
     cases=(
         case("ce_mean", CROSS_ENTROPY_NAME, X(6, 4), LABELS(6)),
         case("ce_sum", CROSS_ENTROPY_NAME, X(5, 3), LABELS(5), reduction="sum"),

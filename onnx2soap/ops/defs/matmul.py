@@ -4,6 +4,8 @@ axes broadcast, and an operand may have fewer of them than the output. The reduc
 
 from __future__ import annotations
 
+import math
+
 from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, identity
 from onnx2soap.ops.base import NoAttrs, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, broadcast_shape, make_op
@@ -53,12 +55,22 @@ def backward(xp, attrs, inputs, output, grad_output, args):
     return unbroadcast(xp, grad_a, a.shape), unbroadcast(xp, grad_b, b.shape)
 
 
+def workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """The backward's raw products, both alive until it returns: each gradient is first
+    computed over the output's batch axes, then summed over the ones its operand
+    broadcasts (or copied: ``unbroadcast`` always returns a fresh array)."""
+    (m, k), n = shapes[0][-2:], shapes[1][-1]
+    batch = math.prod(out_shape[:-2])
+    return 0, batch * k * (m + n) * itemsize
+
+
 MATMUL = OpDef(
     name="MatMul",
     versions=(13,),
     convert=convert,
     forward=forward,
     backward=backward,
+    workspace=workspace,
     cases=(
         case("matmul_2d", "MatMul", X(4, 3), W(3, 5)),
         case("matmul_weight_2d", "MatMul", X(2, 3, 4, 5), W(5, 6)),

@@ -45,6 +45,7 @@ recomputes the forward's gates from the inputs, then backpropagates through time
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -587,6 +588,42 @@ def backward(xp, attrs: RnnAttrs, inputs, output, grad_output, args):
     return tuple(r.astype(i.dtype, copy=False) for r, i in zip(result, inputs, strict=True))
 
 
+def workspace(attrs: RnnAttrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """The most the kernels above hold at once besides X, the weights, Y and the gradients
+    they return (in bytes), counted from what they allocate, in units of one step's state
+    ``e`` (N x H) and of the whole sequence's ``seq`` (T x N x H).
+
+    A direction's recurrence (``_run``) holds the input products ``xw`` (G x seq), the
+    per-step states and gate activations in lists *and* their stacked copies (LSTM: h, c
+    and the G gates; GRU: h, the gates and the reset-gated term), and its last step's
+    locals. The backward runs that recurrence again, then keeps its trace while it builds
+    the pre-activation gradients, again as a list and a stack, with dX's products and the
+    weights' gradients (GRU: R's in two parts and concatenated). A direction's trace lives
+    on while the next one runs (the variable holding it is reassigned after the run), its
+    weights' gradients to the end; a reversed direction copies X (once in the forward,
+    twice in the backward)."""
+    x, w = shapes[0], shapes[1]
+    steps, batch = (x[1], x[0]) if attrs.batch_first else (x[0], x[1])
+    dirs, gates = w[0], attrs.cell.gates
+    e = batch * attrs.hidden * itemsize
+    seq = steps * e
+    xs = math.prod(x) * itemsize
+    lstm = attrs.cell is Cell.LSTM
+    run = (3 * gates + 4) * seq + (2 * gates + 2 if lstm else 7) * e
+    trace = (gates + 2) * seq + 2 * e  # the stacked states and activations
+    flipped = xs if any(attrs.reverse) else 0  # X copied into processing order
+    zeros = dirs * e  # the zero initial state _unpack makes
+    forward_ = zeros + (dirs - 1) * trace + flipped + run
+    grads = sum(math.prod(s) for s in shapes) * itemsize
+    weights = (grads - xs) // dirs  # one direction's gradients of W, R, B and the states
+    lists = 2 * gates * seq if lstm else 2 * (gates + 3) * seq  # and their stacks
+    unread = seq if attrs.output is not Output.Y else 0  # dY of an output without time
+    bptt = trace + lists + 2 * xs + (1 if lstm else 2) * weights + unread
+    earlier = (dirs - 1) * weights  # the previous directions' gradients, in lists
+    backward_ = zeros + xs + 2 * flipped + earlier + max((dirs - 1) * trace + run, bptt)
+    return forward_, max(backward_ - grads, 0)
+
+
 # --- definitions -------------------------------------------------------------------------
 
 # Sizes: seq 3, batch 2-3, input 3-4, hidden 2-3 (finite differences run the whole
@@ -598,6 +635,7 @@ LSTM = OpDef(
     convert=convert_lstm,
     forward=forward,
     backward=backward,
+    workspace=workspace,
     cases=(
         case("lstm", "LSTM", X(3, 2, 4), W(1, 12, 4), W(1, 12, 3), hidden_size=3),
         case(
@@ -666,6 +704,7 @@ GRU = OpDef(
     convert=convert_gru,
     forward=forward,
     backward=backward,
+    workspace=workspace,
     cases=(
         case("gru", "GRU", X(3, 2, 4), W(1, 9, 4), W(1, 9, 3), W(1, 18), hidden_size=3),
         case(
