@@ -2,17 +2,21 @@
 only the slots it affects and re-time only from the first of them on.
 
 Every resource runs its tasks in program order (``simulate.py``), so a timeline is a
-longest-path pass over slots in order. A ``DeltaState`` keeps, per slot, its segment, its
-tasks' start and end times and every resource's last end before it. Evaluating a
-strategy from a base state rebuilds the slots of the changed ops and of their edges
-(segments are memoized by the configs they depend on), and re-runs the pass from the
-first changed slot with the same float operations as ``simulate``: the times are
-bit-identical to a full simulation. Memory is summed per op, per edge and for the batch
+longest-path pass over slots in order. A ``DeltaState`` keeps, per slot, its segment and
+its tasks' start and end times, and a checkpoint (every resource's last end, and the
+latest end) before each slot where a re-run can begin: the first slot a one-op change
+touches is always the op's forward slot or one of its incoming edges' forward slots, so
+only the forward region is checkpointed. Evaluating a strategy from a base state rebuilds
+the slots of the changed ops and of their edges (segments are memoized by the configs
+they depend on), and re-runs the pass from the checkpoint at or before the first changed
+slot with the same float operations as ``simulate``: the times are bit-identical to a
+full simulation. Memory is summed per op, per edge and for the batch
 from the same pieces ``memory.py`` counts, and updated by exact integer differences.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -44,18 +48,16 @@ class DeltaState:
     preds: list[tuple]
     starts: list[list[float]]
     ends: list[list[float]]
-    free: list[tuple[float, ...]]  # per slot: every resource's last end before the slot
-    latest: list[float]  # per slot: the latest end up to and including it
+    # per checkpointed slot: every resource's last end before it, and the latest end
+    checkpoints: dict[int, tuple[tuple[float, ...], float]]
+    makespan: float
     moved: list[int]  # per slot: bytes moved
+    bytes_moved: int
     op_memory: list[OpMemory]  # per op: held and transient (device, bytes)
     edge_memory: list[Pieces]  # per edge: (device, bytes)
     batch: tuple[int, ...]
     held: tuple[int, ...]  # per device: bytes held to the end of the step
     peak: tuple[int, ...]  # per device: peak memory (held + the largest transient)
-
-    @property
-    def makespan(self) -> float:
-        return self.latest[-1] if self.latest else 0.0
 
 
 class DeltaSimulator:
@@ -70,6 +72,9 @@ class DeltaSimulator:
         self.lay = layout(graph)
         self.builder = SlotBuilder(self.costs, self.lay)
         self.num_resources = m.size + len(m.links)
+        # The slots where a re-run can begin: the first slot each op's change touches.
+        self.entries = sorted({0} | {min(self._touched([i])[1]) for i in range(len(graph.ops))})
+        self.entry_set = frozenset(self.entries)
         self.op_segments: dict[tuple[int, ParallelConfig], tuple[Segment, ...]] = {}
         self.edge_segments: dict[tuple, tuple[Segment, Segment]] = {}
         self.parts_memo: dict[tuple[int, ParallelConfig], OpParts] = {}
@@ -177,54 +182,73 @@ class DeltaSimulator:
     ) -> tuple[Evaluation, DeltaState]:
         if strategy.devices > self.simulator.machine.size:
             raise ValueError("the strategy uses more devices than the machine has")
-        ops, lay = self.graph.ops, self.lay
+        ops = self.graph.ops
         if base is None:
             changed = list(range(len(ops)))
         else:
-            changed = [i for i, op in enumerate(ops) if strategy[op.name] != base.strategy[op.name]]
+            old = base.strategy
+            # Unchanged configs are shared objects: compare by identity first.
+            changed = [
+                i
+                for i, op in enumerate(ops)
+                if (c := strategy[op.name]) is not (b := old[op.name]) and c != b
+            ]
         if base is not None and not changed:
             return self._evaluation(base), base
+        lay = self.lay
         segments = [EMPTY] * lay.size if base is None else list(base.segments)
         preds = [()] * lay.size if base is None else list(base.preds)
-        edges = sorted({j for i in changed for j in (*lay.outs[i], *lay.ins[i])})
+        edges, dirty, targets = self._touched(changed)
         for i in changed:
             self._op_slots(segments, i, strategy[ops[i].name])
         for j in edges:
             self._edge_slots(segments, j, strategy)
-        dirty = {s for i in changed for s in lay.of_op(i)}
-        dirty |= {s for j in edges for s in (lay.edge_forward[j], lay.edge_backward[j])}
         for s in dirty:
             preds[s] = segments[s].preds
-        targets = {("fwd", i) for i in changed} | {("bwd", i) for i in changed}
-        targets |= {("fwd", lay.edges[j][1]) for j in edges}
-        targets |= {("bwd", lay.edges[j][0]) for j in edges}
-        for phase, i in targets:
-            slot = lay.forward[i] if phase == "fwd" else lay.backward[i]
-            preds[slot] = self.builder.preds(segments, (phase, i))
-            dirty.add(slot)
-        state = self._run(strategy, segments, preds, min(dirty), base)
+        for target in targets:
+            slot = lay.forward[target[1]] if target[0] == "fwd" else lay.backward[target[1]]
+            preds[slot] = self.builder.preds(segments, target)
+        state = self._run(strategy, segments, preds, dirty, base)
         state = self._with_memory(state, strategy, changed, edges, base)
         return self._evaluation(state), state
 
-    def _run(self, strategy, segments, preds, first: int, base: DeltaState | None) -> DeltaState:
+    def _touched(self, changed: list[int]) -> tuple[list[int], set[int], set[tuple[str, int]]]:
+        """The edges of the changed ops, every slot whose segment or merged predecessors
+        change, and the compute slots whose predecessors are merged anew."""
+        lay = self.lay
+        edges = sorted({j for i in changed for j in (*lay.outs[i], *lay.ins[i])})
+        dirty = {s for i in changed for s in lay.of_op(i)}
+        dirty |= {s for j in edges for s in (lay.edge_forward[j], lay.edge_backward[j])}
+        targets = {("fwd", i) for i in changed} | {("bwd", i) for i in changed}
+        targets |= {("fwd", lay.edges[j][1]) for j in edges}
+        targets |= {("bwd", lay.edges[j][0]) for j in edges}
+        dirty |= {lay.forward[i] if p == "fwd" else lay.backward[i] for p, i in targets}
+        return edges, dirty, targets
+
+    def _run(self, strategy, segments, preds, dirty: set[int], base) -> DeltaState:
+        """Re-times from the checkpoint at or before the first dirty slot to the end."""
         size = self.lay.size
         if base is None:
-            starts, ends, frees = [[]] * size, [[]] * size, [()] * size
-            latest, moved = [0.0] * size, [0] * size
-            free = [0.0] * self.num_resources
-            first = 0
+            starts, ends, moved = [[]] * size, [[]] * size, [0] * size
+            checkpoints: dict[int, tuple[tuple[float, ...], float]] = {}
+            first, free, last = 0, [0.0] * self.num_resources, 0.0
         else:
-            starts, ends, frees = list(base.starts), list(base.ends), list(base.free)
-            latest, moved = list(base.latest), list(base.moved)
-            free = list(base.free[first])
-        snapshot = tuple(free)
-        last = latest[first - 1] if first > 0 else 0.0
+            starts, ends, moved = list(base.starts), list(base.ends), list(base.moved)
+            checkpoints = dict(base.checkpoints)
+            # Re-running slots between the checkpoint and the first dirty one repeats
+            # their times exactly (same inputs, same operations).
+            first = self.entries[bisect_right(self.entries, min(dirty)) - 1]
+            saved, last = checkpoints[first]
+            free = list(saved)
+        for s in dirty:
+            moved[s] = sum(segments[s].nbytes)
+        entries = self.entry_set
         for slot in range(first, size):
+            if slot in entries:
+                checkpoints[slot] = (tuple(free), last)
             seg = segments[slot]
-            frees[slot] = snapshot
             if not seg.duration:
                 starts[slot] = ends[slot] = []
-                latest[slot], moved[slot] = last, 0
                 continue
             begun, ends[slot] = [], (cur := [])
             for d, resources, ps in zip(seg.duration, seg.resources, preds[slot], strict=True):
@@ -244,17 +268,16 @@ class DeltaSimulator:
                 if e > last:
                     last = e
             starts[slot] = begun
-            latest[slot], moved[slot] = last, sum(seg.nbytes)
-            snapshot = tuple(free)
         return DeltaState(
             strategy,
             segments,
             preds,
             starts,
             ends,
-            frees,
-            latest,
+            checkpoints,
+            last,
             moved,
+            sum(moved),
             [] if base is None else base.op_memory,
             [] if base is None else base.edge_memory,
             (),
@@ -298,7 +321,7 @@ class DeltaSimulator:
     def _evaluation(self, state: DeltaState) -> Evaluation:
         devices = self.simulator.machine.devices
         fits = all(m <= d.memory for m, d in zip(state.peak, devices, strict=False))
-        return Evaluation(state.makespan, state.peak, sum(state.moved), fits)
+        return Evaluation(state.makespan, state.peak, state.bytes_moved, fits)
 
     def task_graph(self, state: DeltaState) -> tuple[TaskGraph, Timeline]:
         """The state as a flat task graph and timeline, numbered as a full build numbers

@@ -66,3 +66,29 @@ def test_delta_matches_full(export_model, name: str, spec: str, data) -> None:
         assert np.array_equal(timeline.start, timeline2.start)
         assert np.array_equal(timeline.end, timeline2.end)
         assert per_resource(tg, timeline) == per_resource(tg2, timeline2)
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_delta_from_checkpoints_at_64_devices(export_model, data) -> None:
+    """Re-runs begin at the checkpoint at or before the first changed slot (only forward
+    slots are checkpointed); on 64 devices, with many links, the times stay exact."""
+    graph, space, moves, machine, partitioner = case(export_model, "cnn", "flexflow-p100:16")
+    full = Simulator(machine, RooflineCost())
+    delta = DeltaSimulator(Simulator(machine, RooflineCost()), partitioner)
+    assert 0 in delta.entries and max(delta.entries) < min(delta.lay.backward)
+    strategy = data_parallel(graph, space, machine.size)
+    _, state = delta.evaluate(strategy)
+    names = [op.name for op in graph.ops]
+    for _ in range(data.draw(st.integers(1, 8), label="proposals")):
+        op = data.draw(st.sampled_from(names), label="op")
+        strategy = strategy.replace(op, data.draw(st.sampled_from(moves[op]), label="config"))
+        ev, state = delta.evaluate(strategy, state)
+        pg = partitioner.partition(strategy)
+        assert ev == full.evaluate(pg)
+        timeline = simulate(full.task_graph(pg))
+        _, timeline2 = delta.task_graph(state)
+        assert np.array_equal(timeline.start, timeline2.start)
+        assert np.array_equal(timeline.end, timeline2.end)
