@@ -1,10 +1,11 @@
 """Where every array of a rank's step comes from, decided once before the first step.
 
 For each local task: how each input buffer is filled (a weight shard, a constant cut
-once, rows of a data input, a producer's whole tile used as it is, or a buffer made once
-whose pieces are copied in every step), and how its output gradient is gathered (the
-consumer's gradient used as it is, or a buffer summed from pieces). Buffers made here are
-reused by every step; their padding is written once.
+once, rows of a data input, a local producer's whole tile or a whole received piece used
+as it is, or a buffer made once whose pieces are copied in every step), and how its
+output gradient is gathered (a local consumer's gradient or one received piece used as
+it is, or a buffer summed from pieces). Buffers made here are reused by every step; their
+padding is written once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class Alias:
 
 
 @dataclass(frozen=True)
+class Received:
+    """The operand's whole buffer (or the task's whole output gradient) is exactly one
+    received piece: read the receive buffer of transfer ``transfer`` without a copy.
+    Kernels never write their inputs, and only the next step's receive rewrites it."""
+
+    transfer: int
+
+
+@dataclass(frozen=True)
 class Copy:
     """One piece of an assembled buffer: ``into`` the buffer, from the local producer's
     (or consumer's) array at ``source``, or from received transfer ``transfer``."""
@@ -70,7 +80,7 @@ class Assembled:
     copies: tuple[Copy, ...]
 
 
-InputSource = Fixed | Rows | Alias | Assembled
+InputSource = Fixed | Rows | Alias | Received | Assembled
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ class GradSum:
 
     buffer: object
     copies: tuple[Copy, ...]
+
+
+GradSource = GradAlias | Received | GradSum
 
 
 def _whole(rect: Rect, origin: Rect) -> bool:
@@ -112,9 +125,12 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
         staged = None if region.data == region.buffer else rt.xp.empty(shape, dtype=dtype)
         return Rows(name, region.data, buffer, into, host, staged)
     mine = [p for p in pieces if p.operand == k]
-    if len(mine) == 1 and mine[0].transfer is None:
-        producer = rt.task(mine[0].peer)
-        if _whole(mine[0].rect, region.buffer) and _whole(mine[0].rect, producer.output):
+    if len(mine) == 1 and _whole(mine[0].rect, region.buffer):
+        # A received piece is its receive buffer whole; a local one must be the
+        # producer's whole tile (a part of it would be a strided view).
+        if mine[0].transfer is not None:
+            return Received(mine[0].transfer)
+        if _whole(mine[0].rect, rt.task(mine[0].peer).output):
             return Alias(mine[0].peer)
     copies = tuple(
         Copy(
@@ -135,12 +151,13 @@ def _cut_constant(rt, name: str, region: Region):
     return slice_from_full(rt.xp, rt.constants[name], region)
 
 
-def grad_source(rt, task: Task, pieces: tuple[Piece, ...]) -> GradAlias | GradSum:
+def grad_source(rt, task: Task, pieces: tuple[Piece, ...]) -> GradSource:
     """How a local task's output gradient is gathered from its consumers' pieces."""
-    if len(pieces) == 1 and pieces[0].transfer is None:
+    if len(pieces) == 1 and _whole(pieces[0].rect, task.output):
         p = pieces[0]
-        consumer = rt.task(p.peer)
-        if _whole(p.rect, task.output) and _whole(p.rect, consumer.inputs[p.operand].buffer):
+        if p.transfer is not None:
+            return Received(p.transfer)
+        if _whole(p.rect, rt.task(p.peer).inputs[p.operand].buffer):
             return GradAlias(p.peer, p.operand)
     copies = tuple(
         Copy(

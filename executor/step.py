@@ -14,7 +14,7 @@ import numpy as np
 
 from executor.batch import Batch, loss_scale
 from executor.buffers import global_slices, local_slices
-from executor.layout import Alias, Copy, Fixed, GradAlias, Rows, TaskKey
+from executor.layout import Alias, Copy, Fixed, GradAlias, Received, Rows, TaskKey
 from executor.program import (
     AllReduce,
     Compute,
@@ -122,6 +122,8 @@ class Step:
                 buffers.append(source.array)
             elif isinstance(source, Alias):
                 buffers.append(self.outputs[source.producer])
+            elif isinstance(source, Received):
+                buffers.append(self.buf.received[source.transfer])
             elif isinstance(source, Rows):
                 buffers.append(self._rows(source))
             else:
@@ -151,6 +153,8 @@ class Step:
         source = self.buf.grad_outputs[key]
         if isinstance(source, GradAlias):
             return self.input_grads[source.consumer][source.operand]
+        if isinstance(source, Received):
+            return self.buf.received[source.transfer]
         source.buffer.fill(0)
         for copy in source.copies:
             source.buffer[copy.into] += self._source(copy, forward=False)

@@ -7,9 +7,11 @@ holds, or in its forward, over what it holds before and during one kernel:
   weight and state Rect it holds, once, with a gradient accumulator and the optimizer's
   state per trainable one (none for SGD, one array for momentum, two for Adam); per task,
   an input buffer per operand (data rows, labels at their own width, a constant's cut),
-  except where the producer's whole tile *is* the buffer (read in place); an output
-  gradient buffer, except where a consumer's whole input gradient *is* it; a receive
-  buffer per transfer; a staging copy per strided tile sent; the partial sums' slots;
+  except where one piece fills it whole (read in place): a local producer's whole tile,
+  or a received piece, whose receive buffer is then the input buffer; an output gradient
+  buffer, except where one piece is it whole: a local consumer's whole input gradient,
+  or a received piece; a receive buffer per transfer; a staging copy per strided tile
+  sent; the partial sums' slots;
 - made by each step: the batch rows its tasks read (the labels and the constants whole),
   every task's output tile and the gradients of its activation inputs, kept until the
   step ends;
@@ -148,9 +150,12 @@ def _edge_bytes(
 ) -> Pieces:
     """What one edge adds per device: receive buffers and staging copies where a piece
     crosses devices (both ways when a gradient flows back); minus the input buffer of a
-    consumer that reads a local producer's whole tile in place and, where the edge is the
-    tensor's ``sole`` reader, the producer's gradient buffer that the consumer's input
-    gradient stands in for (``executor/layout.py``: ``Alias``, ``GradAlias``)."""
+    consumer whose one piece is its whole buffer, read in place: a local producer's whole
+    tile, or a received piece (then its receive buffer is the input buffer, counted once);
+    and, where the edge is the tensor's ``sole`` reader and the producer task sends it one
+    piece, the producer's gradient buffer that piece stands in for: a local consumer's
+    whole input gradient, or a received piece covering the producer's whole tile
+    (``executor/layout.py``: ``Alias``, ``Received``, ``GradAlias``)."""
     width = _width(graph.tensors[edge.tensor], itemsize)
     grad = graph.differentiable(edge.tensor)
     feeds = Counter(o.dst_task for o in edge.overlaps)
@@ -160,10 +165,14 @@ def _edge_bytes(
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
         buffer = c.inputs[edge.operand].buffer
         if p.device != c.device:
-            _add(held, c.device, o.volume * width)
+            # The receive buffer, unless it is the consumer's whole input buffer (its one
+            # piece, no padding around it), which the executor then does not make.
+            inplace = o.rect == buffer and feeds[o.dst_task] == 1
+            _add(held, c.device, 0 if inplace else o.volume * width)
             _add(held, p.device, 0 if _contiguous(o.rect, p.output) else o.volume * width)
-            if grad:
-                _add(held, p.device, o.volume * itemsize)
+            if grad:  # likewise the producer's whole output gradient, if it is one piece
+                inplace = o.rect == p.output and sole and sends[o.src_task] == 1
+                _add(held, p.device, 0 if inplace else o.volume * itemsize)
                 _add(held, c.device, 0 if _contiguous(o.rect, buffer) else o.volume * itemsize)
             continue
         whole = o.rect == buffer == p.output

@@ -1,0 +1,94 @@
+"""The runtime's layout: a whole tile or output gradient received from another rank is
+read in place, its receive buffer handed to the kernel (``executor/layout.py``:
+``Received``), and the memory model makes neither an input nor a gradient buffer for it.
+
+In-process, one Runtime per rank of a 2-device plan: building the buffers and assembling
+a task's inputs needs no peer (the transport only names its groups)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from executor.data import SyntheticData, rows_needed
+from executor.layout import Assembled, Received
+from executor.program import Phase, compile_program
+from executor.runtime import Runtime
+from executor.step import Step
+from onnx2soap.importer import load_model
+from onnx2soap.soap import Partitioner, analyze, import_loss, load_plan
+from onnx2soap.soap.partition import rect_shape
+from tests.executor.mpi import make_plan
+
+
+class _NoTransport:
+    """Enough of a transport to build a Runtime: nothing is sent."""
+
+    def make_groups(self, groups) -> None:
+        list(groups)
+
+
+@pytest.fixture(scope="module")
+def runtimes(example_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Runtime]:
+    plan_path = tmp_path_factory.mktemp("layout") / "plan.json"
+    make_plan(example_onnx, plan_path, 2, 8, "random", seed=1)  # fc2 reads across
+    plan = load_plan(plan_path)
+    model = load_model(plan.model_path, plan.batch, import_loss(plan))
+    pg = Partitioner(model.graph).partition(plan.strategy(model.graph, analyze(model.graph)))
+    weights = {**model.weights, **model.state}
+    return [
+        Runtime(pg, compile_program(pg, rank), _NoTransport(), weights, np.float32, model.constants)
+        for rank in range(2)
+    ]
+
+
+def _step(rt: Runtime) -> Step:
+    batch = SyntheticData(rt.graph, 0, rt.dtype).batch(1, rows_needed(rt.pg, rt.rank))
+    return Step(rt, batch, training=True)
+
+
+def _transfers(rt: Runtime) -> dict:
+    return {t.id: t for t in rt.program.receives}
+
+
+def test_a_received_whole_input_is_the_receive_buffer(runtimes: list[Runtime]) -> None:
+    found = 0
+    for rt in runtimes:
+        transfers, step = _transfers(rt), _step(rt)
+        for key, sources in rt.buffers.inputs.items():
+            for k, source in enumerate(sources):
+                if isinstance(source, Assembled) and len(source.copies) == 1:
+                    # Assembled from one received piece only where it leaves padding.
+                    (copy,) = source.copies
+                    region = rt.task(key).inputs[k]
+                    if copy.transfer is not None:
+                        assert transfers[copy.transfer].rect != region.buffer
+                if not isinstance(source, Received):
+                    continue
+                found += 1
+                t = transfers[source.transfer]
+                assert t.phase is Phase.FORWARD and t.consumer == key and t.operand == k
+                assert t.rect == rt.task(key).inputs[k].buffer
+                # What the kernel gets is the receive buffer itself, not a copy.
+                assert step._assemble_inputs(key)[k] is rt.buffers.received[t.id]
+    assert found, "the plan should move some whole tile across ranks"
+
+
+def test_a_received_whole_output_gradient_is_the_receive_buffer(
+    runtimes: list[Runtime],
+) -> None:
+    found = 0
+    for rt in runtimes:
+        transfers, step = _transfers(rt), _step(rt)
+        for key, source in rt.buffers.grad_outputs.items():
+            if not isinstance(source, Received):
+                continue
+            found += 1
+            t = transfers[source.transfer]
+            assert t.phase is Phase.BACKWARD and t.producer == key
+            assert t.rect == rt.task(key).output
+            assert step._grad_output(key) is rt.buffers.received[t.id]
+            assert rect_shape(t.rect) == rt.buffers.received[t.id].shape
+    assert found, "the plan should send some whole output gradient across ranks"
