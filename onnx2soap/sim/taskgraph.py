@@ -464,7 +464,10 @@ def edge_forward_segment(
             feeds.append((dst.starts[c.index], produced))
             continue
         seconds, resources = costs.transfer(p.device, c.device, nbytes)
-        seconds += costs.copy(c.device, nbytes, 2)  # from the receive buffer into place
+        # A received piece that is the whole buffer is read in place (layout.Received);
+        # any other is copied from its receive buffer into place.
+        if not (pieces[o.dst_task] == 1 and o.rect == c.inputs[edge.operand].buffer):
+            seconds += costs.copy(c.device, nbytes, 2)
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
         )
@@ -514,7 +517,10 @@ def edge_backward_segment(
             feeds.append((dst.starts[p.index], produced))
             continue
         seconds, resources = costs.transfer(c.device, p.device, nbytes)
-        seconds += costs.copy(p.device, nbytes, 4)  # summed into the output gradient
+        # The producer's whole output gradient, received as one piece from its only
+        # reader, is read in place; any other piece is summed into a zeroed gradient.
+        if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == p.output):
+            seconds += costs.copy(p.device, nbytes, 4)
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
         )
