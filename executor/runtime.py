@@ -23,8 +23,7 @@ from executor.batch import Batch, loss_scale  # noqa: F401  (re-exported: the ru
 from executor.buffers import global_slices
 from executor.device import CpuDevice, Device
 from executor.layout import (
-    GradAlias,
-    GradSum,
+    GradSource,
     InputSource,
     TaskKey,
     grad_source,
@@ -214,7 +213,7 @@ class _Buffers:
             for t in rt.program.receives
         }
         self.inputs: dict[TaskKey, tuple[InputSource, ...]] = {}
-        self.grad_outputs: dict[TaskKey, GradAlias | GradSum] = {}
+        self.grad_outputs: dict[TaskKey, GradSource] = {}
         self.args: dict[TaskKey, TaskArgs] = {}
         self.slots: dict[tuple, object] = {}  # statistics and partial sums, by group
         self.staging: dict[int, object] = {}  # strided tiles to send, by transfer
