@@ -136,10 +136,11 @@ class Memo:
 
     graph: Graph | None = None
     compute: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
-    transfers: dict[tuple[int, int, int], tuple[float, tuple[int, ...]]] = field(
+    rings: dict[tuple, tuple[float, tuple[int, ...], int]] = field(default_factory=dict)
+    # (src, dst) -> (summed latency, slowest bandwidth, resources): a transfer of any size
+    routes: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]] = field(
         default_factory=dict
     )
-    rings: dict[tuple, tuple[float, tuple[int, ...], int]] = field(default_factory=dict)
     memory: dict[tuple, object] = field(default_factory=dict)  # sim.memory.OpMemory
 
     def bind(self, graph: Graph) -> None:
@@ -243,12 +244,24 @@ class Costs:
         links = tuple(self.machine.size + link for link in self.machine.route(src, dst))
         return (src, dst, *links) if self.machine.transfers_use_compute else links
 
+    def _route(self, src: int, dst: int) -> tuple[float, float, tuple[int, ...]]:
+        """What a transfer's time needs of its route, once per device pair: the same
+        sums as ``Machine.transfer_time``, so the times are the same to the bit."""
+        key = (src, dst)
+        if key not in self.memo.routes:
+            links = [self.machine.links[i] for i in self.machine.route(src, dst)]
+            latency = sum(link.latency for link in links)
+            bandwidth = min(x.bandwidth for x in links)
+            self.memo.routes[key] = (latency, bandwidth, self.link_resources(src, dst))
+        return self.memo.routes[key]
+
+    def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
+        latency, bandwidth, _ = self._route(src, dst)
+        return latency + nbytes / bandwidth
+
     def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...]]:
-        key = (src, dst, nbytes)
-        if key not in self.memo.transfers:
-            seconds = self.machine.transfer_time(src, dst, nbytes)
-            self.memo.transfers[key] = (seconds, self.link_resources(src, dst))
-        return self.memo.transfers[key]
+        latency, bandwidth, resources = self._route(src, dst)
+        return latency + nbytes / bandwidth, resources
 
     def copy(self, device: int, nbytes: int, passes: int) -> float:
         """The runtime copying ``nbytes`` on a CPU rank, ``passes`` streams of them (a copy
@@ -286,7 +299,7 @@ class Costs:
                 for i in range(k):
                     lo, hi = chunks[steps[i][s].send_chunk]
                     sizes.append((hi - lo) * self.itemsize)
-                transfer = self.machine.transfer_time
+                transfer = self.transfer_time
                 seconds += max(transfer(a, b, n) for (a, b), n in zip(hops, sizes, strict=True))
                 nbytes += sum(sizes)
             self.memo.rings[key] = (seconds, links, nbytes)
