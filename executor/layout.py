@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor.buffers import empty_buffer, local_slices
+from executor.buffers import empty_buffer, local_slices, slice_from_full
 from executor.program import Piece
 from onnx2soap.ir import TensorRole
 from onnx2soap.soap.partition import Rect, Region, Task, rect_shape
@@ -146,8 +146,6 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
 
 
 def _cut_constant(rt, name: str, region: Region):
-    from executor.buffers import slice_from_full
-
     return slice_from_full(rt.xp, rt.constants[name], region)
 
 
