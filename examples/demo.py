@@ -1,9 +1,11 @@
 """`make demo`: the whole product on the bundled example, with the commands a user types.
 
-1. inspect the model;  2. measure this host's 4 MPI ranks and time the model's kernels
-on them (`machine probe`, `profile`);  3. plan with MCMC search over the simulator;
+1. inspect the model;  2. measure this host's MPI ranks (4, or one per core on a smaller
+host: ranks that share a core wait for each other, which the simulator does not model)
+and time the model's kernels on them (`machine probe`, `profile`);  3. plan with MCMC
+search over the simulator;
 4. make a small dataset that can be learned (each class a pattern plus noise);
-5. train the plan under mpiexec -n 4 with Adam, shuffling, evaluation, a checkpoint, a
+5. train the plan under mpiexec with Adam, shuffling, evaluation, a checkpoint, a
 metrics file and the trained model saved back to ONNX; the loss visibly falls;
 6. train the data-parallel baseline briefly and print predicted and measured step times;
 7. draw the plan and the loss curves (with matplotlib, the `plots` extra).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -24,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "demo"
 MODEL = ROOT / "examples" / "cnn.onnx"
-RANKS, BATCH, STEPS, BUDGET, CLASSES = 4, 32, 60, 20, 10
+RANKS = max(2, min(4, os.cpu_count() or 2))
+BATCH, STEPS, BUDGET, CLASSES = 32, 60, 20, 10
 SAMPLE = (3, 32, 32)
 
 
