@@ -35,7 +35,7 @@ from executor.optim import OptimizerConfig
 from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.trace import Tracer, write_measured
-from executor.transport import make_transport
+from executor.transport import make_transport, oversubscribed, wait_patiently
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_directory, check_output, write_atomic
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
@@ -256,6 +256,12 @@ class _Checkpoints:
             self.saved = done
 
 
+def _allreduce(comm: MPI.Comm, values: np.ndarray, out: np.ndarray, nap: bool) -> None:
+    """A sum over the ranks that naps while it waits where ranks share cores."""
+    request = comm.Iallreduce(values, out, op=MPI.SUM)
+    wait_patiently(request.Test, nap=nap)
+
+
 def _load(data, step: int, rows) -> tuple[object, str | None]:
     """The step's batch, or the one line that says what is wrong with the data (every
     rank learns of it at the step's flags, so none is left waiting)."""
@@ -334,6 +340,7 @@ def train(
     first = _resume(comm, rt, s, options) if options.resume is not None else 0
     checkpoints = _Checkpoints(comm, rt, options, _identity(s, options), plan_sha, saved=first)
     rows = rows_needed(s.pg, rank)
+    nap = oversubscribed(comm)
     evaluation = _Evaluation(comm, rt, s.eval_data, rows, options.eval_every, on_eval)
     records = []
     total = np.zeros(1)
@@ -344,7 +351,7 @@ def train(
         batch, bad = _load(s.data, step, rows)
         received = stop() if stop is not None else 0
         flags[:] = (received == signal.SIGINT, received == signal.SIGTERM, bad is not None)
-        comm.Allreduce(flags, seen, op=MPI.SUM)
+        _allreduce(comm, flags, seen, nap)
         if seen[2]:
             raise UserError(next(e for e in comm.allgather(bad) if e))
         if seen[:2].any():
@@ -357,7 +364,7 @@ def train(
         partial = rt.step(batch, lr)
         if rt.tracer is not None:
             rt.tracer.end_step()
-        comm.Allreduce(np.array([partial]), total, op=MPI.SUM)
+        _allreduce(comm, np.array([partial]), total, nap)
         took = time.perf_counter() - start
         rate = s.plan.batch / took if took > 0 else None
         record = StepRecord(step + 1, float(total[0]), took, lr, rate)
