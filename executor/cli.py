@@ -47,18 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train a plan under mpiexec")
     run.add_argument("plan", type=Path, help="plan file from `onnx2soap plan`")
     run.add_argument("--model", type=Path, help="model file (default: the plan's)")
-    run.add_argument(
-        "--steps", type=int_in(0, MAX_STEPS), default=10, help="SGD steps (default 10)"
-    )
+    run.add_argument("--steps", type=int_in(0, MAX_STEPS), default=10, help="steps (default 10)")
     run.add_argument(
         "--lr", type=float_in(0, MAX_LR), default=0.01, help="learning rate (default 0.01)"
     )
     run.add_argument(
-        "--seed", type=int_in(0, MAX_SEED), default=0, help="seed of the synthetic data"
+        "--seed", type=int_in(0, MAX_SEED), default=0, help="seed of the data and Dropout"
     )
     run.add_argument(
         "--dtype", choices=[DType.FLOAT32.value, DType.FLOAT64.value], default="float32"
     )
+    _add_data_options(run)
+    _add_optimizer_options(run)
+    _add_checkpoint_options(run)
+    _add_device_options(run)
+    _add_output_options(run)
+    add_nonfinite_option(run)
+    return parser
+
+
+def _add_data_options(run: argparse.ArgumentParser) -> None:
     data = run.add_argument_group("data")
     data.add_argument(
         "--data",
@@ -80,18 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="evaluate every K steps (default 0: once, at the end)",
     )
-    run.add_argument(
-        "--metrics",
-        type=Path,
-        metavar="RUN.jsonl",
-        help="one JSON line per step and evaluation (rank 0; `onnx2soap plot` draws it)",
-    )
-    run.add_argument(
-        "--save-weights",
-        type=Path,
-        help="write trained weights (.npz) on rank 0 (the path is checked before training)",
-    )
-    _add_optimizer_options(run)
+
+
+def _add_checkpoint_options(run: argparse.ArgumentParser) -> None:
     ckpt = run.add_argument_group("checkpoints")
     ckpt.add_argument(
         "--checkpoint",
@@ -114,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the newest checkpoint in DIR, under this plan or another "
         "(re-sharded); --steps counts from the start of training",
     )
+
+
+def _add_device_options(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -129,23 +131,36 @@ def build_parser() -> argparse.ArgumentParser:
         "nccl (one rank per GPU); auto: nccl when every rank has its own GPU, else "
         "mpi-host on GPUs and mpi on CPUs",
     )
-    run.add_argument(
+
+
+def _add_output_options(run: argparse.ArgumentParser) -> None:
+    out = run.add_argument_group("outputs")
+    out.add_argument(
+        "--save-weights",
+        type=Path,
+        help="write trained weights (.npz) on rank 0 (the path is checked before training)",
+    )
+    out.add_argument(
         "--save-model",
         type=Path,
         metavar="OUT.onnx",
         help="write the input model with the trained initializers and state (on rank 0; "
-        "weights in OUT.onnx.data when the input had external data or is over 2 GB)",
+        "weights in OUT.onnx.data when the input had external data or they pass 1 GB)",
     )
-    run.add_argument(
+    out.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="RUN.jsonl",
+        help="one JSON line per step and evaluation (rank 0; `onnx2soap plot` draws it)",
+    )
+    out.add_argument(
         "--trace",
         type=Path,
         metavar="MEASURED.json",
         help="time every task of steps 2-11 on every rank (in the simulator's names) and write "
         "one Perfetto file, with each rank's peak memory; `onnx2soap compare` reads it",
     )
-    run.add_argument("--json", action="store_true", help="one JSON object per line")
-    add_nonfinite_option(run)
-    return parser
+    out.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
 def _add_optimizer_options(run: argparse.ArgumentParser) -> None:

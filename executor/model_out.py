@@ -3,9 +3,10 @@
 Every weight and state tensor the executor trains is an initializer of the input file
 (checked before training starts); the saved file is the input graph unchanged, those
 initializers replaced in their own dtype. The weights go to external data beside the
-file (``OUT.onnx.data``) when the input kept them outside or when the model is over
-ONNX's 2 GB protobuf limit. Both files are written under temporary names and renamed
-into place, the data first, so a crash never leaves a model pointing at missing data.
+file (``OUT.onnx.data``) when the input kept them outside or when they pass half of
+protobuf's 2 GB limit on a model file (the graph needs room too). Both files are
+written under temporary names and renamed into place, the data first, so a crash never
+leaves a model pointing at missing data.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def save_model(model_path: Path, trained: Mapping[str, np.ndarray], out: Path) -
             value = np.asarray(trained[init.name], dtype=dtype).reshape(tuple(init.dims))
             init.CopyFrom(numpy_helper.from_array(value, init.name))
     total = sum(i.ByteSize() for i in model.graph.initializer)
-    if external or total > PROTOBUF_LIMIT // 2:
+    if external or total > PROTOBUF_LIMIT // 2:  # room left for the graph itself
         _write_external(model, out)
     else:
         _replace(out, model.SerializeToString())
