@@ -14,11 +14,10 @@ import json
 from onnx2soap.cli.common import add_nonfinite_option, int_in, seconds
 from onnx2soap.cli.picture_options import MAX_DPI, MIN_DPI, pixels
 from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
-from onnx2soap.cli.simulate_cmd import model_sha256
+from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
-from onnx2soap.importer import load_model
-from onnx2soap.sim import Simulator, resolve_machine
+from onnx2soap.sim import Simulator
 from onnx2soap.sim.compare import (
     Comparison,
     Predicted,
@@ -29,7 +28,6 @@ from onnx2soap.sim.compare import (
 )
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
-from onnx2soap.soap import Partitioner, analyze, import_loss, load_plan
 from onnx2soap.viz import require_matplotlib
 
 
@@ -97,22 +95,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str]:
     """The plan simulated as ``simulate`` simulates it (same checks, machine, costs)."""
-    plan = load_plan(args.plan)
-    path = args.model or plan.model_path
-    if model_sha256(path) != plan.model_sha256:
-        raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
-    spec = args.machine or plan.machine or f"cpu:{plan.devices}"
-    machine = resolve_machine(spec)
-    if machine.size != plan.devices:
-        raise UserError(
-            f"{args.plan}: the plan is for {plan.devices} devices but machine "
-            f"'{machine.name}' has {machine.size}"
-        )
-    costs = choose_costs(spec, machine, args.costs)
-    graph = load_model(
-        path, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
-    ).graph
-    pg = Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
+    planned = plan_on_machine(args)
+    machine = planned.machine
+    costs = choose_costs(planned.spec, machine, args.costs)
+    pg = partitioned(args, planned)
     simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
     memory = simulator.evaluate(pg).peak_memory_bytes
     tg = simulator.task_graph(pg, names=True)

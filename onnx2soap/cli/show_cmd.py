@@ -12,13 +12,12 @@ import argparse
 
 from onnx2soap.cli.common import add_nonfinite_option, int_in, seconds
 from onnx2soap.cli.picture_options import add_picture_options, picture_size
-from onnx2soap.cli.simulate_cmd import model_sha256
+from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
-from onnx2soap.importer import load_model
-from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
+from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.simulate import simulate
-from onnx2soap.soap import PartitionedGraph, Partitioner, analyze, import_loss, load_plan
+from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.viz import require_matplotlib
 from onnx2soap.viz.layout import MAX_TRANSFERS, gantt_chart, plan_grid
 
@@ -74,18 +73,5 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _load(args: argparse.Namespace) -> tuple[PartitionedGraph, Simulator]:
     """The plan partitioned on its model, as ``simulate`` loads it (same checks)."""
-    plan = load_plan(args.plan)
-    path = args.model or plan.model_path
-    if model_sha256(path) != plan.model_sha256:
-        raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
-    machine = resolve_machine(args.machine or plan.machine or f"cpu:{plan.devices}")
-    if machine.size != plan.devices:
-        raise UserError(
-            f"{args.plan}: the plan is for {plan.devices} devices but machine "
-            f"'{machine.name}' has {machine.size}"
-        )
-    graph = load_model(
-        path, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
-    ).graph
-    strategy = plan.strategy(graph, analyze(graph))
-    return Partitioner(graph).partition(strategy), Simulator(machine, RooflineCost())
+    planned = plan_on_machine(args)
+    return partitioned(args, planned), Simulator(planned.machine, RooflineCost())

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
 from onnx2soap.cli.common import add_nonfinite_option, gib, seconds
 from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_input, check_output
 from onnx2soap.importer import file_sha256, load_model
-from onnx2soap.sim import Simulator, resolve_machine
+from onnx2soap.sim import Machine, Simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
-from onnx2soap.soap import Partitioner, analyze, import_loss, load_plan
+from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
 
 
 def register(sub) -> None:
@@ -35,11 +37,21 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.trace:
-        check_output(args.trace)  # before the work, not after it
+@dataclass(frozen=True)
+class PlanOnMachine:
+    """A plan checked against its model file and the machine it is simulated on."""
+
+    plan: Plan
+    model: Path
+    spec: str  # the machine as given: a preset or a machine file
+    machine: Machine
+
+
+def plan_on_machine(args: argparse.Namespace) -> PlanOnMachine:
+    """What ``simulate``, ``compare`` and ``show`` read first (``args.plan``, ``.model``,
+    ``.machine``): the model must be the plan's and the machine its size."""
     plan = load_plan(args.plan)
-    path = args.model or plan.model_path
+    path = Path(args.model or plan.model_path)
     if model_sha256(path) != plan.model_sha256:
         raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
     spec = args.machine or plan.machine or f"cpu:{plan.devices}"
@@ -49,13 +61,26 @@ def run(args: argparse.Namespace) -> int:
             f"{args.plan}: the plan is for {plan.devices} devices but machine "
             f"'{machine.name}' has {machine.size}"
         )
-    costs = choose_costs(spec, machine, args.costs)
+    return PlanOnMachine(plan, path, spec, machine)
+
+
+def partitioned(args: argparse.Namespace, planned: PlanOnMachine) -> PartitionedGraph:
+    """The plan's strategy on its model (``args.allow_nonfinite``)."""
+    plan = planned.plan
     graph = load_model(
-        path, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
+        planned.model, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
     ).graph
-    strategy = plan.strategy(graph, analyze(graph))
+    return Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trace:
+        check_output(args.trace)  # before the work, not after it
+    planned = plan_on_machine(args)
+    machine = planned.machine
+    costs = choose_costs(planned.spec, machine, args.costs)  # before loading the model
+    pg = partitioned(args, planned)
     simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
-    pg = Partitioner(graph).partition(strategy)
     ev = simulator.evaluate(pg)
     if args.trace:
         tg = simulator.task_graph(pg, names=True)

@@ -20,6 +20,7 @@ written before it existed has no calibration; ``open(create=True)`` adds it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -133,13 +134,13 @@ def _shown(v) -> str:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with (
+        contextlib.suppress(OSError),
+        open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f,
+    ):
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "unknown"
 
 
