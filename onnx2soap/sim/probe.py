@@ -3,11 +3,12 @@
 Run under mpiexec (``python -m onnx2soap.sim.probe -o FILE.yaml``); every rank measures
 at the same time, so ranks sharing cores see the rates they will see when training:
 matmul FLOP/s, copy bandwidth, the fixed cost of a tiny task, and rank-to-rank latency
-and bandwidth: ping-pong between rank 0 and every other rank through the executor's own
-transport (``executor/transport.py``: a nonblocking send, a posted receive, the wait
-that completes it, the end of the step), so a link's latency is what one tile costs the
-executor, Python's share included, not what bare MPI takes (about 1 us against 10 us
-on this kind of host).
+and bandwidth between rank 0 and every other rank. The bandwidth from a ping-pong of 4
+MiB messages through the executor's own transport (``executor/transport.py``: a
+nonblocking send, a posted receive, the wait that completes it, the end of the step);
+the latency from what a message adds to a step of the executor's runtime
+(``probe_messages.py``: its instructions and their dispatch included, 10-25 us on a
+2-core VM, where bare MPI takes about 1 us and the transport's calls alone 2 us).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from onnx2soap.files import write_atomic
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
+from onnx2soap.sim.probe_messages import message_seconds
 
 
 def _rate(work: Callable[[], None], seconds: float) -> float:
@@ -102,27 +104,42 @@ class LinkFigures:
 
 def _links(comm) -> LinkFigures:
     from executor.device import CpuDevice
-    from executor.transport import MpiTransport
+    from executor.transport import MpiTransport, oversubscribed
 
-    transport = MpiTransport(comm, CpuDevice())
-    latencies, bandwidths = [], []
+    nap = oversubscribed(comm)
+    transport = MpiTransport(comm, CpuDevice(), nap=nap)
+    bandwidths = []
     size = 4 << 20
     for peer in range(1, comm.Get_size()):
         _ping_pong(comm, transport, peer, size, 2)  # buffers and MPI's paths warmed
         small = _ping_pong(comm, transport, peer, 8, 200)
         large = _ping_pong(comm, transport, peer, size, 20)
-        latencies.append(small)
         bandwidths.append(size / max(large - small, 1e-9))
+    latencies = message_seconds(comm, nap)
     if not latencies:
         return LinkFigures(5e-6, 4e9)
     return LinkFigures(float(np.median(latencies)), float(np.median(bandwidths)))
 
 
+def _shared_cores(comm) -> int:
+    """The cores the ranks share where they outnumber their node's (0: a core each)."""
+    from executor.transport import oversubscribed
+
+    return (os.cpu_count() or 1) if oversubscribed(comm) else 0
+
+
 def probe(comm, seconds: float = 0.3) -> str:
-    """Measure and return the machine file's YAML (on every rank)."""
+    """Measure and return the machine file's YAML (on every rank). Where ranks share
+    cores, only one rank per core measures the compute rates (the simulator gives a
+    shared core's devices their turns, each at a core's own rate)."""
+    from executor.transport import wait_patiently
+
+    cores = _shared_cores(comm)
+    measuring = not cores or comm.Get_rank() < cores
     comm.Barrier()
-    flops, bandwidth, overhead = _compute_rates(seconds)
-    rates = comm.allgather((flops, bandwidth, overhead))
+    mine = _compute_rates(seconds) if measuring else None
+    wait_patiently(comm.Ibarrier().Test, nap=bool(cores))
+    rates = [r for r in comm.allgather(mine) if r is not None]
     links = _links(comm)
     links = comm.bcast(links, root=0)
     ranks = comm.Get_size()
@@ -136,7 +153,7 @@ def probe(comm, seconds: float = 0.3) -> str:
     )
     # A route is two links (out-port, in-port), and a transfer pays every link's latency.
     machine = cpu(ranks, device, links.bandwidth, links.latency / 2)
-    return dump_machine(machine)
+    return dump_machine(replace(machine, cores=cores))
 
 
 def main() -> int:

@@ -1,0 +1,56 @@
+"""The message probe (``sim/probe_messages.py``): its premise, checked on the simulator
+with hand-computed link costs, and the probe itself under mpiexec."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.sim import RooflineCost, Simulator
+from onnx2soap.sim.probe_messages import BATCH, CHAIN_OPS, WIDTH, _plan, chain_model
+from tests.sim.tiny import LINK_BW, LINK_LATENCY, round_machine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_alternating_chain_puts_every_message_on_the_critical_path(tmp_path: Path) -> None:
+    """What the probe divides by: the alternating plan's step exceeds the one-rank step
+    by exactly its messages' link times, one tile forward and one gradient back per op
+    boundary, none of them overlapping compute or each other."""
+    graph = chain_model(tmp_path).graph
+    sim = Simulator(round_machine(2), RooflineCost())
+    alone = sim.evaluate(_plan(graph, 2, 0)).step_time_s
+    apart = sim.evaluate(_plan(graph, 2, 1)).step_time_s
+    boundaries = len(graph.ops) - 1  # the Relus and the attached loss, in a chain
+    assert len(graph.ops) == CHAIN_OPS + 1
+    tile = BATCH * WIDTH * 4
+    message = 2 * LINK_LATENCY + tile / LINK_BW  # a route is two links
+    assert apart - alone == pytest.approx(2 * boundaries * message, rel=1e-9)
+
+
+@pytest.mark.mpi
+def test_probe_measures_a_message_as_the_runtime_pays_it(tmp_path: Path) -> None:
+    """Under mpiexec on two ranks: a positive cost per message, above what the bare
+    transport's calls cost, and below a millisecond."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "from mpi4py import MPI\n"
+        "from onnx2soap.sim.probe_messages import message_seconds\n"
+        "s = message_seconds(MPI.COMM_WORLD, False)\n"
+        "if MPI.COMM_WORLD.Get_rank() == 0: print(*s)\n"
+    )
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    done = subprocess.run(
+        [str(mpiexec), "-n", "2", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    (seconds,) = map(float, done.stdout.split())
+    assert 1e-6 < seconds < 1e-3
