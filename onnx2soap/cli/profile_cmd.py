@@ -51,8 +51,8 @@ def register(sub) -> None:
     p.add_argument(
         "--ranks",
         type=int_in(1, MAX_DEVICES),
-        help="ranks timing at once (default: the machine's devices, as they will run here; "
-        "give the ranks of one host when the machine spans several)",
+        help="ranks timing at once (default: the machine's devices, or its cores where they "
+        "share them; give the ranks of one host when the machine spans several)",
     )
     p.add_argument(
         "--repeat",
@@ -82,11 +82,13 @@ def _db_path(args) -> Path:
 
 
 def _ranks(args, machine: Machine) -> int:
-    """As many ranks as will train on this host: where they outnumber its cores, each
-    kernel's time is its share of a core, which is what the step will see (4 ranks on 2
-    cores: a data-parallel step predicted at 0.15 of the measured one with 2 ranks
-    profiling, 0.57 with 4)."""
-    return args.ranks or machine.size
+    """As many ranks as will compute at once on this host: every device, or where the
+    machine's ranks share cores, one per core (the simulator gives a shared core's
+    devices their turns, so a kernel is timed at a core's own rate, with the other cores
+    busy as in a step)."""
+    if args.ranks:
+        return args.ranks
+    return machine.cores if machine.shares_cores else machine.size
 
 
 def _command(args, db: Path, devices: int, ranks: int) -> list[str]:

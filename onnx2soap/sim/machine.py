@@ -17,6 +17,7 @@ Machine file (YAML)::
       - {src: 0, dst: 1, links: [nvlink-0-1]}
 
     transfers_use_compute: false   # true: a transfer also holds both end devices (CPUs)
+    cores: 0                       # > 0: the devices share so many cores (CPU ranks)
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
 route. A machine has at most ``MAX_DEVICES`` devices (routes grow with the square of the
@@ -60,16 +61,30 @@ class Link:
 class Machine:
     """``transfers_use_compute``: a transfer also holds the sending and the receiving
     device, as on CPU ranks, whose cores copy every message themselves; GPUs have copy
-    engines and NICs, so their transfers overlap with compute."""
+    engines and NICs, so their transfers overlap with compute.
+
+    ``cores``: where CPU ranks outnumber the host's cores, the cores they share (0: a
+    core, or a GPU, each). Device ``d`` then runs on core ``d mod cores``, and what the
+    devices of one core do is done one after the other (the operating system gives them
+    the core in turns), so a core, not a device, is the resource their tasks hold."""
 
     name: str
     devices: tuple[ComputeDevice, ...]
     links: tuple[Link, ...]
     routes: Mapping[tuple[int, int], tuple[int, ...]]  # (src, dst) -> link indices
     transfers_use_compute: bool = False
+    cores: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
+
+    @property
+    def shares_cores(self) -> bool:
+        return 0 < self.cores < self.size
+
+    def core(self, device: int) -> int:
+        """The resource that runs ``device``'s work: itself, or the core it shares."""
+        return device % self.cores if self.shares_cores else device
 
     @property
     def size(self) -> int:
@@ -190,8 +205,11 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
     use_compute = doc.get("transfers_use_compute", False)
     if not isinstance(use_compute, bool):
         raise MachineError(f"{source}: transfers_use_compute: must be true or false")
+    cores = doc.get("cores", 0)
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+        raise MachineError(f"{source}: cores: must be an integer >= 0 (0: a core each)")
     name = str(doc.get("name") or Path(source).stem)
-    return Machine(name, tuple(devices), tuple(links), routes, use_compute)
+    return Machine(name, tuple(devices), tuple(links), routes, use_compute, cores)
 
 
 def machine_to_dict(m: Machine) -> dict:
@@ -215,6 +233,7 @@ def machine_to_dict(m: Machine) -> dict:
             for (s, d), r in sorted(m.routes.items())
         ],
         "transfers_use_compute": m.transfers_use_compute,
+        **({"cores": m.cores} if m.cores else {}),
     }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -47,8 +49,8 @@ def test_intra_node_routes_avoid_the_nic_and_inter_node_routes_use_it() -> None:
 
 
 def test_yaml_round_trip(tmp_path: Path) -> None:
-    for name in ("flexflow-k80:2", "cpu:4"):
-        m = preset(name)
+    shared = replace(preset("cpu:4"), cores=2)
+    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
         assert load_machine_file(path) == m
@@ -72,6 +74,8 @@ def _doc() -> dict:
         (lambda d: d["routes"].pop(), "routes"),
         (lambda d: d.update(devices=[]), "devices"),
         (lambda d: d.update(transfers_use_compute="yes"), "transfers_use_compute"),
+        (lambda d: d.update(cores=-1), "cores"),
+        (lambda d: d.update(cores=1.5), "cores"),
     ],
 )
 def test_bad_machine_file_names_the_field(edit, field: str) -> None:
@@ -79,6 +83,14 @@ def test_bad_machine_file_names_the_field(edit, field: str) -> None:
     edit(doc)
     with pytest.raises(MachineError, match=re.escape(f"m.yaml: {field}")):
         machine_from_dict(doc, "m.yaml")
+
+
+def test_ranks_sharing_cores_take_turns_on_core_d_mod_cores() -> None:
+    shared = replace(preset("cpu:4"), cores=2)
+    assert shared.shares_cores and [shared.core(d) for d in range(4)] == [0, 1, 0, 1]
+    own = preset("cpu:4")  # 0: a core each; as many cores as ranks shares none either
+    assert not own.shares_cores and not replace(own, cores=4).shares_cores
+    assert [own.core(d) for d in range(4)] == [0, 1, 2, 3]
 
 
 def test_unknown_preset_lists_the_presets() -> None:
@@ -108,7 +120,18 @@ def test_probe_measures_this_host(tmp_path: Path) -> None:
     assert cli(["machine", "probe", "-n", "2", "-o", str(out), "--seconds", "0.05"]) == 0
     m = load_machine_file(out)
     assert m.size == 2 and m.transfers_use_compute
+    assert m.cores == (0 if (os.cpu_count() or 1) >= 2 else os.cpu_count())
     for d in m.devices:
         assert d.peak_flops > 1e8 and d.memory_bandwidth > 1e8 and d.memory > 0
         assert 0 < d.kernel_overhead < 1e-2
     assert all(0 < x.latency < 1e-2 and x.bandwidth > 1e6 for x in m.links)
+
+
+@pytest.mark.mpi
+def test_probe_says_which_cores_ranks_share(tmp_path: Path) -> None:
+    """More ranks than this host has cores: the file says they share its cores."""
+    ranks = (os.cpu_count() or 1) + 1
+    out = tmp_path / "host.yaml"
+    assert cli(["machine", "probe", "-n", str(ranks), "-o", str(out), "--seconds", "0.05"]) == 0
+    m = load_machine_file(out)
+    assert m.size == ranks and m.cores == os.cpu_count() and m.shares_cores
