@@ -8,10 +8,8 @@ Coordinates are half-open intervals ``(lo, hi)``; a ``Rect`` has one per tensor 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from itertools import product
 
 from onnx2soap.ir import AxisMap, Broadcast, Grouped, LoopNest, Op, Whole
@@ -28,7 +26,13 @@ def chunk(size: int, degree: int, index: int) -> Interval:
 
 
 def rect_volume(rect: Rect) -> int:
-    return math.prod(max(0, hi - lo) for lo, hi in rect)
+    # A plain loop: called per overlap and per task, where a generator costs twice this.
+    n = 1
+    for lo, hi in rect:
+        if hi <= lo:
+            return 0
+        n *= hi - lo
+    return n
 
 
 def rect_shape(rect: Rect) -> tuple[int, ...]:
@@ -162,33 +166,76 @@ def op_tasks(op: Op, config: ParallelConfig, shapes: Sequence[Sequence[int]]) ->
 
 @dataclass(frozen=True)
 class Overlap:
-    """``rect`` of a tensor moves from a producer task to a consumer task's operand."""
+    """``rect`` of a tensor moves from a producer task to a consumer task's operand;
+    ``volume`` is its element count (``rect_volume(rect)``, counted where it is found)."""
 
     src_task: int
     dst_task: int
     operand: int
     rect: Rect
-
-    @cached_property
-    def volume(self) -> int:
-        return rect_volume(self.rect)
+    volume: int
 
 
 def overlaps(
     producers: Sequence[Task], consumers: Sequence[Task], operand: int
 ) -> tuple[Overlap, ...]:
     """Which producer tiles feed which consumer regions. The producer tiles partition the
-    tensor, so the overlaps of one consumer region cover it exactly once."""
+    tensor, so the overlaps of one consumer region cover it exactly once.
+
+    Found per distinct region (replicated consumers read the same one) from a per-axis
+    index of the tiles: a producer overlaps a region where its interval overlaps on every
+    axis, so only those producers are intersected, in producer order."""
+    index = _TileIndex(producers)
     found = []
+    by_region: dict[Rect, list[tuple[int, Rect, int]]] = {}
     for c in consumers:
-        region = c.inputs[operand]
-        if region.empty:
-            continue
-        for p in producers:
-            rect = intersect(p.output, region.data)
-            if rect is not None:
-                found.append(Overlap(p.index, c.index, operand, rect))
+        data = c.inputs[operand].data
+        if data not in by_region:
+            by_region[data] = index.intersections(data)
+        for p, rect, volume in by_region[data]:
+            found.append(Overlap(p, c.index, operand, rect, volume))
     return tuple(found)
+
+
+class _TileIndex:
+    """Per axis, the producers' distinct output intervals, each with a bit mask of the
+    producers (by position) that have it."""
+
+    def __init__(self, producers: Sequence[Task]) -> None:
+        self.producers = producers
+        rank = len(producers[0].output) if producers else 0
+        self.axes: list[dict[Interval, int]] = [{} for _ in range(rank)]
+        for k, t in enumerate(producers):
+            for masks, interval in zip(self.axes, t.output, strict=True):
+                masks[interval] = masks.get(interval, 0) | 1 << k
+
+    def intersections(self, data: Rect) -> list[tuple[int, Rect, int]]:
+        """(producer task index, intersection, its volume) of every producer tile that
+        overlaps ``data``, in producer order (none where ``data`` is empty)."""
+        if not self.producers or rect_volume(data) == 0:
+            return []
+        hits = (1 << len(self.producers)) - 1
+        for (dlo, dhi), masks in zip(data, self.axes, strict=True):
+            axis = 0
+            for (lo, hi), mask in masks.items():
+                if lo < dhi and dlo < hi:
+                    axis |= mask
+            hits &= axis
+            if not hits:
+                return []
+        out = []
+        while hits:
+            low = hits & -hits
+            hits ^= low
+            p = self.producers[low.bit_length() - 1]
+            rect = tuple(
+                [
+                    (max(lo, dlo), min(hi, dhi))
+                    for (lo, hi), (dlo, dhi) in zip(p.output, data, strict=True)
+                ]
+            )
+            out.append((p.index, rect, rect_volume(rect)))
+        return out
 
 
 @dataclass(frozen=True)
