@@ -39,10 +39,23 @@ def _split_one(dims: tuple[SoapDim, ...], kind: DimKind, devices: int) -> Parall
     return ParallelConfig(tuple(degrees), tuple(range(math.prod(degrees))))
 
 
-def data_parallel(graph: Graph, space: Space, devices: int) -> Strategy:
+def data_parallel(graph: Graph, space: Space, devices: int, width: int | None = None) -> Strategy:
+    """Every op split by samples over devices ``0..width-1`` (all devices by default)."""
+    width = devices if width is None else width
+    if not 1 <= width <= devices:
+        raise ValueError(f"data parallelism over {width} of {devices} devices")
     return Strategy(
-        devices, {op.name: _split_one(space[op.name], DimKind.SAMPLE, devices) for op in graph.ops}
+        devices, {op.name: _split_one(space[op.name], DimKind.SAMPLE, width) for op in graph.ops}
     )
+
+
+def narrow_data_parallel(graph: Graph, space: Space, devices: int) -> dict[str, Strategy]:
+    """Data parallelism over the first k devices for every divisor k of ``devices`` between
+    1 and ``devices`` (exclusive), named ``data-parallel:k``: a model too small for the
+    whole machine (or a batch too small to feed it) runs best on a node or a few. Devices
+    are numbered node by node, so the first k are the fastest-connected k."""
+    widths = [k for k in range(2, devices) if devices % k == 0]
+    return {f"data-parallel:{k}": data_parallel(graph, space, devices, k) for k in widths}
 
 
 def _is_fully_connected(op: Op, graph: Graph) -> bool:

@@ -2,12 +2,20 @@
 
 A proposal replaces the config of one op, drawn uniformly, by a candidate drawn uniformly
 (a symmetric proposal); Metropolis–Hastings accepts it with probability
-``min(1, exp(-beta * (cost(new) - cost(current)) / scale))`` where ``scale`` is the
-data-parallel cost, so ``beta`` does not depend on the model's units.
+``min(1, exp(-beta * (cost(new) - cost(current)) / scale))``, so ``beta`` does not
+depend on the model's units.
 
-A few chains run interleaved, one proposal each per round. They start from data
-parallelism, the expert strategy and everything on one device; a chain whose best has not
-improved for half of its proposals (after a minimum) is replaced by a chain from a random
+Before the first proposal the search evaluates every strategy built by rule: the
+baselines (data parallelism, expert, single device, model parallelism) and data
+parallelism over the first k devices for every divisor k of the device count
+(``data-parallel:k``; devices are numbered node by node, so these are a node or a few).
+A few chains then run interleaved, one proposal each per round, starting from the best of
+those strategies (fastest first, ones that do not fit last): one-op proposals cannot walk
+from 64-way data parallelism to 4-way, every step between them moves whole activations,
+so a model too small for the machine is found by starting near it. ``scale``, the unit of
+``beta``, is the best start's cost, so the temperature fits the costs the chains walk
+among. A chain whose best has not improved for half of its proposals (after a minimum) is
+replaced by one from the best strategy found so far and, every other time, from a random
 strategy. The search stops at the time budget or when the best has not improved for half
 of it; with ``max_evals`` also after that many proposals (each one an evaluation, a
 revisited strategy answered from memory) or when the best has not improved for half of
@@ -27,14 +35,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
-from onnx2soap.search.baselines import BASELINES, Rule, by_rule
+from onnx2soap.search.baselines import BASELINES, by_rule, narrow_data_parallel
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
@@ -88,12 +96,27 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Improvement:
+    after_s: float  # seconds after the first proposal (0: the best start)
+    proposals: int  # proposals made by then
+    step_time_s: float
+
+
+@dataclass(frozen=True)
 class SearchResult:
     best: Strategy
     evaluation: Evaluation
     baselines: Mapping[str, Evaluation]
     evaluated: int
     time_s: float
+    # every strategy built by rule and evaluated before the first proposal: the baselines
+    # and data-parallel:k
+    starts: Mapping[str, Evaluation] = field(default_factory=dict)
+    best_from: str = "search"  # the start the best is (its name), or "search"
+    setup_s: float = 0.0  # from the call to the first proposal
+    proposals: int = 0
+    # the best at the first proposal, then at each improvement
+    history: tuple[Improvement, ...] = ()
 
 
 class _Evaluator:
@@ -162,18 +185,20 @@ class _Search:
         if cost < self.best_cost:
             self.best, self.best_cost = strategy, cost
 
-    def start(self, rule: Rule, rng: np.random.Generator) -> _Chain:
-        if rule is Rule.RANDOM:  # a random point of the search space
-            strategy = Strategy(
-                self.devices,
-                {n: self.moves[n][int(rng.integers(len(self.moves[n])))] for n in self.ops},
-            )
-        else:
-            strategy = by_rule(rule, self.graph, self.space, self.devices)
-        ev, state = self.evaluate.with_state(strategy)
+    def random(self, rng: np.random.Generator) -> Strategy:
+        """A random point of the search space."""
+        return Strategy(
+            self.devices,
+            {n: self.moves[n][int(rng.integers(len(self.moves[n])))] for n in self.ops},
+        )
+
+    def start(
+        self, strategy: Strategy, rng: np.random.Generator, base: DeltaState | None = None
+    ) -> _Chain:
+        ev, state = self.evaluate.with_state(strategy, base)
         cost = cost_of(ev)
         self.consider(strategy, cost)
-        state = state or self.evaluate.state(strategy, None)
+        state = state or self.evaluate.state(strategy, base)
         return _Chain(rng, strategy, cost, cost, state)
 
     def _accept(self, rng: np.random.Generator, old: float, new: float, scale: float) -> bool:
@@ -210,11 +235,11 @@ class _Search:
             chain.active = False
 
 
-def _starts(options: SearchOptions) -> Iterator[Rule]:
-    """Data parallel, expert and single device first; then random strategies for ever."""
-    yield from (Rule.DATA_PARALLEL, Rule.EXPERT, Rule.SINGLE_DEVICE)
-    while True:
-        yield Rule.RANDOM
+def _rule_strategies(graph: Graph, space, devices: int) -> dict[str, Strategy]:
+    """The baselines, then data parallelism over the first k devices."""
+    named = {rule.value: by_rule(rule, graph, space, devices) for rule in BASELINES}
+    named.update(narrow_data_parallel(graph, space, devices))
+    return named
 
 
 def mcmc(
@@ -227,25 +252,47 @@ def mcmc(
     began = time.perf_counter()
     search = _Search(graph, space, simulator, options)
     seeds = np.random.SeedSequence(options.seed)
-    starts = _starts(options)
+    named = _rule_strategies(graph, space, search.devices)
+    starts, states = {}, {}
+    for name, strategy in named.items():
+        starts[name], state = search.evaluate.with_state(strategy)
+        states[strategy] = state or states[strategy]  # a strategy built twice: one state
+        search.consider(strategy, cost_of(starts[name]))
+    # The chains start from the fastest distinct strategies built by rule (a stable sort:
+    # ties keep the order above); the search never returns a plan slower than any of them.
+    ranked, seen = [], set()
+    for name in sorted(starts, key=lambda n: cost_of(starts[n])):
+        if named[name] not in seen:
+            seen.add(named[name])
+            ranked.append(named[name])
+    chains = []
+    for i in range(options.chains):
+        strategy = ranked[i % len(ranked)]
+        ev = starts[next(n for n, s in named.items() if s == strategy)]
+        rng = np.random.default_rng(seeds.spawn(1)[0])
+        chains.append(_Chain(rng, strategy, cost_of(ev), cost_of(ev), states[strategy]))
+    restarts = 0
 
-    def new_chain() -> _Chain:
-        return search.start(next(starts), np.random.default_rng(seeds.spawn(1)[0]))
+    def restart(stalled: _Chain) -> _Chain:
+        """From the best so far and, every other time, from a random strategy."""
+        nonlocal restarts
+        restarts += 1
+        rng = np.random.default_rng(seeds.spawn(1)[0])
+        if restarts % 2 == 0 or search.best is None:
+            return search.start(search.random(rng), rng)
+        return search.start(search.best, rng, stalled.state)
 
-    chains = [new_chain() for _ in range(max(options.chains, 1))]
-    # Model parallelism starts no chain (it is a poor place to walk from), but the search
-    # must never return a plan slower than a baseline it could have returned.
-    baselines = {}
-    for rule in BASELINES:
-        strategy = by_rule(rule, graph, space, search.devices)
-        baselines[rule.value] = search.evaluate(strategy)
-        search.consider(strategy, cost_of(baselines[rule.value]))
-    scale = next((c.cost for c in chains if math.isfinite(c.cost)), 1.0)
-    best, last_report = search.best_cost, 0.0
-    improved_s, improved_at, proposals = 0.0, 0, 0
+    finite = [cost_of(ev) for ev in starts.values() if math.isfinite(cost_of(ev))]
+    scale = min(finite, default=1.0)
+    best, last_report, proposals = search.best_cost, 0.0, 0
+    looped = time.perf_counter()
+    setup_s = looped - began
+    history = [Improvement(0.0, 0, best)]
+    improved_s, improved_at = setup_s, 0
     single = all(len(moves) < 2 for moves in search.moves.values())
     while not single:  # with one strategy in the whole space there is nothing to search
-        elapsed = time.perf_counter() - began
+        now = time.perf_counter()
+        elapsed = now - began
         # Stop at the budget, or when the best has not improved for half of it.
         if elapsed >= options.budget_s or elapsed - improved_s >= options.budget_s / 2:
             break
@@ -257,9 +304,10 @@ def mcmc(
             search.propose(chain, scale)
             proposals += 1
             if not chain.active:
-                chains[i] = new_chain()
+                chains[i] = restart(chain)
         if search.best_cost < best:
             best, improved_s, improved_at = search.best_cost, elapsed, proposals
+            history.append(Improvement(time.perf_counter() - looped, proposals, best))
         if progress is not None and elapsed - last_report >= 0.2:
             last_report = elapsed
             progress(Progress(elapsed, options.budget_s, search.evaluate.evaluated, best))
@@ -268,10 +316,17 @@ def mcmc(
             "no strategy found fits in device memory; use a machine with more memory or "
             "more devices, or a smaller batch"
         )
+    baselines = {rule.value: starts[rule.value] for rule in BASELINES}
+    best_from = next((n for n, s in named.items() if s == search.best), "search")
     return SearchResult(
         best=search.best,
         evaluation=search.evaluate(search.best),
         baselines=baselines,
         evaluated=search.evaluate.evaluated,
         time_s=time.perf_counter() - began,
+        starts=starts,
+        best_from=best_from,
+        setup_s=setup_s,
+        proposals=proposals,
+        history=tuple(history),
     )

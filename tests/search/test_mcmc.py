@@ -13,7 +13,7 @@ from onnx2soap.cli import main as cli
 from onnx2soap.cli.plan_cmd import draw_progress
 from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
-from onnx2soap.search.baselines import Rule, by_rule
+from onnx2soap.search.baselines import Rule, by_rule, narrow_data_parallel
 from onnx2soap.search.exhaustive import exhaustive, space_size
 from onnx2soap.search.mcmc import Progress, SearchOptions, mcmc
 from onnx2soap.sim import RooflineCost, Simulator
@@ -37,9 +37,11 @@ def test_mcmc_finds_the_brute_force_optimum_for_most_seeds(tmp_path: Path) -> No
     graph, space, sim = hybrid_case(tmp_path)
     optimum = exhaustive(graph, space, sim)
     partitioner = Partitioner(graph)
-    for rule in (Rule.DATA_PARALLEL, Rule.EXPERT, Rule.SINGLE_DEVICE):
-        start = sim.evaluate(partitioner.partition(by_rule(rule, graph, space, 4)))
-        assert start.step_time_s > optimum.evaluation.step_time_s * 1.01, rule
+    starts = [by_rule(rule, graph, space, 4) for rule in Rule if rule is not Rule.RANDOM]
+    starts += narrow_data_parallel(graph, space, 4).values()
+    for strategy in starts:
+        start = sim.evaluate(partitioner.partition(strategy))
+        assert start.step_time_s > optimum.evaluation.step_time_s * 1.01, strategy
     budget = 300
     assert budget < space_size(graph, space, 4) / 2
     found = 0
@@ -146,3 +148,50 @@ def test_the_search_is_never_slower_than_any_rule_it_could_have_returned(
         strategy = by_rule(rule, graph, space, sim.machine.size)
         baseline = sim.evaluate(partitioner.partition(strategy))
         assert result.evaluation.step_time_s <= baseline.step_time_s * (1 + 1e-12), rule
+
+
+def test_narrow_data_parallel_splits_samples_over_the_first_k_devices(tmp_path: Path) -> None:
+    graph = tiny_graph(tmp_path, batch=32, hidden=16, relu=True)
+    space = analyze(graph)
+    named = narrow_data_parallel(graph, space, 8)
+    assert list(named) == ["data-parallel:2", "data-parallel:4"]
+    for name, strategy in named.items():
+        k = int(name.split(":")[1])
+        for op in graph.ops:
+            config = strategy[op.name]
+            sample = next(i for i, d in enumerate(space[op.name]) if d.kind.value == "sample")
+            assert config.devices == tuple(range(k))
+            assert config.degrees[sample] == k
+            assert all(d == 1 for i, d in enumerate(config.degrees) if i != sample)
+
+
+def test_the_result_names_its_starts_and_its_history_honestly(example_onnx: Path) -> None:
+    """On 64 devices the search also starts from data parallelism over 2..32 devices; the
+    result is never slower than any start (each simulated here afresh), says which start
+    its best is (or "search"), and its history begins at the best start, at 0 s."""
+    graph = load_model(example_onnx, 32).graph
+    space = analyze(graph)
+    sim = Simulator(preset("flexflow-p100:16"), RooflineCost())
+    result = mcmc(graph, space, sim, SearchOptions(budget_s=120, seed=1, max_evals=30))
+    names = [r.value for r in Rule if r is not Rule.RANDOM]
+    assert set(result.starts) == {*names, *(f"data-parallel:{k}" for k in (2, 4, 8, 16, 32))}
+    assert set(result.baselines) == set(names)
+    partitioner = Partitioner(graph)
+    strategies = {r.value: by_rule(r, graph, space, 64) for r in Rule if r is not Rule.RANDOM}
+    strategies.update(narrow_data_parallel(graph, space, 64))
+    fresh = {n: sim.evaluate(partitioner.partition(s)) for n, s in strategies.items()}
+    assert fresh == dict(result.starts)
+    best_start = min(ev.step_time_s for ev in fresh.values() if ev.fits)
+    assert result.evaluation.step_time_s <= best_start
+    if result.best_from == "search":
+        assert result.evaluation.step_time_s < best_start
+        assert all(result.best != s for s in strategies.values())
+    else:
+        assert result.best == strategies[result.best_from]
+    first, *rest = result.history
+    assert (first.after_s, first.proposals, first.step_time_s) == (0.0, 0, best_start)
+    costs = [h.step_time_s for h in result.history]
+    assert costs == sorted(costs, reverse=True) and len(set(costs)) == len(costs)
+    assert costs[-1] == result.evaluation.step_time_s
+    assert all(0 < h.proposals <= result.proposals for h in rest)
+    assert 0 < result.setup_s <= result.time_s and result.proposals <= 30 + 2
