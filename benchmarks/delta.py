@@ -1,6 +1,6 @@
-"""Delta simulation: evaluations per second, full vs delta, and an Inception-v3 search.
+"""Delta simulation: evaluations per second, full vs delta.
 
-    python -m benchmarks.delta [--proposals 200] [--budget 120] [--batch 64]
+    python -m benchmarks.delta [--proposals 200] [--batch 64] [--repeats 3]
 
 Full: ``Partitioner.partition`` and ``Simulator.evaluate`` (whole task graph, whole
 pass), as the search did before. Delta: ``DeltaSimulator.evaluate`` from the previous
@@ -24,14 +24,12 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
-import tempfile
 import time
 
 import numpy as np
 
 from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import data_parallel
-from onnx2soap.search.mcmc import Progress, SearchOptions, mcmc
 from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
 from onnx2soap.sim.delta import DeltaSimulator
 from onnx2soap.soap import Partitioner, analyze, candidates
@@ -75,34 +73,13 @@ def rates(graph, spec: str, proposals: int, repeats: int) -> tuple[int, dict[str
     return machine.size, best
 
 
-def inception_search(budget: float, batch: int) -> tuple[float, float, float, int, int, str]:
-    sys.path.insert(0, str(REPO))
-    from tests.torchvision_models import export_family
-
-    with tempfile.TemporaryDirectory() as tmp:
-        graph = load_model(export_family("inception_v3", tmp, "legacy"), batch=batch).graph
-    trace: list[tuple[float, float]] = []
-
-    def progress(p: Progress) -> None:
-        trace.append((p.elapsed_s, p.best_step_time_s))
-
-    sim = Simulator(resolve_machine("flexflow-p100:16"), RooflineCost())
-    result = mcmc(graph, analyze(graph), sim, SearchOptions(budget_s=budget), progress)
-    final = result.evaluation.step_time_s
-    within = next((t for t, best in trace if best <= 1.01 * final), result.time_s)
-    source = next(
-        (name for name, ev in result.baselines.items() if ev.step_time_s == final), "search"
-    )
-    return within, result.time_s, final, len(graph.ops), result.evaluated, source
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--proposals", type=int, default=200)
-    parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip-inception", action="store_true")
+    # kept for old command lines: the Inception-v3 search moved to inception_search.py
+    parser.add_argument("--skip-inception", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     graph = load_model(REPO / "examples" / "cnn.onnx", args.batch).graph
     print(f"example CNN, batch {args.batch}, {args.proposals} random proposals")
@@ -115,13 +92,6 @@ def main() -> int:
             full, delta = r[f"full {phase}"], r[f"delta {phase}"]
             cells += [f"{full:>12.1f}", f"{delta:>12.1f}", f"{delta / full:>11.1f}x"]
         print(f"{spec:<18}{devices:>8}" + "".join(cells), flush=True)
-    if not args.skip_inception:
-        within, total, final, ops, evaluated, source = inception_search(args.budget, args.batch)
-        print(
-            f"inception_v3 (reduced width, {ops} ops, batch {args.batch}) on flexflow-p100:16: "
-            f"best within 1 % of final ({final * 1e3:.3f} ms, from {source}) after "
-            f"{within:.1f} s of a {total:.1f} s search, {evaluated} strategies evaluated"
-        )
     return 0
 
 
