@@ -3,20 +3,21 @@ only the slots it affects and re-time only from the first of them on.
 
 Every resource runs its tasks in program order (``simulate.py``), so a timeline is a
 longest-path pass over slots in order. A ``DeltaState`` keeps, per slot, its segment and
-its tasks' start and end times, and a checkpoint (every resource's last end, and the
-latest end) before each slot where a re-run can begin: the first slot a one-op change
-touches is always the op's forward slot or one of its incoming edges' forward slots, so
-only the forward region is checkpointed. Evaluating a strategy from a base state rebuilds
-the slots of the changed ops and of their edges (segments are memoized by the configs
-they depend on), and re-runs the pass from the checkpoint at or before the first changed
-slot with the same float operations as ``simulate``: the times are bit-identical to a
-full simulation. Memory is summed per op, per edge and for the batch
+its tasks' end times (a start follows from them), and a checkpoint (every resource's last
+end, and the latest end) before each slot where a re-run can begin: the first slot a
+one-op change touches is always the op's forward slot or one of its incoming edges'
+forward slots, so only the forward region is checkpointed. Evaluating a strategy from a
+base state rebuilds the slots of the changed ops and of their edges (segments are memoized
+by the configs they depend on), and re-runs the pass from the checkpoint at or before the
+first changed slot with the same float operations as ``simulate``: the times are
+bit-identical to a full simulation. Memory is summed per op, per edge and for the batch
 from the same pieces ``memory.py`` counts, and updated by exact integer differences.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from onnx2soap.ir import TensorRole
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.memory import OpMemory, Pieces, _batch_bytes, _edge_bytes, _op_bytes, total
-from onnx2soap.sim.simulate import Timeline
+from onnx2soap.sim.simulate import Timeline, run_task
 from onnx2soap.sim.taskgraph import (
     EMPTY,
     Costs,
@@ -46,8 +47,7 @@ class DeltaState:
     strategy: Strategy
     segments: list[Segment]
     preds: list[tuple]
-    starts: list[list[float]]
-    ends: list[list[float]]
+    ends: list[Sequence[float]]  # per slot: its tasks' end times
     # per checkpointed slot: every resource's last end before it, and the latest end
     checkpoints: dict[int, tuple[tuple[float, ...], float]]
     makespan: float
@@ -229,11 +229,11 @@ class DeltaSimulator:
         """Re-times from the checkpoint at or before the first dirty slot to the end."""
         size = self.lay.size
         if base is None:
-            starts, ends, moved = [[]] * size, [[]] * size, [0] * size
+            ends, moved = [()] * size, [0] * size
             checkpoints: dict[int, tuple[tuple[float, ...], float]] = {}
             first, free, last = 0, [0.0] * self.num_resources, 0.0
         else:
-            starts, ends, moved = list(base.starts), list(base.ends), list(base.moved)
+            ends, moved = list(base.ends), list(base.moved)
             checkpoints = dict(base.checkpoints)
             # Re-running slots between the checkpoint and the first dirty one repeats
             # their times exactly (same inputs, same operations).
@@ -248,31 +248,31 @@ class DeltaSimulator:
                 checkpoints[slot] = (tuple(free), last)
             seg = segments[slot]
             if not seg.duration:
-                starts[slot] = ends[slot] = []
+                ends[slot] = ()
                 continue
-            begun, ends[slot] = [], (cur := [])
+            # The formula of simulate.run_task, inlined; only ends are kept (a start is
+            # recomputed from them where a timeline is asked for: ``task_graph``).
+            ends[slot] = cur = []  # before its tasks: they may wait on earlier ones
             for d, resources, ps in zip(seg.duration, seg.resources, preds[slot], strict=True):
-                s = 0.0  # the formula of simulate.run_task, inlined
+                s = 0.0
                 for ps_slot, k in ps:
                     t = ends[ps_slot][k]
                     if t > s:
                         s = t
                 for r in resources:
-                    if free[r] > s:
-                        s = free[r]
+                    t = free[r]
+                    if t > s:
+                        s = t
                 e = s + d
-                begun.append(s)
                 cur.append(e)
                 for r in resources:
                     free[r] = e
-                if e > last:
-                    last = e
-            starts[slot] = begun
+            if (e := max(cur)) > last:
+                last = e
         return DeltaState(
             strategy,
             segments,
             preds,
-            starts,
             ends,
             checkpoints,
             last,
@@ -327,9 +327,25 @@ class DeltaSimulator:
         """The state as a flat task graph and timeline, numbered as a full build numbers
         them (for tests and traces)."""
         tg = flatten(state.segments, state.preds, self.num_resources, False)
-        start = np.array([x for s in state.starts for x in s], dtype=np.float64)
-        end = np.array([x for s in state.ends for x in s], dtype=np.float64)
-        return tg, Timeline(start, end)
+        end = [x for s in state.ends for x in s]
+        start = _starts(tg, end)
+        return tg, Timeline(np.array(start, dtype=np.float64), np.array(end, dtype=np.float64))
+
+
+def _starts(tg: TaskGraph, end: list[float]) -> list[float]:
+    """Every task's start from the ends: when its predecessors and its resources' tasks
+    before it have ended (``simulate.run_task``)."""
+    free = [0.0] * tg.num_resources
+    res_ptr, res_idx = tg.res_ptr.tolist(), tg.res_idx.tolist()
+    pred_ptr, pred_idx = tg.pred_ptr.tolist(), tg.pred_idx.tolist()
+    start = []
+    for i, e in enumerate(end):
+        resources = res_idx[res_ptr[i] : res_ptr[i + 1]]
+        preds = pred_idx[pred_ptr[i] : pred_ptr[i + 1]]
+        start.append(run_task([end[p] for p in preds], resources, free))
+        for r in resources:
+            free[r] = e
+    return start
 
 
 def _shift(held: list[int], old, new) -> None:

@@ -8,6 +8,7 @@ Coordinates are half-open intervals ``(lo, hi)``; a ``Rect`` has one per tensor 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
@@ -215,26 +216,31 @@ class _TileIndex:
         if not self.producers or rect_volume(data) == 0:
             return []
         hits = (1 << len(self.producers)) - 1
+        # Per axis, each overlapping interval clipped to ``data``, and its length: a
+        # tile's intersection is then one look-up per axis.
+        clips: list[dict[Interval, Interval]] = []
+        lengths: list[dict[Interval, int]] = []
         for (dlo, dhi), masks in zip(data, self.axes, strict=True):
-            axis = 0
-            for (lo, hi), mask in masks.items():
-                if lo < dhi and dlo < hi:
+            axis, clip, length = 0, {}, {}
+            for interval, mask in masks.items():
+                lo, hi = interval
+                lo, hi = (lo if lo > dlo else dlo), (hi if hi < dhi else dhi)
+                if lo < hi:
                     axis |= mask
+                    clip[interval], length[interval] = (lo, hi), hi - lo
             hits &= axis
             if not hits:
                 return []
+            clips.append(clip)
+            lengths.append(length)
         out = []
+        get = dict.__getitem__
         while hits:
             low = hits & -hits
             hits ^= low
             p = self.producers[low.bit_length() - 1]
-            rect = tuple(
-                [
-                    (max(lo, dlo), min(hi, dhi))
-                    for (lo, hi), (dlo, dhi) in zip(p.output, data, strict=True)
-                ]
-            )
-            out.append((p.index, rect, rect_volume(rect)))
+            rect = tuple(map(get, clips, p.output))
+            out.append((p.index, rect, math.prod(map(get, lengths, p.output))))
         return out
 
 
