@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
-from onnx2soap.ir import AxisMap, Broadcast, Grouped, LoopNest, Op, Whole
+from onnx2soap.ir import AxisMap, Broadcast, Grouped, IterDim, LoopNest, Op, Whole
 
 Interval = tuple[int, int]
 Rect = tuple[Interval, ...]
@@ -57,11 +57,14 @@ def task_coords(degrees: Sequence[int]) -> Iterator[tuple[int, ...]]:
 
 def task_box(nest: LoopNest, degrees: Sequence[int], coord: Sequence[int]) -> Rect:
     """Balanced chunks per dim, in units of the dim's granule (whole groups)."""
-    box = []
-    for dim, deg, c in zip(nest.dims, degrees, coord, strict=True):
-        lo, hi = chunk(dim.size // dim.granule, deg, c)
-        box.append((lo * dim.granule, hi * dim.granule))
-    return tuple(box)
+    return tuple(
+        _dim_chunk(dim, deg, c) for dim, deg, c in zip(nest.dims, degrees, coord, strict=True)
+    )
+
+
+def _dim_chunk(dim: IterDim, degree: int, index: int) -> Interval:
+    lo, hi = chunk(dim.size // dim.granule, degree, index)
+    return lo * dim.granule, hi * dim.granule
 
 
 def output_rect(nest: LoopNest, box: Rect) -> Rect:
@@ -153,16 +156,42 @@ class Task:
 
 
 def op_tasks(op: Op, config: ParallelConfig, shapes: Sequence[Sequence[int]]) -> tuple[Task, ...]:
-    """The tasks of ``op`` under ``config``; ``shapes`` are the operand tensor shapes."""
+    """The tasks of ``op`` under ``config``; ``shapes`` are the operand tensor shapes.
+
+    An operand's region depends only on the dims its axes read, so tasks that agree on
+    those share one region, made once (replicas read the same weight, a batch split's
+    tasks the same channels)."""
     nest = op.nest
+    chunks = [
+        [_dim_chunk(dim, deg, c) for c in range(deg)]
+        for dim, deg in zip(nest.dims, config.degrees, strict=True)
+    ]
+    read = [_dims_read(spec.axes) for spec in nest.inputs]
+    regions: dict[tuple, Region] = {}
     tasks = []
     for index, coord in enumerate(task_coords(config.degrees)):
-        box = task_box(nest, config.degrees, coord)
-        regions = tuple(input_region(nest, i, box, s) for i, s in enumerate(shapes))
+        box = tuple([chunks[d][c] for d, c in enumerate(coord)])
+        inputs = []
+        for i, s in enumerate(shapes):
+            key = (i, *[box[d] for d in read[i]])
+            if key not in regions:
+                regions[key] = input_region(nest, i, box, s)
+            inputs.append(regions[key])
         tasks.append(
-            Task(op.name, index, config.devices[index], box, output_rect(nest, box), regions)
+            Task(op.name, index, config.devices[index], box, output_rect(nest, box), tuple(inputs))
         )
     return tuple(tasks)
+
+
+def _dims_read(axes: Sequence[AxisMap]) -> tuple[int, ...]:
+    """The iteration dims an operand's region depends on (``_image``)."""
+    dims: list[int] = []
+    for m in axes:
+        if isinstance(m, Grouped):
+            dims.append(m.dim)
+        elif not isinstance(m, (Broadcast, Whole)):
+            dims.extend(d for d, _ in m.terms)
+    return tuple(sorted(set(dims)))
 
 
 @dataclass(frozen=True)
@@ -209,6 +238,7 @@ class _TileIndex:
         for k, t in enumerate(producers):
             for masks, interval in zip(self.axes, t.output, strict=True):
                 masks[interval] = masks.get(interval, 0) | 1 << k
+        self.cut: dict[tuple[int, Interval], tuple[int, dict, dict]] = {}
 
     def intersections(self, data: Rect) -> list[tuple[int, Rect, int]]:
         """(producer task index, intersection, its volume) of every producer tile that
@@ -216,19 +246,13 @@ class _TileIndex:
         if not self.producers or rect_volume(data) == 0:
             return []
         hits = (1 << len(self.producers)) - 1
-        # Per axis, each overlapping interval clipped to ``data``, and its length: a
-        # tile's intersection is then one look-up per axis.
-        clips: list[dict[Interval, Interval]] = []
-        lengths: list[dict[Interval, int]] = []
-        for (dlo, dhi), masks in zip(data, self.axes, strict=True):
-            axis, clip, length = 0, {}, {}
-            for interval, mask in masks.items():
-                lo, hi = interval
-                lo, hi = (lo if lo > dlo else dlo), (hi if hi < dhi else dhi)
-                if lo < hi:
-                    axis |= mask
-                    clip[interval], length[interval] = (lo, hi), hi - lo
-            hits &= axis
+        clips, lengths = [], []
+        for axis, interval in enumerate(data):
+            key = (axis, interval)
+            if key not in self.cut:
+                self.cut[key] = self._cut(self.axes[axis], interval)
+            mask, clip, length = self.cut[key]
+            hits &= mask
             if not hits:
                 return []
             clips.append(clip)
@@ -242,6 +266,21 @@ class _TileIndex:
             rect = tuple(map(get, clips, p.output))
             out.append((p.index, rect, math.prod(map(get, lengths, p.output))))
         return out
+
+    @staticmethod
+    def _cut(masks: dict[Interval, int], data: Interval) -> tuple[int, dict, dict]:
+        """Along one axis: the producers whose interval overlaps ``data``, and each such
+        interval clipped to ``data`` and its length (a tile's intersection is then one
+        look-up per axis; regions share most of their axes' intervals)."""
+        dlo, dhi = data
+        hits, clip, length = 0, {}, {}
+        for interval, mask in masks.items():
+            lo, hi = interval
+            lo, hi = (lo if lo > dlo else dlo), (hi if hi < dhi else dhi)
+            if lo < hi:
+                hits |= mask
+                clip[interval], length[interval] = (lo, hi), hi - lo
+        return hits, clip, length
 
 
 @dataclass(frozen=True)
