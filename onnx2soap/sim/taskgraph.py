@@ -288,22 +288,26 @@ class Costs:
         as its slowest send), summed in step order."""
         key = (devices, numel)
         if key not in self.memo.rings:
-            k = len(devices)
-            chunks = ring_chunks(numel, k)
-            steps = [ring_steps(i, k) for i in range(k)]
-            hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
-            links = tuple(sorted({r for a, b in hops for r in self.link_resources(a, b)}))
-            seconds, nbytes = 0.0, 0
-            for s in range(2 * (k - 1)):
-                sizes = []
-                for i in range(k):
-                    lo, hi = chunks[steps[i][s].send_chunk]
-                    sizes.append((hi - lo) * self.itemsize)
-                transfer = self.transfer_time
-                seconds += max(transfer(a, b, n) for (a, b), n in zip(hops, sizes, strict=True))
-                nbytes += sum(sizes)
-            self.memo.rings[key] = (seconds, links, nbytes)
+            self.memo.rings[key] = self._ring(devices, numel)
         return self.memo.rings[key]
+
+    def _ring(self, devices: tuple[int, ...], numel: int) -> tuple[float, tuple[int, ...], int]:
+        k = len(devices)
+        sizes = [(hi - lo) * self.itemsize for lo, hi in ring_chunks(numel, k)]
+        hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
+        links = tuple(sorted({r for a, b in hops for r in self.link_resources(a, b)}))
+        # Per hop, a send's seconds per chunk size (two sizes: the chunks are balanced),
+        # so a step costs k look-ups, not k transfer times: O(k) per ring, not O(k^2).
+        times = [{n: self.transfer_time(a, b, n) for n in set(sizes)} for a, b in hops]
+        seconds, nbytes = 0.0, 0
+        # The schedule turns with the ring (collectives.py): in every step member i sends
+        # the chunk member 0 sends, plus i.
+        for step in ring_steps(0, k):
+            c = step.send_chunk
+            sent = sizes[c:] + sizes[:c]  # member i's chunk size: sizes[(c + i) % k]
+            seconds += max(map(dict.__getitem__, times, sent))
+            nbytes += sum(sent)
+        return seconds, links, nbytes
 
 
 def _group_ring(costs, b, devices, numel, ready: Sequence[Ref], what) -> tuple[Ref, ...]:

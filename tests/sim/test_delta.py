@@ -13,7 +13,9 @@ from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.delta import DeltaSimulator
 from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import simulate
+from onnx2soap.sim.taskgraph import Costs, Memo
 from onnx2soap.soap import Partitioner, analyze, candidates
+from onnx2soap.soap.collectives import ring_chunks, ring_steps
 
 CASES = {}
 
@@ -92,3 +94,38 @@ def test_delta_from_checkpoints_at_64_devices(export_model, data) -> None:
         _, timeline2 = delta.task_graph(state)
         assert np.array_equal(timeline.start, timeline2.start)
         assert np.array_equal(timeline.end, timeline2.end)
+
+
+def reference_ring(costs, devices: tuple[int, ...], numel: int) -> tuple[float, int]:
+    """A ring's seconds and bytes step by step, every member's send from its own steps."""
+    k = len(devices)
+    chunks = ring_chunks(numel, k)
+    steps = [ring_steps(i, k) for i in range(k)]
+    seconds, nbytes = 0.0, 0
+    for s in range(2 * (k - 1)):
+        sends = []
+        for i in range(k):
+            lo, hi = chunks[steps[i][s].send_chunk]
+            sends.append((devices[i], devices[(i + 1) % k], (hi - lo) * costs.itemsize))
+        seconds += max(costs.transfer_time(a, b, n) for a, b, n in sends)
+        nbytes += sum(n for _, _, n in sends)
+    return seconds, nbytes
+
+
+@pytest.mark.parametrize("spec", ["flexflow-p100:16", "cpu:4"])
+@pytest.mark.parametrize("numel", [1, 5, 64, 1000, 12345])
+def test_ring_time_from_the_turning_schedule(spec: str, numel: int) -> None:
+    """Costs.ring times one step per chunk size and hop, not per member: it agrees with
+    the step-by-step sum, bit for bit, over rings of any members in any order."""
+    machine = resolve_machine(spec)
+    costs = Costs(machine, RooflineCost(), 4, Memo())
+    rng = np.random.default_rng(numel)
+    rings = [tuple(range(machine.size)), tuple(range(0, machine.size, 3))]
+    rings.append(tuple(int(d) for d in rng.permutation(machine.size)[: max(2, machine.size // 2)]))
+    for devices in rings:
+        if len(devices) < 2:
+            continue
+        seconds, links, nbytes = costs.ring(devices, numel)
+        assert (seconds, nbytes) == reference_ring(costs, devices, numel)
+        hops = [(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
+        assert links == tuple(sorted({r for a, b in hops for r in costs.link_resources(a, b)}))
