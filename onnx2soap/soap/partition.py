@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
-from onnx2soap.ir import AxisMap, Broadcast, Grouped, IterDim, LoopNest, Op, Whole
+from onnx2soap.ir import Affine, AxisMap, Broadcast, Grouped, IterDim, LoopNest, Op, Whole
 
 Interval = tuple[int, int]
 Rect = tuple[Interval, ...]
@@ -72,17 +72,19 @@ def output_rect(nest: LoopNest, box: Rect) -> Rect:
 
 
 def _image(m: AxisMap, box: Rect, size: int) -> Interval:
+    if isinstance(m, Affine):  # the common case first: this runs per task and operand axis
+        lo = hi = m.offset
+        for d, c in m.terms:
+            lo += c * box[d][0]
+            hi += c * (box[d][1] - 1)
+        return lo, hi + 1
     if isinstance(m, Broadcast):
         return 0, 1
     if isinstance(m, Whole):
         return 0, size
-    if isinstance(m, Grouped):
-        lo, hi = box[m.dim]
-        first, last = lo // m.out_per_group, (hi - 1) // m.out_per_group
-        return first * m.in_per_group, (last + 1) * m.in_per_group
-    lo = m.offset + sum(c * box[d][0] for d, c in m.terms)
-    hi = m.offset + sum(c * (box[d][1] - 1) for d, c in m.terms) + 1
-    return lo, hi
+    lo, hi = box[m.dim]  # Grouped
+    first, last = lo // m.out_per_group, (hi - 1) // m.out_per_group
+    return first * m.in_per_group, (last + 1) * m.in_per_group
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,9 @@ def input_region(nest: LoopNest, operand: int, box: Rect, shape: Sequence[int]) 
     images = [_image(m, box, size) for m, size in zip(spec.axes, shape, strict=True)]
     data = []
     for (lo, hi), size in zip(images, shape, strict=True):
-        clo = min(max(lo, 0), size)
-        data.append((clo, max(clo, min(hi, size))))
+        clo = 0 if lo < 0 else size if lo > size else lo  # min(max(lo, 0), size)
+        chi = size if hi > size else hi
+        data.append((clo, chi if chi > clo else clo))
     if spec.pad_value is None:
         return Region(tuple(data), tuple(data), None)
     return Region(tuple(images), tuple(data), spec.pad_value)
