@@ -20,8 +20,13 @@ holds, or in its forward, over what it holds before and during one kernel:
   data inputs it returns before they are summed or dropped. The forward peak counts the
   output tiles of the ops before in graph order; the backward one counts everything.
 
-Bytes are what ``tracemalloc`` counts on CPU ranks: numpy's heap allocations. Python's
-own objects (the program, the trace) are not modelled.
+Bytes are what ``tracemalloc`` counts on CPU ranks (``--trace``): numpy's heap
+allocations, and the runtime's own Python objects, which at small batches are a third of
+the peak: per instruction of the rank's program (the instruction, its trace name and
+traced event, its kernel arguments, input sources and the step's dict entries) and per
+piece a task assembles (its copy and the slices it copies through), ``PER_INSTRUCTION``
+and ``PER_PIECE`` bytes, counted with the op (compute, statistics, partial sums,
+all-reduces) or the edge (sends, receives, waits, pieces) they belong to.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from onnx2soap.soap.partition import (
     owners,
     rect_shape,
     rect_volume,
+    stat_groups,
     sum_groups,
 )
 
@@ -47,6 +53,13 @@ from onnx2soap.soap.partition import (
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2}
 
 Pieces = tuple[tuple[int, int], ...]  # (device, bytes)
+
+# The executor's Python objects (tracemalloc, CPython 3.11), measured on the fidelity
+# benchmark's plans of lstm_lm and gpt2 (tests/sim/test_memory_sequences.py checks them):
+# an instruction's program entry, trace name and event, TaskArgs and step dict entries;
+# a piece's layout.Copy with its slice tuples.
+PER_INSTRUCTION = 1500
+PER_PIECE = 900
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,24 @@ def _op_bytes(
     out_width = _width(graph.tensors[op.output], itemsize)
     workspace = definition(op.type).workspace
     tensors = [graph.tensors[name] for name in op.inputs]
+    # Instructions: forward and backward Compute per task, a Partial before each where
+    # the op has statistics, and per device of each group its statistics' reduction,
+    # partial sums (SumOutputs, ShareGrad) and weight gradients' all-reduce.
+    phases = 2 if backward else 1
+    per_task = phases * (2 if op.nest.sync_dims else 1) * PER_INSTRUCTION
+    for t in tasks:
+        _add(held, t.device, per_task)
+    shared = stat_groups(op, tasks) if op.nest.sync_dims else ()
+    if op.nest.partial_dims:
+        shared += sum_groups(op, tasks)
+    for group in shared:
+        for d in group.devices:
+            _add(held, d, phases * PER_INSTRUCTION)
+    if backward:
+        for g in groups:
+            if g.trainable and len(g.devices) > 1:
+                for d in g.devices:
+                    _add(held, d, PER_INSTRUCTION)
     for t in tasks:
         out = rect_volume(t.output) * out_width
         _add(outputs, t.device, out)
@@ -164,6 +195,14 @@ def _edge_bytes(
     for o in edge.overlaps:
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
         buffer = c.inputs[edge.operand].buffer
+        # The runtime's objects: the piece the consumer assembles (and the one the
+        # producer's gradient sums); across devices, a Send, Recv and Wait each way.
+        crossing = PER_INSTRUCTION if p.device != c.device else 0
+        _add(held, c.device, PER_PIECE + 2 * crossing)
+        _add(held, p.device, crossing)
+        if grad:
+            _add(held, p.device, PER_PIECE + 2 * crossing)
+            _add(held, c.device, crossing)
         if p.device != c.device:
             # The receive buffer, unless it is the consumer's whole input buffer (its one
             # piece, no padding around it), which the executor then does not make.

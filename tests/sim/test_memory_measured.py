@@ -6,8 +6,9 @@ every step's states and gate activations.
 A step's arrays are freed when it ends (no reference cycle holds them), so the peak is
 a property of the plan. Batches are large enough that numpy's arrays, which the model is
 about, dominate Python's own objects (the program, the trace events); the recurrent
-models' are larger still, their steps being cheap (at the fidelity benchmark's batch of
-32, Python's objects are about a third of lstm_lm's measured peak).
+models' are larger still, their steps being cheap. The model counts the runtime's Python
+objects too; test_memory_sequences.py checks it at the fidelity benchmark's small batches,
+where they are a third of lstm_lm's and gpt2's measured peak.
 """
 
 from __future__ import annotations
