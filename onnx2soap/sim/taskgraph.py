@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 
 import numpy as np
 
@@ -94,8 +95,9 @@ EMPTY = Segment()
 
 
 class _SegmentBuilder:
-    def __init__(self, slot: int, names: bool) -> None:
-        self.slot = slot
+    def __init__(self, slot: int, names: bool, turns: tuple[int, ...] | None = None) -> None:
+        """``turns``: per device, the core it takes turns on (``Costs.turns``)."""
+        self.slot, self.turns = slot, turns
         self.duration: list[float] = []
         self.kind: list[int] = []
         self.nbytes: list[int] = []
@@ -107,6 +109,9 @@ class _SegmentBuilder:
         self.duration.append(seconds)
         self.kind.append(int(kind))
         self.nbytes.append(nbytes)
+        if self.turns is not None:  # a device's work holds its core (no duplicates)
+            turns = self.turns
+            resources = dict.fromkeys(turns[r] if r < len(turns) else r for r in resources)
         self.resources.append(tuple(resources))
         self.preds.append(tuple(preds))
         if self.names is not None:
@@ -239,6 +244,13 @@ class Costs:
     cost: CostModel
     itemsize: int
     memo: Memo
+
+    @cached_property
+    def turns(self) -> tuple[int, ...] | None:
+        """Where ranks share cores, the resource each device's work holds: its core
+        (``Machine.core``); None where every device is its own resource."""
+        m = self.machine
+        return tuple(m.core(d) for d in range(m.size)) if m.shares_cores else None
 
     def link_resources(self, src: int, dst: int) -> tuple[int, ...]:
         links = tuple(self.machine.size + link for link in self.machine.route(src, dst))
@@ -413,7 +425,7 @@ def _plain_phase(b, parts, kind, seconds, after) -> tuple[list, list]:
 
 
 def forward_segment(costs: Costs, slot: int, parts: OpParts, names: bool) -> Segment:
-    b = _SegmentBuilder(slot, names)
+    b = _SegmentBuilder(slot, names, costs.turns)
     seconds, _ = costs.durations(parts)
     none = [()] * len(parts.tasks)
     if parts.op.nest.sync_dims:
@@ -433,7 +445,7 @@ def backward_segment(
     graph = costs.memo.graph
     if graph is not None and not graph.differentiable(parts.op.output):
         return EMPTY
-    b = _SegmentBuilder(slot, names)
+    b = _SegmentBuilder(slot, names, costs.turns)
     _, seconds = costs.durations(parts)
     after = [((fwd_slot, e),) for e in fwd.ends]
     if parts.op.nest.sync_dims:
@@ -462,7 +474,7 @@ def edge_forward_segment(
 ) -> Segment:
     """The edge's tiles: a transfer per crossing overlap, after the producer task; the
     consumer task reads after the transfer, or straight after the producer on one device."""
-    b = _SegmentBuilder(slot, names)
+    b = _SegmentBuilder(slot, names, costs.turns)
     width = _width(costs.memo.graph, edge.tensor, costs.itemsize)
     pieces = Counter(o.dst_task for o in edge.overlaps)
     feeds = []
@@ -506,7 +518,7 @@ def edge_backward_segment(
     graph = costs.memo.graph
     if not src[1].ends or not graph.differentiable(edge.tensor):
         return EMPTY  # ids take no gradient; an op without backward sends none
-    b = _SegmentBuilder(slot, names)
+    b = _SegmentBuilder(slot, names, costs.turns)
     width = _width(graph, edge.tensor, costs.itemsize)
     # A producer task's output gradient is read in place only from its one consumer's
     # one piece; anything else is a zeroed buffer the pieces are summed into.
@@ -558,7 +570,7 @@ def weight_segment(
 ) -> Segment:
     """A ring all-reduce per trainable replica group over several devices, after the
     group's backward tasks (``last``: the op's backward, or its forward if it has none)."""
-    b = _SegmentBuilder(slot, names)
+    b = _SegmentBuilder(slot, names, costs.turns)
     for group in parts.groups:
         if group.trainable and len(group.devices) > 1:
             ready = [r for refs in _weight_ready(parts, last, group).values() for r in refs]
@@ -578,7 +590,7 @@ def update_segment(
 ) -> Segment:
     """An SGD update per trainable weight shard and device, after its ring (or its own
     device's backward tasks when the shard has one copy)."""
-    b = _SegmentBuilder(slot, names)
+    b = _SegmentBuilder(slot, names, costs.turns)
     ring = 0
     for group in parts.groups:
         if not group.trainable:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,7 +28,8 @@ def case(export_model, name: str, spec: str):
     if key not in CASES:
         graph = load_model(export_model(name), batch=8).graph
         space = analyze(graph)
-        machine = resolve_machine(spec)
+        preset, _, cores = spec.partition("/cores=")  # cpu:4/cores=2: 4 ranks on 2 cores
+        machine = replace(resolve_machine(preset), cores=int(cores or 0))
         moves = {op.name: candidates(space[op.name], machine.size) for op in graph.ops}
         CASES[key] = (graph, space, moves, machine, Partitioner(graph))
     return CASES[key]
@@ -43,7 +46,12 @@ def per_resource(tg, timeline) -> dict[int, list[tuple[int, float, float]]]:
 
 @pytest.mark.parametrize(
     ("name", "spec"),
-    [("cnn", "flexflow-p100:1"), ("bnnet", "cpu:4"), ("tokens", "flexflow-p100:1")],
+    [
+        ("cnn", "flexflow-p100:1"),
+        ("bnnet", "cpu:4"),
+        ("bnnet", "cpu:4/cores=2"),
+        ("tokens", "flexflow-p100:1"),
+    ],
 )
 @settings(
     max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

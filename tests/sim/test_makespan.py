@@ -9,6 +9,8 @@ receiver's in-port), 1 us latency each, 1 byte/us: b bytes take 2 us + b us.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from onnx2soap.sim import RooflineCost, Simulator
@@ -92,3 +94,19 @@ def test_transfers_that_use_compute_hold_both_cores(tmp_path) -> None:
     # 256 ns, ring all-reduce of W 2 * 66 us, update 64 ns
     assert overlapped == pytest.approx((0.128 + 34 + 0.096 + 34 + 0.256 + 132 + 0.064) * US)
     assert serialized - overlapped == pytest.approx(2 * 34 * US, rel=1e-6)
+
+
+def test_ranks_sharing_one_core_take_turns(tmp_path) -> None:
+    """Two ranks on one core (``Machine.cores``): the data-parallel plan's halves run one
+    after the other, so the compute costs what one device doing it all would; the ring,
+    on the links alone, is unchanged. Each half: gemm fwd 128 ns, loss fwd 32 and bwd
+    64 ns, gemm bwd 256 ns; ring 2 * 66 us; the two updates, 64 ns each, in turn too."""
+    g = tiny_graph(tmp_path)
+    s = Strategy(
+        2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0, 1], n=2)}
+    )
+    shared = replace(round_machine(2), cores=1)
+    sim = Simulator(shared, RooflineCost())
+    took = sim.evaluate(Partitioner(g).partition(s)).step_time_s
+    assert took == pytest.approx(2 * 480 * NS + 132 * US + 2 * 64 * NS, rel=1e-9)
+    assert step_time(g, s, 2) == pytest.approx(480 * NS + 132 * US + 64 * NS, rel=1e-9)
