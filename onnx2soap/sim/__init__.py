@@ -46,6 +46,12 @@ class Simulator:
     optimizer_slots: int = 0  # optimizer arrays per trainable shard (memory.OPTIMIZER_SLOTS)
     memo: Memo = field(default_factory=Memo, compare=False, repr=False)
 
+    @property
+    def host_objects(self) -> bool:
+        """Whether a device's memory also holds the runtime's Python objects: on CPU ranks
+        (whose cores copy messages), not on GPUs."""
+        return self.machine.transfers_use_compute
+
     def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
         return build_task_graph(pg, self.machine, self.cost, self.itemsize, names, self.memo)
 
@@ -53,7 +59,12 @@ class Simulator:
         tg = self.task_graph(pg)  # binds the memo to pg's graph
         timeline: Timeline = simulate(tg)
         memory = peak_memory(
-            pg, self.machine.size, self.itemsize, self.memo.memory, self.optimizer_slots
+            pg,
+            self.machine.size,
+            self.itemsize,
+            self.memo.memory,
+            self.optimizer_slots,
+            self.host_objects,
         )
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))
         return Evaluation(timeline.makespan, memory, int(tg.nbytes.sum()), fits)

@@ -144,7 +144,13 @@ class DeltaSimulator:
         if key not in memo:
             parts, sim = self.parts(i, key[1]), self.simulator
             memo[key] = _op_bytes(
-                self.graph, op, parts.tasks, parts.groups, sim.itemsize, sim.optimizer_slots
+                self.graph,
+                op,
+                parts.tasks,
+                parts.groups,
+                sim.itemsize,
+                sim.optimizer_slots,
+                sim.host_objects,
             )
         return memo[key]
 
@@ -156,8 +162,9 @@ class DeltaSimulator:
         if key not in self.edge_memory_memo:
             edge = self.edge(j, strategy)
             ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
+            sim = self.simulator
             self.edge_memory_memo[key] = _edge_bytes(
-                self.graph, edge, ptasks, ctasks, self.simulator.itemsize, self.sole[j]
+                self.graph, edge, ptasks, ctasks, sim.itemsize, self.sole[j], sim.host_objects
             )
         return self.edge_memory_memo[key]
 

@@ -90,6 +90,7 @@ def _op_bytes(
     groups: tuple[ReplicaGroup, ...],
     itemsize: int,
     slots: int = 0,
+    objects: bool = True,
 ) -> OpMemory:
     """What one op holds per device, counting every activation input buffer and output
     gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place)."""
@@ -111,7 +112,8 @@ def _op_bytes(
     # the op has statistics, and per device of each group its statistics' reduction,
     # partial sums (SumOutputs, ShareGrad) and weight gradients' all-reduce.
     phases = 2 if backward else 1
-    per_task = phases * (2 if op.nest.sync_dims else 1) * PER_INSTRUCTION
+    instruction = PER_INSTRUCTION if objects else 0
+    per_task = phases * (2 if op.nest.sync_dims else 1) * instruction
     for t in tasks:
         _add(held, t.device, per_task)
     shared = stat_groups(op, tasks) if op.nest.sync_dims else ()
@@ -119,12 +121,12 @@ def _op_bytes(
         shared += sum_groups(op, tasks)
     for group in shared:
         for d in group.devices:
-            _add(held, d, phases * PER_INSTRUCTION)
+            _add(held, d, phases * instruction)
     if backward:
         for g in groups:
             if g.trainable and len(g.devices) > 1:
                 for d in g.devices:
-                    _add(held, d, PER_INSTRUCTION)
+                    _add(held, d, instruction)
     for t in tasks:
         out = rect_volume(t.output) * out_width
         _add(outputs, t.device, out)
@@ -178,6 +180,7 @@ def _edge_bytes(
     ctasks: tuple[Task, ...],
     itemsize: int,
     sole: bool,
+    objects: bool = True,
 ) -> Pieces:
     """What one edge adds per device: receive buffers and staging copies where a piece
     crosses devices (both ways when a gradient flows back); minus the input buffer of a
@@ -192,16 +195,17 @@ def _edge_bytes(
     feeds = Counter(o.dst_task for o in edge.overlaps)
     sends = Counter(o.src_task for o in edge.overlaps)
     held: dict[int, int] = {}
+    instruction, piece = (PER_INSTRUCTION, PER_PIECE) if objects else (0, 0)
     for o in edge.overlaps:
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
         buffer = c.inputs[edge.operand].buffer
         # The runtime's objects: the piece the consumer assembles (and the one the
         # producer's gradient sums); across devices, a Send, Recv and Wait each way.
-        crossing = PER_INSTRUCTION if p.device != c.device else 0
-        _add(held, c.device, PER_PIECE + 2 * crossing)
+        crossing = instruction if p.device != c.device else 0
+        _add(held, c.device, piece + 2 * crossing)
         _add(held, p.device, crossing)
         if grad:
-            _add(held, p.device, PER_PIECE + 2 * crossing)
+            _add(held, p.device, piece + 2 * crossing)
             _add(held, c.device, crossing)
         if p.device != c.device:
             # The receive buffer, unless it is the consumer's whole input buffer (its one
@@ -271,8 +275,11 @@ def peak_memory(
     itemsize: int = 4,
     memo: dict[tuple, OpMemory] | None = None,
     slots: int = 0,
+    objects: bool = True,
 ) -> tuple[int, ...]:
-    """``memo`` must belong to one (itemsize, slots) pair, as a Simulator's does."""
+    """``memo`` must belong to one (itemsize, slots, objects), as a Simulator's does.
+    ``objects``: count the runtime's Python objects, which share the memory of CPU ranks
+    (a GPU's memory holds arrays only)."""
     memo = {} if memo is None else memo
     graph = pg.graph
     held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
@@ -280,7 +287,9 @@ def peak_memory(
     for op in graph.ops:
         key = (op.name, pg.strategy[op.name])
         if key not in memo:
-            memo[key] = _op_bytes(graph, op, pg.tasks[op.name], pg.groups[op.name], itemsize, slots)
+            memo[key] = _op_bytes(
+                graph, op, pg.tasks[op.name], pg.groups[op.name], itemsize, slots, objects
+            )
         for d, n in memo[key].held:
             held[d] += n
         parts.append(memo[key])
@@ -288,6 +297,6 @@ def peak_memory(
     for edge in pg.edges:
         ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
         sole = count[edge.tensor] == 1
-        for d, n in _edge_bytes(graph, edge, ptasks, ctasks, itemsize, sole):
+        for d, n in _edge_bytes(graph, edge, ptasks, ctasks, itemsize, sole, objects):
             held[d] += n
     return total(held, parts)

@@ -35,3 +35,31 @@ def test_optimizer_state_counts_like_its_weights(export_model):
     adam = Simulator(machine, RooflineCost(), optimizer_slots=2).evaluate(pg).peak_memory_bytes
     params = sum(t.numel for t in graph.weights)
     assert all(a - s == 2 * 4 * params for a, s in zip(adam, sgd, strict=True))
+
+
+def test_python_objects_count_on_cpu_ranks_only(tmp_path):
+    """The runtime's Python objects live in a CPU rank's memory, not a GPU's. Gemm and
+    its cross-entropy split over samples on 2 devices: each device runs the Gemm's and
+    the loss's forward and backward and W's all-reduce (5 instructions) and assembles
+    the logits piece and its gradient piece (2 pieces), and that is all it holds more
+    on CPU ranks than on the same devices taken for GPUs."""
+    from dataclasses import replace
+
+    from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
+    from onnx2soap.sim.memory import PER_INSTRUCTION, PER_PIECE
+    from onnx2soap.soap import ParallelConfig, Strategy
+    from tests.sim.tiny import tiny_graph
+
+    graph = tiny_graph(tmp_path)
+    space = analyze(graph)
+    split = {
+        op.name: ParallelConfig((2,) + (1,) * (len(space[op.name]) - 1), (0, 1)) for op in graph.ops
+    }
+    assert all(space[op.name][0].name == "n" for op in graph.ops)
+    pg = Partitioner(graph).partition(Strategy(2, split))
+    cpu = resolve_machine("cpu:2")
+    gpu = replace(cpu, transfers_use_compute=False)  # the same devices, taken for GPUs
+    on_cpu = Simulator(cpu, RooflineCost()).evaluate(pg).peak_memory_bytes
+    on_gpu = Simulator(gpu, RooflineCost()).evaluate(pg).peak_memory_bytes
+    expected = 5 * PER_INSTRUCTION + 2 * PER_PIECE
+    assert [c - g for c, g in zip(on_cpu, on_gpu, strict=True)] == [expected, expected]
