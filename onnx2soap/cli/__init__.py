@@ -6,6 +6,7 @@ Every user error is printed as one line on stderr and exits with code 2, no trac
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ from onnx2soap.cli.common import OneLineParser
 from onnx2soap.errors import UserError
 
 EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a killed writer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,3 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("onnx2soap: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output left (``onnx2soap plan ... | head -1``): whatever the
+        # command wrote to files is complete; say nothing more, as a killed pipe would.
+        # Python's flush at exit would fail again on the closed pipe, hence devnull.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

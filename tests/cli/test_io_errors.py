@@ -122,3 +122,22 @@ def test_one_simulator_serves_several_graphs(example_onnx, batches) -> None:
         pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 4))
         fresh = Simulator(resolve_machine("cpu:4"), RooflineCost())
         assert shared.evaluate(pg) == fresh.evaluate(pg)
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    """``onnx2soap plan ... | head -1``: the plan file is written whole, nothing is said
+    on stderr, and the exit code is a killed writer's (141)."""
+    import subprocess
+    import sys
+
+    model = Path(__file__).resolve().parents[2] / "examples" / "cnn.onnx"
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "onnx2soap", "plan", str(model), "--batch", BATCH]
+    command += ["--machine", "cpu:2", "--strategy", "data-parallel", "-o", str(out)]
+    writer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert writer.stdout is not None
+    writer.stdout.readline()
+    writer.stdout.close()  # as head -1 does after its line
+    _, err = writer.communicate(timeout=120)
+    assert writer.returncode in (0, 141) and b"Traceback" not in err, err
+    assert load_plan(out).machine == "cpu:2"
