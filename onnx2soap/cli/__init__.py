@@ -58,7 +58,9 @@ def one_line(message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args) or 0
+        code = args.run(args) or 0
+        sys.stdout.flush()  # a reader gone is found here, not at exit (a traceback there)
+        return code
     except UserError as e:
         print(f"onnx2soap: error: {one_line(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR

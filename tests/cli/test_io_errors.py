@@ -136,8 +136,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     command += ["--machine", "cpu:2", "--strategy", "data-parallel", "-o", str(out)]
     writer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert writer.stdout is not None
-    writer.stdout.readline()
-    writer.stdout.close()  # as head -1 does after its line
+    writer.stdout.close()  # the reader leaves before the report is written
     _, err = writer.communicate(timeout=120)
-    assert writer.returncode in (0, 141) and b"Traceback" not in err, err
+    assert writer.returncode == 141 and err == b"", err
     assert load_plan(out).machine == "cpu:2"
