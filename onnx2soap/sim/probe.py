@@ -1,8 +1,9 @@
 """Measure this host's MPI ranks and write a machine file (``onnx2soap machine probe``).
 
-Run under mpiexec (``python -m onnx2soap.sim.probe -o FILE.yaml``); every rank measures
-at the same time, so ranks sharing cores see the rates they will see when training:
-matmul FLOP/s, copy bandwidth, the fixed cost of a tiny task, and rank-to-rank latency
+Run under mpiexec (``python -m onnx2soap.sim.probe -o FILE.yaml``); the ranks measure at
+the same time, one per core (where ranks outnumber the cores, the file says how many
+cores they share, ``Machine.cores``, and the simulator gives them turns): matmul FLOP/s,
+copy bandwidth, the fixed cost of a tiny task, and rank-to-rank latency
 and bandwidth between rank 0 and every other rank. The bandwidth from a ping-pong of 4
 MiB messages through the executor's own transport (``executor/transport.py``: a
 nonblocking send, a posted receive, the wait that completes it, the end of the step);
@@ -102,11 +103,11 @@ class LinkFigures:
     bandwidth: float
 
 
-def _links(comm) -> LinkFigures:
+def _links(comm, nap: bool) -> LinkFigures:
+    """``nap``: ranks share cores, and wait as the executor's then do."""
     from executor.device import CpuDevice
-    from executor.transport import MpiTransport, oversubscribed
+    from executor.transport import MpiTransport
 
-    nap = oversubscribed(comm)
     transport = MpiTransport(comm, CpuDevice(), nap=nap)
     bandwidths = []
     size = 4 << 20
@@ -140,7 +141,7 @@ def probe(comm, seconds: float = 0.3) -> str:
     mine = _compute_rates(seconds) if measuring else None
     wait_patiently(comm.Ibarrier().Test, nap=bool(cores))
     rates = [r for r in comm.allgather(mine) if r is not None]
-    links = _links(comm)
+    links = _links(comm, nap=bool(cores))
     links = comm.bcast(links, root=0)
     ranks = comm.Get_size()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
