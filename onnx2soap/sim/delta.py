@@ -71,7 +71,7 @@ class DeltaSimulator:
         self.costs = Costs(m, simulator.cost, simulator.itemsize, simulator.memo)
         self.lay = layout(graph)
         self.builder = SlotBuilder(self.costs, self.lay)
-        self.num_resources = m.size + len(m.links)
+        self.num_resources = m.resources
         # The slots where a re-run can begin: the first slot each op's change touches.
         self.entries = sorted({0} | {min(self._touched([i])[1]) for i in range(len(graph.ops))})
         self.entry_set = frozenset(self.entries)

@@ -66,7 +66,10 @@ class Machine:
     ``cores``: where CPU ranks outnumber the host's cores, the cores they share (0: a
     core, or a GPU, each). Device ``d`` then runs on core ``d mod cores``, and what the
     devices of one core do is done one after the other (the operating system gives them
-    the core in turns), so a core, not a device, is the resource their tasks hold."""
+    the core in turns): a core is one more resource their tasks hold.
+
+    Resources, in the simulator's numbering: devices ``0..D-1``, links ``D..D+L-1``, then
+    the shared cores."""
 
     name: str
     devices: tuple[ComputeDevice, ...]
@@ -82,9 +85,25 @@ class Machine:
     def shares_cores(self) -> bool:
         return 0 < self.cores < self.size
 
-    def core(self, device: int) -> int:
-        """The resource that runs ``device``'s work: itself, or the core it shares."""
-        return device % self.cores if self.shares_cores else device
+    def core(self, device: int) -> int | None:
+        """The resource of the core ``device`` shares, or None (a core of its own)."""
+        if not self.shares_cores:
+            return None
+        return self.size + len(self.links) + device % self.cores
+
+    def resource_name(self, r: int) -> str:
+        """A resource's name in pictures and traces: its device's, its link's, or its
+        core's."""
+        if r < self.size:
+            return self.devices[r].name
+        if r < self.size + len(self.links):
+            return self.links[r - self.size].name
+        return f"core{r - self.size - len(self.links)}"
+
+    @property
+    def resources(self) -> int:
+        """How many resources the simulator has: devices, links, shared cores."""
+        return self.size + len(self.links) + (self.cores if self.shares_cores else 0)
 
     @property
     def size(self) -> int:

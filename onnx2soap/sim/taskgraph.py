@@ -10,8 +10,10 @@ duration) and an SGD update per weight shard. On machines whose cores copy messa
 buffer, and a gradient piece summed into the producer's output gradient; a local one is
 a copy task on the device after the piece is made, a received one lengthens its transfer
 (which holds both end devices there). Resources: compute devices ``0..D-1``,
-then links ``D..D+L-1``; a transfer holds every link of its route (and both end devices
-on machines whose cores copy messages themselves).
+then links ``D..D+L-1``, then the cores ranks share where they outnumber the host's
+(``Machine.cores``); a transfer holds every link of its route (and both end devices
+on machines whose cores copy messages themselves), and a task that holds a device also
+holds the core that device shares, if any.
 
 Tasks are numbered in the executor's global order (``executor/program.py``): forward
 ops in graph order, each op's tasks in task order (an op with statistics: every partial
@@ -96,7 +98,7 @@ EMPTY = Segment()
 
 class _SegmentBuilder:
     def __init__(self, slot: int, names: bool, turns: tuple[int, ...] | None = None) -> None:
-        """``turns``: per device, the core it takes turns on (``Costs.turns``)."""
+        """``turns``: per device, the resource of the core it shares (``Costs.turns``)."""
         self.slot, self.turns = slot, turns
         self.duration: list[float] = []
         self.kind: list[int] = []
@@ -109,9 +111,10 @@ class _SegmentBuilder:
         self.duration.append(seconds)
         self.kind.append(int(kind))
         self.nbytes.append(nbytes)
-        if self.turns is not None:  # a device's work holds its core (no duplicates)
+        if self.turns is not None:  # a device's work also holds the core it shares
             turns = self.turns
-            resources = dict.fromkeys(turns[r] if r < len(turns) else r for r in resources)
+            cores = dict.fromkeys(turns[r] for r in resources if r < len(turns))
+            resources = (*resources, *cores)
         self.resources.append(tuple(resources))
         self.preds.append(tuple(preds))
         if self.names is not None:
@@ -247,8 +250,8 @@ class Costs:
 
     @cached_property
     def turns(self) -> tuple[int, ...] | None:
-        """Where ranks share cores, the resource each device's work holds: its core
-        (``Machine.core``); None where every device is its own resource."""
+        """Where ranks share cores, per device the resource of its core, which its work
+        holds besides the device (``Machine.core``); None where no core is shared."""
         m = self.machine
         return tuple(m.core(d) for d in range(m.size)) if m.shares_cores else None
 
@@ -723,4 +726,4 @@ def build_task_graph(
     memo.bind(pg.graph)
     builder = SlotBuilder(Costs(machine, cost, itemsize, memo), layout(pg.graph), names)
     segments, preds = all_segments(builder, pg)
-    return flatten(segments, preds, machine.size + len(machine.links), names)
+    return flatten(segments, preds, machine.resources, names)

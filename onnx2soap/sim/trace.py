@@ -14,7 +14,7 @@ from onnx2soap.sim.taskgraph import TaskGraph, TaskKind
 def trace_events(tg: TaskGraph, timeline: Timeline, machine: Machine) -> list[dict]:
     if not tg.names:
         raise ValueError("build the task graph with names=True to trace it")
-    rows = [d.name for d in machine.devices] + [x.name for x in machine.links]
+    rows = [machine.resource_name(r) for r in range(machine.resources)]
     events = [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": name}}
         for r, name in enumerate(rows)

@@ -164,7 +164,7 @@ def gantt_chart(tg: TaskGraph, timeline: Timeline, machine: Machine) -> Gantt:
     devices = machine.size
     used = sorted({int(r) for r in tg.res_idx if r >= devices})
     row = {r: r for r in range(devices)} | {r: devices + j for j, r in enumerate(used)}
-    links = [machine.links[r - devices].name for r in used]
+    links = [machine.resource_name(r) for r in used]  # links, and cores ranks share
     bars = []
     for i in range(len(tg.kind)):
         kind = kind_name(int(tg.kind[i]))

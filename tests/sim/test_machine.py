@@ -87,10 +87,12 @@ def test_bad_machine_file_names_the_field(edit, field: str) -> None:
 
 def test_ranks_sharing_cores_take_turns_on_core_d_mod_cores() -> None:
     shared = replace(preset("cpu:4"), cores=2)
-    assert shared.shares_cores and [shared.core(d) for d in range(4)] == [0, 1, 0, 1]
+    links = len(shared.links)  # the cores' resources come after the devices' and links'
+    assert shared.shares_cores and shared.resources == 4 + links + 2
+    assert [shared.core(d) for d in range(4)] == [4 + links, 5 + links, 4 + links, 5 + links]
     own = preset("cpu:4")  # 0: a core each; as many cores as ranks shares none either
     assert not own.shares_cores and not replace(own, cores=4).shares_cores
-    assert [own.core(d) for d in range(4)] == [0, 1, 2, 3]
+    assert own.core(0) is None and own.resources == 4 + links
 
 
 def test_unknown_preset_lists_the_presets() -> None:

@@ -110,3 +110,27 @@ def test_ranks_sharing_one_core_take_turns(tmp_path) -> None:
     took = sim.evaluate(Partitioner(g).partition(s)).step_time_s
     assert took == pytest.approx(2 * 480 * NS + 132 * US + 2 * 64 * NS, rel=1e-9)
     assert step_time(g, s, 2) == pytest.approx(480 * NS + 132 * US + 64 * NS, rel=1e-9)
+
+
+def test_shared_cores_are_extra_rows_and_tasks_keep_their_devices(tmp_path) -> None:
+    """Where ranks share a core, a task still belongs to its device (compare attributes
+    compute to ranks by it) and the core is one more row in traces and pictures."""
+    from onnx2soap.sim.compare import Predicted
+    from onnx2soap.sim.trace import trace_events
+    from onnx2soap.viz.layout import gantt_chart
+
+    g = tiny_graph(tmp_path)
+    s = Strategy(
+        2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0, 1], n=2)}
+    )
+    shared = replace(round_machine(2), cores=1)
+    tg = Simulator(shared, RooflineCost()).task_graph(Partitioner(g).partition(s), names=True)
+    timeline = simulate(tg)
+    devices = {name: d for name, _, d, _ in Predicted(tg, timeline, shared).compute()}
+    assert devices["fwd gemm[0]"] == 0 and devices["fwd gemm[1]"] == 1
+    rows = {e["args"]["name"] for e in trace_events(tg, timeline, shared) if e["ph"] == "M"}
+    assert {"rank0", "rank1", "core0"} <= rows
+    gantt = gantt_chart(tg, timeline, shared)
+    assert gantt.rows[-1] == "core0" and len(gantt.rows) == 2 + 1 + len(
+        {int(r) for r in tg.res_idx if 2 <= r < 2 + len(shared.links)}
+    )
