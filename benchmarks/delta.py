@@ -79,7 +79,6 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     # kept for old command lines: the Inception-v3 search moved to inception_search.py
-    parser.add_argument("--skip-inception", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     graph = load_model(REPO / "examples" / "cnn.onnx", args.batch).graph
     print(f"example CNN, batch {args.batch}, {args.proposals} random proposals")
