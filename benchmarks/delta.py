@@ -9,10 +9,8 @@ candidate per proposal) of the example CNN, and agree exactly. Cold: fresh simul
 so nearly every proposal meets configs never seen (its partition math and segments are
 built, for full and delta alike); warm: the same walk again on the same simulators, as a
 search that revisits configs sees it. Each rate is the best of ``--repeats`` runs,
-full and delta interleaved (the machine is shared). Then an MCMC search of the
-reduced-width Inception-v3 (tests/torchvision_models.py) on flexflow-p100:16 (64 GPUs):
-the time at which its best first came within 1 % of its final best, and whether that
-best is one of the baselines the search evaluates before its first proposal.
+full and delta interleaved (the machine is shared). The Inception-v3 search on 64
+simulated GPUs is ``benchmarks/inception_search.py``.
 """
 
 from __future__ import annotations
