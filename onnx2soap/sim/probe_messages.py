@@ -110,9 +110,11 @@ def message_seconds(comm, nap: bool) -> list[float]:
     with tempfile.TemporaryDirectory() as folder:
         model = chain_model(Path(folder)) if comm.Get_rank() == 0 else None
     model = comm.bcast(model, root=0)
+    if comm.Get_size() == 1:
+        return []
+    alone, _ = _step_seconds(comm, model, 0, nap)  # the same one-rank plan for every peer
     seconds = []
     for peer in range(1, comm.Get_size()):
-        alone, _ = _step_seconds(comm, model, 0, nap)
         apart, messages = _step_seconds(comm, model, peer, nap)
         seconds.append(max(apart - alone, 0.0) / messages)
     return seconds
