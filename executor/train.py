@@ -28,7 +28,7 @@ from executor.data import SyntheticData, rows_needed
 from executor.dataset import FileData, open_dataset
 from executor.device import open_device
 from executor.evaluation import EvalRecord, evaluate
-from executor.host_memory import keep_freed_memory
+from executor.host_memory import keep_freed_memory, release_python_heap, settle_python_heap
 from executor.kinds import DeviceKind, TransportKind
 from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
@@ -347,32 +347,37 @@ def train(
     # [SIGINT seen, SIGTERM seen, bad data] summed over ranks: one tiny collective a step.
     flags, seen = np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
     interrupted = 0
-    for step in range(first, options.steps):
-        batch, bad = _load(s.data, step, rows)
-        received = stop() if stop is not None else 0
-        flags[:] = (received == signal.SIGINT, received == signal.SIGTERM, bad is not None)
-        _allreduce(comm, flags, seen, nap)
-        if seen[2]:
-            raise UserError(next(e for e in comm.allgather(bad) if e))
-        if seen[:2].any():
-            interrupted = int(signal.SIGTERM if seen[1] else signal.SIGINT)
-            break
-        if rt.tracer is not None:
-            rt.tracer.begin_step(step + 1 - first)
-        start = time.perf_counter()
-        lr = options.lr * options.optimizer.lr_factor(step, options.steps)
-        partial = rt.step(batch, lr)
-        if rt.tracer is not None:
-            rt.tracer.end_step()
-        _allreduce(comm, np.array([partial]), total, nap)
-        took = time.perf_counter() - start
-        rate = s.plan.batch / took if took > 0 else None
-        record = StepRecord(step + 1, float(total[0]), took, lr, rate)
-        records.append(record)
-        if on_step is not None and rank == 0:
-            on_step(record)
-        checkpoints.maybe(step + 1)
-        evaluation.maybe(step + 1)
+    try:
+        for step in range(first, options.steps):
+            batch, bad = _load(s.data, step, rows)
+            received = stop() if stop is not None else 0
+            flags[:] = (received == signal.SIGINT, received == signal.SIGTERM, bad is not None)
+            _allreduce(comm, flags, seen, nap)
+            if seen[2]:
+                raise UserError(next(e for e in comm.allgather(bad) if e))
+            if seen[:2].any():
+                interrupted = int(signal.SIGTERM if seen[1] else signal.SIGINT)
+                break
+            if rt.tracer is not None:
+                rt.tracer.begin_step(step + 1 - first)
+            start = time.perf_counter()
+            lr = options.lr * options.optimizer.lr_factor(step, options.steps)
+            partial = rt.step(batch, lr)
+            if rt.tracer is not None:
+                rt.tracer.end_step()
+            _allreduce(comm, np.array([partial]), total, nap)
+            took = time.perf_counter() - start
+            rate = s.plan.batch / took if took > 0 else None
+            record = StepRecord(step + 1, float(total[0]), took, lr, rate)
+            records.append(record)
+            if on_step is not None and rank == 0:
+                on_step(record)
+            checkpoints.maybe(step + 1)
+            evaluation.maybe(step + 1)
+            if step == first:  # what the run keeps exists now (see settle_python_heap)
+                settle_python_heap()
+    finally:
+        release_python_heap()
     if not interrupted:
         evaluation.maybe(first + len(records), force=True)
     checkpoints.maybe(first + len(records), force=True)

@@ -323,6 +323,7 @@ def in_step_times(model, dtype: np.dtype) -> dict[tuple[Phase, str], float]:
 
     from executor.data import SyntheticData, rows_needed
     from executor.device import CpuDevice
+    from executor.host_memory import release_python_heap, settle_python_heap
     from executor.program import compile_program
     from executor.runtime import Runtime
     from executor.trace import Tracer
@@ -343,11 +344,16 @@ def in_step_times(model, dtype: np.dtype) -> dict[tuple[Phase, str], float]:
     )
     rt.tracer = tracer
     data, rows = SyntheticData(graph, 0, dtype), rows_needed(pg, 0)
-    for step in range(1, CALIBRATION_STEPS + 1):
-        batch = data.batch(step, rows)
-        tracer.begin_step(step)
-        rt.step(batch, CALIBRATION_LR)
-        tracer.end_step()
+    try:
+        for step in range(1, CALIBRATION_STEPS + 1):
+            batch = data.batch(step, rows)
+            tracer.begin_step(step)
+            rt.step(batch, CALIBRATION_LR)
+            tracer.end_step()
+            if step == 1:  # as the executor's steps run: see settle_python_heap
+                settle_python_heap()
+    finally:
+        release_python_heap()
     return _medians(tracer.events, calibration_keys(graph, pg))
 
 
