@@ -6,9 +6,10 @@
 Per machine (``onnx2soap machine probe -n N``: this host's N ranks, then ``onnx2soap
 profile`` per model unless ``--costs roofline``) and model, ten plans: data parallel,
 expert, single device, model parallel, five random seeds and an MCMC search. Each plan
-runs ``--repeats`` times under mpiexec with ``--trace``; a run's step is the median over
-its traced steps of the latest end over all ranks, the plan's the median over the runs
-(their spread is printed). Per model and machine: the mean absolute error of the
+runs ``--repeats`` times under mpiexec with ``--trace``, every plan once a round; a run's
+step is the median over its steady traced steps (not the one timed under tracemalloc) of
+the latest end over all ranks, the plan's the median over the runs (their spread is
+printed). Per model and machine: the mean absolute error of the
 predicted step, Kendall's tau-b between predicted and measured steps over the plans, and
 the mean absolute error of the predicted peak memory of every rank the plan gives tasks.
 
@@ -100,9 +101,10 @@ def measure(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[float, tu
     if done.returncode:
         raise SystemExit(f"{plan}: the executor failed:\n{done.stderr[-2000:]}")
     doc = json.loads(trace.read_text())
+    memory_step = doc["otherData"]["memory_step"]  # timed under tracemalloc: not steady
     ends: dict[int, float] = {}
     for e in doc["traceEvents"]:
-        if e.get("ph") == "X":
+        if e.get("ph") == "X" and e["args"]["step"] != memory_step:
             step = e["args"]["step"]
             ends[step] = max(ends.get(step, 0.0), (e["ts"] + e["dur"]) * 1e-6)
     return statistics.median(ends.values()), tuple(doc["otherData"]["peak_memory_bytes"])
@@ -158,13 +160,23 @@ def run_model(name, ranks, machine, args, folder) -> list[Result]:
     model = export(name, folder)
     if args.costs != "roofline":
         onnx2soap("profile", model, "--batch", BATCH[name], "--machine", machine, "--quiet")
+    made = list(plans(model, name, machine, ranks, folder, args.search_evals))
+    predicted = {
+        label: json.loads(onnx2soap("simulate", plan, "--json", "--costs", args.costs))
+        for label, plan in made
+    }
+    # Round by round, every plan once a round: the host's drift over minutes falls on
+    # all plans alike instead of on the plans measured last.
+    runs: dict[str, list] = {label: [] for label, _ in made}
+    for _ in range(args.repeats):
+        for label, plan in made:
+            runs[label].append(measure(plan, ranks, args.steps, folder))
     results = []
-    for label, plan in plans(model, name, machine, ranks, folder, args.search_evals):
-        doc = json.loads(onnx2soap("simulate", plan, "--json", "--costs", args.costs))
-        runs = [measure(plan, ranks, args.steps, folder) for _ in range(args.repeats)]
-        times = [t for t, _ in runs]
-        peaks = tuple(max(m[d] for _, m in runs) for d in range(ranks))
+    for label, plan in made:
+        times = [t for t, _ in runs[label]]
+        peaks = tuple(max(m[d] for _, m in runs[label]) for d in range(ranks))
         working = sorted({d for op in json.loads(plan.read_text())["ops"] for d in op["devices"]})
+        doc = predicted[label]
         result = Result(
             label,
             doc["step_time_s"],
@@ -193,7 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="cnn,resnet18,gpt2,lstm_lm")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeats", type=int, default=3, help="runs per plan (default 3)")
-    p.add_argument("--steps", type=int, default=6, help="steps per run, 2.. traced")
+    p.add_argument(
+        "--steps", type=int, default=8, help="steps per run (2.. traced, 3.. timed; default 8)"
+    )
     p.add_argument("--search-evals", type=int, default=300)
     p.add_argument("--costs", choices=["auto", "profiled", "roofline"], default="profiled")
     p.add_argument("--json", help="write every result to this file")

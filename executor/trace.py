@@ -11,8 +11,9 @@ Chrome/Perfetto JSON file: one process per rank, a compute row and a communicati
 While tracing, each rank also records the peak of the memory it allocates, for the
 memory model's check: on the CPU with tracemalloc (which numpy reports to), from just
 before the rank builds its runtime to the end of the first traced step, and then stops
-it, since it slows every allocation: the median of the traced steps is a clean one. On
-a GPU, cupy's pool after every step.
+it, since it slows every allocation: that step (``MEMORY_STEP``, named in the file's
+``otherData``) is no clean one, and ``onnx2soap compare`` leaves it out of the step's
+median when later steps were traced. On a GPU, cupy's pool after every step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from executor.program import (
 from onnx2soap.files import write_atomic
 
 TRACED_STEPS = 10
+# The first traced step runs under tracemalloc, which slows every allocation: its times
+# are kept (its memory is the peak), but a step's time is the median of the later ones.
+MEMORY_STEP = 2
 COMPUTE_ROW, COMMUNICATION_ROW = 0, 1
 
 
@@ -84,7 +88,7 @@ class Tracer:
 
     @property
     def active(self) -> bool:
-        return 2 <= self.step <= 1 + TRACED_STEPS
+        return MEMORY_STEP <= self.step < MEMORY_STEP + TRACED_STEPS
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -94,7 +98,7 @@ class Tracer:
         if self.device.xp.__name__ != "numpy":
             pool = self.device.xp.get_default_memory_pool()
             self.peak_bytes = max(self.peak_bytes, int(pool.total_bytes()))
-        elif tracemalloc.is_tracing() and self.step >= 2:
+        elif tracemalloc.is_tracing() and self.step >= MEMORY_STEP:
             self.peak_bytes = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
 
@@ -138,6 +142,7 @@ def write_measured(
             "plan_sha256": plan_sha256,
             "measured": True,
             "peak_memory_bytes": [peak for _, peak in per_rank],
+            "memory_step": MEMORY_STEP,
         },
     }
     write_atomic(path, json.dumps(doc))

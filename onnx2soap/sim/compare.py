@@ -3,9 +3,11 @@
 
 Both name tasks alike (``fwd OP[t]``, ``bwd OP[t] partial``, ``update W``...). Per op and
 phase, predicted = the sum of the simulated compute tasks' durations, measured = the
-median over the traced steps of the sum of the measured compute events; a step is, per
-traced step, the latest end over all ranks (times are relative to each rank's step
-start), and its measured value the median over the steps.
+median over the steady steps of the sum of the measured compute events; a step is, per
+steady step, the latest end over all ranks (times are relative to each rank's step
+start), and its measured value the median over the steady steps. The steady steps are
+the traced ones but the step that ran under tracemalloc (the file's ``memory_step``),
+unless no other was traced.
 """
 
 from __future__ import annotations
@@ -46,10 +48,14 @@ class Measured:
     plan: str
     events: tuple[Event, ...]
     peak_memory_bytes: tuple[int, ...]
+    memory_step: int | None = None  # the step timed under tracemalloc (slow allocations)
 
     @property
     def steps(self) -> tuple[int, ...]:
-        return tuple(sorted({e.step for e in self.events}))
+        """The steady traced steps: all but the memory step, unless it is the only one."""
+        traced = sorted({e.step for e in self.events})
+        steady = [s for s in traced if s != self.memory_step]
+        return tuple(steady or traced)
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,12 @@ def read_measured(path: Path | str) -> Measured:
         raise UserError(f"{path}: otherData.peak_memory_bytes must be a list of integers")
     if len(events) > MAX_EVENTS:
         raise UserError(f"{path}: more than {MAX_EVENTS} events; not an executor's trace")
-    return Measured(str(other.get("plan", "")), _events(path, events), tuple(peaks))
+    memory_step = other.get("memory_step")  # absent in traces written before it was
+    if memory_step is not None and (
+        isinstance(memory_step, bool) or not isinstance(memory_step, int)
+    ):
+        raise UserError(f"{path}: otherData.memory_step must be an integer (a step number)")
+    return Measured(str(other.get("plan", "")), _events(path, events), tuple(peaks), memory_step)
 
 
 def _events(path: Path, events: list) -> tuple[Event, ...]:
@@ -190,6 +201,8 @@ def compare(predicted: Predicted, measured: Measured, memory: Sequence[int]) -> 
     )
     ends: dict[int, float] = dict.fromkeys(steps, 0.0)
     for e in measured.events:
+        if e.step not in ends:
+            continue  # the memory step: timed under tracemalloc
         ends[e.step] = max(ends[e.step], (e.start_us + e.dur_us) * 1e-6)
         key = op_phase(e.name, e.kind) if e.kind in COMPUTE_KINDS else None
         if key is not None:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from executor.buffers import empty_buffer, local_slices  # the executor's cut, not a copy
+from executor.trace import MEMORY_STEP
 from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph, LossKind, Op, TensorRole
@@ -364,7 +365,7 @@ def _medians(events: list[dict], names: dict[str, tuple[Phase, str]]) -> dict:
     the tracer's own, are part of what a step pays per instruction."""
     steps: dict[int, list[dict]] = {}
     for e in events:
-        if e["args"]["step"] >= 3:  # step 2 ran under tracemalloc
+        if e["args"]["step"] > MEMORY_STEP:  # it ran under tracemalloc
             steps.setdefault(e["args"]["step"], []).append(e)
     by_name: dict[str, list[float]] = {}
     for step_events in steps.values():
