@@ -2,7 +2,7 @@
 search's best, and when the search got within 1 % of it.
 
     python -m benchmarks.inception_search [--width reduced|full] [--per-gpu N]
-        [--budget 120] [--seed 0] [--machine flexflow-p100:16]
+        [--budget 120] [--seed 0] [--machine flexflow-p100:16] [--region-share 0.25]
 
 FlexFlow trains Inception-v3 with 64 samples per GPU (weak scaling: its Figure 7 plots
 samples/s per GPU against an ideal flat line), so the global batch is 64 x devices.
@@ -92,6 +92,12 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--machine", default="flexflow-p100:16")
+    parser.add_argument(
+        "--region-share",
+        type=float,
+        default=SearchOptions.region_share,
+        help="share of proposals that move a region (0: one op at a time)",
+    )
     args = parser.parse_args()
     machine = resolve_machine(args.machine)
     per_gpu = args.per_gpu or DEFAULT_PER_GPU[args.width]
@@ -103,13 +109,14 @@ def main() -> int:
     space = analyze(graph)
     import_s = time.perf_counter() - began
     sim = Simulator(machine, RooflineCost())
-    result = mcmc(graph, space, sim, SearchOptions(budget_s=args.budget, seed=args.seed))
+    options = SearchOptions(budget_s=args.budget, seed=args.seed, region_share=args.region_share)
+    result = mcmc(graph, space, sim, options)
     loop_s = result.time_s - result.setup_s
 
     print(
         f"inception_v3 ({args.width} width, {len(graph.ops)} ops), batch {batch} "
         f"({per_gpu} per GPU) on {args.machine} ({machine.size} devices), seed {args.seed}, "
-        f"budget {args.budget:g} s"
+        f"budget {args.budget:g} s, region share {args.region_share:g}"
     )
     print("\n".join(table(result, batch)))
     last = result.history[-1]

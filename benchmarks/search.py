@@ -53,6 +53,12 @@ def main() -> int:
     parser.add_argument("--machines", default="flexflow-p100:1,flexflow-p100:4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-evals", type=int, help="stop after N proposals (reproducible)")
+    parser.add_argument(
+        "--region-share",
+        type=float,
+        default=SearchOptions.region_share,
+        help="share of proposals that move a region (0: one op at a time)",
+    )
     args = parser.parse_args()
     header = (
         f"{'model':<8}{'batch':>6}  {'machine':<16}{'devices':>8}"
@@ -68,7 +74,9 @@ def main() -> int:
         for spec in args.machines.split(","):
             machine = resolve_machine(spec)
             sim = Simulator(machine, RooflineCost())
-            options = SearchOptions(args.budget, args.seed, max_evals=args.max_evals)
+            options = SearchOptions(
+                args.budget, args.seed, max_evals=args.max_evals, region_share=args.region_share
+            )
             result = mcmc(graph, space, sim, options)
             rules = [result.baselines[r.value] for r in BASELINES]
             best = result.evaluation.step_time_s

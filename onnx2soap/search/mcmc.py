@@ -1,7 +1,9 @@
 """MCMC search over the SOAP space (FlexFlow §6).
 
-A proposal replaces the config of one op, drawn uniformly, by a candidate drawn uniformly
-(a symmetric proposal); Metropolis–Hastings accepts it with probability
+A proposal replaces the config of one op, drawn uniformly, by a candidate drawn uniformly;
+a share of them (``region_share``) gives the same shape of config to the ops within a
+random radius of it as well (``search/regions.py``), since a change to one op alone pays
+for resharding to its unchanged neighbours. Metropolis–Hastings accepts it with probability
 ``min(1, exp(-beta * (cost(new) - cost(current)) / scale))``, so ``beta`` does not
 depend on the model's units.
 
@@ -43,6 +45,7 @@ import numpy as np
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import BASELINES, by_rule, narrow_data_parallel
+from onnx2soap.search.regions import RegionMoves
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
@@ -64,6 +67,9 @@ class SearchOptions:
     max_evals: int | None = None
     chains: int = 3  # chains run side by side; a converged chain is replaced by a random one
     min_chain_proposals: int = 200
+    # The share of proposals that give the new config's shape to the op's neighbourhood
+    # too (search/regions.py); the others change the one op.
+    region_share: float = 0.25
 
     def __post_init__(self) -> None:
         _check_range("budget", self.budget_s, 0.0, MAX_BUDGET_S, "seconds")
@@ -73,6 +79,7 @@ class SearchOptions:
             _check_int("max-evals", self.max_evals, 1, MAX_EVALS)
         _check_int("chains", self.chains, 1, 64)
         _check_int("min_chain_proposals", self.min_chain_proposals, 1, MAX_EVALS)
+        _check_range("region_share", self.region_share, 0.0, 1.0, "")
 
 
 def _check_range(name: str, value: float, low: float, high: float, unit: str) -> None:
@@ -178,6 +185,7 @@ class _Search:
             if not moves:  # even one task on one device needs every dim of size >= 1
                 sizes = {d.name: d.size for d in space[name]}
                 raise UserError(f"op '{name}': no config can run it (dim sizes {sizes})")
+        self.regions = RegionMoves(graph, space, self.moves)
         self.best: Strategy | None = None
         self.best_cost = math.inf
 
@@ -220,8 +228,11 @@ class _Search:
         name = self.ops[int(rng.integers(len(self.ops)))]
         moves = self.moves[name]
         config = moves[int(rng.integers(len(moves)))]
-        if config != chain.current[name]:
+        if rng.random() < self.options.region_share:
+            proposal = self.regions.propose(chain.current, name, config, rng)
+        else:
             proposal = chain.current.replace(name, config)
+        if proposal != chain.current:
             ev, state = self.evaluate.with_state(proposal, chain.state)
             cost = cost_of(ev)
             if self._accept(rng, chain.cost, cost, scale):

@@ -1,0 +1,90 @@
+"""Region proposals: one op's new way of being split, given to its neighbourhood too.
+
+A proposal that changes one op pays for the resharding between that op and its
+neighbours, which stay as they were: moving a conv of a data-parallel Inception branch to
+a channel split costs two all-to-alls, and the search rejects it although the whole
+branch split by channels may be faster. A region move spreads the pivot's change over
+the ops within ``radius`` edges of it (producers and consumers, breadth first): each of
+them takes the candidate config of the same *shape* as the pivot's new one (the same
+devices in the same order, the same degree on dims of the same kinds), when it has
+one; ops with none keep their config, and so does every op beyond the radius.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from onnx2soap.ir import Graph
+from onnx2soap.soap import ParallelConfig, SoapDim, Strategy
+
+# (devices, sorted (kind, degree) of the split dims): what a config does, whatever the
+# op's dims are called or in what order they come.
+Shape = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]
+
+
+def config_shape(dims: Sequence[SoapDim], config: ParallelConfig) -> Shape:
+    degrees = zip(dims, config.degrees, strict=True)
+    return config.devices, tuple(sorted((dim.kind.value, n) for dim, n in degrees if n > 1))
+
+
+class RegionMoves:
+    def __init__(
+        self,
+        graph: Graph,
+        space: Mapping[str, tuple[SoapDim, ...]],
+        moves: Mapping[str, Sequence[ParallelConfig]],
+    ) -> None:
+        self.space = space
+        self.neighbours = _neighbours(graph)
+        self.by_shape: dict[str, dict[Shape, list[ParallelConfig]]] = {}
+        for name, configs in moves.items():
+            table: dict[Shape, list[ParallelConfig]] = {}
+            for config in configs:
+                table.setdefault(config_shape(space[name], config), []).append(config)
+            self.by_shape[name] = table
+        # Radii 1, 2, 4, ... up to the graph's size: small regions most of the time.
+        self.radii = tuple(2**i for i in range(max(1, len(graph.ops)).bit_length()))
+
+    def propose(
+        self, strategy: Strategy, pivot: str, config: ParallelConfig, rng: np.random.Generator
+    ) -> Strategy:
+        """``strategy`` with ``pivot`` given ``config`` and its region the same shape."""
+        shape = config_shape(self.space[pivot], config)
+        radius = self.radii[int(rng.integers(len(self.radii)))]
+        configs = {pivot: config}
+        for name in self.region(pivot, radius):
+            same = self.by_shape[name].get(shape)
+            if same:
+                configs[name] = same[int(rng.integers(len(same)))]
+        return Strategy(strategy.devices, {**strategy.configs, **configs})
+
+    def region(self, pivot: str, radius: int) -> list[str]:
+        """The ops within ``radius`` edges of ``pivot`` (not the pivot), nearest first."""
+        seen, found = {pivot}, []
+        frontier = deque([(pivot, 0)])
+        while frontier:
+            name, hops = frontier.popleft()
+            if hops == radius:
+                continue
+            for other in self.neighbours[name]:
+                if other not in seen:
+                    seen.add(other)
+                    found.append(other)
+                    frontier.append((other, hops + 1))
+        return found
+
+
+def _neighbours(graph: Graph) -> dict[str, tuple[str, ...]]:
+    """Per op, the ops that produce its inputs and those that read its output."""
+    producer = {op.output: op.name for op in graph.ops}
+    adjacent: dict[str, dict[str, None]] = {op.name: {} for op in graph.ops}
+    for op in graph.ops:
+        for tensor in op.inputs:
+            source = producer.get(tensor)
+            if source is not None and source != op.name:
+                adjacent[op.name][source] = None
+                adjacent[source][op.name] = None
+    return {name: tuple(others) for name, others in adjacent.items()}
