@@ -34,6 +34,10 @@ WIDTH = 8
 BATCH = 2
 STEPS = 24
 SKIPPED = 3  # the first steps make buffers, and the tracer's second runs tracemalloc
+# Rounds of (one-rank chain, then the alternating chain of every peer); a peer's figure is
+# the median over the rounds. One round's figure spreads by +-25 % on a 2-core VM (14-26
+# us a message in six back to back), which every message-bound plan's prediction took.
+ROUNDS = 5
 
 
 def chain_model(folder: Path):
@@ -112,15 +116,17 @@ def _step_seconds(comm, model, peer: int, nap: bool) -> tuple[float, int]:
 
 def message_seconds(comm, nap: bool) -> list[float]:
     """Per peer of rank 0 (every rank calls this), the seconds a message adds to a step
-    between rank 0 and that peer; empty on one rank."""
+    between rank 0 and that peer, the median over ``ROUNDS`` rounds; empty on one rank."""
     with tempfile.TemporaryDirectory() as folder:
         model = chain_model(Path(folder)) if comm.Get_rank() == 0 else None
     model = comm.bcast(model, root=0)
     if comm.Get_size() == 1:
         return []
-    alone, _ = _step_seconds(comm, model, 0, nap)  # the same one-rank plan for every peer
-    seconds = []
-    for peer in range(1, comm.Get_size()):
-        apart, messages = _step_seconds(comm, model, peer, nap)
-        seconds.append(max(apart - alone, 0.0) / messages)
-    return seconds
+    peers = range(1, comm.Get_size())
+    rounds: list[list[float]] = [[] for _ in peers]
+    for _ in range(ROUNDS):
+        alone, _ = _step_seconds(comm, model, 0, nap)  # one one-rank plan for every peer
+        for i, peer in enumerate(peers):
+            apart, messages = _step_seconds(comm, model, peer, nap)
+            rounds[i].append(max(apart - alone, 0.0) / messages)
+    return [statistics.median(per_round) for per_round in rounds]
