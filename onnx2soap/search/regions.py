@@ -6,8 +6,11 @@ a channel split costs two all-to-alls, and the search rejects it although the wh
 branch split by channels may be faster. A region move spreads the pivot's change over
 the ops within ``radius`` edges of it (producers and consumers, breadth first): each of
 them takes the candidate config of the same *shape* as the pivot's new one (the same
-devices in the same order, the same degree on dims of the same kinds), when it has
-one; ops with none keep their config, and so does every op beyond the radius.
+devices in the same order, the same degree on the dims that index the same output axis,
+the samples, and reductions), when it has one; ops with none keep their config, and so does every
+op beyond the radius. Axes rather than dim kinds: a conv's output channels are a
+parameter dim and the following Relu's an attribute dim, but both index axis 1, so a
+channel split passes from the one to the other.
 """
 
 from __future__ import annotations
@@ -18,16 +21,24 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from onnx2soap.ir import Graph
-from onnx2soap.soap import ParallelConfig, SoapDim, Strategy
+from onnx2soap.soap import DimKind, ParallelConfig, SoapDim, Strategy
 
-# (devices, sorted (kind, degree) of the split dims): what a config does, whatever the
-# op's dims are called or in what order they come.
+# (devices, sorted (role, degree) of the split dims): what a config does to the op's
+# output, whatever its dims are called or in what order they come.
 Shape = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]
+
+
+def dim_role(dim: SoapDim) -> str:
+    """Samples (a loss's too, which indexes no output axis), the output axis a dim
+    indexes, or a reduction."""
+    if dim.kind is DimKind.SAMPLE:
+        return "sample"
+    return "reduction" if dim.axis is None else f"axis {dim.axis}"
 
 
 def config_shape(dims: Sequence[SoapDim], config: ParallelConfig) -> Shape:
     degrees = zip(dims, config.degrees, strict=True)
-    return config.devices, tuple(sorted((dim.kind.value, n) for dim, n in degrees if n > 1))
+    return config.devices, tuple(sorted((dim_role(d), n) for d, n in degrees if n > 1))
 
 
 class RegionMoves:

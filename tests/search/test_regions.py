@@ -53,9 +53,28 @@ def test_data_parallel_has_one_shape_and_a_channel_split_another(cnn) -> None:
     graph, space, _ = cnn
     dp = data_parallel(graph, space, DEVICES)
     shapes = {config_shape(space[op.name], dp[op.name]) for op in graph.ops}
-    assert shapes == {(tuple(range(DEVICES)), (("sample", DEVICES),))}
+    assert shapes == {(tuple(range(DEVICES)), (("sample", DEVICES),))}  # the loss's too
     mp = model_parallel(graph, space, DEVICES)
     assert config_shape(space[CONV1], mp[CONV1]) != config_shape(space[CONV1], dp[CONV1])
+
+
+def test_a_conv_s_channel_split_passes_to_the_relu_after_it(cnn) -> None:
+    """conv1's output channels are a parameter dim, relu1's an attribute dim; both index
+    axis 1, so the Relu takes the channel split (not a split of its height or width)."""
+    graph, space, regions = cnn
+    dp = data_parallel(graph, space, DEVICES)
+    pivot = next(
+        c
+        for c in candidates(space[CONV1], DEVICES)
+        if config_shape(space[CONV1], c) == ((0, 1, 2, 3), (("axis 1", 4),))
+    )
+    assert next(d for d in space[CONV1] if d.axis == 1).kind.value == "parameter"
+    # Every radius drawn (1 or more) reaches relu1, conv1's only neighbour.
+    moved = regions.propose(dp, CONV1, pivot, np.random.default_rng(0))
+    relu = dict(zip([d.name for d in space[RELU1]], moved[RELU1].degrees, strict=True))
+    channel = next(d for d in space[RELU1] if d.axis == 1)
+    assert channel.kind.value == "attribute"
+    assert relu[channel.name] == 4 and sum(n > 1 for n in relu.values()) == 1
 
 
 def test_a_region_move_gives_every_op_of_the_region_the_pivot_s_shape(cnn) -> None:
