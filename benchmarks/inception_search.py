@@ -34,6 +34,7 @@ import argparse
 import tempfile
 import time
 
+from benchmarks.search import add_region_share
 from onnx2soap.importer import load_model
 from onnx2soap.search.mcmc import SearchOptions, SearchResult, mcmc
 from onnx2soap.sim import RooflineCost, Simulator, resolve_machine
@@ -92,12 +93,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--machine", default="flexflow-p100:16")
-    parser.add_argument(
-        "--region-share",
-        type=float,
-        default=SearchOptions.region_share,
-        help="share of proposals that move a region (0: one op at a time)",
-    )
+    add_region_share(parser)
     args = parser.parse_args()
     machine = resolve_machine(args.machine)
     per_gpu = args.per_gpu or DEFAULT_PER_GPU[args.width]

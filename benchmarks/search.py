@@ -46,6 +46,16 @@ def _fastest_narrow(starts) -> str:
     return f"{name.split(':')[1]}: {_cell(narrow[name])}"
 
 
+def add_region_share(parser: argparse.ArgumentParser) -> None:
+    """``--region-share``, for the search benchmarks to compare region moves with none."""
+    parser.add_argument(
+        "--region-share",
+        type=float,
+        default=SearchOptions.region_share,
+        help="share of proposals that move a region (0: one op at a time)",
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=float, default=30.0)
@@ -53,12 +63,7 @@ def main() -> int:
     parser.add_argument("--machines", default="flexflow-p100:1,flexflow-p100:4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-evals", type=int, help="stop after N proposals (reproducible)")
-    parser.add_argument(
-        "--region-share",
-        type=float,
-        default=SearchOptions.region_share,
-        help="share of proposals that move a region (0: one op at a time)",
-    )
+    add_region_share(parser)
     args = parser.parse_args()
     header = (
         f"{'model':<8}{'batch':>6}  {'machine':<16}{'devices':>8}"

@@ -228,11 +228,14 @@ class _Search:
         name = self.ops[int(rng.integers(len(self.ops)))]
         moves = self.moves[name]
         config = moves[int(rng.integers(len(moves)))]
+        # None: the proposal changes nothing (found without comparing whole strategies).
         if rng.random() < self.options.region_share:
             proposal = self.regions.propose(chain.current, name, config, rng)
-        else:
+        elif config != chain.current[name]:
             proposal = chain.current.replace(name, config)
-        if proposal != chain.current:
+        else:
+            proposal = None
+        if proposal is not None:
             ev, state = self.evaluate.with_state(proposal, chain.state)
             cost = cost_of(ev)
             if self._accept(rng, chain.cost, cost, scale):

@@ -61,8 +61,9 @@ class RegionMoves:
 
     def propose(
         self, strategy: Strategy, pivot: str, config: ParallelConfig, rng: np.random.Generator
-    ) -> Strategy:
-        """``strategy`` with ``pivot`` given ``config`` and its region the same shape."""
+    ) -> Strategy | None:
+        """``strategy`` with ``pivot`` given ``config`` and its region the same shape; None
+        when that changes nothing."""
         shape = config_shape(self.space[pivot], config)
         radius = self.radii[int(rng.integers(len(self.radii)))]
         configs = {pivot: config}
@@ -70,6 +71,8 @@ class RegionMoves:
             same = self.by_shape[name].get(shape)
             if same:
                 configs[name] = same[int(rng.integers(len(same)))]
+        if all(strategy[name] == c for name, c in configs.items()):
+            return None
         return Strategy(strategy.devices, {**strategy.configs, **configs})
 
     def region(self, pivot: str, radius: int) -> list[str]:

@@ -118,3 +118,12 @@ def test_only_region_moves_still_find_the_brute_force_optimum(tmp_path: Path) ->
             optimum, rel=1e-12
         )
     assert found >= 8
+
+
+def test_a_region_move_that_changes_nothing_is_none(cnn) -> None:
+    """The pivot's own config on a data-parallel strategy: every op of every region
+    already has that shape's only config, so there is nothing to simulate."""
+    graph, space, regions = cnn
+    dp = data_parallel(graph, space, DEVICES)
+    for seed in range(5):
+        assert regions.propose(dp, CONV1, dp[CONV1], np.random.default_rng(seed)) is None
