@@ -79,6 +79,7 @@ class Tracer:
     step: int = 0
     origin: float = 0.0
     peak_bytes: int = 0
+    traced_steps: int = TRACED_STEPS  # kept from MEMORY_STEP on
 
     def __post_init__(self) -> None:
         if self.device.xp.__name__ == "numpy":
@@ -88,7 +89,7 @@ class Tracer:
 
     @property
     def active(self) -> bool:
-        return MEMORY_STEP <= self.step < MEMORY_STEP + TRACED_STEPS
+        return MEMORY_STEP <= self.step < MEMORY_STEP + self.traced_steps
 
     def begin_step(self, step: int) -> None:
         self.step = step

@@ -37,6 +37,10 @@ from onnx2soap.soap.partition import Task, rect_shape
 
 FORMAT = "onnx2soap.costs"
 VERSION = 1
+# How the in-step times were taken. 1 (no meta row): a statistics op's three
+# instructions were averaged, so its task counted a third of its time. In-step times
+# made another way than this onnx2soap's are refused on reading and redone by a profile.
+IN_STEP_METHOD = "2"
 SUFFIX = ".costs.sqlite"
 
 _IN_STEP_SCHEMA = """
@@ -237,6 +241,7 @@ class CostDB:
 
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self.conn, self.path = conn, path
+        self.in_step_method = IN_STEP_METHOD
 
     @staticmethod
     def open(path: Path | str, create: bool = False) -> CostDB:
@@ -259,7 +264,8 @@ class CostDB:
         if create and not names:
             self.conn.executescript(_SCHEMA)
             self.conn.executemany(
-                "INSERT INTO meta VALUES (?, ?)", [("format", FORMAT), ("version", str(VERSION))]
+                "INSERT INTO meta VALUES (?, ?)",
+                [("format", FORMAT), ("version", str(VERSION)), ("in_step_method", IN_STEP_METHOD)],
             )
             self.conn.commit()
             return
@@ -273,8 +279,17 @@ class CostDB:
                 f"{self.path}: meta.version: {meta.get('version')!r}; this onnx2soap reads "
                 f"version {VERSION}"
             )
+        self.in_step_method = meta.get("in_step_method", "1")
         if create:  # a database from before in-step calibration gets its table
             self.conn.executescript(_IN_STEP_SCHEMA)
+            if self.in_step_method != IN_STEP_METHOD:  # the profile calibrates anew
+                with self.conn:
+                    self.conn.execute("DELETE FROM in_step")
+                    self.conn.execute(
+                        "INSERT OR REPLACE INTO meta VALUES ('in_step_method', ?)",
+                        (IN_STEP_METHOD,),
+                    )
+                self.in_step_method = IN_STEP_METHOD
 
     def close(self) -> None:
         self.conn.close()
@@ -341,14 +356,22 @@ class CostDB:
             self.conn.executemany("INSERT OR REPLACE INTO in_step VALUES (?, ?, ?, ?)", rows)
 
     def in_step(self, fp_id: int) -> tuple[InStep, ...]:
-        """The in-step times under ``fp_id``; none in a database without the table."""
+        """The in-step times under ``fp_id``; none in a database without the table. Times
+        taken by an older method are refused (a ``UserError``): a profile redoes them."""
         names = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master")}
         if "in_step" not in names:
             return ()
         rows = self.conn.execute(
             "SELECT phase, key, seconds FROM in_step WHERE fingerprint = ? ORDER BY phase, key",
             (fp_id,),
-        )
+        ).fetchall()
+        if rows and self.in_step_method != IN_STEP_METHOD:
+            raise UserError(
+                f"{self.path}: meta.in_step_method: {self.in_step_method!r}, its in-step "
+                f"calibration was taken by an older onnx2soap (this one reads "
+                f"{IN_STEP_METHOD!r}); run onnx2soap profile again: it keeps the timings "
+                "and redoes the calibration"
+            )
         out = []
         for phase, key, seconds in rows:
             try:

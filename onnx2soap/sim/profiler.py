@@ -13,12 +13,13 @@ and the finishing half together (the simulator splits the phase in two).
 
 Then the in-step calibration: every rank runs the executor's own runtime in-process on
 the one-device plan (all its tasks are among those timed), on a communicator of its own,
-with the executor's tracer timing each instruction as ``--trace`` does; the median of
-each task's time over the clean traced steps (after the one tracemalloc slows; an
-instruction's time counted from the end of the one before it, so the runtime's dispatch
-between instructions is in it), averaged
-over the ranks, is stored next to the isolated timing (``InStep``). A profile that
-finds every task of that plan calibrated skips it.
+with the executor's tracer timing each instruction as ``--trace`` does, for a second of
+clean steps (after the one tracemalloc slows). A task's time in a step is that of its
+instructions (a statistics op has three), each counted from the end of the one before
+it, so the runtime's dispatch between instructions is in it; per task the median over
+the steps, scaled so the tasks add up to the median step; per key the mean over its
+tasks and over the ranks, stored next to the isolated timing (``InStep``). A profile
+that finds every task of that plan calibrated skips it.
 
 The N ranks time at once, each its share, so every timing sees the others computing (as
 the executor's ranks do); one BLAS thread per rank. Rank 0 reads which keys the database
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -68,9 +70,13 @@ ROUND_ITEMS = 4  # timings per rank between two commits
 # SGD's multiply by the learning rate, by 1 so that repeats never reach denormals (which
 # are slow on CPUs); the cost of the multiply is the same.
 LR = 1.0
-# The calibration's steps: the tracer keeps steps 2.. and tracemalloc slows step 2 (it
-# measures the peak there), so steps 3..CALIBRATION_STEPS are clean.
-CALIBRATION_STEPS = 11
+# The calibration's clean steps (step 1 warms up, tracemalloc slows step 2): enough for a
+# second at least. A burst of the host's noise lasting 100 ms then moves the median of
+# many steps little; over nine (60 ms of GPT-2's) it moved the whole calibration, and
+# the profile's prediction of the one-device step by up to 40 % from one profile to the
+# next.
+CALIBRATION_SECONDS = 1.0
+MIN_CLEAN_STEPS, MAX_CLEAN_STEPS = 9, 500
 CALIBRATION_LR = 1e-3  # small: the weights stay where the synthetic data keeps them finite
 
 
@@ -297,29 +303,46 @@ def calibration_plan(graph: Graph) -> PartitionedGraph:
     return Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
 
 
-def calibration_keys(graph: Graph, pg: PartitionedGraph) -> dict[str, tuple[Phase, str]]:
-    """The tracer's name of every compute instruction of ``pg`` on its one device (a
-    statistics op's partial half and its statistics count with its task), and of every
-    update, to the cost DB's key of the task."""
-    names: dict[str, tuple[Phase, str]] = {}
+@dataclass(frozen=True)
+class Traced:
+    """What one traced instruction of the calibration stands for: the task it is part of
+    (a statistics op's partial half, its statistics and its finishing half are one task:
+    ``fwd bn``) and that task's key in the cost DB."""
+
+    task: str
+    key: tuple[Phase, str]
+
+
+def calibration_keys(graph: Graph, pg: PartitionedGraph) -> dict[str, Traced]:
+    """The tracer's name of every compute instruction of ``pg`` on its one device and of
+    every update, to the task it is part of and the task's key."""
+    names: dict[str, Traced] = {}
     for op in graph.ops:
         (task,) = pg.tasks[op.name]
         key = cost_key(op, task)
         for tag, phase in (("fwd", Phase.FORWARD), ("bwd", Phase.BACKWARD)):
+            traced = Traced(f"{tag} {op.name}", (phase, key))
             for name in (f"{tag} {op.name}[0]", f"{tag} {op.name}[0] partial"):
-                names[name] = (phase, key)
-            names[f"stats {op.name} {tag}"] = (phase, key)
+                names[name] = traced
+            names[f"stats {op.name} {tag}"] = traced
         for group in pg.groups[op.name]:
             if group.trainable:
                 numel = rect_volume(group.rect)
-                names[f"update {group.weight}"] = (Phase.UPDATE, update_key(numel))
+                traced = Traced(f"update {group.weight}", (Phase.UPDATE, update_key(numel)))
+                names[f"update {group.weight}"] = traced
     return names
 
 
-def in_step_times(model, dtype: np.dtype) -> dict[tuple[Phase, str], float]:
+def clean_steps(step_seconds: float) -> int:
+    """How many clean steps calibrate: ``CALIBRATION_SECONDS`` of them, within bounds."""
+    wanted = math.ceil(CALIBRATION_SECONDS / max(step_seconds, 1e-9))
+    return min(MAX_CLEAN_STEPS, max(MIN_CLEAN_STEPS, wanted))
+
+
+def in_step_times(model, dtype: np.dtype, comm=None) -> dict[tuple[Phase, str], float]:
     """Seconds of every task of the one-device plan inside the executor's step on this
-    rank: per traced step the sum of the task's instructions, the median over the clean
-    steps; tasks that share a key, their mean."""
+    rank, per key (see ``_medians``). Ranks calibrating at once pass their communicator:
+    they agree on the number of steps, so each runs all of them beside the others."""
     from mpi4py import MPI
 
     from executor.data import SyntheticData, rows_needed
@@ -333,7 +356,8 @@ def in_step_times(model, dtype: np.dtype) -> dict[tuple[Phase, str], float]:
     graph = model.graph
     pg = calibration_plan(graph)
     device = CpuDevice()
-    tracer = Tracer(0, pg, device)  # as the executor makes it: before the runtime
+    # As the executor makes it: before the runtime. Tracing every step run.
+    tracer = Tracer(0, pg, device, traced_steps=1 + MAX_CLEAN_STEPS)
     rt = Runtime(
         pg,
         compile_program(pg, 0),
@@ -345,49 +369,71 @@ def in_step_times(model, dtype: np.dtype) -> dict[tuple[Phase, str], float]:
     )
     rt.tracer = tracer
     data, rows = SyntheticData(graph, 0, dtype), rows_needed(pg, 0)
+
+    def run(step: int) -> float:
+        batch = data.batch(step, rows)
+        began = time.perf_counter()
+        tracer.begin_step(step)
+        rt.step(batch, CALIBRATION_LR)
+        tracer.end_step()
+        return time.perf_counter() - began
+
     try:
-        for step in range(1, CALIBRATION_STEPS + 1):
-            batch = data.batch(step, rows)
-            tracer.begin_step(step)
-            rt.step(batch, CALIBRATION_LR)
-            tracer.end_step()
-            if step == 1:  # as the executor's steps run: see settle_python_heap
-                settle_python_heap()
+        run(1)
+        settle_python_heap()  # as the executor's steps run: see settle_python_heap
+        run(MEMORY_STEP)
+        seconds = run(MEMORY_STEP + 1)
+        if comm is not None:
+            seconds = comm.allreduce(seconds, op=MPI.MAX)
+        for step in range(MEMORY_STEP + 2, MEMORY_STEP + 1 + clean_steps(seconds)):
+            run(step)
     finally:
         release_python_heap()
     return _medians(tracer.events, calibration_keys(graph, pg))
 
 
-def _medians(events: list[dict], names: dict[str, tuple[Phase, str]]) -> dict:
-    """Per key, the median over the clean steps of its instructions' in-step seconds. An
-    instruction's seconds run from the end of the one before it (the step's start for the
-    first) to its own end: the runtime's dispatch between two timed instructions, and
-    the tracer's own, are part of what a step pays per instruction."""
+def _medians(events: list[dict], names: dict[str, Traced]) -> dict:
+    """Per key, the in-step seconds of its tasks: per clean step, each task's share of
+    the step, then the median over the steps, and the mean over the tasks of one key.
+
+    An instruction's seconds run from the end of the one before it (the step's start for
+    the first) to its own end: the runtime's dispatch between two timed instructions, and
+    the tracer's own, are part of what a step pays per instruction. A task's instructions
+    (a statistics op has three) add up. The median step is longer than the sum of its
+    tasks' medians (3-5 % on resnet18 here: each step the host interrupts some
+    instruction or other), so the medians are scaled to the median step, each in
+    proportion to its time, and the calibration plan's step is what the sum predicts."""
     steps: dict[int, list[dict]] = {}
     for e in events:
         if e["args"]["step"] > MEMORY_STEP:  # it ran under tracemalloc
             steps.setdefault(e["args"]["step"], []).append(e)
-    by_name: dict[str, list[float]] = {}
+    by_task: dict[str, list[float]] = {}  # an instruction outside the tasks: by its name
+    totals = []
     for step_events in steps.values():
         per_step: dict[str, float] = {}
         last = 0.0
         for e in sorted(step_events, key=lambda e: e["ts"]):
             end = e["ts"] + e["dur"]
-            if e["name"] in names:
-                per_step[e["name"]] = per_step.get(e["name"], 0.0) + (end - last) * 1e-6
+            traced = names.get(e["name"])
+            task = traced.task if traced is not None else e["name"]
+            per_step[task] = per_step.get(task, 0.0) + (end - last) * 1e-6
             last = end
-        for name, seconds in per_step.items():
-            by_name.setdefault(name, []).append(seconds)
-    # An update event is a weight's; updates and ops of one key: their mean.
+        totals.append(last * 1e-6)
+        for task, seconds in per_step.items():
+            by_task.setdefault(task, []).append(seconds)
+    medians = {task: statistics.median(times) for task, times in by_task.items()}
+    skew = statistics.median(totals) / sum(medians.values()) if medians else 1.0
+    keys = {t.task: t.key for t in names.values()}
     by_key: dict[tuple[Phase, str], list[float]] = {}
-    for name, times in by_name.items():
-        by_key.setdefault(names[name], []).append(statistics.median(times))
+    for task, seconds in medians.items():
+        if task in keys:  # updates and ops of one key: their mean
+            by_key.setdefault(keys[task], []).append(seconds * skew)
     return {key: statistics.fmean(values) for key, values in by_key.items()}
 
 
 def _calibrated(db_path: Path, fp, graph: Graph) -> bool:
     """Rank 0: whether every task of the one-device plan has its in-step time."""
-    wanted = set(calibration_keys(graph, calibration_plan(graph)).values())
+    wanted = {t.key for t in calibration_keys(graph, calibration_plan(graph)).values()}
     with CostDB.open(db_path) as db:
         fp_id = db.find(fp)
         have = {(p.phase, p.key) for p in db.in_step(fp_id)} if fp_id is not None else set()
@@ -397,7 +443,7 @@ def _calibrated(db_path: Path, fp, graph: Graph) -> bool:
 def calibrate_ranks(comm, model, dtype: np.dtype, db: CostDB | None, fp_id: int) -> int:
     """Every rank at once (so each sees the others busy, as in a run); rank 0 stores the
     mean over the ranks. Returns how many in-step times were stored."""
-    times = comm.gather(in_step_times(model, dtype), root=0)
+    times = comm.gather(in_step_times(model, dtype, comm), root=0)
     if db is None:
         return 0
     points = [

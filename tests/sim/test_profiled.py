@@ -35,7 +35,14 @@ from onnx2soap.sim.profiled import (
     calibrations,
     fit,
 )
-from onnx2soap.sim.profiler import profile_items
+from onnx2soap.sim.profiler import (
+    MAX_CLEAN_STEPS,
+    MIN_CLEAN_STEPS,
+    Traced,
+    _medians,
+    clean_steps,
+    profile_items,
+)
 from onnx2soap.soap import Partitioner, analyze
 from onnx2soap.soap.candidates import candidates
 from tests.sim.tiny import tiny_graph
@@ -260,6 +267,27 @@ def test_a_db_from_before_calibration_reads_and_gets_the_table(tmp_path: Path) -
         assert len(db.in_step(fp_id)) == 1
 
 
+def test_in_step_times_of_an_older_method_are_refused_until_a_profile_redoes_them(
+    tmp_path: Path,
+) -> None:
+    """A database calibrated before statistics ops counted whole (no method in meta):
+    reading its in-step times is one line naming the field and what to run; opening it
+    to profile drops them (the timings stay) and marks it current."""
+    path = tmp_path / "old.costs.sqlite"
+    timings = _timings(4)
+    with CostDB.open(path, create=True) as db:
+        fp_id = db.add_fingerprint(HOST)
+        db.add(fp_id, timings)
+        db.add_in_step(fp_id, [InStep(t.phase, t.key, 2 * t.seconds) for t in timings])
+        with db.conn:
+            db.conn.execute("DELETE FROM meta WHERE name = 'in_step_method'")
+    with pytest.raises(UserError, match=r"meta.in_step_method: '1'.*run onnx2soap profile"):
+        ProfiledCost.load(path, HOST, DEVICE)
+    with CostDB.open(path, create=True) as db:
+        assert db.in_step(fp_id) == () and db.timings(fp_id) == tuple(timings)
+    assert ProfiledCost.load(path, HOST, DEVICE).calibration == {}
+
+
 def test_profiled_cost_applies_the_calibration_exactly(tmp_path: Path) -> None:
     """A timed key costs its isolated seconds taken into the step by its phase's stored
     calibration, bit for bit; a fitted roofline is taken in too; another device is not."""
@@ -298,6 +326,57 @@ def test_profiled_cost_applies_the_calibration_exactly(tmp_path: Path) -> None:
     assert cost.forward(op, task, other, 4) == plain.forward(op, task, other, 4)
 
 
+def _step_events(step: int, instructions: list[tuple[str, float, float]]) -> list[dict]:
+    """A traced step: (name, idle before it, duration) in microseconds, back to back."""
+    events, clock = [], 0.0
+    for name, idle, dur in instructions:
+        clock += idle
+        events.append({"name": name, "ts": clock, "dur": dur, "args": {"step": step}})
+        clock += dur
+    return events
+
+
+def test_in_step_seconds_add_a_tasks_instructions_and_reach_the_median_step() -> None:
+    """A statistics op's three instructions are one task (20 us here, not their mean of
+    6.7); tasks of one key are averaged; the medians are scaled to the median step
+    (72 us, while the tasks' medians add up to 42: each step one task was slow); the
+    tracemalloc step is left out."""
+    k_bn, k_relu = (Phase.FORWARD, "BatchNormalization k"), (Phase.FORWARD, "Relu k")
+    names = {
+        "fwd bn[0] partial": Traced("fwd bn", k_bn),
+        "stats bn fwd": Traced("fwd bn", k_bn),
+        "fwd bn[0]": Traced("fwd bn", k_bn),
+        "fwd r1[0]": Traced("fwd r1", k_relu),
+        "fwd r2[0]": Traced("fwd r2", k_relu),
+    }
+
+    def step(n: int, finish: float = 5, r2: float = 10) -> list[dict]:
+        return _step_events(
+            n,
+            [
+                ("fwd bn[0] partial", 0, 10),
+                ("stats bn fwd", 2, 3),
+                ("fwd bn[0]", 0, finish),
+                ("fwd r1[0]", 2, 8),
+                ("fwd r2[0]", 0, r2),
+                ("wait allreduce", 0, 2),  # in the step, in no task
+            ],
+        )
+
+    events = step(2, finish=900, r2=900) + step(3, r2=40) + step(4, finish=35) + step(5)
+    skew = 72 / 42
+    got = _medians(events, names)
+    assert got.keys() == {k_bn, k_relu}
+    assert got[k_bn] == pytest.approx(20e-6 * skew)
+    assert got[k_relu] == pytest.approx(10e-6 * skew)
+
+
+def test_the_calibration_runs_a_second_of_steps_within_bounds() -> None:
+    assert clean_steps(0.01) == 100
+    assert clean_steps(1.0) == MIN_CLEAN_STEPS  # a slow step: still a median of several
+    assert clean_steps(1e-6) == MAX_CLEAN_STEPS  # a trivial model: not a million steps
+
+
 @pytest.mark.parametrize("name", ["bnnet", "tied"])
 def test_in_step_times_cover_the_one_device_plan(export_model, name: str) -> None:
     """The executor's runtime in-process: every task of the one-device plan (statistics
@@ -309,7 +388,7 @@ def test_in_step_times_cover_the_one_device_plan(export_model, name: str) -> Non
     model = load_model(export_model(name), batch=4)
     graph = model.graph
     times = in_step_times(model, np.dtype(np.float32))
-    wanted = set(calibration_keys(graph, calibration_plan(graph)).values())
+    wanted = {t.key for t in calibration_keys(graph, calibration_plan(graph)).values()}
     assert set(times) == wanted
     assert wanted <= {(x.phase, x.key) for x in profile_items(graph, 2, 4)}
     assert all(0 < s < 1 for s in times.values())
