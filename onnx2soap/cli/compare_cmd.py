@@ -21,6 +21,7 @@ from onnx2soap.sim import Simulator
 from onnx2soap.sim.compare import (
     Comparison,
     Predicted,
+    RankTime,
     check_same_plan,
     combined_trace,
     compare,
@@ -120,8 +121,21 @@ def _document(c: Comparison, predicted: Predicted, costs: str) -> dict:
             "predicted_bytes": list(c.predicted_memory),
             "measured_bytes": list(c.measured_memory),
         },
+        "ranks": [
+            {"rank": p.rank, "predicted": _parts(p), "measured": _parts(m)}
+            for p, m in zip(c.predicted_ranks, c.measured_ranks, strict=True)
+        ],
         "machine": predicted.machine.name,
         "costs": costs,
+    }
+
+
+def _parts(t: RankTime) -> dict:
+    return {
+        "compute_s": t.compute_s,
+        "messages_s": t.messages_s,
+        "waiting_s": t.waiting_s,
+        "between_s": t.between_s,
     }
 
 
@@ -153,6 +167,7 @@ def _print(args: argparse.Namespace, c: Comparison, predicted: Predicted, costs:
         f"{seconds(max(c.measured_steps_s))}), measured/predicted "
         f"{_ratio(c.measured_step_s, c.predicted_step_s)}"
     )
+    _print_ranks(c)
     for d, (p, m) in enumerate(zip(c.predicted_memory, c.measured_memory, strict=True)):
         error = f"{(p - m) / m * 100:+.1f} %" if m else "-"
         print(
@@ -163,3 +178,21 @@ def _print(args: argparse.Namespace, c: Comparison, predicted: Predicted, costs:
         print(f"  both timelines written to {args.output} (open in ui.perfetto.dev)")
     if args.chart:
         print(f"  chart written to {args.chart}")
+
+
+def _print_ranks(c: Comparison) -> None:
+    """Where each rank's step went, predicted / measured (medians over the steps)."""
+    heads = ("compute", "messages", "waiting", "between instructions")
+    print("  per rank, predicted / measured, ms (medians over the steps):")
+    print("  rank  " + "".join(f"{h:<22}" for h in heads).rstrip())
+    for p, m in zip(c.predicted_ranks, c.measured_ranks, strict=True):
+        cells = [
+            f"{a * 1e3:.3f} / {b * 1e3:.3f}"
+            for a, b in (
+                (p.compute_s, m.compute_s),
+                (p.messages_s, m.messages_s),
+                (p.waiting_s, m.waiting_s),
+            )
+        ]
+        cells.append(f"- / {m.between_s * 1e3:.3f}")
+        print(f"  {p.rank:<4}  " + "".join(f"{x:<22}" for x in cells).rstrip())

@@ -8,6 +8,13 @@ steady step, the latest end over all ranks (times are relative to each rank's st
 start), and its measured value the median over the steady steps. The steady steps are
 the traced ones but the step that ran under tracemalloc (the file's ``memory_step``),
 unless no other was traced.
+
+Per rank, where the step went (``RankTime``): predicted, the device's compute tasks, the
+transfers and copies that hold it, and the rest of the step waiting; measured, per
+steady step, its compute instructions, its other instructions but waits (sends, posted
+receives, all-reduces started, statistics rings), its waits with the rest of the step
+after its last instruction, and the time between instructions (the runtime's dispatch,
+which the profile's calibration counts in compute); each the median over the steps.
 """
 
 from __future__ import annotations
@@ -67,12 +74,25 @@ class Row:
 
 
 @dataclass(frozen=True)
+class RankTime:
+    """Where one rank's step went (see the module's docstring)."""
+
+    rank: int
+    compute_s: float
+    messages_s: float
+    waiting_s: float
+    between_s: float = 0.0  # measured only: predicted, it is in the compute
+
+
+@dataclass(frozen=True)
 class Comparison:
     rows: tuple[Row, ...]  # sorted by measured time, largest first
     predicted_step_s: float
     measured_steps_s: tuple[float, ...]  # per traced step
     predicted_memory: tuple[int, ...]
     measured_memory: tuple[int, ...]
+    predicted_ranks: tuple[RankTime, ...] = ()
+    measured_ranks: tuple[RankTime, ...] = ()
 
     @property
     def measured_step_s(self) -> float:
@@ -219,6 +239,46 @@ def compare(predicted: Predicted, measured: Measured, memory: Sequence[int]) -> 
         tuple(ends[s] for s in steps),
         tuple(memory),
         measured.peak_memory_bytes,
+        predicted_ranks(predicted),
+        measured_ranks(measured, predicted.machine.size),
+    )
+
+
+def predicted_ranks(predicted: Predicted) -> tuple[RankTime, ...]:
+    """Per device: its compute tasks, the other tasks that hold it, the rest waiting."""
+    tg, devices = predicted.tg, predicted.machine.size
+    compute, messages = [0.0] * devices, [0.0] * devices
+    computing = {TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE}
+    for i in range(tg.size):
+        held = compute if TaskKind(int(tg.kind[i])) in computing else messages
+        for r in tg.res_idx[tg.res_ptr[i] : tg.res_ptr[i + 1]]:
+            if r < devices:
+                held[r] += float(tg.duration[i])
+    step = predicted.timeline.makespan
+    return tuple(
+        RankTime(d, compute[d], messages[d], max(step - compute[d] - messages[d], 0.0))
+        for d in range(devices)
+    )
+
+
+def measured_ranks(measured: Measured, ranks: int) -> tuple[RankTime, ...]:
+    """Per rank, the medians over the steady steps of where each step went."""
+    steps = measured.steps
+    parts = {(r, s): [0.0, 0.0, 0.0, 0.0] for r in range(ranks) for s in steps}
+    ends = {(r, s): 0.0 for r in range(ranks) for s in steps}  # the rank's last instruction
+    for e in measured.events:
+        if (e.rank, e.step) not in parts:
+            continue
+        part = 0 if e.kind in COMPUTE_KINDS else 2 if e.name.startswith("wait ") else 1
+        parts[(e.rank, e.step)][part] += e.dur_us * 1e-6
+        ends[(e.rank, e.step)] = max(ends[(e.rank, e.step)], (e.start_us + e.dur_us) * 1e-6)
+    step_end = {s: max(ends[(r, s)] for r in range(ranks)) for s in steps}
+    for (r, s), (compute, messages, waits, _) in parts.items():
+        between = max(ends[(r, s)] - compute - messages - waits, 0.0)
+        parts[(r, s)] = [compute, messages, waits + step_end[s] - ends[(r, s)], between]
+    return tuple(
+        RankTime(r, *(statistics.median(parts[(r, s)][k] for s in steps) for k in range(4)))
+        for r in range(ranks)
     )
 
 

@@ -341,8 +341,9 @@ def clean_steps(step_seconds: float) -> int:
 
 def in_step_times(model, dtype: np.dtype, comm=None) -> dict[tuple[Phase, str], float]:
     """Seconds of every task of the one-device plan inside the executor's step on this
-    rank, per key (see ``_medians``). Ranks calibrating at once pass their communicator:
-    they agree on the number of steps, so each runs all of them beside the others."""
+    rank, per key (see ``_in_step_seconds``). Ranks calibrating at once pass their
+    communicator: they agree on the number of steps, so each runs all of them beside the
+    others."""
     from mpi4py import MPI
 
     from executor.data import SyntheticData, rows_needed
@@ -389,10 +390,10 @@ def in_step_times(model, dtype: np.dtype, comm=None) -> dict[tuple[Phase, str], 
             run(step)
     finally:
         release_python_heap()
-    return _medians(tracer.events, calibration_keys(graph, pg))
+    return _in_step_seconds(tracer.events, calibration_keys(graph, pg))
 
 
-def _medians(events: list[dict], names: dict[str, Traced]) -> dict:
+def _in_step_seconds(events: list[dict], names: dict[str, Traced]) -> dict:
     """Per key, the in-step seconds of its tasks: per clean step, each task's share of
     the step, then the median over the steps, and the mean over the tasks of one key.
 

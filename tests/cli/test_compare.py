@@ -68,6 +68,32 @@ def test_measured_times_are_the_trace_s(traced, capsys) -> None:
         assert rows[key]["predicted_s"] > 0
     measured = [r["measured_s"] for r in doc["ops"]]
     assert measured == sorted(measured, reverse=True)
+    # Per rank: compute, other instructions, waits (and the step after the rank's last
+    # instruction), the rest between instructions; medians over the steps.
+    parts: dict[tuple[int, int], list[float]] = {}
+    for r in (0, 1):
+        for s in steps:
+            mine = [e for e in events if e["pid"] == r and e["args"]["step"] == s]
+            busy = [sum(e["dur"] for e in mine if e["cat"] in ("forward", "backward", "update"))]
+            busy.append(
+                sum(
+                    e["dur"]
+                    for e in mine
+                    if e["cat"] not in ("forward", "backward", "update")
+                    and not e["name"].startswith("wait ")
+                )
+            )
+            waits = sum(e["dur"] for e in mine if e["name"].startswith("wait "))
+            last = max(e["ts"] + e["dur"] for e in mine)
+            between = last - busy[0] - busy[1] - waits
+            parts[(r, s)] = [x / 1e6 for x in (*busy, waits + ends[s] * 1e6 - last, between)]
+    assert [row["rank"] for row in doc["ranks"]] == [0, 1]
+    for row in doc["ranks"]:
+        got = row["measured"]
+        for k, name in enumerate(("compute_s", "messages_s", "waiting_s", "between_s")):
+            want = statistics.median(parts[(row["rank"], s)][k] for s in steps)
+            assert got[name] == pytest.approx(want, abs=1e-9)
+        assert got["compute_s"] > 0 and got["messages_s"] > 0 and got["between_s"] > 0
     assert doc["step"]["measured_steps_s"] == pytest.approx([ends[s] for s in steps])
     assert doc["step"]["measured_s"] == pytest.approx(statistics.median(ends.values()))
     simulated = compare_json(plan, trace, capsys)["step"]["predicted_s"]
@@ -93,6 +119,20 @@ def test_table_and_both_timelines(traced, tmp_path: Path, capsys) -> None:
     assert names[100] == "measured rank 0" and names[101] == "measured rank 1"
     timed = {e["pid"] for e in events if e["ph"] == "X"}
     assert {0, 1, 100, 101} <= timed
+    assert "per rank, predicted / measured" in out
+    # The predicted parts: the device's compute tasks and the other tasks that hold it,
+    # summed from the predicted timeline written for Perfetto; the rest is waiting.
+    doc = compare_json(plan, trace, capsys)
+    step = doc["step"]["predicted_s"]
+    for row in doc["ranks"]:
+        d, got = row["rank"], row["predicted"]
+        held = [e for e in events if e["ph"] == "X" and e["pid"] == d]
+        compute = sum(e["dur"] for e in held if e["cat"] in ("forward", "backward", "update"))
+        other = sum(e["dur"] for e in held) - compute
+        assert got["compute_s"] == pytest.approx(compute / 1e6)
+        assert got["messages_s"] == pytest.approx(other / 1e6)
+        assert got["waiting_s"] == pytest.approx(step - (compute + other) / 1e6)
+        assert got["between_s"] == 0
 
 
 @needs_matplotlib

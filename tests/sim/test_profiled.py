@@ -39,7 +39,7 @@ from onnx2soap.sim.profiler import (
     MAX_CLEAN_STEPS,
     MIN_CLEAN_STEPS,
     Traced,
-    _medians,
+    _in_step_seconds,
     clean_steps,
     profile_items,
 )
@@ -365,7 +365,7 @@ def test_in_step_seconds_add_a_tasks_instructions_and_reach_the_median_step() ->
 
     events = step(2, finish=900, r2=900) + step(3, r2=40) + step(4, finish=35) + step(5)
     skew = 72 / 42
-    got = _medians(events, names)
+    got = _in_step_seconds(events, names)
     assert got.keys() == {k_bn, k_relu}
     assert got[k_bn] == pytest.approx(20e-6 * skew)
     assert got[k_relu] == pytest.approx(10e-6 * skew)
