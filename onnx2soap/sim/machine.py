@@ -18,6 +18,7 @@ Machine file (YAML)::
 
     transfers_use_compute: false   # true: a transfer also holds both end devices (CPUs)
     cores: 0                       # > 0: the devices share so many cores (CPU ranks)
+    message_busy: 4.5e-05          # optional: of a message's latency, what holds its ends
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
 route. A machine has at most ``MAX_DEVICES`` devices (routes grow with the square of the
@@ -68,6 +69,13 @@ class Machine:
     devices of one core do is done one after the other (the operating system gives them
     the core in turns): a core is one more resource their tasks hold.
 
+    ``message_busy``: where transfers use compute, the seconds of a message's latency
+    that its two end devices spend on it (sending, waking up, receiving); the rest of
+    the latency holds nothing: the devices, with their cores, are free for other work
+    (ranks that nap while they wait give their core away), and the next message on the
+    links need not wait for it. None: all of the latency holds the devices and links
+    (ranks that spin while they wait).
+
     Resources, in the simulator's numbering: devices ``0..D-1``, links ``D..D+L-1``, then
     the shared cores."""
 
@@ -77,6 +85,7 @@ class Machine:
     routes: Mapping[tuple[int, int], tuple[int, ...]]  # (src, dst) -> link indices
     transfers_use_compute: bool = False
     cores: int = 0
+    message_busy: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
@@ -227,8 +236,14 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
     cores = doc.get("cores", 0)
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
         raise MachineError(f"{source}: cores: must be an integer >= 0 (0: a core each)")
+    busy = doc.get("message_busy")
+    if busy is not None and not _nonnegative(busy):
+        raise MachineError(
+            f"{source}: message_busy: must be a finite number >= 0 (seconds), got {busy!r}"
+        )
     name = str(doc.get("name") or Path(source).stem)
-    return Machine(name, tuple(devices), tuple(links), routes, use_compute, cores)
+    busy = None if busy is None else float(busy)
+    return Machine(name, tuple(devices), tuple(links), routes, use_compute, cores, busy)
 
 
 def machine_to_dict(m: Machine) -> dict:
@@ -253,6 +268,7 @@ def machine_to_dict(m: Machine) -> dict:
         ],
         "transfers_use_compute": m.transfers_use_compute,
         **({"cores": m.cores} if m.cores else {}),
+        **({"message_busy": m.message_busy} if m.message_busy is not None else {}),
     }
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from onnx2soap.files import write_atomic
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
-from onnx2soap.sim.probe_messages import message_seconds
+from onnx2soap.sim.probe_messages import message_costs
 
 
 def _rate(work: Callable[[], None], seconds: float) -> float:
@@ -101,6 +101,7 @@ def _ping_pong(comm, transport, peer: int, nbytes: int, rounds: int) -> float:
 class LinkFigures:
     latency: float
     bandwidth: float
+    busy: float  # of a message's latency, what each end rank spends on it
 
 
 def _links(comm, nap: bool) -> LinkFigures:
@@ -116,10 +117,14 @@ def _links(comm, nap: bool) -> LinkFigures:
         small = _ping_pong(comm, transport, peer, 8, 200)
         large = _ping_pong(comm, transport, peer, size, 20)
         bandwidths.append(size / max(large - small, 1e-9))
-    latencies = message_seconds(comm, nap)
-    if not latencies:
-        return LinkFigures(5e-6, 4e9)
-    return LinkFigures(float(np.median(latencies)), float(np.median(bandwidths)))
+    costs = message_costs(comm, nap)
+    if not costs:
+        return LinkFigures(5e-6, 4e9, 5e-6)
+    return LinkFigures(
+        float(np.median([c.seconds for c in costs])),
+        float(np.median(bandwidths)),
+        float(np.median([c.busy for c in costs])),
+    )
 
 
 def _shared_cores(comm) -> int:
@@ -154,7 +159,10 @@ def probe(comm, seconds: float = 0.3) -> str:
     )
     # A route is two links (out-port, in-port), and a transfer pays every link's latency.
     machine = cpu(ranks, device, links.bandwidth, links.latency / 2)
-    return dump_machine(replace(machine, cores=cores))
+    # Ranks that nap while they wait give their core away for part of a message; ranks
+    # that spin hold it throughout (the machine's default).
+    busy = min(links.busy, links.latency) if cores else None
+    return dump_machine(replace(machine, cores=cores, message_busy=busy))
 
 
 def main() -> int:

@@ -145,8 +145,9 @@ class Memo:
     graph: Graph | None = None
     compute: dict[tuple, tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
     rings: dict[tuple, tuple[float, tuple[int, ...], int]] = field(default_factory=dict)
-    # (src, dst) -> (summed latency, slowest bandwidth, resources): a transfer of any size
-    routes: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]] = field(
+    # (src, dst) -> (summed latency, slowest bandwidth, resources, latency the devices are
+    # free): a transfer of any size
+    routes: dict[tuple[int, int], tuple[float, float, tuple[int, ...], float]] = field(
         default_factory=dict
     )
     memory: dict[tuple, object] = field(default_factory=dict)  # sim.memory.OpMemory
@@ -259,24 +260,42 @@ class Costs:
         links = tuple(self.machine.size + link for link in self.machine.route(src, dst))
         return (src, dst, *links) if self.machine.transfers_use_compute else links
 
-    def _route(self, src: int, dst: int) -> tuple[float, float, tuple[int, ...]]:
+    def _route(self, src: int, dst: int) -> tuple[float, float, tuple[int, ...], float]:
         """What a transfer's time needs of its route, once per device pair: the same
-        sums as ``Machine.transfer_time``, so the times are the same to the bit."""
+        sums as ``Machine.transfer_time``, so the times are the same to the bit; and the
+        part of the latency its end devices are free (``Machine.message_busy``)."""
         key = (src, dst)
         if key not in self.memo.routes:
             links = [self.machine.links[i] for i in self.machine.route(src, dst)]
             latency = sum(link.latency for link in links)
             bandwidth = min(x.bandwidth for x in links)
-            self.memo.routes[key] = (latency, bandwidth, self.link_resources(src, dst))
+            busy = self.machine.message_busy
+            free = 0.0
+            if self.machine.transfers_use_compute and busy is not None:
+                free = latency - min(busy, latency)
+            self.memo.routes[key] = (latency, bandwidth, self.link_resources(src, dst), free)
         return self.memo.routes[key]
 
     def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
-        latency, bandwidth, _ = self._route(src, dst)
+        latency, bandwidth, _, _ = self._route(src, dst)
         return latency + nbytes / bandwidth
 
-    def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...]]:
-        latency, bandwidth, resources = self._route(src, dst)
-        return latency + nbytes / bandwidth, resources
+    def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float]:
+        """(seconds holding ``resources``, resources, seconds in flight after them):
+        the route's latency and bytes at its slowest link's rate, but for the part of
+        the latency the end devices are free, which only the links hold."""
+        latency, bandwidth, resources, free = self._route(src, dst)
+        return latency - free + nbytes / bandwidth, resources, free
+
+    @staticmethod
+    def in_flight(b: _SegmentBuilder, sent: Ref, free: float, what: str) -> Ref:
+        """The rest of the message's latency after ``sent``: a delay that holds nothing
+        (its end devices and their cores are free, and the next message on its links
+        need not wait for it: latency is not occupancy); ``sent`` itself where no part
+        of the latency frees them."""
+        if free <= 0:
+            return sent
+        return b.add(TaskKind.TRANSFER, free, (), (sent,), 0, lambda: f"in flight {what}")
 
     def copy(self, device: int, nbytes: int, passes: int) -> float:
         """The runtime copying ``nbytes`` on a CPU rank, ``passes`` streams of them (a copy
@@ -495,7 +514,7 @@ def edge_forward_segment(
                 )
             feeds.append((dst.starts[c.index], produced))
             continue
-        seconds, resources = costs.transfer(p.device, c.device, nbytes)
+        seconds, resources, free = costs.transfer(p.device, c.device, nbytes)
         # A received piece that is the whole buffer is read in place (layout.Received);
         # any other is copied from its receive buffer into place.
         if not (pieces[o.dst_task] == 1 and o.rect == c.inputs[edge.operand].buffer):
@@ -503,6 +522,7 @@ def edge_forward_segment(
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
         )
+        x = costs.in_flight(b, x, free, f"send {what}")
         feeds.append((dst.starts[c.index], x))
     return b.segment(feeds=feeds)
 
@@ -548,7 +568,7 @@ def edge_backward_segment(
                 )
             feeds.append((dst.starts[p.index], produced))
             continue
-        seconds, resources = costs.transfer(c.device, p.device, nbytes)
+        seconds, resources, free = costs.transfer(c.device, p.device, nbytes)
         # The producer's whole output gradient, received as one piece from its only
         # reader, is read in place; any other piece is summed into a zeroed gradient.
         if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == p.output):
@@ -556,6 +576,7 @@ def edge_backward_segment(
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
         )
+        x = costs.in_flight(b, x, free, f"grad {what}")
         feeds.append((dst.starts[p.index], x))
     return b.segment(feeds=feeds)
 

@@ -28,8 +28,13 @@ def case(export_model, name: str, spec: str):
     if key not in CASES:
         graph = load_model(export_model(name), batch=8).graph
         space = analyze(graph)
-        preset, _, cores = spec.partition("/cores=")  # cpu:4/cores=2: 4 ranks on 2 cores
-        machine = replace(resolve_machine(preset), cores=int(cores or 0))
+        # cpu:4/cores=2: 4 ranks on 2 cores; /busy=S: a message holds its ends S seconds
+        preset, *options = spec.split("/")
+        option = dict(o.split("=") for o in options)
+        busy = float(option["busy"]) if "busy" in option else None
+        machine = replace(
+            resolve_machine(preset), cores=int(option.get("cores", 0)), message_busy=busy
+        )
         moves = {op.name: candidates(space[op.name], machine.size) for op in graph.ops}
         CASES[key] = (graph, space, moves, machine, Partitioner(graph))
     return CASES[key]
@@ -50,6 +55,7 @@ def per_resource(tg, timeline) -> dict[int, list[tuple[int, float, float]]]:
         ("cnn", "flexflow-p100:1"),
         ("bnnet", "cpu:4"),
         ("bnnet", "cpu:4/cores=2"),
+        ("bnnet", "cpu:4/cores=2/busy=3e-6"),
         ("tokens", "flexflow-p100:1"),
     ],
 )

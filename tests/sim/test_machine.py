@@ -50,7 +50,8 @@ def test_intra_node_routes_avoid_the_nic_and_inter_node_routes_use_it() -> None:
 
 def test_yaml_round_trip(tmp_path: Path) -> None:
     shared = replace(preset("cpu:4"), cores=2)
-    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared):
+    napping = replace(shared, message_busy=4e-5)
+    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
         assert load_machine_file(path) == m
@@ -76,6 +77,8 @@ def _doc() -> dict:
         (lambda d: d.update(transfers_use_compute="yes"), "transfers_use_compute"),
         (lambda d: d.update(cores=-1), "cores"),
         (lambda d: d.update(cores=1.5), "cores"),
+        (lambda d: d.update(message_busy=-1e-6), "message_busy"),
+        (lambda d: d.update(message_busy="soon"), "message_busy"),
     ],
 )
 def test_bad_machine_file_names_the_field(edit, field: str) -> None:
@@ -127,6 +130,8 @@ def test_probe_measures_this_host(tmp_path: Path) -> None:
         assert d.peak_flops > 1e8 and d.memory_bandwidth > 1e8 and d.memory > 0
         assert 0 < d.kernel_overhead < 1e-2
     assert all(0 < x.latency < 1e-2 and x.bandwidth > 1e6 for x in m.links)
+    # A core each: a waiting rank spins, busy throughout; sharing one: it naps.
+    assert (m.message_busy is None) == (m.cores == 0)
 
 
 @pytest.mark.mpi
@@ -137,3 +142,5 @@ def test_probe_says_which_cores_ranks_share(tmp_path: Path) -> None:
     assert cli(["machine", "probe", "-n", str(ranks), "-o", str(out), "--seconds", "0.05"]) == 0
     m = load_machine_file(out)
     assert m.size == ranks and m.cores == os.cpu_count() and m.shares_cores
+    # Napping ranks: a message holds its ends for part of its latency (two links').
+    assert 0 < m.message_busy <= 2 * m.links[0].latency

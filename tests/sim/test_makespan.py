@@ -96,6 +96,37 @@ def test_transfers_that_use_compute_hold_both_cores(tmp_path) -> None:
     assert serialized - overlapped == pytest.approx(2 * 34 * US, rel=1e-6)
 
 
+def test_ranks_free_for_the_part_of_a_message_they_nap_through(tmp_path) -> None:
+    """``message_busy`` (ranks that nap while they wait): of a message's 2 us latency
+    only 0.5 us holds its end devices, with its 32 bytes (32.5 us); the other 1.5 us
+    holds nothing (not the links either: latency is not occupancy). The plan of the
+    test above: the second message of each pair starts when the first frees the
+    devices, 32.5 us after it rather than 34, and every consumer still gets its tile
+    the whole 34 us after it was sent: 2 * 32.5 us more than with copy engines."""
+    g = tiny_graph(tmp_path)
+    s = Strategy(
+        2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [1, 0], n=2)}
+    )
+    napping = replace(round_machine(2, use_compute=True), message_busy=0.5 * US)
+    pg = Partitioner(g).partition(s)
+    sim = Simulator(napping, RooflineCost())
+    took = sim.evaluate(pg).step_time_s
+    assert took - step_time(g, s, 2) == pytest.approx(2 * 32.5 * US, rel=1e-6)
+    tg = sim.task_graph(pg, names=True)
+    for i, name in enumerate(tg.names):
+        held = set(tg.res_idx[tg.res_ptr[i] : tg.res_ptr[i + 1]].tolist())
+        if name.startswith(("send ", "grad ")):
+            assert tg.duration[i] == pytest.approx(32.5 * US) and {0, 1} <= held
+        if name.startswith("in flight "):
+            assert tg.duration[i] == pytest.approx(1.5 * US) and not held
+    assert sum(n.startswith("in flight ") for n in tg.names) == 4
+    # Spinning ranks (no message_busy, or one above the latency): the whole message.
+    spinning = replace(napping, message_busy=5 * US)
+    assert Simulator(spinning, RooflineCost()).evaluate(pg).step_time_s == pytest.approx(
+        step_time(g, s, 2, use_compute=True), rel=1e-12
+    )
+
+
 def test_ranks_sharing_one_core_take_turns(tmp_path) -> None:
     """Two ranks on one core (``Machine.cores``): the data-parallel plan's halves run one
     after the other, so the compute costs what one device doing it all would; the ring,

@@ -34,13 +34,13 @@ def test_alternating_chain_puts_every_message_on_the_critical_path(tmp_path: Pat
 @pytest.mark.mpi
 def test_probe_measures_a_message_as_the_runtime_pays_it(tmp_path: Path) -> None:
     """Under mpiexec on two ranks: a positive cost per message, above what the bare
-    transport's calls cost, and below a millisecond."""
+    transport's calls cost, and below a millisecond; each end busy for some of it."""
     script = tmp_path / "probe.py"
     script.write_text(
         "from mpi4py import MPI\n"
-        "from onnx2soap.sim.probe_messages import message_seconds\n"
-        "s = message_seconds(MPI.COMM_WORLD, False)\n"
-        "if MPI.COMM_WORLD.Get_rank() == 0: print(*s)\n"
+        "from onnx2soap.sim.probe_messages import message_costs\n"
+        "(c,) = message_costs(MPI.COMM_WORLD, False)\n"
+        "if MPI.COMM_WORLD.Get_rank() == 0: print(c.seconds, c.busy)\n"
     )
     mpiexec = Path(sys.executable).parent / "mpiexec"
     done = subprocess.run(
@@ -52,5 +52,6 @@ def test_probe_measures_a_message_as_the_runtime_pays_it(tmp_path: Path) -> None
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    (seconds,) = map(float, done.stdout.split())
+    seconds, busy = map(float, done.stdout.split())
     assert 1e-6 < seconds < 1e-3
+    assert 0 < busy < 1e-3  # spinning ranks: about the whole message, or more
