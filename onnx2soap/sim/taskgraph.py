@@ -12,8 +12,9 @@ a copy task on the device after the piece is made, a received one lengthens its 
 (which holds both end devices there). Resources: compute devices ``0..D-1``,
 then links ``D..D+L-1``, then the cores ranks share where they outnumber the host's
 (``Machine.cores``); a transfer holds every link of its route (and both end devices
-on machines whose cores copy messages themselves), and a task that holds a device also
-holds the core that device shares, if any.
+on machines whose cores copy messages themselves; where ranks nap, ``message_busy``
+of its latency, the rest an "in flight" delay that holds nothing), and a task that
+holds a device also holds the core that device shares, if any.
 
 Tasks are numbered in the executor's global order (``executor/program.py``): forward
 ops in graph order, each op's tasks in task order (an op with statistics: every partial
@@ -283,7 +284,7 @@ class Costs:
     def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float]:
         """(seconds holding ``resources``, resources, seconds in flight after them):
         the route's latency and bytes at its slowest link's rate, but for the part of
-        the latency the end devices are free, which only the links hold."""
+        the latency the end devices are free (``in_flight``: a delay holding nothing)."""
         latency, bandwidth, resources, free = self._route(src, dst)
         return latency - free + nbytes / bandwidth, resources, free
 
