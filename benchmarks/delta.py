@@ -76,7 +76,6 @@ def main() -> int:
     parser.add_argument("--proposals", type=int, default=200)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    # kept for old command lines: the Inception-v3 search moved to inception_search.py
     args = parser.parse_args()
     graph = load_model(REPO / "examples" / "cnn.onnx", args.batch).graph
     print(f"example CNN, batch {args.batch}, {args.proposals} random proposals")

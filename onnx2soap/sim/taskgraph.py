@@ -284,19 +284,9 @@ class Costs:
     def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float]:
         """(seconds holding ``resources``, resources, seconds in flight after them):
         the route's latency and bytes at its slowest link's rate, but for the part of
-        the latency the end devices are free (``in_flight``: a delay holding nothing)."""
+        the latency the end devices are free (``_in_flight``: a delay holding nothing)."""
         latency, bandwidth, resources, free = self._route(src, dst)
         return latency - free + nbytes / bandwidth, resources, free
-
-    @staticmethod
-    def in_flight(b: _SegmentBuilder, sent: Ref, free: float, what: str) -> Ref:
-        """The rest of the message's latency after ``sent``: a delay that holds nothing
-        (its end devices and their cores are free, and the next message on its links
-        need not wait for it: latency is not occupancy); ``sent`` itself where no part
-        of the latency frees them."""
-        if free <= 0:
-            return sent
-        return b.add(TaskKind.TRANSFER, free, (), (sent,), 0, lambda: f"in flight {what}")
 
     def copy(self, device: int, nbytes: int, passes: int) -> float:
         """The runtime copying ``nbytes`` on a CPU rank, ``passes`` streams of them (a copy
@@ -485,6 +475,16 @@ def _width(graph: Graph, tensor: str, itemsize: int) -> int:
     return itemsize if t.dtype.is_float else t.dtype.itemsize
 
 
+def _in_flight(b: _SegmentBuilder, sent: Ref, free: float, what: str) -> Ref:
+    """The rest of a message's latency after ``sent``: a delay that holds nothing (its
+    end devices and their cores are free, and the next message on its links need not
+    wait for it: latency is not occupancy); ``sent`` itself where no part of the latency
+    frees them."""
+    if free <= 0:
+        return sent
+    return b.add(TaskKind.TRANSFER, free, (), (sent,), 0, lambda: f"in flight {what}")
+
+
 def edge_forward_segment(
     costs: Costs,
     slot: int,
@@ -523,7 +523,7 @@ def edge_forward_segment(
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
         )
-        x = costs.in_flight(b, x, free, f"send {what}")
+        x = _in_flight(b, x, free, f"send {what}")
         feeds.append((dst.starts[c.index], x))
     return b.segment(feeds=feeds)
 
@@ -577,7 +577,7 @@ def edge_backward_segment(
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
         )
-        x = costs.in_flight(b, x, free, f"grad {what}")
+        x = _in_flight(b, x, free, f"grad {what}")
         feeds.append((dst.starts[p.index], x))
     return b.segment(feeds=feeds)
 
