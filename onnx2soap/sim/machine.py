@@ -19,6 +19,7 @@ Machine file (YAML)::
     transfers_use_compute: false   # true: a transfer also holds both end devices (CPUs)
     cores: 0                       # > 0: the devices share so many cores (CPU ranks)
     message_busy: 4.5e-05          # optional: of a message's latency, what holds its ends
+    ring_step_latency: 1.0e-05     # optional: a ring all-reduce step's latency
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
 route. A machine has at most ``MAX_DEVICES`` devices (routes grow with the square of the
@@ -76,6 +77,12 @@ class Machine:
     links need not wait for it. None: all of the latency holds the devices and links
     (ranks that spin while they wait).
 
+    ``ring_step_latency``: the latency of one step of a ring all-reduce, in place of its
+    route's (a step's time is this plus its chunk at the route's bandwidth). A step
+    costs the runtime more than a message (every member sends, receives, waits for
+    both and sums the chunk), which ``machine probe`` measures. None: the route's
+    latency.
+
     Resources, in the simulator's numbering: devices ``0..D-1``, links ``D..D+L-1``, then
     the shared cores."""
 
@@ -86,6 +93,7 @@ class Machine:
     transfers_use_compute: bool = False
     cores: int = 0
     message_busy: float | None = None
+    ring_step_latency: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
@@ -241,9 +249,15 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         raise MachineError(
             f"{source}: message_busy: must be a finite number >= 0 (seconds), got {busy!r}"
         )
+    ring = doc.get("ring_step_latency")
+    if ring is not None and not _nonnegative(ring):
+        raise MachineError(
+            f"{source}: ring_step_latency: must be a finite number >= 0 (seconds), got {ring!r}"
+        )
     name = str(doc.get("name") or Path(source).stem)
     busy = None if busy is None else float(busy)
-    return Machine(name, tuple(devices), tuple(links), routes, use_compute, cores, busy)
+    ring = None if ring is None else float(ring)
+    return Machine(name, tuple(devices), tuple(links), routes, use_compute, cores, busy, ring)
 
 
 def machine_to_dict(m: Machine) -> dict:
@@ -269,6 +283,7 @@ def machine_to_dict(m: Machine) -> dict:
         "transfers_use_compute": m.transfers_use_compute,
         **({"cores": m.cores} if m.cores else {}),
         **({"message_busy": m.message_busy} if m.message_busy is not None else {}),
+        **({"ring_step_latency": m.ring_step_latency} if m.ring_step_latency is not None else {}),
     }
 
 

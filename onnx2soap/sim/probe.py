@@ -8,8 +8,10 @@ and bandwidth between rank 0 and every other rank. The bandwidth from a ping-pon
 MiB messages through the executor's own transport (``executor/transport.py``: a
 nonblocking send, a posted receive, the wait that completes it, the end of the step);
 the latency from what a message adds to a step of the executor's runtime
-(``probe_messages.py``: its instructions and their dispatch included, 10-25 us on a
-2-core VM, where bare MPI takes about 1 us and the transport's calls alone 2 us).
+(``probe_messages.py``: its instructions and their dispatch included, 5-25 us on a
+2-core VM, where bare MPI takes about 1 us and the transport's calls alone 2 us); and
+the latency of a ring all-reduce's step from what rings add to a data-parallel step
+of the runtime (``Machine.ring_step_latency``: about twice a message's there).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from onnx2soap.files import write_atomic
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
-from onnx2soap.sim.probe_messages import message_costs
+from onnx2soap.sim.probe_messages import message_costs, ring_step_seconds
 
 
 def _rate(work: Callable[[], None], seconds: float) -> float:
@@ -148,6 +150,7 @@ def probe(comm, seconds: float = 0.3) -> str:
     rates = [r for r in comm.allgather(mine) if r is not None]
     links = _links(comm, nap=bool(cores))
     links = comm.bcast(links, root=0)
+    ring = comm.bcast(ring_step_seconds(comm, nap=bool(cores)), root=0)
     ranks = comm.Get_size()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
     device = ComputeDevice(
@@ -162,7 +165,7 @@ def probe(comm, seconds: float = 0.3) -> str:
     # Ranks that nap while they wait give their core away for part of a message; ranks
     # that spin hold it throughout (the machine's default).
     busy = min(links.busy, links.latency) if cores else None
-    return dump_machine(replace(machine, cores=cores, message_busy=busy))
+    return dump_machine(replace(machine, cores=cores, message_busy=busy, ring_step_latency=ring))
 
 
 def main() -> int:

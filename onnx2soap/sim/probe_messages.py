@@ -21,6 +21,19 @@ traced instruction costs. The ranks' processor time is measured beside it, and
 is what a message costs each of its two ends: all of the message where ranks spin
 while they wait, a part of it where they nap (ranks that outnumber the cores: 45 of
 125 us on 4 ranks on 2 cores here), the rest of which their cores are free for others.
+
+A ring all-reduce's step costs more than a message: every member posts a send and a
+receive, waits for both, sums or copies the chunk, and the instruction that runs the
+ring is dispatched and traced. So the rings are measured the same way, on a chain of
+tiny BatchNormalizations trained on rank 0 alone and then data parallel over every
+rank, where each op's statistics (forward and backward) and its two weights' gradients
+are summed by rings over all ranks, and nothing else differs:
+
+    ring step = (data-parallel step - one-rank step) / rings / (2 (ranks - 1))
+
+(23 us on 2 ranks of a 2-core VM, where a message measures 5 us: the simulator had
+predicted resnet18's data parallelism 1.26x fast, its statistics rings at 10 us where
+they took 46).
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ CHAIN_OPS = 16
 WIDTH = 8
 BATCH = 2
 STEPS = 24
+RING_ROWS = 2  # the norm chain's samples per rank
 SKIPPED = 3  # the first steps make buffers, and the tracer's second runs tracemalloc
 # Rounds of (one-rank chain, then the alternating chain of every peer); a peer's figure is
 # the median over the rounds. One round's figure spreads by +-25 % on a 2-core VM (14-26
@@ -76,6 +90,39 @@ def chain_model(folder: Path):
     return load_model(path, batch=BATCH)
 
 
+def norm_chain_model(folder: Path, ranks: int):
+    """x [RING_ROWS per rank, WIDTH] -> CHAIN_OPS BatchNormalizations in training mode ->
+    logits (cross-entropy attached)."""
+    from onnx import numpy_helper
+
+    from onnx2soap.importer import load_model
+
+    names = [f"h{i}" for i in range(CHAIN_OPS)] + ["logits"]
+    nodes, params = [], []
+    for i, (a, b) in enumerate(itertools.pairwise(names)):
+        inputs = [f"{role}{i}" for role in ("scale", "bias", "mean", "var")]
+        params += [
+            numpy_helper.from_array(np.full(WIDTH, value, np.float32), name)
+            for name, value in zip(inputs, (1.0, 0.0, 0.0, 1.0), strict=True)
+        ]
+        outputs = [b, f"running_mean{i}", f"running_var{i}"]
+        nodes.append(
+            helper.make_node(
+                "BatchNormalization", [a, *inputs], outputs, name=f"bn{i}", training_mode=1
+            )
+        )
+    graph = helper.make_graph(
+        nodes,
+        "norm_chain",
+        [helper.make_tensor_value_info("h0", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
+        params,
+    )
+    path = folder / "norm_chain.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]), path)
+    return load_model(path, batch=RING_ROWS * ranks)
+
+
 def _plan(graph, devices: int, peer: int):
     """Every op whole; on rank 0, or (``peer`` > 0) alternating between 0 and ``peer``."""
     from onnx2soap.soap import Partitioner, Strategy, analyze
@@ -89,26 +136,43 @@ def _plan(graph, devices: int, peer: int):
     return Partitioner(graph).partition(Strategy(devices, configs))
 
 
-def _step_seconds(comm, model, peer: int, nap: bool) -> tuple[float, float, int]:
-    """The median traced step of the plan over the ranks (the slowest rank's), the
-    median over the steps of the processor time all ranks spent in it, and how many
-    messages it sends."""
+def _data_parallel(graph, devices: int):
+    """Every op split by samples over every rank."""
+    from onnx2soap.search.baselines import data_parallel
+    from onnx2soap.soap import Partitioner, analyze
+
+    return Partitioner(graph).partition(data_parallel(graph, analyze(graph), devices))
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """A plan's step on the probe's ranks: the median traced step (the slowest rank's),
+    the median processor time all ranks spent in it, and the rank's program."""
+
+    seconds: float
+    processor: float
+    program: object  # executor.program.Program
+
+
+def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
+    """Trains ``pg`` for ``STEPS`` steps at learning rate 0 on the probe's ranks."""
     from mpi4py import MPI
 
     from executor.data import SyntheticData, rows_needed
     from executor.device import CpuDevice
     from executor.host_memory import release_python_heap, settle_python_heap
-    from executor.program import Send, compile_program
+    from executor.program import compile_program
     from executor.runtime import Runtime
     from executor.trace import Tracer
     from executor.transport import MpiTransport, wait_patiently
 
     graph, rank, dtype = model.graph, comm.Get_rank(), np.dtype(np.float32)
-    pg = _plan(graph, comm.Get_size(), peer)
     program = compile_program(pg, rank)
     device = CpuDevice()
     tracer = Tracer(rank, pg, device)
-    rt = Runtime(pg, program, MpiTransport(comm, device, nap=nap), {}, dtype, device=device)
+    values = {**model.weights, **model.state}
+    transport = MpiTransport(comm, device, nap=nap)
+    rt = Runtime(pg, program, transport, values, dtype, model.constants, device=device)
     rt.tracer = tracer
     data, rows = SyntheticData(graph, 0, dtype), rows_needed(pg, rank)
     times, cpu = [], []
@@ -129,11 +193,10 @@ def _step_seconds(comm, model, peer: int, nap: bool) -> tuple[float, float, int]
     slowest, spent = np.empty(STEPS), np.empty(STEPS)
     comm.Allreduce(np.array(times), slowest, op=MPI.MAX)
     comm.Allreduce(np.array(cpu), spent, op=MPI.SUM)
-    sends = sum(isinstance(ins, Send) for ins in program.instructions)
-    return (
+    return StepFigures(
         statistics.median(slowest[SKIPPED:].tolist()),
         statistics.median(spent[SKIPPED:].tolist()),
-        comm.allreduce(sends),
+        program,
     )
 
 
@@ -149,13 +212,46 @@ def message_costs(comm, nap: bool) -> list[MessageCost]:
     peers = range(1, comm.Get_size())
     seconds: list[list[float]] = [[] for _ in peers]
     busy: list[list[float]] = [[] for _ in peers]
+    from executor.program import Send
+
+    size, graph = comm.Get_size(), model.graph
     for _ in range(ROUNDS):
-        alone, alone_cpu, _ = _step_seconds(comm, model, 0, nap)  # one for every peer
+        alone = _step_seconds(comm, model, _plan(graph, size, 0), nap)  # one for every peer
         for i, peer in enumerate(peers):
-            apart, apart_cpu, messages = _step_seconds(comm, model, peer, nap)
-            seconds[i].append(max(apart - alone, 0.0) / messages)
-            busy[i].append(max(apart_cpu - alone_cpu, 0.0) / messages / 2)
+            apart = _step_seconds(comm, model, _plan(graph, size, peer), nap)
+            sends = sum(isinstance(x, Send) for x in apart.program.instructions)
+            messages = comm.allreduce(sends)
+            seconds[i].append(max(apart.seconds - alone.seconds, 0.0) / messages)
+            busy[i].append(max(apart.processor - alone.processor, 0.0) / messages / 2)
     return [
         MessageCost(statistics.median(s), statistics.median(b))
         for s, b in zip(seconds, busy, strict=True)
     ]
+
+
+def rings_run(program) -> int:
+    """The ring all-reduces a rank's program runs a step: its statistics sums and its
+    weight gradients' sums over more than one device."""
+    from executor.program import AllReduce, ReduceStats
+
+    return sum(
+        isinstance(x, ReduceStats | AllReduce) and len(x.devices) > 1 for x in program.instructions
+    )
+
+
+def ring_step_seconds(comm, nap: bool) -> float | None:
+    """What one step of a ring all-reduce over every rank costs a step of the runtime
+    (every rank calls this), the median over ``ROUNDS`` rounds; None on one rank."""
+    size = comm.Get_size()
+    with tempfile.TemporaryDirectory() as folder:
+        model = norm_chain_model(Path(folder), size) if comm.Get_rank() == 0 else None
+    model = comm.bcast(model, root=0)
+    if size == 1:
+        return None
+    graph, figures = model.graph, []
+    for _ in range(ROUNDS):
+        alone = _step_seconds(comm, model, _plan(graph, size, 0), nap)
+        spread = _step_seconds(comm, model, _data_parallel(graph, size), nap)
+        steps = rings_run(spread.program) * 2 * (size - 1)
+        figures.append(max(spread.seconds - alone.seconds, 0.0) / steps)
+    return statistics.median(figures)

@@ -4,8 +4,9 @@ Tasks: forward and backward compute per op task, a transfer per overlap that cro
 devices (forward tile and backward gradient piece: the same rects the executor sends),
 a ring all-reduce per weight replica group (soap's ring schedule: its 2(k-1) lock-step
 steps run back to back on every ring link, so the ring is one task of their summed
-duration) and an SGD update per weight shard. On machines whose cores copy messages
-(CPU ranks), the runtime's assembly copies too: a tile the consumer cannot read in place
+duration, each step at ``Machine.ring_step_latency`` where the machine has it) and an
+SGD update per weight shard. On machines whose cores copy messages (CPU ranks), the
+runtime's assembly copies too: a tile the consumer cannot read in place
 (``executor/layout.py``: anything but one whole local tile) is copied into its input
 buffer, and a gradient piece summed into the producer's output gradient; a local one is
 a copy task on the device after the piece is made, a received one lengthens its transfer
@@ -281,6 +282,13 @@ class Costs:
         latency, bandwidth, _, _ = self._route(src, dst)
         return latency + nbytes / bandwidth
 
+    def ring_step_time(self, src: int, dst: int, nbytes: int) -> float:
+        """One ring step's send: ``Machine.ring_step_latency`` where the machine has it
+        (else the route's), and the bytes at the route's slowest link's rate."""
+        latency, bandwidth, _, _ = self._route(src, dst)
+        ring = self.machine.ring_step_latency
+        return (latency if ring is None else ring) + nbytes / bandwidth
+
     def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float]:
         """(seconds holding ``resources``, resources, seconds in flight after them):
         the route's latency and bytes at its slowest link's rate, but for the part of
@@ -323,7 +331,7 @@ class Costs:
         links = tuple(sorted({r for a, b in hops for r in self.link_resources(a, b)}))
         # Per hop, a send's seconds per chunk size (two sizes: the chunks are balanced),
         # so a step costs k look-ups, not k transfer times: O(k) per ring, not O(k^2).
-        times = [{n: self.transfer_time(a, b, n) for n in set(sizes)} for a, b in hops]
+        times = [{n: self.ring_step_time(a, b, n) for n in set(sizes)} for a, b in hops]
         seconds, nbytes = 0.0, 0
         # The schedule turns with the ring (collectives.py): in every step member i sends
         # the chunk member 0 sends, plus i.

@@ -28,12 +28,17 @@ def case(export_model, name: str, spec: str):
     if key not in CASES:
         graph = load_model(export_model(name), batch=8).graph
         space = analyze(graph)
-        # cpu:4/cores=2: 4 ranks on 2 cores; /busy=S: a message holds its ends S seconds
+        # cpu:4/cores=2: 4 ranks on 2 cores; /busy=S: a message holds its ends S seconds;
+        # /ring=S: a ring's step costs S seconds of latency
         preset, *options = spec.split("/")
         option = dict(o.split("=") for o in options)
         busy = float(option["busy"]) if "busy" in option else None
+        ring = float(option["ring"]) if "ring" in option else None
         machine = replace(
-            resolve_machine(preset), cores=int(option.get("cores", 0)), message_busy=busy
+            resolve_machine(preset),
+            cores=int(option.get("cores", 0)),
+            message_busy=busy,
+            ring_step_latency=ring,
         )
         moves = {op.name: candidates(space[op.name], machine.size) for op in graph.ops}
         CASES[key] = (graph, space, moves, machine, Partitioner(graph))
@@ -56,6 +61,7 @@ def per_resource(tg, timeline) -> dict[int, list[tuple[int, float, float]]]:
         ("bnnet", "cpu:4"),
         ("bnnet", "cpu:4/cores=2"),
         ("bnnet", "cpu:4/cores=2/busy=3e-6"),
+        ("bnnet", "cpu:4/ring=2e-5"),
         ("tokens", "flexflow-p100:1"),
     ],
 )

@@ -51,7 +51,8 @@ def test_intra_node_routes_avoid_the_nic_and_inter_node_routes_use_it() -> None:
 def test_yaml_round_trip(tmp_path: Path) -> None:
     shared = replace(preset("cpu:4"), cores=2)
     napping = replace(shared, message_busy=4e-5)
-    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping):
+    rings = replace(preset("cpu:2"), ring_step_latency=2.3e-5)
+    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
         assert load_machine_file(path) == m
@@ -79,6 +80,8 @@ def _doc() -> dict:
         (lambda d: d.update(cores=1.5), "cores"),
         (lambda d: d.update(message_busy=-1e-6), "message_busy"),
         (lambda d: d.update(message_busy="soon"), "message_busy"),
+        (lambda d: d.update(ring_step_latency=-1e-6), "ring_step_latency"),
+        (lambda d: d.update(ring_step_latency=float("nan")), "ring_step_latency"),
     ],
 )
 def test_bad_machine_file_names_the_field(edit, field: str) -> None:
@@ -132,6 +135,8 @@ def test_probe_measures_this_host(tmp_path: Path) -> None:
     assert all(0 < x.latency < 1e-2 and x.bandwidth > 1e6 for x in m.links)
     # A core each: a waiting rank spins, busy throughout; sharing one: it naps.
     assert (m.message_busy is None) == (m.cores == 0)
+    # Measured on the runtime's own rings, as the messages are.
+    assert m.ring_step_latency is not None and 0 <= m.ring_step_latency < 1e-2
 
 
 @pytest.mark.mpi

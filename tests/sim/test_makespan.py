@@ -52,6 +52,23 @@ def test_two_devices_data_parallel_with_ring_all_reduce(tmp_path) -> None:
     assert step_time(g, s, 2) == pytest.approx(compute + ring + update, rel=1e-9)
 
 
+def test_a_ring_step_pays_the_machines_ring_latency(tmp_path) -> None:
+    """``ring_step_latency`` (what a ring step costs the runtime) replaces the route's
+    2 us in each of the ring's two steps; its 64 bytes still take 64 us, and messages
+    keep the route's latency (the ring above, 2 * (2 + 64) us, becomes 2 * (9 + 64))."""
+    g = tiny_graph(tmp_path)
+    s = Strategy(
+        2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0, 1], n=2)}
+    )
+    rings = replace(round_machine(2), ring_step_latency=9 * US)
+    took = Simulator(rings, RooflineCost()).evaluate(Partitioner(g).partition(s)).step_time_s
+    assert took - step_time(g, s, 2) == pytest.approx(2 * (9 - 2) * US, rel=1e-9)
+    # No ring in this plan (the ops alternate devices): only its messages, unchanged.
+    apart = Strategy(2, {"gemm": config(g, "gemm", [0], n=1), "loss": config(g, "loss", [1], n=1)})
+    took = Simulator(rings, RooflineCost()).evaluate(Partitioner(g).partition(apart))
+    assert took.step_time_s == pytest.approx(step_time(g, apart, 2), rel=1e-12)
+
+
 def test_three_devices_transfers_queue_on_a_shared_link(tmp_path) -> None:
     g = tiny_graph(tmp_path)
     s = Strategy(3, {"gemm": config(g, "gemm", [0, 1], co=2), "loss": config(g, "loss", [2])})

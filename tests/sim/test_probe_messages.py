@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 
 from onnx2soap.sim import RooflineCost, Simulator
-from onnx2soap.sim.probe_messages import BATCH, CHAIN_OPS, WIDTH, _plan, chain_model
+from onnx2soap.sim.probe_messages import (
+    BATCH,
+    CHAIN_OPS,
+    WIDTH,
+    _data_parallel,
+    _plan,
+    chain_model,
+    norm_chain_model,
+    rings_run,
+)
+from onnx2soap.sim.taskgraph import TaskKind
 from tests.sim.tiny import LINK_BW, LINK_LATENCY, round_machine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +39,24 @@ def test_alternating_chain_puts_every_message_on_the_critical_path(tmp_path: Pat
     tile = BATCH * WIDTH * 4
     message = 2 * LINK_LATENCY + tile / LINK_BW  # a route is two links
     assert apart - alone == pytest.approx(2 * boundaries * message, rel=1e-9)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ring_probe_counts_the_rings_the_simulator_runs(tmp_path: Path, ranks: int) -> None:
+    """What the ring probe divides by: per rank, the data-parallel norm chain runs four
+    rings per BatchNormalization (its forward and backward statistics, its scale's and
+    bias's gradients), over every rank, and the one-rank plan none; the simulator's task
+    graph holds the same rings, each of 2 (ranks - 1) steps."""
+    from executor.program import compile_program
+
+    graph = norm_chain_model(tmp_path, ranks).graph
+    assert sum(op.type == "BatchNormalization" for op in graph.ops) == CHAIN_OPS
+    spread = _data_parallel(graph, ranks)
+    for rank in range(ranks):
+        assert rings_run(compile_program(spread, rank)) == 4 * CHAIN_OPS
+        assert rings_run(compile_program(_plan(graph, ranks, 0), rank)) == 0
+    tg = Simulator(round_machine(ranks), RooflineCost()).task_graph(spread, names=True)
+    assert sum(k == TaskKind.ALLREDUCE for k in tg.kind) == 4 * CHAIN_OPS
 
 
 @pytest.mark.mpi
