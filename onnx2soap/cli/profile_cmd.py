@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from onnx2soap.cli.machine_cmd import _mpiexec
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
+from onnx2soap.ir import Graph
 from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerprint
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
@@ -123,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     if db.exists():
         CostDB.open(db, create=True).close()  # a file that is no cost DB: refused now
     # Checked here, where an error is one line; the ranks load it again.
-    load_model(args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite)
+    model = load_model(
+        args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
+    )
     ranks = _ranks(args, machine)
     env = dict(os.environ)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -163,20 +166,19 @@ def run(args: argparse.Namespace) -> int:
         f"in {seconds(summary['seconds'])} on {summary['ranks']} ranks"
     )
     print(f"  fingerprint: {summary['fingerprint']}")
-    print(f"  in-step calibration: {_calibration_line(db, args.dtype)}")
+    print(f"  in-step calibration: {_calibration_line(db, args.dtype, model.graph)}")
     return 0
 
 
-def _calibration_line(db: Path, dtype: str) -> str:
-    """Per phase, how the step's times relate to the isolated ones (every model the
-    database has calibrated counts)."""
-    kind = DeviceKind.CPU
-    fp = host_fingerprint(kind, dtype)
+def _calibration_line(db: Path, dtype: str, graph: Graph) -> str:
+    """Per phase, how the step's times of ``graph``'s tasks relate to the isolated ones
+    (``ProfiledCost.for_graph``)."""
+    fp = host_fingerprint(DeviceKind.CPU, dtype)
     with CostDB.open(db) as opened:
         fp_id = opened.find(fp)
         if fp_id is None:  # timings of a GPU: no calibration (yet)
             return "none"
-        fitted = calibrations(opened.timings(fp_id), opened.in_step(fp_id))
+        fitted = calibrations(opened.timings(fp_id), opened.in_step(fp_id), graph)
     if not fitted:
         return "none"
     return ", ".join(
@@ -212,6 +214,13 @@ class ChosenCosts:
     @property
     def name(self) -> str:
         return "profiled" if isinstance(self.model, ProfiledCost) else "roofline"
+
+    def for_graph(self, graph: Graph) -> ChosenCosts:
+        """Profiled costs taken into the step by ``graph``'s own calibration where the
+        DB has one (``ProfiledCost.for_graph``); the roofline as it is."""
+        if not isinstance(self.model, ProfiledCost):
+            return self
+        return replace(self, model=self.model.for_graph(graph))
 
 
 def add_costs_option(p: argparse.ArgumentParser) -> None:

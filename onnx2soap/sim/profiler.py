@@ -61,6 +61,7 @@ from onnx2soap.sim.costdb import (
     update_key,
 )
 from onnx2soap.sim.costs import task_bytes, task_flops
+from onnx2soap.sim.profiled import one_device_keys
 from onnx2soap.soap import PartitionedGraph, Partitioner, analyze
 from onnx2soap.soap.candidates import candidates
 from onnx2soap.soap.partition import ParallelConfig, Task, rect_shape, rect_volume
@@ -434,7 +435,7 @@ def _in_step_seconds(events: list[dict], names: dict[str, Traced]) -> dict:
 
 def _calibrated(db_path: Path, fp, graph: Graph) -> bool:
     """Rank 0: whether every task of the one-device plan has its in-step time."""
-    wanted = {t.key for t in calibration_keys(graph, calibration_plan(graph)).values()}
+    wanted = one_device_keys(graph)
     with CostDB.open(db_path) as db:
         fp_id = db.find(fp)
         have = {(p.phase, p.key) for p in db.in_step(fp_id)} if fp_id is not None else set()

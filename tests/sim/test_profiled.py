@@ -34,6 +34,7 @@ from onnx2soap.sim.profiled import (
     calibrate,
     calibrations,
     fit,
+    one_device_keys,
 )
 from onnx2soap.sim.profiler import (
     MAX_CLEAN_STEPS,
@@ -392,3 +393,36 @@ def test_in_step_times_cover_the_one_device_plan(export_model, name: str) -> Non
     assert set(times) == wanted
     assert wanted <= {(x.phase, x.key) for x in profile_items(graph, 2, 4)}
     assert all(0 < s < 1 for s in times.values())
+
+
+def test_a_model_is_taken_into_the_step_by_its_own_calibration(tmp_path: Path) -> None:
+    """Two models calibrated in one DB: the tiny model's tasks run 2x their isolated
+    time in the step, the other model's 1x + 50 us. ``for_graph`` fits the tiny model's
+    points alone (2x, no overhead), where the DB-wide fit mixes both; a model the DB
+    never calibrated keeps the DB-wide fit."""
+    graph = tiny_graph(tmp_path)
+    keys = sorted(one_device_keys(graph), key=lambda k: (k[0].value, k[1]))
+    assert {op.name for op in graph.ops} == {"gemm", "loss"}
+    assert len(keys) == 5  # two ops forward and backward, one weight's update
+    own = [Timing(p, k, "Gemm", 0, 0, 1e-5 * (i + 1)) for i, (p, k) in enumerate(keys)]
+    other = [Timing(p, f"other {i}", "Conv", 0, 0, 3e-4 * (i + 1)) for i, p in enumerate(Phase)]
+    other += [Timing(p, f"more {i}", "Conv", 0, 0, 7e-4 * (i + 1)) for i, p in enumerate(Phase)]
+    points = [InStep(t.phase, t.key, 2 * t.seconds) for t in own]
+    points += [InStep(t.phase, t.key, t.seconds + 5e-5) for t in other]
+    cost = ProfiledCost.from_timings([*own, *other], DEVICE, itemsize=4, in_step=points)
+    mixed = cost.calibration[Phase.FORWARD]
+    assert abs(mixed.scale - 2.0) > 0.1  # the DB-wide fit is neither model's
+    mine = cost.for_graph(graph)
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        c = mine.calibration[phase]
+        assert c.scale == pytest.approx(2.0, rel=1e-9) and c.overhead == pytest.approx(0, abs=1e-12)
+    assert mine.calibration == calibrations([*own, *other], points, graph)
+    pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
+    (gemm,) = pg.tasks["gemm"]
+    op = next(o for o in graph.ops if o.name == "gemm")
+    isolated = {(t.phase, t.key): t.seconds for t in own}[(Phase.FORWARD, cost_key(op, gemm))]
+    assert mine.forward(op, gemm, DEVICE, 4) == pytest.approx(2 * isolated, rel=1e-9)
+    # Not calibrated: no in-step time for one of its forward tasks.
+    partial = [p for p in points if p.key != cost_key(op, gemm)]
+    uncalibrated = ProfiledCost.from_timings([*own, *other], DEVICE, itemsize=4, in_step=partial)
+    assert uncalibrated.for_graph(graph) == uncalibrated
