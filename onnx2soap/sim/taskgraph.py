@@ -278,10 +278,6 @@ class Costs:
             self.memo.routes[key] = (latency, bandwidth, self.link_resources(src, dst), free)
         return self.memo.routes[key]
 
-    def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
-        latency, bandwidth, _, _ = self._route(src, dst)
-        return latency + nbytes / bandwidth
-
     def ring_step_time(self, src: int, dst: int, nbytes: int) -> float:
         """One ring step's send: ``Machine.ring_step_latency`` where the machine has it
         (else the route's), and the bytes at the route's slowest link's rate."""

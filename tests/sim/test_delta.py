@@ -127,17 +127,21 @@ def reference_ring(costs, devices: tuple[int, ...], numel: int) -> tuple[float, 
         for i in range(k):
             lo, hi = chunks[steps[i][s].send_chunk]
             sends.append((devices[i], devices[(i + 1) % k], (hi - lo) * costs.itemsize))
-        seconds += max(costs.transfer_time(a, b, n) for a, b, n in sends)
+        seconds += max(costs.ring_step_time(a, b, n) for a, b, n in sends)
         nbytes += sum(n for _, _, n in sends)
     return seconds, nbytes
 
 
-@pytest.mark.parametrize("spec", ["flexflow-p100:16", "cpu:4"])
+@pytest.mark.parametrize("spec", ["flexflow-p100:16", "cpu:4", "cpu:4/ring"])
 @pytest.mark.parametrize("numel", [1, 5, 64, 1000, 12345])
 def test_ring_time_from_the_turning_schedule(spec: str, numel: int) -> None:
     """Costs.ring times one step per chunk size and hop, not per member: it agrees with
-    the step-by-step sum, bit for bit, over rings of any members in any order."""
-    machine = resolve_machine(spec)
+    the step-by-step sum, bit for bit, over rings of any members in any order (/ring:
+    each step at the machine's ring step latency)."""
+    preset, _, ring = spec.partition("/")
+    machine = resolve_machine(preset)
+    if ring:
+        machine = replace(machine, ring_step_latency=7e-6)
     costs = Costs(machine, RooflineCost(), 4, Memo())
     rng = np.random.default_rng(numel)
     rings = [tuple(range(machine.size)), tuple(range(0, machine.size, 3))]
