@@ -106,6 +106,52 @@ def test_a_db_from_another_device_is_refused(profiled, tmp_path: Path, capsys) -
     assert cli(_plan(model, other, tmp_path / "p.json", "--costs", "roofline")) == 0
 
 
+@pytest.mark.mpi
+def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, capsys) -> None:
+    """Another model calibrated into the same DB, its tasks 5x + 1 ms in the step: the
+    tiny model's plan is predicted as before by plan and simulate (its own calibration),
+    where a calibration over every model's tasks would move it."""
+    from onnx2soap.importer import load_model
+    from onnx2soap.search.baselines import data_parallel
+    from onnx2soap.sim import Simulator
+    from onnx2soap.sim.costdb import CostDB, DeviceKind, InStep, Phase, Timing, host_fingerprint
+    from onnx2soap.sim.presets import load_machine_file
+    from onnx2soap.sim.profiled import ProfiledCost
+    from onnx2soap.soap import Partitioner, analyze
+
+    model, machine = profiled
+    plan = tmp_path / "plan.json"
+    assert cli(_plan(model, machine, plan)) == 0
+    own = json.loads(plan.read_text())["predicted"]["step_time_s"]
+    both = tmp_path / "both.yaml"
+    both.write_text(machine.read_text())
+    db = tmp_path / "both.costs.sqlite"
+    db.write_bytes(machine.with_name("host.costs.sqlite").read_bytes())
+    fp = host_fingerprint(DeviceKind.CPU, "float32")
+    foreign = [
+        Timing(phase, f"foreign {i}", "Conv", 0, 0, 1e-4 * (i + 1), 2)
+        for phase in Phase
+        for i in range(4)
+    ]
+    with CostDB.open(db, create=True) as opened:
+        fp_id = opened.find(fp)
+        opened.add(fp_id, foreign)
+        opened.add_in_step(fp_id, [InStep(t.phase, t.key, 5 * t.seconds + 1e-3) for t in foreign])
+    capsys.readouterr()
+    assert cli(["simulate", str(plan), "--json", "--machine", str(both)]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(own, rel=1e-12)
+    assert cli(_plan(model, both, tmp_path / "again.json")) == 0
+    again = json.loads((tmp_path / "again.json").read_text())["predicted"]["step_time_s"]
+    assert again == pytest.approx(own, rel=1e-12)
+    # The calibration over both models' tasks would have predicted it otherwise.
+    graph = load_model(model, 8).graph
+    m = load_machine_file(both)
+    pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), m.size))
+    mixed = ProfiledCost.load(db, fp, m.devices[0])
+    assert Simulator(m, mixed).evaluate(pg).step_time_s > 1.2 * own
+    assert Simulator(m, mixed.for_graph(graph)).evaluate(pg).step_time_s == pytest.approx(own)
+
+
 def test_costs_without_a_db(tmp_path: Path, capsys) -> None:
     model = gemm_model(tmp_path / "tiny.onnx")
     machine = tmp_path / "host.yaml"
