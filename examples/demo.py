@@ -98,7 +98,18 @@ def main() -> int:
     searched, baseline = BUILD / "cnn-mcmc.json", BUILD / "cnn-data-parallel.json"
     run(onnx2soap, "inspect", str(MODEL), "--batch", str(BATCH))
     run(onnx2soap, "machine", "probe", "-n", str(RANKS), "-o", str(machine))
-    run(onnx2soap, "profile", str(MODEL), "--batch", str(BATCH), "--machine", str(machine))
+    # Timed afresh each run: timings kept from hours ago would be compared with a step
+    # measured now, and this host's speed drifts by tens of percent over a day.
+    run(
+        onnx2soap,
+        "profile",
+        str(MODEL),
+        "--batch",
+        str(BATCH),
+        "--machine",
+        str(machine),
+        "--fresh",
+    )
     common = [str(MODEL), "--batch", str(BATCH), "--machine", str(machine)]
     run(onnx2soap, "plan", *common, "--budget", str(BUDGET), "-o", str(searched))
     run(onnx2soap, "plan", *common, "--strategy", "data-parallel", "-o", str(baseline))

@@ -67,6 +67,13 @@ def register(sub) -> None:
         default=0.01,
         help="seconds per task at least",
     )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="time every task and the in-step calibration again, replacing what the DB "
+        "holds for them on this host (whose speed may have changed since; default: keep "
+        "them and time only what is missing)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=run)
 
@@ -103,6 +110,8 @@ def _command(args, db: Path, devices: int, ranks: int) -> list[str]:
         command += ["--loss", args.loss]
     if args.allow_nonfinite:
         command += ["--allow-nonfinite"]
+    if args.fresh:
+        command += ["--fresh"]
     return command
 
 

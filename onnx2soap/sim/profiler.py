@@ -459,13 +459,14 @@ def calibrate_ranks(comm, model, dtype: np.dtype, db: CostDB | None, fp_id: int)
 # --- under mpiexec ---------------------------------------------------------------------------
 
 
-def _todo(db_path: Path, fp, items: list[Item]) -> tuple[int, list[Item]]:
-    """Rank 0: the fingerprint's id and the items the database does not hold yet, the
-    largest first (so rounds of equal items keep the ranks equally busy)."""
+def _todo(db_path: Path, fp, items: list[Item], fresh: bool) -> tuple[int, list[Item]]:
+    """Rank 0: the fingerprint's id and the items the database does not hold yet (all
+    of them when ``fresh``), the largest first (so rounds of equal items keep the ranks
+    equally busy)."""
     with CostDB.open(db_path, create=True) as db:
         fp_id = db.add_fingerprint(fp)
         done = db.keys(fp_id)
-    todo = [x for x in items if (x.phase, x.key) not in done]
+    todo = [x for x in items if fresh or (x.phase, x.key) not in done]
     todo.sort(key=lambda x: x.flops + x.nbytes, reverse=True)
     return fp_id, todo
 
@@ -483,8 +484,10 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
     if rank == 0:
         try:
             items = profile_items(graph, args.devices, dtype.itemsize)
-            fp_id, todo = _todo(Path(args.db), fp, items)
-            calibrated = kind is not DeviceKind.CPU or _calibrated(Path(args.db), fp, graph)
+            fp_id, todo = _todo(Path(args.db), fp, items, args.fresh)
+            calibrated = kind is not DeviceKind.CPU or (
+                not args.fresh and _calibrated(Path(args.db), fp, graph)
+            )
             plan = (fp_id, todo, len(items), calibrated)
         except UserError as e:  # told to every rank, so none waits for ever
             plan = str(e)
@@ -545,6 +548,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.01)
     p.add_argument("--progress-every", type=float, default=1.0)
+    p.add_argument("--fresh", action="store_true")
     return p.parse_args(argv)
 
 

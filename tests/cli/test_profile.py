@@ -68,6 +68,31 @@ def test_profile_writes_the_db_next_to_the_machine_and_resumes(profiled, capsys)
 
 
 @pytest.mark.mpi
+def test_fresh_times_everything_again(profiled, tmp_path: Path, capsys) -> None:
+    """``--fresh``: every timing and the in-step calibration taken again over the kept
+    ones (a host's speed drifts over hours), the rows replaced, none added."""
+    model, machine = profiled
+    copy = tmp_path / "host.yaml"
+    copy.write_text(machine.read_text())
+    db = tmp_path / "host.costs.sqlite"
+    db.write_bytes(machine.with_name("host.costs.sqlite").read_bytes())
+    count = "SELECT (SELECT COUNT(*) FROM timings), (SELECT COUNT(*) FROM in_step)"
+    before = sqlite3.connect(db).execute(count).fetchone()
+    poison = "UPDATE {} SET seconds = 1e3"  # what a fresh profile must replace, row by row
+    with sqlite3.connect(db) as conn:
+        conn.execute(poison.format("timings"))
+        conn.execute(poison.format("in_step"))
+    capsys.readouterr()
+    args = ["profile", str(model), "--batch", "8", "--machine", str(copy), "--quiet"]
+    assert cli([*args, "--fresh"]) == 0
+    assert f"{before[0]} timings taken, 0 already there" in capsys.readouterr().out
+    assert sqlite3.connect(db).execute(count).fetchone() == before
+    worst = "SELECT MAX(seconds) FROM {}"
+    assert sqlite3.connect(db).execute(worst.format("timings")).fetchone()[0] < 1.0
+    assert sqlite3.connect(db).execute(worst.format("in_step")).fetchone()[0] < 1.0
+
+
+@pytest.mark.mpi
 def test_plan_and_simulate_use_the_measured_costs(profiled, tmp_path: Path, capsys) -> None:
     model, machine = profiled
     plan = tmp_path / "plan.json"
