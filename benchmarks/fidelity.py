@@ -6,12 +6,14 @@
 Per machine (``onnx2soap machine probe -n N``: this host's N ranks, then ``onnx2soap
 profile`` per model unless ``--costs roofline``) and model, ten plans: data parallel,
 expert, single device, model parallel, five random seeds and an MCMC search. Each plan
-runs ``--repeats`` times under mpiexec with ``--trace``, every plan once a round; a run's
-step is the median over its steady traced steps (not the one timed under tracemalloc) of
-the latest end over all ranks, the plan's the median over the runs (their spread is
-printed). Per model and machine: the mean absolute error of the
-predicted step, Kendall's tau-b between predicted and measured steps over the plans, and
-the mean absolute error of the predicted peak memory of every rank the plan gives tasks.
+runs ``--repeats`` times under mpiexec, every plan once a round, with ``--trace`` (steps
+2-11: the ranks' peak memory) and ``--metrics``; a run's step is the median step time
+of the steps after the traced ones (what a run without ``--trace`` takes: rank 0's step
+up to the step's closing all-reduce of the loss, which every rank reaches), the plan's
+the median over the runs (their spread is printed). Per model and machine: the mean
+absolute error of the predicted step, Kendall's tau-b between predicted and measured
+steps over the plans, and the mean absolute error of the predicted peak memory of every
+rank the plan gives tasks.
 Also the plans' common factor (the median of measured over predicted: the host faster or
 slower than when it was profiled) and the step error once it is taken out, which is how
 well the model tells plans apart.
@@ -36,11 +38,14 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+from executor.trace import MEMORY_STEP, TRACED_STEPS
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BATCH = {"cnn": 32, "resnet18": 8, "gpt2": 16, "lstm_lm": 32}
 RULES = ("data-parallel", "expert", "single-device", "model-parallel")
 RANDOM_SEEDS = (1, 2, 3, 4, 5)
+FIRST_UNTRACED = MEMORY_STEP + TRACED_STEPS  # metrics count steps from 1, as the tracer
 
 
 @dataclass(frozen=True)
@@ -93,24 +98,20 @@ def plans(model: Path, name: str, machine: Path, ranks: int, folder: Path, evals
 
 
 def measure(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[float, tuple[int, ...]]:
-    trace = folder / "trace.json"
+    trace, metrics = folder / "trace.json", folder / "metrics.jsonl"
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
     env.setdefault("OMP_NUM_THREADS", "1")
     command = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, "-m", "executor", "run"]
-    command += [str(plan), "--steps", str(steps), "--trace", str(trace)]
+    command += [str(plan), "--steps", str(steps), "--trace", str(trace), "--metrics", str(metrics)]
     if ranks > (os.cpu_count() or 1):
         command[1:1] = ["--oversubscribe"] if _open_mpi() else []
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise SystemExit(f"{plan}: the executor failed:\n{done.stderr[-2000:]}")
-    doc = json.loads(trace.read_text())
-    memory_step = doc["otherData"]["memory_step"]  # timed under tracemalloc: not steady
-    ends: dict[int, float] = {}
-    for e in doc["traceEvents"]:
-        if e.get("ph") == "X" and e["args"]["step"] != memory_step:
-            step = e["args"]["step"]
-            ends[step] = max(ends.get(step, 0.0), (e["ts"] + e["dur"]) * 1e-6)
-    return statistics.median(ends.values()), tuple(doc["otherData"]["peak_memory_bytes"])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    untraced = [r["time_s"] for r in records if "time_s" in r and r["step"] >= FIRST_UNTRACED]
+    peaks = json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
+    return statistics.median(untraced), tuple(peaks)
 
 
 def _open_mpi() -> bool:
@@ -214,12 +215,18 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeats", type=int, default=3, help="runs per plan (default 3)")
     p.add_argument(
-        "--steps", type=int, default=8, help="steps per run (2.. traced, 3.. timed; default 8)"
+        "--steps",
+        type=int,
+        default=FIRST_UNTRACED + 12,
+        help=f"steps per run (2-{FIRST_UNTRACED - 1} traced, then timed; default "
+        f"{FIRST_UNTRACED + 12})",
     )
     p.add_argument("--search-evals", type=int, default=300)
     p.add_argument("--costs", choices=["auto", "profiled", "roofline"], default="profiled")
     p.add_argument("--json", help="write every result to this file")
     args = p.parse_args(argv)
+    if args.steps < FIRST_UNTRACED + 3:
+        p.error(f"--steps: at least {FIRST_UNTRACED + 3}, so that 3 steps run untraced")
     table, everything = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -38,9 +38,11 @@ from onnx2soap.soap.partition import Task, rect_shape
 FORMAT = "onnx2soap.costs"
 VERSION = 1
 # How the in-step times were taken. 1 (no meta row): a statistics op's three
-# instructions were averaged, so its task counted a third of its time. In-step times
-# made another way than this onnx2soap's are refused on reading and redone by a profile.
-IN_STEP_METHOD = "2"
+# instructions were averaged, so its task counted a third of its time. 2: the tasks
+# were scaled to the median traced step, the tracer's own time per instruction in it.
+# In-step times made another way than this onnx2soap's are refused on reading and redone
+# by a profile.
+IN_STEP_METHOD = "3"
 SUFFIX = ".costs.sqlite"
 
 _IN_STEP_SCHEMA = """

@@ -14,12 +14,13 @@ and the finishing half together (the simulator splits the phase in two).
 Then the in-step calibration: every rank runs the executor's own runtime in-process on
 the one-device plan (all its tasks are among those timed), on a communicator of its own,
 with the executor's tracer timing each instruction as ``--trace`` does, for a second of
-clean steps (after the one tracemalloc slows). A task's time in a step is that of its
-instructions (a statistics op has three), each counted from the end of the one before
-it, so the runtime's dispatch between instructions is in it; per task the median over
-the steps, scaled so the tasks add up to the median step; per key the mean over its
-tasks and over the ranks, stored next to the isolated timing (``InStep``). A profile
-that finds every task of that plan calibrated skips it.
+clean steps (after the one tracemalloc slows), then as many steps untraced. A task's
+time in a step is that of its instructions (a statistics op has three), each counted
+from the end of the one before it, so the runtime's dispatch between instructions is in
+it; per task the median over the traced steps, scaled so the tasks add up to the median
+untraced step (what a run pays, without the tracer's own time); per key the mean over
+its tasks and over the ranks, stored next to the isolated timing (``InStep``). A
+profile that finds every task of that plan calibrated skips it.
 
 The N ranks time at once, each its share, so every timing sees the others computing (as
 the executor's ranks do); one BLAS thread per rank. Rank 0 reads which keys the database
@@ -387,30 +388,35 @@ def in_step_times(model, dtype: np.dtype, comm=None) -> dict[tuple[Phase, str], 
         seconds = run(MEMORY_STEP + 1)
         if comm is not None:
             seconds = comm.allreduce(seconds, op=MPI.MAX)
-        for step in range(MEMORY_STEP + 2, MEMORY_STEP + 1 + clean_steps(seconds)):
+        clean = clean_steps(seconds)
+        for step in range(MEMORY_STEP + 2, MEMORY_STEP + 1 + clean):
             run(step)
+        # As many steps again past the tracer's window: the step a user's run takes.
+        untraced_from = MEMORY_STEP + 1 + tracer.traced_steps
+        untraced = [run(step) for step in range(untraced_from, untraced_from + clean)]
     finally:
         release_python_heap()
-    return _in_step_seconds(tracer.events, calibration_keys(graph, pg))
+    return _in_step_seconds(tracer.events, calibration_keys(graph, pg), statistics.median(untraced))
 
 
-def _in_step_seconds(events: list[dict], names: dict[str, Traced]) -> dict:
-    """Per key, the in-step seconds of its tasks: per clean step, each task's share of
-    the step, then the median over the steps, and the mean over the tasks of one key.
+def _in_step_seconds(events: list[dict], names: dict[str, Traced], step_seconds: float) -> dict:
+    """Per key, the in-step seconds of its tasks: per traced clean step, each task's
+    share of the step, then the median over the steps, and the mean over the tasks of
+    one key.
 
     An instruction's seconds run from the end of the one before it (the step's start for
-    the first) to its own end: the runtime's dispatch between two timed instructions, and
-    the tracer's own, are part of what a step pays per instruction. A task's instructions
-    (a statistics op has three) add up. The median step is longer than the sum of its
-    tasks' medians (3-5 % on resnet18 here: each step the host interrupts some
-    instruction or other), so the medians are scaled to the median step, each in
-    proportion to its time, and the calibration plan's step is what the sum predicts."""
+    the first) to its own end: the runtime's dispatch between two timed instructions is
+    part of what a step pays per instruction. A task's instructions (a statistics op has
+    three) add up. The medians are scaled to ``step_seconds``, the median untraced step,
+    each in proportion to its time, so the calibration plan's step is what the sum
+    predicts: a step is longer than the sum of its tasks' medians (3-5 % on resnet18
+    here: each step the host interrupts some instruction or other), and the tracer's
+    own time per instruction is no part of a run without ``--trace``."""
     steps: dict[int, list[dict]] = {}
     for e in events:
         if e["args"]["step"] > MEMORY_STEP:  # it ran under tracemalloc
             steps.setdefault(e["args"]["step"], []).append(e)
     by_task: dict[str, list[float]] = {}  # an instruction outside the tasks: by its name
-    totals = []
     for step_events in steps.values():
         per_step: dict[str, float] = {}
         last = 0.0
@@ -420,11 +426,10 @@ def _in_step_seconds(events: list[dict], names: dict[str, Traced]) -> dict:
             task = traced.task if traced is not None else e["name"]
             per_step[task] = per_step.get(task, 0.0) + (end - last) * 1e-6
             last = end
-        totals.append(last * 1e-6)
         for task, seconds in per_step.items():
             by_task.setdefault(task, []).append(seconds)
     medians = {task: statistics.median(times) for task, times in by_task.items()}
-    skew = statistics.median(totals) / sum(medians.values()) if medians else 1.0
+    skew = step_seconds / sum(medians.values()) if medians else 1.0
     keys = {t.task: t.key for t in names.values()}
     by_key: dict[tuple[Phase, str], list[float]] = {}
     for task, seconds in medians.items():
