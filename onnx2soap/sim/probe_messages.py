@@ -12,9 +12,9 @@ is what a message adds to a step as the runtime runs it: the Send, the posted Re
 the Wait instructions with their dispatch between instructions, the transport's calls,
 and the peer's wake-up. A ping-pong of bare transport calls sees about a fifth of it
 (2 against 10-15 us on a 2-core VM), which is why transfers and small all-reduce rings
-were predicted several times too fast. The steps are traced as ``--trace`` traces them,
-as the in-step calibration of ``onnx2soap profile`` is, so the two agree on what a
-traced instruction costs. The ranks' processor time is measured beside it, and
+were predicted several times too fast. The steps run untraced, as a user's run does and
+as the in-step calibration of ``onnx2soap profile`` counts a step. The ranks' processor
+time is measured beside it, and
 
     busy = (alternating processor time - one-rank processor time, all ranks) / messages / 2
 
@@ -24,7 +24,7 @@ while they wait, a part of it where they nap (ranks that outnumber the cores: 45
 
 A ring all-reduce's step costs more than a message: every member posts a send and a
 receive, waits for both, sums or copies the chunk, and the instruction that runs the
-ring is dispatched and traced. So the rings are measured the same way, on a chain of
+ring is dispatched. So the rings are measured the same way, on a chain of
 tiny BatchNormalizations trained on rank 0 alone and then data parallel over every
 rank, where each op's statistics (forward and backward) and its two weights' gradients
 are summed by rings over all ranks, and nothing else differs:
@@ -55,7 +55,7 @@ WIDTH = 8
 BATCH = 2
 STEPS = 24
 RING_ROWS = 2  # the norm chain's samples per rank
-SKIPPED = 3  # the first steps make buffers, and the tracer's second runs tracemalloc
+SKIPPED = 3  # the first steps make buffers and settle the heap
 # Rounds of (one-rank chain, then the alternating chain of every peer); a peer's figure is
 # the median over the rounds. One round's figure spreads by +-25 % on a 2-core VM (14-26
 # us a message in six back to back), which every message-bound plan's prediction took.
@@ -147,7 +147,7 @@ def _data_parallel(graph, devices: int):
 
 @dataclass(frozen=True)
 class StepFigures:
-    """A plan's step on the probe's ranks: the median traced step (the slowest rank's),
+    """A plan's step on the probe's ranks: the median step (the slowest rank's),
     the median processor time all ranks spent in it, and the rank's program."""
 
     seconds: float
@@ -164,17 +164,14 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
     from executor.host_memory import release_python_heap, settle_python_heap
     from executor.program import compile_program
     from executor.runtime import Runtime
-    from executor.trace import Tracer
     from executor.transport import MpiTransport, wait_patiently
 
     graph, rank, dtype = model.graph, comm.Get_rank(), np.dtype(np.float32)
     program = compile_program(pg, rank)
     device = CpuDevice()
-    tracer = Tracer(rank, pg, device)
     values = {**model.weights, **model.state}
     transport = MpiTransport(comm, device, nap=nap)
     rt = Runtime(pg, program, transport, values, dtype, model.constants, device=device)
-    rt.tracer = tracer
     data, rows = SyntheticData(graph, 0, dtype), rows_needed(pg, rank)
     times, cpu = [], []
     try:
@@ -182,9 +179,7 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
             batch = data.batch(step, rows)
             wait_patiently(comm.Ibarrier().Test, nap=nap)  # ranks start a step together
             start, processor = time.perf_counter(), time.process_time()
-            tracer.begin_step(step)
             rt.step(batch, 0.0)
-            tracer.end_step()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - processor)
             if step == 1:  # as the executor's steps run: see settle_python_heap
