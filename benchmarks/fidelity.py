@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -141,6 +142,19 @@ def kendall_tau(xs, ys) -> float:
     return (concordant - discordant) / denominator if denominator else float("nan")
 
 
+def ordered_apart(results: list[Result]) -> tuple[int, int]:
+    """Of the pairs of plans whose runs do not overlap (one plan's slowest run faster
+    than the other's fastest: the host told them apart), how many the prediction
+    orders as measured, and how many such pairs there are. Kendall's tau counts every
+    pair, near-ties whose order is the host's noise too."""
+    right = total = 0
+    for a, b in itertools.combinations(results, 2):
+        if a.spread[1] < b.spread[0] or b.spread[1] < a.spread[0]:
+            total += 1
+            right += (a.predicted_s < b.predicted_s) == (a.measured_s < b.measured_s)
+    return right, total
+
+
 def summary(results: list[Result]) -> dict:
     step_err = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in results]
     mem_err = [
@@ -157,6 +171,7 @@ def summary(results: list[Result]) -> dict:
         "plans": len(results),
         "step_error": statistics.mean(step_err),
         "tau": kendall_tau([r.predicted_s for r in results], [r.measured_s for r in results]),
+        "ordered_apart": ordered_apart(results),
         "memory_error": statistics.mean(mem_err),
         "memory_worst": max(mem_err),
         "noise": statistics.median(noise),
@@ -239,15 +254,16 @@ def main(argv=None) -> int:
                 table.append((name, ranks, summary(results)))
     cores = os.cpu_count()
     print(
-        "\n| model | machine | plans | step error | Kendall tau | memory error (worst) "
-        "| run-to-run spread | measured/predicted | step error after it |"
+        "\n| model | machine | plans | step error | Kendall tau | pairs apart ordered right "
+        "| memory error (worst) | run-to-run spread | measured/predicted | step error after it |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, ranks, s in table:
         over = " (oversubscribed)" if ranks > (cores or 1) else ""
         print(
             f"| {name} | cpu:{ranks}{over} | {s['plans']} | {s['step_error'] * 100:.0f} % | "
-            f"{s['tau']:.2f} | {s['memory_error'] * 100:.1f} % ({s['memory_worst'] * 100:.0f} %) | "
+            f"{s['tau']:.2f} | {s['ordered_apart'][0]} of {s['ordered_apart'][1]} | "
+            f"{s['memory_error'] * 100:.1f} % ({s['memory_worst'] * 100:.0f} %) | "
             f"{s['noise'] * 100:.0f} % | {s['bias']:.2f} | {s['relative_error'] * 100:.0f} % |"
         )
     if args.json:
