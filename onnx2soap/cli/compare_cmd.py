@@ -100,7 +100,7 @@ def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str
     machine = planned.machine
     costs = choose_costs(planned.spec, machine, args.costs)
     pg = partitioned(args, planned)
-    costs = costs.for_graph(pg.graph)
+    costs = costs.for_graph(pg.graph, machine)
     simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
     memory = simulator.evaluate(pg).peak_memory_bytes
     tg = simulator.task_graph(pg, names=True)

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         )
     space = analyze(graph)
     _check_dims(space)
-    costs = costs.for_graph(graph)
+    costs = costs.for_graph(graph, machine)
     simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
     if searching:
         outcome = _search(args, graph, space, simulator)

@@ -29,7 +29,7 @@ from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerpri
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.presets import _is_file
-from onnx2soap.sim.profiled import FingerprintMismatch, ProfiledCost, calibrations
+from onnx2soap.sim.profiled import DTYPE_ITEMSIZE, FingerprintMismatch, ProfiledCost, calibrations
 from onnx2soap.soap.plan import MAX_DEVICES
 
 MAX_REPEAT = 1000
@@ -175,11 +175,12 @@ def run(args: argparse.Namespace) -> int:
         f"in {seconds(summary['seconds'])} on {summary['ranks']} ranks"
     )
     print(f"  fingerprint: {summary['fingerprint']}")
-    print(f"  in-step calibration: {_calibration_line(db, args.dtype, model.graph)}")
+    line = _calibration_line(db, args.dtype, model.graph, machine)
+    print(f"  in-step calibration: {line}")
     return 0
 
 
-def _calibration_line(db: Path, dtype: str, graph: Graph) -> str:
+def _calibration_line(db: Path, dtype: str, graph: Graph, machine: Machine) -> str:
     """Per phase, how the step's times of ``graph``'s tasks relate to the isolated ones
     (``ProfiledCost.for_graph``)."""
     fp = host_fingerprint(DeviceKind.CPU, dtype)
@@ -187,7 +188,9 @@ def _calibration_line(db: Path, dtype: str, graph: Graph) -> str:
         fp_id = opened.find(fp)
         if fp_id is None:  # timings of a GPU: no calibration (yet)
             return "none"
-        fitted = calibrations(opened.timings(fp_id), opened.in_step(fp_id), graph)
+        timings, points = opened.timings(fp_id), opened.in_step(fp_id)
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    fitted = calibrations(timings, points, graph, machine, itemsize)
     if not fitted:
         return "none"
     return ", ".join(
@@ -224,12 +227,12 @@ class ChosenCosts:
     def name(self) -> str:
         return "profiled" if isinstance(self.model, ProfiledCost) else "roofline"
 
-    def for_graph(self, graph: Graph) -> ChosenCosts:
+    def for_graph(self, graph: Graph, machine: Machine) -> ChosenCosts:
         """Profiled costs taken into the step by ``graph``'s own calibration where the
         DB has one (``ProfiledCost.for_graph``); the roofline as it is."""
         if not isinstance(self.model, ProfiledCost):
             return self
-        return replace(self, model=self.model.for_graph(graph))
+        return replace(self, model=self.model.for_graph(graph, machine))
 
 
 def add_costs_option(p: argparse.ArgumentParser) -> None:

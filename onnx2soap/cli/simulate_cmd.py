@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     machine = planned.machine
     costs = choose_costs(planned.spec, machine, args.costs)  # before loading the model
     pg = partitioned(args, planned)
-    costs = costs.for_graph(pg.graph)
+    costs = costs.for_graph(pg.graph, machine)
     simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
     ev = simulator.evaluate(pg)
     if args.trace:

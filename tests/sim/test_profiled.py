@@ -26,6 +26,7 @@ from onnx2soap.sim.costdb import (
 )
 from onnx2soap.sim.costs import RooflineCost
 from onnx2soap.sim.machine import ComputeDevice
+from onnx2soap.sim.presets import cpu
 from onnx2soap.sim.profiled import (
     IDENTITY,
     Calibration,
@@ -34,6 +35,7 @@ from onnx2soap.sim.profiled import (
     calibrate,
     calibrations,
     fit,
+    one_device_copies,
     one_device_keys,
 )
 from onnx2soap.sim.profiler import (
@@ -427,3 +429,45 @@ def test_a_model_is_taken_into_the_step_by_its_own_calibration(tmp_path: Path) -
     partial = [p for p in points if p.key != cost_key(op, gemm)]
     uncalibrated = ProfiledCost.from_timings([*own, *other], DEVICE, itemsize=4, in_step=partial)
     assert uncalibrated.for_graph(graph) == uncalibrated
+
+
+def test_the_copies_the_simulator_costs_apart_leave_the_calibration() -> None:
+    """The example CNN on one device: ``pool1``'s output feeds a padded convolution and
+    a padded average pool (each copies it into its buffer: 2 passes) and takes their two
+    gradients summed (2 pieces, 4 passes each), at the machine's copy bandwidth. Those
+    copies run inside the tasks' own instructions, so in-step times of 2x isolated plus
+    them calibrate to exactly 2x once taken out, and not without the machine."""
+    from onnx2soap.importer import load_model
+
+    graph = load_model(Path(__file__).parents[2] / "examples" / "cnn.onnx", batch=4).graph
+    machine = cpu(2)
+    ops = {op.name: op for op in graph.ops}
+    pool1 = ops["/pool1/MaxPool"]
+    nbytes = 4 * int(np.prod(graph.tensors[pool1.output].shape))
+    rate = machine.devices[0].memory_bandwidth
+    pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
+
+    def key(name: str, phase: Phase) -> tuple[Phase, str]:
+        (task,) = pg.tasks[name]
+        return phase, cost_key(ops[name], task)
+
+    copies = one_device_copies(graph, machine, 4)
+    wanted = {
+        key("/branch_a/conv/Conv", Phase.FORWARD): 2 * nbytes / rate,
+        key("/branch_b/pool/AveragePool", Phase.FORWARD): 2 * nbytes / rate,
+        key("/pool1/MaxPool", Phase.BACKWARD): 2 * 4 * nbytes / rate,
+    }
+    assert copies.keys() == wanted.keys()
+    for k, seconds in wanted.items():
+        assert copies[k] == pytest.approx(seconds, rel=1e-12)
+    keys = sorted(one_device_keys(graph), key=lambda k: (k[0].value, k[1]))
+    own = [Timing(p, k, "op", 0, 0, 1e-5 * (i + 1)) for i, (p, k) in enumerate(keys)]
+    points = [InStep(t.phase, t.key, 2 * t.seconds + copies.get((t.phase, t.key), 0)) for t in own]
+    cost = ProfiledCost.from_timings(own, DEVICE, itemsize=4, in_step=points)
+    taken_out = cost.for_graph(graph, machine).calibration
+    left_in = cost.for_graph(graph).calibration
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        assert taken_out[phase].scale == pytest.approx(2.0, rel=1e-9)
+        assert taken_out[phase].overhead == pytest.approx(0.0, abs=1e-12)
+        assert left_in[phase] != taken_out[phase]
+    assert calibrations(own, points, graph, machine) == taken_out
