@@ -38,10 +38,10 @@ from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.ops import definition
 from onnx2soap.soap import Edge, PartitionedGraph
 from onnx2soap.soap.partition import (
-    Rect,
     ReplicaGroup,
     Task,
     owners,
+    rect_contiguous,
     rect_shape,
     rect_volume,
     stat_groups,
@@ -163,19 +163,6 @@ def _op_bytes(
     return OpMemory(*(tuple(x.items()) for x in (held, outputs, grads, forward, backward_)))
 
 
-def _contiguous(rect: Rect, origin: Rect) -> bool:
-    """Whether ``rect`` of an array spanning ``origin`` is one C-contiguous run (as numpy
-    says: axes of extent 1 do not count), so that sending it needs no staging copy."""
-    if rect_volume(rect) == 0:
-        return True
-    cut = False
-    for (lo, hi), (olo, ohi) in zip(rect, origin, strict=True):
-        if cut and hi - lo != ohi - olo:
-            return False
-        cut = cut or hi - lo > 1
-    return True
-
-
 def _edge_bytes(
     graph: Graph,
     edge: Edge,
@@ -215,11 +202,11 @@ def _edge_bytes(
             # piece, no padding around it), which the executor then does not make.
             inplace = o.rect == buffer and feeds[o.dst_task] == 1
             _add(held, c.device, 0 if inplace else o.volume * width)
-            _add(held, p.device, 0 if _contiguous(o.rect, p.output) else o.volume * width)
+            _add(held, p.device, 0 if rect_contiguous(o.rect, p.output) else o.volume * width)
             if grad:  # likewise the producer's whole output gradient, if it is one piece
                 inplace = o.rect == p.output and sole and sends[o.src_task] == 1
                 _add(held, p.device, 0 if inplace else o.volume * itemsize)
-                _add(held, c.device, 0 if _contiguous(o.rect, buffer) else o.volume * itemsize)
+                _add(held, c.device, 0 if rect_contiguous(o.rect, buffer) else o.volume * itemsize)
             continue
         whole = o.rect == buffer == p.output
         if whole and feeds[o.dst_task] == 1:

@@ -8,14 +8,15 @@ duration, each step at ``Machine.ring_step_latency`` where the machine has it) a
 SGD update per weight shard. On machines whose cores copy messages (CPU ranks), the
 runtime's assembly copies too: a tile the consumer cannot read in place
 (``executor/layout.py``: anything but one whole local tile) is copied into its input
-buffer, and a gradient piece summed into the producer's output gradient; a local one is
-a copy task on the device after the piece is made, a received one lengthens its transfer
-(which holds both end devices there). Resources: compute devices ``0..D-1``,
-then links ``D..D+L-1``, then the cores ranks share where they outnumber the host's
-(``Machine.cores``); a transfer holds every link of its route (and both end devices
-on machines whose cores copy messages themselves; where ranks nap, ``message_busy``
-of its latency, the rest an "in flight" delay that holds nothing), and a task that
-holds a device also holds the core that device shares, if any.
+buffer, and a gradient piece summed into the producer's output gradient: a copy task on
+the device that assembles, after the piece is made (a local one) or after its transfer
+(a received one: the sender does not wait for the receiver's copy); a strided tile or
+piece is staged (copied) by its sender before its transfer. Resources: compute
+devices ``0..D-1``, then links ``D..D+L-1``, then the cores ranks share where they
+outnumber the host's (``Machine.cores``); a transfer holds every link of its route (and
+both end devices on machines whose cores copy messages themselves; where ranks nap,
+``message_busy`` of its latency, the rest an "in flight" delay that holds nothing), and
+a task that holds a device also holds the core that device shares, if any.
 
 Tasks are numbered in the executor's global order (``executor/program.py``): forward
 ops in graph order, each op's tasks in task order (an op with statistics: every partial
@@ -47,7 +48,14 @@ from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Machine
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
 from onnx2soap.soap.collectives import ring_chunks, ring_steps
-from onnx2soap.soap.partition import ReplicaGroup, StatGroup, SumGroup, Task, rect_volume
+from onnx2soap.soap.partition import (
+    ReplicaGroup,
+    StatGroup,
+    SumGroup,
+    Task,
+    rect_contiguous,
+    rect_volume,
+)
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
 
@@ -489,6 +497,18 @@ def _in_flight(b: _SegmentBuilder, sent: Ref, free: float, what: str) -> Ref:
     return b.add(TaskKind.TRANSFER, free, (), (sent,), 0, lambda: f"in flight {what}")
 
 
+def _copy_after(
+    b: _SegmentBuilder, costs: Costs, device: int, nbytes: int, passes: int, after: Ref, name: str
+) -> Ref:
+    """A piece copied on ``device`` after ``after``: a strided tile staged by its sender
+    before its transfer, a received one copied into place once it has arrived (nothing
+    where transfers do not use the cores)."""
+    seconds = costs.copy(device, nbytes, passes)
+    if seconds <= 0:
+        return after
+    return b.add(TaskKind.TRANSFER, seconds, (device,), (after,), 0, name)
+
+
 def edge_forward_segment(
     costs: Costs,
     slot: int,
@@ -519,15 +539,17 @@ def edge_forward_segment(
                 )
             feeds.append((dst.starts[c.index], produced))
             continue
+        if not rect_contiguous(o.rect, p.output):  # staged: the sender copies it first
+            produced = _copy_after(b, costs, p.device, nbytes, 2, produced, f"stage {what}")
         seconds, resources, free = costs.transfer(p.device, c.device, nbytes)
-        # A received piece that is the whole buffer is read in place (layout.Received);
-        # any other is copied from its receive buffer into place.
-        if not (pieces[o.dst_task] == 1 and o.rect == c.inputs[edge.operand].buffer):
-            seconds += costs.copy(c.device, nbytes, 2)
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
         )
         x = _in_flight(b, x, free, f"send {what}")
+        # A received piece that is the whole buffer is read in place (layout.Received);
+        # any other is copied from its receive buffer into place.
+        if not (pieces[o.dst_task] == 1 and o.rect == c.inputs[edge.operand].buffer):
+            x = _copy_after(b, costs, c.device, nbytes, 2, x, f"copy {what}")
         feeds.append((dst.starts[c.index], x))
     return b.segment(feeds=feeds)
 
@@ -573,15 +595,17 @@ def edge_backward_segment(
                 )
             feeds.append((dst.starts[p.index], produced))
             continue
+        if not rect_contiguous(o.rect, c.inputs[edge.operand].buffer):  # staged first
+            produced = _copy_after(b, costs, c.device, nbytes, 2, produced, f"stage grad {what}")
         seconds, resources, free = costs.transfer(c.device, p.device, nbytes)
-        # The producer's whole output gradient, received as one piece from its only
-        # reader, is read in place; any other piece is summed into a zeroed gradient.
-        if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == p.output):
-            seconds += costs.copy(p.device, nbytes, 4)
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
         )
         x = _in_flight(b, x, free, f"grad {what}")
+        # The producer's whole output gradient, received as one piece from its only
+        # reader, is read in place; any other piece is summed into a zeroed gradient.
+        if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == p.output):
+            x = _copy_after(b, costs, p.device, nbytes, 4, x, f"copy grad {what}")
         feeds.append((dst.starts[p.index], x))
     return b.segment(feeds=feeds)
 

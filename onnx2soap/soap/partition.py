@@ -36,6 +36,19 @@ def rect_volume(rect: Rect) -> int:
     return n
 
 
+def rect_contiguous(rect: Rect, origin: Rect) -> bool:
+    """Whether ``rect`` of an array spanning ``origin`` is one C-contiguous run (as numpy
+    says: axes of extent 1 do not count), so that sending it needs no staging copy."""
+    if rect_volume(rect) == 0:
+        return True
+    cut = False
+    for (lo, hi), (olo, ohi) in zip(rect, origin, strict=True):
+        if cut and hi - lo != ohi - olo:
+            return False
+        cut = cut or hi - lo > 1
+    return True
+
+
 def rect_shape(rect: Rect) -> tuple[int, ...]:
     return tuple(max(0, hi - lo) for lo, hi in rect)
 

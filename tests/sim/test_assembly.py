@@ -72,10 +72,51 @@ def test_a_whole_received_tile_is_read_in_place(tmp_path) -> None:
     assert _copies(g, s, _machine(2, use_compute=False)) == []
 
 
-def test_a_received_piece_is_copied_within_its_transfer(tmp_path) -> None:
+def test_a_received_piece_is_copied_on_its_receiver_after_its_transfer(tmp_path) -> None:
     """Gemm in batch halves on devices 0 and 1, the loss whole on 1: the half received
-    from device 0 (32 bytes) is copied into the loss's buffer; its gradient, device 0's
-    whole output gradient, is read in place."""
+    from device 0 (32 bytes) is copied into the loss's buffer by device 1 alone, once it
+    has arrived (the runtime copies it inside the loss's instruction: device 0 is not
+    held for it); its gradient, device 0's whole output gradient, is read in place."""
     g = tiny_graph(tmp_path)
     s = Strategy(2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [1])})
-    assert _extra(g, s, 2) == pytest.approx([0.0, 2 * 32 / COPY_BW], rel=1e-9, abs=1e-15)
+    assert _extra(g, s, 2) == [0.0, 0.0]  # the transfers themselves as on copy engines
+    tg = Simulator(_machine(2), RooflineCost()).task_graph(Partitioner(g).partition(s), names=True)
+    (i,) = [i for i, name in enumerate(tg.names) if name == "copy logits 0->1"]
+    assert float(tg.duration[i]) == pytest.approx(2 * 32 / COPY_BW, rel=1e-12)
+    assert tg.res_idx[tg.res_ptr[i] : tg.res_ptr[i + 1]].tolist() == [1]
+    (pred,) = tg.pred_idx[tg.pred_ptr[i] : tg.pred_ptr[i + 1]].tolist()
+    assert tg.names[pred] == "send logits 0->1"
+
+
+def test_a_strided_tile_is_staged_by_its_sender(tmp_path) -> None:
+    """The Gemm whole on device 0, the Relu in feature halves on devices 0 and 1, the
+    loss on 1: device 1's half of y [4, 4] (columns 2-3, 32 bytes) is strided in device
+    0's tile, so device 0 copies it into a staging buffer before sending it (the
+    executor's ``send``); backward, device 0's half of the logits' gradient is strided
+    in the loss's [4, 4] input gradient, staged by device 1. The other pieces are whole
+    tiles or whole input gradients, sent as they are."""
+    g = tiny_graph(tmp_path, relu=True)
+    s = Strategy(
+        2,
+        {
+            "gemm": config(g, "gemm", [0]),
+            "relu": config(g, "relu", [0, 1], f=2),
+            "loss": config(g, "loss", [1]),
+        },
+    )
+    pg = Partitioner(g).partition(s)
+    tg = Simulator(_machine(2), RooflineCost()).task_graph(pg, names=True)
+    staged = {name: i for i, name in enumerate(tg.names) if name.startswith("stage ")}
+    assert staged.keys() == {"stage y 0->1", "stage grad logits 0->1"}
+    for name, device, message in (
+        ("stage y 0->1", 0, "send y 0->1"),
+        ("stage grad logits 0->1", 1, "grad logits 0->1"),
+    ):
+        i = staged[name]
+        assert float(tg.duration[i]) == pytest.approx(2 * 32 / COPY_BW, rel=1e-12)
+        assert tg.res_idx[tg.res_ptr[i] : tg.res_ptr[i + 1]].tolist() == [device]
+        (sent,) = [j for j, n in enumerate(tg.names) if n == message]
+        assert tg.pred_idx[tg.pred_ptr[sent] : tg.pred_ptr[sent + 1]].tolist() == [i]
+    # On copy engines nothing is staged on the cores.
+    engines = Simulator(_machine(2, use_compute=False), RooflineCost()).task_graph(pg, names=True)
+    assert not any(name.startswith("stage ") for name in engines.names)
