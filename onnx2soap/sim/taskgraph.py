@@ -9,11 +9,12 @@ SGD update per weight shard. On machines whose cores copy messages (CPU ranks), 
 runtime's assembly copies too: a tile the consumer cannot read in place
 (``executor/layout.py``: anything but one whole local tile) is copied into its input
 buffer, and a gradient piece summed into the producer's output gradient: a copy task on
-the device that assembles, after the piece is made (a local one) or after its transfer
-(a received one: the sender does not wait for the receiver's copy); a strided tile or
-piece is staged (copied) by its sender before its transfer. Resources: compute
-devices ``0..D-1``, then links ``D..D+L-1``, then the cores ranks share where they
-outnumber the host's (``Machine.cores``); a transfer holds every link of its route (and
+the device that assembles, after the piece is made (a local one) or after the part of
+its transfer that holds both ends (a received one: the sender does not wait for the
+receiver's copy); a strided tile or piece is staged (copied) by its sender before its
+transfer. Resources: compute devices ``0..D-1``, then links ``D..D+L-1``, then the
+cores ranks share where they outnumber the host's (``Machine.cores``); a transfer
+holds every link of its route (and
 both end devices on machines whose cores copy messages themselves; where ranks nap,
 ``message_busy`` of its latency, the rest an "in flight" delay that holds nothing), and
 a task that holds a device also holds the core that device shares, if any.
@@ -501,8 +502,14 @@ def _copy_after(
     b: _SegmentBuilder, costs: Costs, device: int, nbytes: int, passes: int, after: Ref, name: str
 ) -> Ref:
     """A piece copied on ``device`` after ``after``: a strided tile staged by its sender
-    before its transfer, a received one copied into place once it has arrived (nothing
-    where transfers do not use the cores)."""
+    before its transfer, a received one copied into place after the part of its transfer
+    that holds the receiver (nothing where transfers do not use the cores). The runtime
+    copies a received piece inside its consumer's instruction, later in the receiver's
+    order; here the copy stands at the edge's place in that order, so it must not wait
+    for the rest of the message's latency (``_in_flight``), which would stall the
+    receiver's other tasks behind it: on 4 ranks sharing 2 cores, where most of a
+    message's latency is in flight, that had predicted GPT-2's random plans at 2.3x
+    what they measure."""
     seconds = costs.copy(device, nbytes, passes)
     if seconds <= 0:
         return after
@@ -545,11 +552,11 @@ def edge_forward_segment(
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
         )
-        x = _in_flight(b, x, free, f"send {what}")
         # A received piece that is the whole buffer is read in place (layout.Received);
-        # any other is copied from its receive buffer into place.
+        # any other is copied from its receive buffer into place (see _copy_after).
         if not (pieces[o.dst_task] == 1 and o.rect == c.inputs[edge.operand].buffer):
             x = _copy_after(b, costs, c.device, nbytes, 2, x, f"copy {what}")
+        x = _in_flight(b, x, free, f"send {what}")
         feeds.append((dst.starts[c.index], x))
     return b.segment(feeds=feeds)
 
@@ -601,11 +608,11 @@ def edge_backward_segment(
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
         )
-        x = _in_flight(b, x, free, f"grad {what}")
         # The producer's whole output gradient, received as one piece from its only
         # reader, is read in place; any other piece is summed into a zeroed gradient.
         if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == p.output):
             x = _copy_after(b, costs, p.device, nbytes, 4, x, f"copy grad {what}")
+        x = _in_flight(b, x, free, f"grad {what}")
         feeds.append((dst.starts[p.index], x))
     return b.segment(feeds=feeds)
 
