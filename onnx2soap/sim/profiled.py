@@ -18,8 +18,9 @@ On the profiled device, both are then taken into the executor's step by the in-s
 calibration: per phase, ``in_step = scale · isolated + overhead``, fitted by least
 squares over the tasks whose time inside the executor's own step ``onnx2soap profile``
 measured (``InStep``). A kernel inside a step reads inputs that are not in cache and
-writes fresh outputs (the scale), and each instruction costs the runtime its dispatch,
-its inputs' assembly, its arguments and the trace's own timing (the overhead).
+writes fresh outputs (the scale), and each instruction costs the runtime its dispatch
+and its arguments (the overhead). The copies that assemble a task's inputs are in its
+in-step time too, and are taken out: the simulator costs them as tasks of their own.
 The fit is the planned model's own (``ProfiledCost.for_graph``) where the database has
 calibrated that model: one curve over several models' tasks misjudges each of them.
 """

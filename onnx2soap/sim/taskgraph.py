@@ -14,10 +14,10 @@ its transfer that holds both ends (a received one: the sender does not wait for 
 receiver's copy); a strided tile or piece is staged (copied) by its sender before its
 transfer. Resources: compute devices ``0..D-1``, then links ``D..D+L-1``, then the
 cores ranks share where they outnumber the host's (``Machine.cores``); a transfer
-holds every link of its route (and
-both end devices on machines whose cores copy messages themselves; where ranks nap,
-``message_busy`` of its latency, the rest an "in flight" delay that holds nothing), and
-a task that holds a device also holds the core that device shares, if any.
+holds every link of its route (and both end devices on machines whose cores copy
+messages themselves; where ranks nap, ``message_busy`` of its latency, the rest an "in
+flight" delay that holds nothing), and a task that holds a device also holds the core
+that device shares, if any.
 
 Tasks are numbered in the executor's global order (``executor/program.py``): forward
 ops in graph order, each op's tasks in task order (an op with statistics: every partial
