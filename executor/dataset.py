@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from numpy.random import default_rng
 
 from executor.batch import Batch
 from executor.data import _classes, _cut, _label_shape, id_bound
@@ -52,7 +53,7 @@ class FileData:
         size = self.graph.batch
         if self.shuffle_seed is None:
             return np.arange(b * size, (b + 1) * size)
-        order = np.random.default_rng([self.shuffle_seed, epoch]).permutation(self.samples)
+        order = default_rng([self.shuffle_seed, epoch]).permutation(self.samples)
         return order[b * size : (b + 1) * size]
 
     def batch(self, step: int, rows: Mapping[str, tuple[int, int]] | None = None) -> Batch:
