@@ -47,7 +47,7 @@ from onnx2soap.sim.costdb import (
 )
 from onnx2soap.sim.costs import RooflineCost, task_bytes, task_flops
 from onnx2soap.sim.machine import ComputeDevice, Machine
-from onnx2soap.soap.partition import ParallelConfig, Task, rect_volume
+from onnx2soap.soap.partition import Task
 
 MIN_POINTS = 4  # timings of one op type below which its fit falls back to the phase's
 DTYPE_ITEMSIZE = {"float32": 4, "float64": 8}
@@ -373,20 +373,9 @@ def one_device_keys(graph: Graph) -> frozenset[tuple[Phase, str]]:
     """The cost keys of ``graph``'s tasks with every op whole on one device (forward,
     backward) and of its weights' updates: those ``onnx2soap profile`` times in the
     executor's step."""
-    from onnx2soap.soap import Partitioner, Strategy, analyze
+    from onnx2soap.sim.profiler import calibration_keys, calibration_plan
 
-    space = analyze(graph)
-    whole = {op.name: ParallelConfig((1,) * len(space[op.name]), (0,)) for op in graph.ops}
-    pg = Partitioner(graph).partition(Strategy(1, whole))
-    keys: set[tuple[Phase, str]] = set()
-    for op in graph.ops:
-        (task,) = pg.tasks[op.name]
-        key = cost_key(op, task)
-        keys |= {(Phase.FORWARD, key), (Phase.BACKWARD, key)}
-        for group in pg.groups[op.name]:
-            if group.trainable:
-                keys.add((Phase.UPDATE, update_key(rect_volume(group.rect))))
-    return frozenset(keys)
+    return frozenset(t.key for t in calibration_keys(graph, calibration_plan(graph)).values())
 
 
 def _same_kind(a: ComputeDevice, b: ComputeDevice) -> bool:

@@ -36,7 +36,7 @@ op and its edges: ``delta.py`` rebuilds those and splices them in.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
@@ -499,7 +499,13 @@ def _in_flight(b: _SegmentBuilder, sent: Ref, free: float, what: str) -> Ref:
 
 
 def _copy_after(
-    b: _SegmentBuilder, costs: Costs, device: int, nbytes: int, passes: int, after: Ref, name: str
+    b: _SegmentBuilder,
+    costs: Costs,
+    device: int,
+    nbytes: int,
+    passes: int,
+    after: Ref,
+    name: Callable[[], str],
 ) -> Ref:
     """A piece copied on ``device`` after ``after``: a strided tile staged by its sender
     before its transfer, a received one copied into place after the part of its transfer
@@ -547,7 +553,9 @@ def edge_forward_segment(
             feeds.append((dst.starts[c.index], produced))
             continue
         if not rect_contiguous(o.rect, p.output):  # staged: the sender copies it first
-            produced = _copy_after(b, costs, p.device, nbytes, 2, produced, f"stage {what}")
+            produced = _copy_after(
+                b, costs, p.device, nbytes, 2, produced, lambda w=what: f"stage {w}"
+            )
         seconds, resources, free = costs.transfer(p.device, c.device, nbytes)
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"send {w}"
@@ -555,7 +563,7 @@ def edge_forward_segment(
         # A received piece that is the whole buffer is read in place (layout.Received);
         # any other is copied from its receive buffer into place (see _copy_after).
         if not (pieces[o.dst_task] == 1 and o.rect == c.inputs[edge.operand].buffer):
-            x = _copy_after(b, costs, c.device, nbytes, 2, x, f"copy {what}")
+            x = _copy_after(b, costs, c.device, nbytes, 2, x, lambda w=what: f"copy {w}")
         x = _in_flight(b, x, free, f"send {what}")
         feeds.append((dst.starts[c.index], x))
     return b.segment(feeds=feeds)
@@ -603,7 +611,9 @@ def edge_backward_segment(
             feeds.append((dst.starts[p.index], produced))
             continue
         if not rect_contiguous(o.rect, c.inputs[edge.operand].buffer):  # staged first
-            produced = _copy_after(b, costs, c.device, nbytes, 2, produced, f"stage grad {what}")
+            produced = _copy_after(
+                b, costs, c.device, nbytes, 2, produced, lambda w=what: f"stage grad {w}"
+            )
         seconds, resources, free = costs.transfer(c.device, p.device, nbytes)
         x = b.add(
             TaskKind.TRANSFER, seconds, resources, (produced,), nbytes, lambda w=what: f"grad {w}"
@@ -611,7 +621,7 @@ def edge_backward_segment(
         # The producer's whole output gradient, received as one piece from its only
         # reader, is read in place; any other piece is summed into a zeroed gradient.
         if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == p.output):
-            x = _copy_after(b, costs, p.device, nbytes, 4, x, f"copy grad {what}")
+            x = _copy_after(b, costs, p.device, nbytes, 4, x, lambda w=what: f"copy grad {w}")
         x = _in_flight(b, x, free, f"grad {what}")
         feeds.append((dst.starts[p.index], x))
     return b.segment(feeds=feeds)

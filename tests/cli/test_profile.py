@@ -174,7 +174,7 @@ def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, 
     pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), m.size))
     mixed = ProfiledCost.load(db, fp, m.devices[0])
     assert Simulator(m, mixed).evaluate(pg).step_time_s > 1.2 * own
-    assert Simulator(m, mixed.for_graph(graph)).evaluate(pg).step_time_s == pytest.approx(own)
+    assert Simulator(m, mixed.for_graph(graph, m)).evaluate(pg).step_time_s == pytest.approx(own)
 
 
 def test_costs_without_a_db(tmp_path: Path, capsys) -> None:
