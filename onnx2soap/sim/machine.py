@@ -28,8 +28,8 @@ count) and a machine file is at most ``MAX_MACHINE_FILE_BYTES``.
 
 from __future__ import annotations
 
-import contextlib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +41,19 @@ from onnx2soap.errors import MachineError
 from onnx2soap.soap.plan import MAX_DEVICES
 
 MAX_MACHINE_FILE_BYTES = 256 << 20
+
+
+class _MachineLoader(yaml.SafeLoader):
+    """YAML with YAML 1.2's floats: PyYAML follows YAML 1.1, which reads ``5e-6`` and
+    ``9.3e12`` (no dot, or no sign in the exponent) as strings, while a person writing a
+    machine file by hand means numbers. (The resolver is added to this subclass only.)"""
+
+
+_MachineLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 @dataclass(frozen=True)
@@ -140,9 +153,6 @@ class Machine:
 
 def _number(doc: Mapping, key: str, where: str, source: str, integer: bool = False) -> float:
     value = doc.get(key) if isinstance(doc, Mapping) else None
-    if isinstance(value, str):  # PyYAML reads 9.3e12 (no sign in the exponent) as a string
-        with contextlib.suppress(ValueError):
-            value = float(value)
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -309,7 +319,7 @@ def load_machine_file(path: Path) -> Machine:
     path = Path(path)
     text = _read_machine_text(path)
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_MachineLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, RecursionError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise MachineError(f"{path}: not YAML ({first})") from e

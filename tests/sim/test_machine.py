@@ -59,6 +59,28 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         assert resolve_machine(str(path)) == m
 
 
+def test_hand_written_exponents_are_numbers(tmp_path: Path) -> None:
+    """YAML 1.1 (PyYAML) reads 5e-6 and 9.3e12 as strings; a machine file reads them as
+    the numbers a person writing one means, in every numeric field."""
+    text = dump_machine(preset("cpu:2"))
+    doc = yaml.safe_load(text)
+    doc["devices"][0].update(peak_flops="PEAK", kernel_overhead="OVERHEAD")
+    doc["links"][0]["latency"] = "LATENCY"
+    doc.update(message_busy="BUSY", ring_step_latency="RING")
+    path = tmp_path / "hand.yaml"
+    written = yaml.safe_dump(doc, sort_keys=False)
+    for key, value in [("PEAK", "9.3e12"), ("OVERHEAD", "5e-6"), ("LATENCY", "2E-6"),
+                       ("BUSY", "3e-5"), ("RING", "1.5e-5")]:  # fmt: skip
+        written = written.replace(key, value)
+    assert yaml.safe_load(written)["message_busy"] == "3e-5"  # what PyYAML alone makes of it
+    path.write_text(written)
+    m = load_machine_file(path)
+    assert m.devices[0].peak_flops == 9.3e12 and m.devices[0].kernel_overhead == 5e-6
+    assert m.links[0].latency == 2e-6
+    assert (m.message_busy, m.ring_step_latency) == (3e-5, 1.5e-5)
+    assert yaml.safe_load("x: 5e-6")["x"] == "5e-6"  # PyYAML's own loader is left as it was
+
+
 def _doc() -> dict:
     return yaml.safe_load(dump_machine(preset("cpu:2")))
 
