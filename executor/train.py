@@ -24,6 +24,7 @@ from executor.checkpoint import (
     restore,
     save_checkpoint,
 )
+from executor.crew import Crew, Note
 from executor.data import SyntheticData, rows_needed
 from executor.dataset import FileData, open_dataset
 from executor.device import open_device
@@ -296,6 +297,46 @@ class _Evaluation:
             self.report(record)
 
 
+@dataclass
+class _Stepper:
+    """A working rank's steps: the step's flags (a signal, bad data) agreed over the
+    working ranks, the step, and its loss summed over them."""
+
+    crew: Crew
+    rt: Runtime
+    setup: _Setup
+    options: RunOptions
+    rows: dict
+    nap: bool
+    stop: Callable[[], int] | None
+    # [SIGINT seen, SIGTERM seen, bad data] summed over ranks: one tiny collective a step.
+    flags: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+    seen: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+    total: np.ndarray = field(default_factory=lambda: np.zeros(1))
+
+    def run(self, step: int, first: int) -> Note:
+        steppers, rt, options = self.crew.steppers, self.rt, self.options
+        batch, bad = _load(self.setup.data, step, self.rows)
+        received = (self.stop() if self.stop is not None else 0) or self.crew.pleaded()
+        self.flags[:] = (received == signal.SIGINT, received == signal.SIGTERM, bad is not None)
+        _allreduce(steppers, self.flags, self.seen, self.nap)
+        if self.seen[2]:
+            return Note(error=next(e for e in steppers.allgather(bad) if e))
+        if self.seen[:2].any():
+            return Note(interrupted=int(signal.SIGTERM if self.seen[1] else signal.SIGINT))
+        if rt.tracer is not None:
+            rt.tracer.begin_step(step + 1 - first)
+        start = time.perf_counter()
+        lr = options.lr * options.optimizer.lr_factor(step, options.steps)
+        partial = rt.step(batch, lr)
+        if rt.tracer is not None:
+            rt.tracer.end_step()
+        _allreduce(steppers, np.array([partial]), self.total, self.nap)
+        took = time.perf_counter() - start
+        rate = self.setup.plan.batch / took if took > 0 else None
+        return Note(record=StepRecord(step + 1, float(self.total[0]), took, lr, rate))
+
+
 def train(
     comm: MPI.Comm,
     options: RunOptions,
@@ -323,9 +364,10 @@ def train(
     plan_sha = file_sha256(Path(options.plan))
     # Traced runs count what the rank allocates from here on (its shards, buffers, steps).
     tracer = Tracer(rank, s.pg, device) if options.trace is not None else None
+    program = compile_program(s.pg, rank)
     rt = Runtime(
         s.pg,
-        compile_program(s.pg, rank),
+        program,
         transport,
         {**s.model.weights, **s.model.state},
         np.dtype(options.dtype.value),
@@ -340,44 +382,35 @@ def train(
     first = _resume(comm, rt, s, options) if options.resume is not None else 0
     checkpoints = _Checkpoints(comm, rt, options, _identity(s, options), plan_sha, saved=first)
     rows = rows_needed(s.pg, rank)
-    nap = oversubscribed(comm)
     evaluation = _Evaluation(comm, rt, s.eval_data, rows, options.eval_every, on_eval)
-    records = []
-    total = np.zeros(1)
-    # [SIGINT seen, SIGTERM seen, bad data] summed over ranks: one tiny collective a step.
-    flags, seen = np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
-    interrupted = 0
+    crew = Crew.form(comm, bool(program.instructions))
+    stepper = _Stepper(crew, rt, s, options, rows, oversubscribed(comm), stop)
+    records, interrupted = [], 0
     try:
         for step in range(first, options.steps):
-            batch, bad = _load(s.data, step, rows)
-            received = stop() if stop is not None else 0
-            flags[:] = (received == signal.SIGINT, received == signal.SIGTERM, bad is not None)
-            _allreduce(comm, flags, seen, nap)
-            if seen[2]:
-                raise UserError(next(e for e in comm.allgather(bad) if e))
-            if seen[:2].any():
-                interrupted = int(signal.SIGTERM if seen[1] else signal.SIGINT)
+            if crew.working:
+                note = stepper.run(step, first)
+                crew.tell(note)
+            else:
+                note = crew.hear(stop)
+                if rt.tracer is not None:  # an empty step: its memory is still measured
+                    rt.tracer.begin_step(step + 1 - first)
+                    rt.tracer.end_step()
+            if note.error is not None:
+                raise UserError(note.error)
+            if note.interrupted:
+                interrupted = note.interrupted
                 break
-            if rt.tracer is not None:
-                rt.tracer.begin_step(step + 1 - first)
-            start = time.perf_counter()
-            lr = options.lr * options.optimizer.lr_factor(step, options.steps)
-            partial = rt.step(batch, lr)
-            if rt.tracer is not None:
-                rt.tracer.end_step()
-            _allreduce(comm, np.array([partial]), total, nap)
-            took = time.perf_counter() - start
-            rate = s.plan.batch / took if took > 0 else None
-            record = StepRecord(step + 1, float(total[0]), took, lr, rate)
-            records.append(record)
+            records.append(note.record)
             if on_step is not None and rank == 0:
-                on_step(record)
+                on_step(note.record)
             checkpoints.maybe(step + 1)
             evaluation.maybe(step + 1)
             if step == first:  # what the run keeps exists now (see settle_python_heap)
                 settle_python_heap()
     finally:
         release_python_heap()
+    crew.close()
     if not interrupted:
         evaluation.maybe(first + len(records), force=True)
     checkpoints.maybe(first + len(records), force=True)

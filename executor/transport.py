@@ -81,20 +81,23 @@ def oversubscribed(comm: MPI.Comm) -> bool:
 
 
 def wait_patiently(
-    ready: Callable[[], bool], between: Callable[[], None] | None = None, nap: bool = False
+    ready: Callable[[], bool],
+    between: Callable[[], None] | None = None,
+    nap: bool = False,
+    nap_s: float = NAP_S,
 ) -> None:
     """Wait until ``ready()``, calling ``between()`` after each failed test. With ``nap``
-    (ranks outnumber cores), after a few quick tests the rank sleeps between them: a rank
-    spinning in a wait holds a core its peer needs to finish what it waits for (4 ranks
-    on 2 cores: 65 ms a step spinning, 44 ms napping). With a core each, spinning is
-    faster (a nap adds up to ~0.1 ms of latency: 5 % on a 2-rank step here)."""
+    (ranks outnumber cores), after a few quick tests the rank sleeps ``nap_s`` between
+    them: a rank spinning in a wait holds a core its peer needs to finish what it waits
+    for (4 ranks on 2 cores: 65 ms a step spinning, 44 ms napping). With a core each,
+    spinning is faster (a nap adds up to ~0.1 ms of latency: 5 % on a 2-rank step here)."""
     tests = 0
     while not ready():
         if between is not None:
             between()
         tests += 1
         if nap and tests > SPINS:
-            time.sleep(NAP_S)
+            time.sleep(nap_s)
 
 
 class _Ring:

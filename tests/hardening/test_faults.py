@@ -110,6 +110,28 @@ def test_signal_stops_every_rank_at_a_step_boundary(
     assert manifest.step == done and "--resume" in lines[0]
 
 
+@pytest.fixture(scope="module")
+def idle_plan(plan: Path) -> Path:
+    """Everything on rank 0: rank 1 sits the steps out (executor/crew.py)."""
+    path = plan.with_name("single.json")
+    make_plan(plan.with_name("cnn.onnx"), path, RANKS, 4, "single-device")
+    return path
+
+
+def test_a_signal_to_an_idle_rank_alone_stops_every_rank(idle_plan: Path, tmp_path: Path) -> None:
+    """The idle rank takes no part in the steps' collectives; it passes the signal on to
+    the working ranks, and all stop at a step boundary as when mpiexec forwards it."""
+    proc = start(idle_plan, tmp_path, "--steps", FOREVER)
+    wait_for_steps(proc, 2)
+    sent = time.monotonic()
+    os.kill(int((tmp_path / "rank-1.pid").read_text()), signal.SIGINT)
+    ended = finish(proc, sent)
+    assert ended.returncode == 130 and rank_codes(tmp_path) == [130] * RANKS, ended.stderr
+    lines = our_lines(ended.stderr)
+    assert len(lines) == 1 and "SIGINT" in lines[0] and "stopped after step" in lines[0]
+    assert ended.seconds < 10
+
+
 def test_killed_rank_ends_the_run_at_once(plan: Path, tmp_path: Path) -> None:
     proc = start(plan, tmp_path, "--steps", FOREVER)
     before = wait_for_steps(proc, 2)
