@@ -63,3 +63,26 @@ def test_python_objects_count_on_cpu_ranks_only(tmp_path):
     on_gpu = Simulator(gpu, RooflineCost()).evaluate(pg).peak_memory_bytes
     expected = 5 * PER_INSTRUCTION + 2 * PER_PIECE
     assert [c - g for c, g in zip(on_cpu, on_gpu, strict=True)] == [expected, expected]
+
+
+def test_a_backward_kernel_peaks_before_the_gradients_of_the_ops_before_it_exist():
+    """The backward runs in reverse graph order: while the second op's backward kernel
+    runs, the first op's gradients are not yet made. Hand-computed on one device: held
+    at the step's end 1,000 bytes, of which the first op's gradients 300 and the second
+    op's 100; the second op's kernel holds 400 more while it runs, the first op's 50."""
+    from onnx2soap.sim.memory import OpMemory, total
+
+    first = OpMemory(
+        held=((0, 500),), outputs=(), grads=((0, 300),), forward=(), backward=((0, 50),)
+    )
+    second = OpMemory(
+        held=((0, 500),), outputs=(), grads=((0, 100),), forward=(), backward=((0, 400),)
+    )
+    # the second's kernel: 1,000 - 300 + 400, over the first's: 1,000 + 50
+    assert total([1000], [first, second]) == (1000 - 300 + 400,)
+    late = OpMemory(
+        held=((0, 500),), outputs=(), grads=((0, 100),), forward=(), backward=((0, 10),)
+    )
+    assert total([1000], [first, late]) == (1000 + 50,)  # the first's, over everything
+    idle = OpMemory(held=((0, 500),), outputs=(), grads=((0, 300),), forward=(), backward=())
+    assert total([1000], [idle, late]) == (1000,)  # no kernel peaks over the step's end

@@ -1,6 +1,6 @@
 """The memory model against the measured peak (``--trace``) at the fidelity benchmark's
 small batches (lstm_lm 32, gpt2 16), where the runtime's own Python objects (about 1 kB
-an instruction and 0.7 kB a piece: ``memory.PER_INSTRUCTION``, ``PER_PIECE``) are a
+an instruction and 0.95 kB a piece: ``memory.PER_INSTRUCTION``, ``PER_PIECE``) are a
 third of a rank's peak: without them the model missed lstm_lm by up to 36 % and gpt2 by
 up to 35 %. Plans with few tasks (data parallel) and many (random: hundreds of
 instructions and transfers a rank)."""
