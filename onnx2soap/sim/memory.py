@@ -59,11 +59,12 @@ Pieces = tuple[tuple[int, int], ...]  # (device, bytes)
 # entry, trace name and record, TaskArgs and step dict entries; a piece's layout.Copy
 # with its slice tuples. Fitted (least squares of the relative error) to the measured
 # peaks of the 42 working ranks of 21 plans (data parallel, model parallel, expert, four
-# random) of lstm_lm, gpt2 and the example CNN on cpu:2: 989 and 952 bytes, mean error
-# 1.7 %; resnet18's 14 ranks of 7 such plans, left out of the fit, 3.2 % (Dec 1, once
-# the backward's peak left out the gradients not yet made; tests/sim/
-# test_memory_sequences.py checks them). The fit before (1,000 and 730) had absorbed
-# that over-estimate; the one before it (1,050 each) numpy.random's modules, which a
+# random) of lstm_lm, gpt2 and the example CNN on cpu:2: 995 and 935 bytes, mean error
+# 1.6 %; resnet18's 14 ranks of 7 such plans, left out of the fit, 2.2 %, worst 3.5 %
+# (Dec 1, once the backward's peak left out the gradients not yet made, Conv's backward
+# workspace stopped counting dW twice, and the executor's rings dropped their scratch
+# when done; tests/sim/test_memory_sequences.py checks them). The fit before (1,000 and
+# 730) had absorbed those; the one before it (1,050 each) numpy.random's modules, which a
 # traced run imported after it began counting (0.55-0.87 MB on every rank, on an idle
 # one all it measured), and the tracer's dict per event, now a tuple; and before the
 # heap was settled after the first step (executor/host_memory.py), garbage awaiting the
