@@ -11,8 +11,8 @@ Why: a nonblocking collective completes only when every rank drives it, so an id
 in the step's collectives must poll all step long. Where ranks share cores, the polling
 takes the cores the working ranks need: the example CNN's data parallelism on 2 of 4
 ranks on 2 cores measured 17-20 ms a step against 10 ms on 2 ranks (each of the idle
-ranks' 50 us naps costs 25-45 us of processor time on a VM), and longer naps delay every
-step's end by as much (5 ms naps: 21 ms a step).
+ranks' 50 us naps costs 26-34 us of processor time on a VM), and longer naps delay every
+step's end by as much (naps of up to 5 ms: 21 ms a step).
 
 A signal that reaches only an idle rank still stops the run: the idle rank passes it to
 the leader, which stops every rank at the next step boundary.
@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
 from executor.transport import wait_patiently
+
+if TYPE_CHECKING:
+    from executor.train import StepRecord
 
 IDLE_NAP_S = 1e-3  # an idle rank's nap between notes: ~4 % of a core on a VM, and the
 # most a checkpoint or evaluation waits for it to join
@@ -37,7 +41,7 @@ class Note:
     """What the leader tells the idle ranks after a step: its record, or that the run
     stops (a signal, or the one line that says what is wrong)."""
 
-    record: object | None = None  # the step's StepRecord
+    record: StepRecord | None = None
     interrupted: int = 0
     error: str | None = None
 
