@@ -15,6 +15,7 @@ from executor.kinds import DeviceKind
 from executor.train import RunOptions, train
 from onnx2soap.cli import main as onnx2soap_main
 from onnx2soap.ir import DType
+from tests.models import MODELS
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
@@ -110,3 +111,13 @@ def assert_same_training(run: Run, ref_losses, ref_weights, rtol: float) -> None
         # rounding noise of 1e-17 that no two summation orders agree on.
         scale = max(float(np.abs(w).max()), 1.0)
         np.testing.assert_allclose(run.weights[name], w, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+def cnn_data_folder(path: Path, samples: int, seed: int = 0) -> Path:
+    """A data folder for the example CNN (input.npy, labels.npy of 10 classes) with
+    ``samples`` random samples from ``seed``."""
+    rng = np.random.default_rng(seed)
+    path.mkdir()
+    np.save(path / "input.npy", rng.standard_normal((samples, *MODELS["cnn"].sample_shape)))
+    np.save(path / "labels.npy", rng.integers(0, 10, samples))
+    return path

@@ -22,19 +22,14 @@ from executor.dataset import open_dataset
 from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.soap import Partitioner, analyze
-from tests.executor.mpi import assert_same_training, make_plan, mpirun
-from tests.models import MODELS
+from tests.executor.mpi import assert_same_training, cnn_data_folder, make_plan, mpirun
 
 pytestmark = pytest.mark.mpi
 BATCH, SAMPLES = 4, 18  # 4 batches an epoch, 2 samples dropped
 
 
 def _folder(path: Path, samples: int = SAMPLES, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    path.mkdir()
-    np.save(path / "input.npy", rng.standard_normal((samples, *MODELS["cnn"].sample_shape)))
-    np.save(path / "labels.npy", rng.integers(0, 10, samples))
-    return path
+    return cnn_data_folder(path, samples, seed)
 
 
 @pytest.fixture(scope="module")

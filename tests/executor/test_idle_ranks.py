@@ -20,19 +20,20 @@ import numpy as np
 import pytest
 
 from executor.checkpoint import read_manifest
-from tests.executor.mpi import MPIEXEC, assert_same_training, make_plan, mpirun
-from tests.models import MODELS
+from tests.executor.mpi import (
+    MPIEXEC,
+    assert_same_training,
+    cnn_data_folder,
+    make_plan,
+    mpirun,
+)
 
 pytestmark = pytest.mark.mpi
 BATCH, SAMPLES, STEPS = 4, 16, 6
 
 
 def _data(path: Path, seed: int, samples: int = SAMPLES) -> Path:
-    rng = np.random.default_rng(seed)
-    path.mkdir()
-    np.save(path / "input.npy", rng.standard_normal((samples, *MODELS["cnn"].sample_shape)))
-    np.save(path / "labels.npy", rng.integers(0, 10, samples))
-    return path
+    return cnn_data_folder(path, samples, seed)
 
 
 def _shifted(plan: Path, out: Path, by: int) -> Path:
