@@ -2,15 +2,17 @@
 
     python -m benchmarks.memory_fit                      # lstm_lm, gpt2, cnn; resnet18 held out
     python -m benchmarks.memory_fit --fit cnn --check resnet18
+    python -m benchmarks.memory_fit --ranks 4            # 4 ranks (they share 2 cores here)
 
-Per model (the fidelity benchmark's exports and batches) seven plans on 2 ranks: data
-parallel, model parallel, expert and four random seeds. Each runs 3 steps under mpiexec
-with ``--trace``, which measures every rank's peak (tracemalloc, numpy's allocations and
-the runtime's Python objects). The model's peak is linear in ``memory.PER_INSTRUCTION``
-and ``memory.PER_PIECE`` (bytes per instruction of a rank's program and per piece a task
-assembles), so three evaluations per plan give it for any pair. The pair that minimises
-the squared relative error over the working ranks of the ``--fit`` models is printed,
-then every model's mean and worst error with it and with the constants in the code.
+Per model (the fidelity benchmark's exports and batches) seven plans on ``--ranks`` ranks
+(2 unless told): data parallel, model parallel, expert and four random seeds. Each runs 3
+steps under mpiexec with ``--trace``, which measures every rank's peak in a steady step
+(tracemalloc, numpy's allocations and the runtime's Python objects). The model's peak
+is linear in ``memory.PER_INSTRUCTION`` and ``memory.PER_PIECE`` (bytes per instruction
+of a rank's program and per piece a task assembles), so three evaluations per plan give
+it for any pair. The pair that minimises the squared relative error over the working
+ranks of the ``--fit`` models is printed, then every model's mean and worst error with
+it and with the constants in the code.
 """
 
 from __future__ import annotations
@@ -69,10 +71,10 @@ def _predicted(plan: Path, instruction: int, piece: int) -> tuple[int, ...]:
         memory.PER_INSTRUCTION, memory.PER_PIECE = code
 
 
-def _measured(plan: Path, folder: Path) -> tuple[int, ...]:
+def _measured(plan: Path, ranks: int, folder: Path) -> tuple[int, ...]:
     trace = folder / "trace.json"
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
-    command = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "executor", "run"]
+    command = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, "-m", "executor", "run"]
     command += [str(plan), "--steps", "3", "--trace", str(trace)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
@@ -80,16 +82,16 @@ def _measured(plan: Path, folder: Path) -> tuple[int, ...]:
     return tuple(json.loads(trace.read_text())["otherData"]["peak_memory_bytes"])
 
 
-def ranks_of(name: str, folder: Path) -> list[Rank]:
+def ranks_of(name: str, ranks: int, folder: Path) -> list[Rank]:
     model, rows = export(name, folder), []
     for label in PLANS:
         strategy = ["--strategy", "random", "--seed", label[-1]] if "random" in label else [
             "--strategy", label
         ]  # fmt: skip
         plan = folder / f"{name}-{label}.json"
-        common = ["--batch", BATCH[name], "--machine", "cpu:2", "--costs", "roofline"]
+        common = ["--batch", BATCH[name], "--machine", f"cpu:{ranks}", "--costs", "roofline"]
         onnx2soap("plan", model, *common, "--quiet", *strategy, "-o", plan)
-        measured = _measured(plan, folder)
+        measured = _measured(plan, ranks, folder)
         base, one_instruction, one_piece = (
             _predicted(plan, *pair) for pair in ((0, 0), (1, 0), (0, 1))
         )
@@ -128,12 +130,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fit", default="lstm_lm,gpt2,cnn", help="models the constants fit")
     p.add_argument("--check", default="resnet18", help="models checked, not fitted")
+    p.add_argument("--ranks", type=int, default=2, help="ranks per plan (default 2)")
     args = p.parse_args(argv)
     from onnx2soap.sim import memory
 
     fitted, checked = args.fit.split(","), [m for m in args.check.split(",") if m]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [r for name in fitted + checked for r in ranks_of(name, Path(tmp))]
+        rows = [r for name in fitted + checked for r in ranks_of(name, args.ranks, Path(tmp))]
     for r in rows:
         print(
             f"  {r.model:9} {r.plan:15} rank {r.rank}: predicted "

@@ -9,11 +9,15 @@ up), each rank's times relative to the start of its step; rank 0 writes one
 Chrome/Perfetto JSON file: one process per rank, a compute row and a communication row.
 
 While tracing, each rank also records the peak of the memory it allocates, for the
-memory model's check: on the CPU with tracemalloc (which numpy reports to), from just
-before the rank builds its runtime to the end of the first traced step, and then stops
-it, since it slows every allocation: that step (``MEMORY_STEP``, named in the file's
-``otherData``) is no clean one, and ``onnx2soap compare`` leaves it out of the step's
-median when later steps were traced. On a GPU, cupy's pool after every step.
+memory model's check: on the CPU with tracemalloc (which numpy reports to), the peak of
+the first traced step (``MEMORY_STEP``, named in the file's ``otherData``), a steady one:
+what the rank holds as it begins, counted from just before the rank builds its runtime,
+and what the step allocates. The first step's one-time objects are left out (what
+building the rank's program left for the garbage collector, first calls' caches: 50-130
+KB a rank here, up to a tenth of the tiny test models' peaks). Tracing then
+stops, since it slows every allocation: that step is no clean one, and ``onnx2soap
+compare`` leaves it out of the step's median when later steps were traced. On a GPU,
+cupy's pool after every step.
 """
 
 from __future__ import annotations
@@ -94,6 +98,11 @@ class Tracer:
 
     def begin_step(self, step: int) -> None:
         self.step = step
+        if step == MEMORY_STEP and tracemalloc.is_tracing():
+            # The peak of a steady step: what the rank holds as it begins (weights,
+            # optimizer state, buffers) and what the step allocates. The first step's
+            # one-time objects (see the module's docstring) are not every step's.
+            tracemalloc.reset_peak()
         self.origin = time.perf_counter()
 
     def end_step(self) -> None:
