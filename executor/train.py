@@ -28,6 +28,7 @@ from executor.crew import Crew, Note
 from executor.data import SyntheticData, rows_needed
 from executor.dataset import FileData, open_dataset
 from executor.device import open_device
+from executor.doorbell import Doorbell, GroupBell
 from executor.evaluation import EvalRecord, evaluate
 from executor.host_memory import keep_freed_memory, release_python_heap, settle_python_heap
 from executor.kinds import DeviceKind, TransportKind
@@ -257,10 +258,18 @@ class _Checkpoints:
             self.saved = done
 
 
-def _allreduce(comm: MPI.Comm, values: np.ndarray, out: np.ndarray, nap: bool) -> None:
-    """A sum over the ranks that naps while it waits where ranks share cores."""
+def _allreduce(
+    comm: MPI.Comm, values: np.ndarray, out: np.ndarray, nap: bool, bell: GroupBell | None
+) -> None:
+    """A sum over the ranks that naps while it waits where ranks share cores; on
+    ``bell`` (a ``GroupBell`` of ``comm``), which the rank rings at every member as it
+    joins: the last to join wakes the others."""
     request = comm.Iallreduce(values, out, op=MPI.SUM)
-    wait_patiently(request.Test, nap=nap)
+    if bell is not None:
+        bell.ring_all()
+    wait_patiently(request.Test, nap=nap, bell=None if bell is None else bell.bell)
+    if bell is not None:  # the sum's later rounds may wait for this rank's last messages
+        bell.ring_all()
 
 
 def _load(data, step: int, rows) -> tuple[object, str | None]:
@@ -308,6 +317,7 @@ class _Stepper:
     options: RunOptions
     rows: dict
     nap: bool
+    bell: GroupBell | None  # the working ranks', where ranks share cores
     stop: Callable[[], int] | None
     # [SIGINT seen, SIGTERM seen, bad data] summed over ranks: one tiny collective a step.
     flags: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
@@ -319,7 +329,7 @@ class _Stepper:
         batch, bad = _load(self.setup.data, step, self.rows)
         received = (self.stop() if self.stop is not None else 0) or self.crew.pleaded()
         self.flags[:] = (received == signal.SIGINT, received == signal.SIGTERM, bad is not None)
-        _allreduce(steppers, self.flags, self.seen, self.nap)
+        _allreduce(steppers, self.flags, self.seen, self.nap, self.bell)
         if self.seen[2]:
             return Note(error=next(e for e in steppers.allgather(bad) if e))
         if self.seen[:2].any():
@@ -331,7 +341,7 @@ class _Stepper:
         partial = rt.step(batch, lr)
         if rt.tracer is not None:
             rt.tracer.end_step()
-        _allreduce(steppers, np.array([partial]), self.total, self.nap)
+        _allreduce(steppers, np.array([partial]), self.total, self.nap, self.bell)
         took = time.perf_counter() - start
         rate = self.setup.plan.batch / took if took > 0 else None
         return Note(record=StepRecord(step + 1, float(self.total[0]), took, lr, rate))
@@ -354,7 +364,9 @@ def train(
     keep_freed_memory()  # a step's temporaries reuse the last step's pages
     # The device and transport before the model: a wrong --device fails in a second.
     device = open_device(options.device, comm)
-    transport = make_transport(options.transport, comm, device)
+    nap = oversubscribed(comm)
+    bell = Doorbell.open(comm) if nap else None  # ranks that share cores sleep on it
+    transport = make_transport(options.transport, comm, device, bell)
     s = agreed_setup(comm, options)
     if options.save_model is not None:
         _agree_on(comm, lambda: check_saveable(s.model.path, s.model.graph, options.save_model))
@@ -384,7 +396,12 @@ def train(
     rows = rows_needed(s.pg, rank)
     evaluation = _Evaluation(comm, rt, s.eval_data, rows, options.eval_every, on_eval)
     crew = Crew.form(comm, bool(program.instructions))
-    stepper = _Stepper(crew, rt, s, options, rows, oversubscribed(comm), stop)
+    steppers_bell = None
+    if bell is not None and crew.working:
+        steppers_bell = GroupBell(
+            bell, tuple(r for r in range(comm.Get_size()) if r not in crew.idle)
+        )
+    stepper = _Stepper(crew, rt, s, options, rows, nap, steppers_bell, stop)
     records, interrupted = [], 0
     try:
         for step in range(first, options.steps):
@@ -428,4 +445,6 @@ def train(
         if options.save_model:
             _agree_on(comm, lambda: save_model(s.model.path, weights, options.save_model))
     sent = tuple(int(c) for c in counts)
+    if bell is not None:
+        bell.close()
     return RunResult(tuple(records), sent, weights, interrupted, first)

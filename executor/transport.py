@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from executor.device import Device
+from executor.doorbell import LONGEST_NAP_S, Doorbell, GroupBell
 from executor.kinds import DeviceKind, TransportKind
 from onnx2soap.soap.collectives import ring_chunks, ring_steps
 
@@ -68,6 +69,10 @@ class Transport(Protocol):
 
 SPINS = 64  # tests a waiting rank makes back to back before it starts to nap
 NAP_S = 50e-6
+# Naps before a rank sleeps on its bell: a short wait (a ring all-reduce's step) naps as
+# ever, since rings that wake a rank early also take the core from the rank they wake it
+# on (data parallelism on 4 ranks on 2 cores: 15 % slower ringing from the first nap).
+NAPS_BEFORE_BELL = 4
 
 
 def oversubscribed(comm: MPI.Comm) -> bool:
@@ -85,19 +90,26 @@ def wait_patiently(
     between: Callable[[], None] | None = None,
     nap: bool = False,
     nap_s: float = NAP_S,
+    bell: Doorbell | None = None,
 ) -> None:
     """Wait until ``ready()``, calling ``between()`` after each failed test. With ``nap``
     (ranks outnumber cores), after a few quick tests the rank sleeps ``nap_s`` between
     them: a rank spinning in a wait holds a core its peer needs to finish what it waits
     for (4 ranks on 2 cores: 65 ms a step spinning, 44 ms napping). With a core each,
-    spinning is faster (a nap adds up to ~0.1 ms of latency: 5 % on a 2-rank step here)."""
-    tests = 0
+    spinning is faster (a nap adds up to ~0.1 ms of latency: 5 % on a 2-rank step here).
+    With a ``bell`` the rank sleeps on it instead, until a peer rings or a nap that
+    doubles while nothing rings (executor/doorbell.py)."""
+    tests, sleep_s, longest = 0, nap_s, max(nap_s, LONGEST_NAP_S)
     while not ready():
         if between is not None:
             between()
         tests += 1
-        if nap and tests > SPINS:
+        if not nap or tests <= SPINS:
+            continue
+        if bell is None or tests <= SPINS + NAPS_BEFORE_BELL:
             time.sleep(nap_s)
+        else:
+            sleep_s = nap_s if bell.sleep(sleep_s, ready) else min(2 * sleep_s, longest)
 
 
 class _Ring:
@@ -106,25 +118,40 @@ class _Ring:
     half and copying it in the all-gather half. Every rank ends with the same values:
     each chunk is summed once, on one rank, then passed on."""
 
-    def __init__(self, comm: MPI.Comm, flat: Array, counter: _Counter, device: Device) -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        flat: Array,
+        counter: _Counter,
+        device: Device,
+        bell: GroupBell | None = None,
+    ) -> None:
         """``flat`` is a numpy array, or device memory under a CUDA-aware MPI (then
-        each step waits for the addition before MPI reads the chunk)."""
+        each step waits for the addition before MPI reads the chunk). ``bell``: this
+        rank's doorbell and the world ranks of ``comm``'s members, who are rung."""
         self.comm, self.flat, self.counter = comm, flat, counter
         self.device = device if not isinstance(flat, np.ndarray) else None
         k, r = comm.Get_size(), comm.Get_rank()
         self.chunks = ring_chunks(flat.size, k)
         self.steps = list(ring_steps(r, k))
         self.right, self.left = (r + 1) % k, (r - 1) % k
+        self.bell = bell
         self.scratch: Array | None = None  # made when the ring's turn comes, dropped after
         self.next = 0
-        self.requests: list[MPI.Request] | None = None
+        self.requests: tuple[MPI.Request, MPI.Request] | None = None  # send, receive
+        self.received = False  # this step's chunk
         self.done = k == 1
 
     def advance(self) -> bool:
         """Move on as far as the messages allow; True once the sum is complete."""
         while not self.done:
             if self.requests is not None:
-                if not MPI.Request.Testall(self.requests):
+                send, receive = self.requests
+                if not self.received and receive.Test():
+                    self.received = True
+                    if self.bell is not None:  # the left may wait for its send to complete
+                        self.bell.ring(self.left)
+                if not (self.received and send.Test()):
                     return False
                 self._land(self.steps[self.next - 1])
                 self.requests = None
@@ -149,10 +176,13 @@ class _Ring:
         self.counter.bytes += (shi - slo) * self.flat.itemsize
         if self.device is not None:
             self.device.synchronize()
-        self.requests = [
+        self.requests = (
             self.comm.Isend(self.flat[slo:shi], dest=self.right),
             self.comm.Irecv(self.scratch[: rhi - rlo], source=self.left),
-        ]
+        )
+        self.received = False
+        if self.bell is not None:
+            self.bell.ring(self.right)
 
     def _land(self, step) -> None:
         rlo, rhi = self.chunks[step.recv_chunk]
@@ -190,6 +220,7 @@ class _RingQueues:
 @dataclass(frozen=True)
 class _MpiReceive:
     request: MPI.Request
+    source: int
     host: np.ndarray | None = None  # mpi-host: where the message lands before the device
     target: Array = None
 
@@ -209,10 +240,17 @@ class MpiTransport:
     CUDA-aware MPI, after the compute stream is synchronized)."""
 
     def __init__(
-        self, comm: MPI.Comm, device: Device, staged: bool = False, nap: bool = False
+        self,
+        comm: MPI.Comm,
+        device: Device,
+        staged: bool = False,
+        nap: bool = False,
+        bell: Doorbell | None = None,
     ) -> None:
-        """``nap``: sleep while waiting (see ``wait_patiently``)."""
+        """``nap``: sleep while waiting, on ``bell`` if given (see ``wait_patiently``),
+        which is rung for every message posted to a peer and received from one."""
         self.comm, self.device, self.staged, self.nap = comm, device, staged, nap
+        self.bell = bell
         self.rank = comm.Get_rank()
         self._counter = _Counter()
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
@@ -247,38 +285,45 @@ class MpiTransport:
         payload = self._host(array)
         self._counter.bytes += array.nbytes
         self._sends.append((self.comm.Isend(payload, dest=dest), payload))
+        if self.bell is not None:
+            self.bell.ring(dest)
         self._rings.progress()
 
     def recv(self, buffer: Array, source: int) -> _MpiReceive:
         if self.staged:
             host = self._pool.take(buffer.shape, buffer.dtype)
-            return _MpiReceive(self.comm.Irecv(host, source=source), host, buffer)
-        return _MpiReceive(self.comm.Irecv(buffer, source=source))
+            return _MpiReceive(self.comm.Irecv(host, source=source), source, host, buffer)
+        return _MpiReceive(self.comm.Irecv(buffer, source=source), source)
 
     def allreduce(self, array: Array, devices: tuple[int, ...]) -> _MpiReduce:
         flat = self._host(array).reshape(-1)
-        ring = _Ring(self._groups[devices], flat, self._counter, self.device)
+        bell = None if self.bell is None else GroupBell(self.bell, tuple(sorted(devices)))
+        ring = _Ring(self._groups[devices], flat, self._counter, self.device, bell)
         self._rings.start(devices, ring)
         return _MpiReduce(ring, array if self.staged else None)
 
     def wait(self, pending: _MpiReceive | _MpiReduce) -> None:
         if isinstance(pending, _MpiReceive):
             self._wait_request(pending.request)
+            if self.bell is not None:  # the sender may wait for its send to complete
+                self.bell.ring(pending.source)
             if pending.host is not None:
                 self.device.to_device(pending.host, out=pending.target)
             return
-        wait_patiently(lambda: pending.ring.done, self._rings.progress, self.nap)
+        wait_patiently(lambda: pending.ring.done, self._rings.progress, self.nap, bell=self.bell)
         if pending.target is not None:
             self.device.to_device(pending.ring.flat.reshape(pending.target.shape), pending.target)
 
     def _wait_request(self, request: MPI.Request) -> None:
         # Rings move on while this rank waits: a peer may be waiting for our chunk.
-        wait_patiently(request.Test, self._rings.progress, self.nap)
+        wait_patiently(request.Test, self._rings.progress, self.nap, bell=self.bell)
 
     def end_step(self) -> None:
-        wait_patiently(lambda: not self._rings.busy(), self._rings.progress, self.nap)
+        wait_patiently(
+            lambda: not self._rings.busy(), self._rings.progress, self.nap, bell=self.bell
+        )
         sends = [request for request, _ in self._sends]
-        wait_patiently(lambda: MPI.Request.Testall(sends), nap=self.nap)
+        wait_patiently(lambda: MPI.Request.Testall(sends), nap=self.nap, bell=self.bell)
         self._sends.clear()
         self._pool.release()
 
@@ -332,9 +377,12 @@ def mpi_cuda_aware() -> bool:
     return False
 
 
-def make_transport(kind: TransportKind, comm: MPI.Comm, device: Device) -> Transport:
+def make_transport(
+    kind: TransportKind, comm: MPI.Comm, device: Device, bell: Doorbell | None = None
+) -> Transport:
     """``auto``: NCCL when every rank has a GPU of its own, host staging when ranks
-    share one, plain MPI on CPU ranks."""
+    share one, plain MPI on CPU ranks. ``bell``: where ranks outnumber the cores, the
+    doorbell MPI transports' waits sleep on (``Doorbell.open``)."""
     from executor.device import gpus_per_rank_ok
     from onnx2soap.errors import UserError
 
@@ -363,10 +411,10 @@ def make_transport(kind: TransportKind, comm: MPI.Comm, device: Device) -> Trans
                 f"--transport mpi-cuda: this MPI ({MPI.Get_library_version().split()[0]}) "
                 "does not report CUDA support; use --transport mpi-host or nccl"
             )
-        return MpiTransport(comm, device, nap=oversubscribed(comm))
+        return MpiTransport(comm, device, nap=oversubscribed(comm), bell=bell)
     if kind is TransportKind.MPI and on_gpu:
         raise UserError(
             "--transport mpi moves host arrays; on --device cuda use mpi-host, mpi-cuda or nccl"
         )
     nap = oversubscribed(comm)
-    return MpiTransport(comm, device, staged=kind is TransportKind.MPI_HOST, nap=nap)
+    return MpiTransport(comm, device, staged=kind is TransportKind.MPI_HOST, nap=nap, bell=bell)

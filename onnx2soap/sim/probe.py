@@ -107,11 +107,13 @@ class LinkFigures:
 
 
 def _links(comm, nap: bool) -> LinkFigures:
-    """``nap``: ranks share cores, and wait as the executor's then do."""
+    """``nap``: ranks share cores, and wait as the executor's then do (on doorbells)."""
     from executor.device import CpuDevice
+    from executor.doorbell import Doorbell
     from executor.transport import MpiTransport
 
-    transport = MpiTransport(comm, CpuDevice(), nap=nap)
+    bell = Doorbell.open(comm) if nap else None
+    transport = MpiTransport(comm, CpuDevice(), nap=nap, bell=bell)
     bandwidths = []
     size = 4 << 20
     for peer in range(1, comm.Get_size()):
@@ -119,6 +121,8 @@ def _links(comm, nap: bool) -> LinkFigures:
         small = _ping_pong(comm, transport, peer, 8, 200)
         large = _ping_pong(comm, transport, peer, size, 20)
         bandwidths.append(size / max(large - small, 1e-9))
+    if bell is not None:
+        bell.close()
     costs = message_costs(comm, nap)
     if not costs:
         return LinkFigures(5e-6, 4e9, 5e-6)

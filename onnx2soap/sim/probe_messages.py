@@ -161,6 +161,7 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
 
     from executor.data import SyntheticData, rows_needed
     from executor.device import CpuDevice
+    from executor.doorbell import Doorbell
     from executor.host_memory import release_python_heap, settle_python_heap
     from executor.program import compile_program
     from executor.runtime import Runtime
@@ -170,7 +171,8 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
     program = compile_program(pg, rank)
     device = CpuDevice()
     values = {**model.weights, **model.state}
-    transport = MpiTransport(comm, device, nap=nap)
+    bell = Doorbell.open(comm) if nap else None  # as the executor waits
+    transport = MpiTransport(comm, device, nap=nap, bell=bell)
     rt = Runtime(pg, program, transport, values, dtype, model.constants, device=device)
     data, rows = SyntheticData(graph, 0, dtype), rows_needed(pg, rank)
     times, cpu = [], []
@@ -186,6 +188,8 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
                 settle_python_heap()
     finally:
         release_python_heap()
+    if bell is not None:
+        bell.close()
     slowest, spent = np.empty(STEPS), np.empty(STEPS)
     comm.Allreduce(np.array(times), slowest, op=MPI.MAX)
     comm.Allreduce(np.array(cpu), spent, op=MPI.SUM)
