@@ -21,6 +21,7 @@ world = MPI.COMM_WORLD
 rank = world.Get_rank()
 bell = Doorbell.open(world)
 seen: dict = {"rank": rank, "flags": {str(r): int(f[0]) for r, f in bell.asleep.items()}}
+world.Barrier()  # every rank has read the flags before any sleeps
 
 # A ring wakes a rank that sleeps on its bell.
 if rank == 0:
