@@ -7,15 +7,17 @@ ranks on 2 cores measured 1.4-1.7x the simulator's prediction, most of it the na
 ranks' processor time.
 
 A doorbell is a datagram socket per rank (Linux's abstract namespace: no file, gone with
-the process), named per run. A rank rings a peer on its node when it posts a message to
-it and when it has received one from it (the sender may be waiting for its send to
-complete), and a waiting rank sleeps on its bell (``select``) instead of a fixed nap: it
-wakes a few microseconds after a ring (a round trip takes 7 us on this VM) and costs
-nothing while nothing happens. MPI's own progress (the rounds of a collective) rings no
-bell, so a wait on the bell still times out: after ``NAP_S`` first, twice as long after
-each silent one, up to ``LONGEST_NAP_S``, and back to ``NAP_S`` after a ring. The
-messages stay MPI's: a ring lost (a full socket buffer, a peer on another node) costs
-only time.
+the process), named per run, and a flag per rank, in memory the node's ranks share, that
+says whether the rank sleeps on its bell. A rank rings a peer on its node when it posts
+a message to it, when it has received one from it (the sender may be waiting for its
+send to complete) and when it joins the step's sum, if the peer's flag is up: a ring
+costs its ringer a system call. A rank that has waited through a few naps
+(``transport.NAPS_BEFORE_BELL``) sleeps on its bell (``select``) instead: it wakes a few
+microseconds after a ring (a round trip takes 7 us on this VM) and costs nothing while
+nothing happens. MPI's own progress (the rounds of a collective) rings no bell, so a
+sleep on the bell still times out: after ``NAP_S`` first, twice as long after each
+silent one, up to ``LONGEST_NAP_S``, and back to ``NAP_S`` after a ring. The messages
+stay MPI's: a ring lost (a full socket buffer, a peer on another node) costs only time.
 """
 
 from __future__ import annotations
@@ -36,11 +38,10 @@ LONGEST_NAP_S = 1e-3  # a silent wait's longest sleep: ~3 % of a core on a VM
 _RING = b"\0"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Doorbell:
     """This rank's bell, the names of the bells of the ranks on its node, and whether
-    each of them sleeps (one flag a rank, in memory the node's ranks share: a ring
-    costs its ringer a system call, worth it only for a rank that sleeps)."""
+    each of them sleeps."""
 
     sock: socket.socket
     peers: dict[int, str]  # world rank on this node -> its bell's address

@@ -97,8 +97,8 @@ def wait_patiently(
     them: a rank spinning in a wait holds a core its peer needs to finish what it waits
     for (4 ranks on 2 cores: 65 ms a step spinning, 44 ms napping). With a core each,
     spinning is faster (a nap adds up to ~0.1 ms of latency: 5 % on a 2-rank step here).
-    With a ``bell`` the rank sleeps on it instead, until a peer rings or a nap that
-    doubles while nothing rings (executor/doorbell.py)."""
+    With a ``bell``, after ``NAPS_BEFORE_BELL`` naps the rank sleeps on it instead, until
+    a peer rings or a timeout that doubles while nothing rings (executor/doorbell.py)."""
     tests, sleep_s, longest = 0, nap_s, max(nap_s, LONGEST_NAP_S)
     while not ready():
         if between is not None:
