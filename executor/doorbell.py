@@ -98,9 +98,9 @@ class Doorbell:
             flag[0] = 0
         if not readable:
             return False
-        with contextlib.suppress(BlockingIOError):
-            while self.sock.recv(64):
-                pass
+        with contextlib.suppress(BlockingIOError):  # take rings until none is left
+            while True:
+                self.sock.recv(64)
         return True
 
     def close(self) -> None:

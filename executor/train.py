@@ -366,7 +366,7 @@ def train(
     device = open_device(options.device, comm)
     nap = oversubscribed(comm)
     bell = Doorbell.open(comm) if nap else None  # ranks that share cores sleep on it
-    transport = make_transport(options.transport, comm, device, bell)
+    transport = make_transport(options.transport, comm, device, nap, bell)
     s = agreed_setup(comm, options)
     if options.save_model is not None:
         _agree_on(comm, lambda: check_saveable(s.model.path, s.model.graph, options.save_model))

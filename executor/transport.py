@@ -254,6 +254,7 @@ class MpiTransport:
         self.rank = comm.Get_rank()
         self._counter = _Counter()
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
+        self._group_bells: dict[tuple[int, ...], GroupBell] = {}
         self._made: set[tuple[int, ...]] = set()
         self._rings = _RingQueues()
         self._sends: list[tuple[MPI.Request, Array]] = []
@@ -273,6 +274,8 @@ class MpiTransport:
             sub = self.comm.Split(color, key=self.rank)
             if sub != MPI.COMM_NULL:
                 self._groups[devices] = sub
+                if self.bell is not None:  # Split kept the world's order: key=rank
+                    self._group_bells[devices] = GroupBell(self.bell, tuple(sorted(devices)))
 
     def _host(self, array: Array) -> np.ndarray:
         if self.staged:
@@ -297,7 +300,7 @@ class MpiTransport:
 
     def allreduce(self, array: Array, devices: tuple[int, ...]) -> _MpiReduce:
         flat = self._host(array).reshape(-1)
-        bell = None if self.bell is None else GroupBell(self.bell, tuple(sorted(devices)))
+        bell = self._group_bells.get(devices)
         ring = _Ring(self._groups[devices], flat, self._counter, self.device, bell)
         self._rings.start(devices, ring)
         return _MpiReduce(ring, array if self.staged else None)
@@ -378,11 +381,12 @@ def mpi_cuda_aware() -> bool:
 
 
 def make_transport(
-    kind: TransportKind, comm: MPI.Comm, device: Device, bell: Doorbell | None = None
+    kind: TransportKind, comm: MPI.Comm, device: Device, nap: bool, bell: Doorbell | None
 ) -> Transport:
     """``auto``: NCCL when every rank has a GPU of its own, host staging when ranks
-    share one, plain MPI on CPU ranks. ``bell``: where ranks outnumber the cores, the
-    doorbell MPI transports' waits sleep on (``Doorbell.open``)."""
+    share one, plain MPI on CPU ranks. ``nap``: ranks outnumber the cores
+    (``oversubscribed``), and MPI transports' waits nap, or sleep on ``bell``
+    (``Doorbell.open``)."""
     from executor.device import gpus_per_rank_ok
     from onnx2soap.errors import UserError
 
@@ -411,10 +415,9 @@ def make_transport(
                 f"--transport mpi-cuda: this MPI ({MPI.Get_library_version().split()[0]}) "
                 "does not report CUDA support; use --transport mpi-host or nccl"
             )
-        return MpiTransport(comm, device, nap=oversubscribed(comm), bell=bell)
+        return MpiTransport(comm, device, nap=nap, bell=bell)
     if kind is TransportKind.MPI and on_gpu:
         raise UserError(
             "--transport mpi moves host arrays; on --device cuda use mpi-host, mpi-cuda or nccl"
         )
-    nap = oversubscribed(comm)
     return MpiTransport(comm, device, staged=kind is TransportKind.MPI_HOST, nap=nap, bell=bell)

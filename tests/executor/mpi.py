@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -121,3 +122,17 @@ def cnn_data_folder(path: Path, samples: int, seed: int = 0) -> Path:
     np.save(path / "input.npy", rng.standard_normal((samples, *MODELS["cnn"].sample_shape)))
     np.save(path / "labels.npy", rng.integers(0, 10, samples))
     return path
+
+
+def run_driver(driver: Path, ranks: int, folder: Path, timeout: float = 120) -> dict[int, dict]:
+    """``mpiexec -n RANKS python DRIVER FOLDER``: what each rank wrote to
+    FOLDER/rank-R.json. The run must succeed."""
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(driver), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {r: json.loads((folder / f"rank-{r}.json").read_text()) for r in range(ranks)}

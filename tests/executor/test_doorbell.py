@@ -4,15 +4,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.executor.mpi import MPIEXEC
+from tests.executor.mpi import run_driver
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="doorbells are Linux abstract sockets"
@@ -21,17 +18,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict[int, dict]:
-    folder = tmp_path_factory.mktemp("doorbell")
     driver = Path(__file__).with_name("doorbell_driver.py")
-    done = subprocess.run(
-        [str(MPIEXEC), "-n", "3", sys.executable, str(driver), str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return {r: json.loads((folder / f"rank-{r}.json").read_text()) for r in range(3)}
+    return run_driver(driver, 3, tmp_path_factory.mktemp("doorbell"))
 
 
 def test_every_rank_sees_every_flag_awake_at_first(seen) -> None:

@@ -10,10 +10,7 @@ checkpoints at the same steps, bad data refused in one line by every rank.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +18,11 @@ import pytest
 
 from executor.checkpoint import read_manifest
 from tests.executor.mpi import (
-    MPIEXEC,
     assert_same_training,
     cnn_data_folder,
     make_plan,
     mpirun,
+    run_driver,
 )
 
 pytestmark = pytest.mark.mpi
@@ -99,16 +96,7 @@ def test_bad_data_read_by_working_ranks_is_one_line_from_every_rank(plans, tmp_p
 def test_the_crew_protocol_on_three_ranks_with_one_idle(tmp_path: Path) -> None:
     """Working ranks 0 and 2 sum over themselves alone; idle rank 1 hears the leader's
     notes in order, and a signal it receives while waiting reaches the leader."""
-    driver = Path(__file__).with_name("crew_driver.py")
-    done = subprocess.run(
-        [str(MPIEXEC), "-n", "3", sys.executable, str(driver), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    seen = {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)}
+    seen = run_driver(Path(__file__).with_name("crew_driver.py"), 3, tmp_path, timeout=60)
     assert [seen[r]["working"] for r in range(3)] == [True, False, True]
     assert all(seen[r]["leader"] == 0 and seen[r]["idle"] == [1] for r in range(3))
     assert seen[0]["steppers"] == seen[2]["steppers"] == 2
