@@ -37,7 +37,7 @@ from executor.optim import OptimizerConfig
 from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.trace import Tracer, write_measured
-from executor.transport import make_transport, oversubscribed, wait_patiently
+from executor.transport import make_transport, nap_precisely, oversubscribed, wait_patiently
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_directory, check_output, write_atomic
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
@@ -366,6 +366,8 @@ def train(
     device = open_device(options.device, comm)
     nap = oversubscribed(comm)
     bell = Doorbell.open(comm) if nap else None  # ranks that share cores sleep on it
+    if nap:
+        nap_precisely()
     transport = make_transport(options.transport, comm, device, nap, bell)
     s = agreed_setup(comm, options)
     if options.save_model is not None:

@@ -144,9 +144,11 @@ def probe(comm, seconds: float = 0.3) -> str:
     """Measure and return the machine file's YAML (on every rank). Where ranks share
     cores, only one rank per core measures the compute rates (the simulator gives a
     shared core's devices their turns, each at a core's own rate)."""
-    from executor.transport import wait_patiently
+    from executor.transport import nap_precisely, wait_patiently
 
     cores = _shared_cores(comm)
+    if cores:  # the ranks wait as the executor's do
+        nap_precisely()
     measuring = not cores or comm.Get_rank() < cores
     comm.Barrier()
     mine = _compute_rates(seconds) if measuring else None

@@ -1,9 +1,11 @@
 """Doorbells (executor/doorbell.py): ranks that share cores sleep until a peer rings, on
 3 ranks under a real mpiexec. The executor's runs on more ranks than this host's cores
-(the 3- and 4-rank tests on a 2-core machine) wait on them throughout."""
+(the 3- and 4-rank tests on a 2-core machine) wait on them throughout. And a rank that
+naps asks the kernel for naps without timer slack (the kernel's own figure for it)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,3 +44,13 @@ def test_a_rank_ready_once_it_says_it_sleeps_does_not_sleep(seen) -> None:
 def test_messages_and_rings_arrive_whole_with_waits_on_the_bell(seen) -> None:
     assert seen[1]["received"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert seen[0]["summed"] == seen[2]["summed"] == [4.0] * 5  # (0 + 1) + (2 + 1)
+
+
+def test_a_rank_that_naps_has_no_timer_slack() -> None:
+    # In a process of its own: the slack is the thread's, and a test must not keep it.
+    read = "print(open('/proc/self/timerslack_ns').read().strip())"
+    code = f"{read}; from executor.transport import nap_precisely; nap_precisely(); {read}"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split()
+    assert int(before) > 1 and int(after) == 1  # Linux's default is 50,000 ns
