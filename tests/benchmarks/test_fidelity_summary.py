@@ -1,0 +1,42 @@
+"""benchmarks/fidelity.py's summary of one model on one machine, against figures worked
+out by hand: the step errors, Kendall's tau, and what trusting the model gets a user."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.fidelity import Result, _over_fastest, summary
+
+
+def _result(plan: str, predicted_ms: float, measured_ms: float) -> Result:
+    seconds = measured_ms * 1e-3
+    return Result(plan, predicted_ms * 1e-3, seconds, (seconds, seconds), (100,), (100,), (0,))
+
+
+RESULTS = [
+    _result("single-device", 3.0, 3.6),  # predicted as fast as the searched plan
+    _result("searched", 3.0, 3.0),
+    _result("data-parallel", 6.0, 2.4),  # the fastest measured, predicted slowest
+]
+
+
+def test_errors_and_tau_as_worked_out_by_hand() -> None:
+    s = summary(RESULTS)
+    # |3.0-3.6|/3.6, 0, |6.0-2.4|/2.4 -> (1/6 + 0 + 1.5) / 3
+    assert s["step_error"] == pytest.approx((1 / 6 + 1.5) / 3)
+    # pairs: (single, searched) tied in prediction; (single, dp) and (searched, dp)
+    # discordant: tau-b = (0 - 2) / sqrt((2 + 1) * 2)
+    assert s["tau"] == pytest.approx(-2 / 6**0.5)
+
+
+def test_the_pick_is_the_mean_of_the_plans_predicted_fastest_against_the_fastest() -> None:
+    s = summary(RESULTS)
+    assert s["pick_over_fastest"] == pytest.approx((3.6 + 3.0) / 2 / 2.4)
+    assert s["searched_over_fastest"] == pytest.approx(3.0 / 2.4)
+
+
+def test_without_a_searched_plan_there_is_no_searched_figure() -> None:
+    assert summary(RESULTS[::2])["searched_over_fastest"] is None
+    assert _over_fastest(None) == "-"
+    assert _over_fastest(1.0) == "fastest"
+    assert _over_fastest(1.25) == "+25 %"
