@@ -185,8 +185,8 @@ def summary(results: list[Result]) -> dict:
         "noise": statistics.median(noise),
         "bias": bias,
         "relative_error": statistics.mean(relative),
-        "pickover_fastest": statistics.mean(picks) / fastest,
-        "searchedover_fastest": searched[0].measured_s / fastest if searched else None,
+        "pick_over_fastest": statistics.mean(picks) / fastest,
+        "searched_over_fastest": searched[0].measured_s / fastest if searched else None,
     }
 
 
@@ -283,8 +283,8 @@ def main(argv=None) -> int:
             f"{s['tau']:.2f} | {s['ordered_apart'][0]} of {s['ordered_apart'][1]} | "
             f"{s['memory_error'] * 100:.1f} % ({s['memory_worst'] * 100:.0f} %) | "
             f"{s['noise'] * 100:.0f} % | {s['bias']:.2f} | {s['relative_error'] * 100:.0f} % | "
-            f"{over_fastest(s['pickover_fastest'])} | "
-            f"{over_fastest(s['searchedover_fastest'])} |"
+            f"{over_fastest(s['pick_over_fastest'])} | "
+            f"{over_fastest(s['searched_over_fastest'])} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"results": everything, "summary": table}))

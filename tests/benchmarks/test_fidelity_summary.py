@@ -31,12 +31,12 @@ def test_errors_and_tau_as_worked_out_by_hand() -> None:
 
 def test_the_pick_is_the_mean_of_the_plans_predicted_fastest_against_the_fastest() -> None:
     s = summary(RESULTS)
-    assert s["pickover_fastest"] == pytest.approx((3.6 + 3.0) / 2 / 2.4)
-    assert s["searchedover_fastest"] == pytest.approx(3.0 / 2.4)
+    assert s["pick_over_fastest"] == pytest.approx((3.6 + 3.0) / 2 / 2.4)
+    assert s["searched_over_fastest"] == pytest.approx(3.0 / 2.4)
 
 
 def test_without_a_searched_plan_there_is_no_searched_figure() -> None:
-    assert summary(RESULTS[::2])["searchedover_fastest"] is None
+    assert summary(RESULTS[::2])["searched_over_fastest"] is None
     assert over_fastest(None) == "-"
     assert over_fastest(1.0) == "fastest"
     assert over_fastest(1.25) == "+25 %"
