@@ -5,15 +5,18 @@
 
 Per machine (``onnx2soap machine probe -n N``: this host's N ranks, then ``onnx2soap
 profile`` per model unless ``--costs roofline``) and model, ten plans: data parallel,
-expert, single device, model parallel, five random seeds and an MCMC search. Each plan
-runs ``--repeats`` times under mpiexec, every plan once a round, with ``--trace`` (steps
-2-11: the ranks' peak memory) and ``--metrics``; a run's step is the median step time
-of the steps after the traced ones (what a run without ``--trace`` takes: rank 0's step
-up to the step's closing all-reduce of the loss, which every rank reaches), the plan's
-the median over the runs (their spread is printed). Per model and machine: the mean
-absolute error of the predicted step, Kendall's tau-b between predicted and measured
-steps over the plans, and the mean absolute error of the predicted peak memory of every
-rank the plan gives tasks.
+expert, single device, model parallel, five random seeds and an MCMC search. The plans
+of a model are timed side by side in one mpiexec (``benchmarks/interleave.py``):
+``--repeats`` rounds of a few steps of each plan, so that the host's slow spells
+(seconds long on this VM) fall on every plan alike. A step's time is rank 0's, up to the
+step's closing all-reduce of the loss, which every rank reaches; a plan's is the median
+of its timed steps, and the spread of its rounds' medians is printed. The ranks' peak
+memory comes from a traced run of each plan's own (steps 2-11). ``--separate`` times
+each plan in its own mpiexec runs instead, as a user runs it (``--repeats`` runs, every
+plan once a round, the median of each run's untraced steps, the median over the runs).
+Per model and machine: the mean absolute error of the predicted step, Kendall's tau-b
+between predicted and measured steps over the plans, and the mean absolute error of the
+predicted peak memory of every rank the plan gives tasks.
 Also the plans' common factor (the median of measured over predicted: the host faster or
 slower than when it was profiled) and the step error once it is taken out, which is how
 well the model tells plans apart; and what trusting the model gets a user: the plan it
@@ -40,6 +43,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+from benchmarks.interleave import WARM_STEPS
 from executor.trace import MEMORY_STEP, TRACED_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +58,8 @@ FIRST_UNTRACED = MEMORY_STEP + TRACED_STEPS  # metrics count steps from 1, as th
 class Result:
     plan: str
     predicted_s: float
-    measured_s: float  # median over runs
-    spread: tuple[float, float]  # min, max over runs
+    measured_s: float  # the median of its timed steps (or, --separate, of its runs)
+    spread: tuple[float, float]  # min, max over the rounds (or runs) of the plan
     predicted_memory: tuple[int, ...]
     measured_memory: tuple[int, ...]
     working: tuple[int, ...] = ()  # the ranks the plan gives tasks
@@ -100,20 +104,71 @@ def plans(model: Path, name: str, machine: Path, ranks: int, folder: Path, evals
 
 
 def measure(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[float, tuple[int, ...]]:
+    """One run of the plan in its own mpiexec: the median of its untraced steps, and the
+    peak memory of every rank over the traced ones."""
+    records, peaks = _traced_run(plan, ranks, steps, folder)
+    untraced = [r["time_s"] for r in records if "time_s" in r and r["step"] >= FIRST_UNTRACED]
+    return statistics.median(untraced), peaks
+
+
+def _traced_run(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[list, tuple]:
     trace, metrics = folder / "trace.json", folder / "metrics.jsonl"
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    command = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, "-m", "executor", "run"]
-    command += [str(plan), "--steps", str(steps), "--trace", str(trace), "--metrics", str(metrics)]
-    if ranks > (os.cpu_count() or 1):
-        command[1:1] = ["--oversubscribe"] if _open_mpi() else []
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    command = [str(BIN / "mpiexec"), *_oversubscribe(ranks), "-n", str(ranks), sys.executable]
+    command += ["-m", "executor", "run", str(plan), "--steps", str(steps)]
+    command += ["--trace", str(trace), "--metrics", str(metrics)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
     if done.returncode:
         raise SystemExit(f"{plan}: the executor failed:\n{done.stderr[-2000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    untraced = [r["time_s"] for r in records if "time_s" in r and r["step"] >= FIRST_UNTRACED]
     peaks = json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
-    return statistics.median(untraced), tuple(peaks)
+    return records, tuple(peaks)
+
+
+def measure_separately(made, ranks: int, args, folder: Path) -> dict:
+    """Per plan: its step (the median over runs), each run's step, the ranks' peaks.
+    Round by round, every plan once a round: the host's drift over minutes falls on all
+    plans alike instead of on the plans measured last."""
+    runs: dict[str, list] = {label: [] for label, _ in made}
+    for _ in range(args.repeats):
+        for label, plan in made:
+            runs[label].append(measure(plan, ranks, args.steps, folder))
+    measured = {}
+    for label, _ in made:
+        times = [t for t, _ in runs[label]]
+        peaks = tuple(max(m[d] for _, m in runs[label]) for d in range(ranks))
+        measured[label] = (statistics.median(times), times, peaks)
+    return measured
+
+
+def measure_interleaved(made, ranks: int, args, folder: Path) -> dict:
+    """Per plan: the median of its timed steps, each round's median (all plans timed side
+    by side in one mpiexec: benchmarks/interleave.py), and the ranks' peak memory, from a
+    traced run of the plan's own (a process's one-off allocations are each run's)."""
+    out = folder / "interleaved.json"
+    command = [str(BIN / "mpiexec"), *_oversubscribe(ranks), "-n", str(ranks)]
+    command += [sys.executable, "-m", "benchmarks.interleave", *(str(p) for _, p in made)]
+    command += ["--rounds", str(args.repeats), "--steps", str(args.round_steps), "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
+    if done.returncode:
+        raise SystemExit(f"benchmarks.interleave failed:\n{done.stderr[-2000:]}")
+    doc = json.loads(out.read_text())
+    measured = {}
+    for label, plan in made:
+        r = doc[str(plan)]
+        _, peaks = _traced_run(plan, ranks, FIRST_UNTRACED, folder)
+        measured[label] = (statistics.median(r["times"]), r["round_medians"], peaks)
+    return measured
+
+
+def _env() -> dict:
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _oversubscribe(ranks: int) -> list[str]:
+    """Open MPI refuses more ranks than cores unless told; MPICH needs no flag."""
+    return ["--oversubscribe"] if ranks > (os.cpu_count() or 1) and _open_mpi() else []
 
 
 def _open_mpi() -> bool:
@@ -206,22 +261,19 @@ def run_model(name, ranks, machine, args, folder) -> list[Result]:
         label: json.loads(onnx2soap("simulate", plan, "--json", "--costs", args.costs))
         for label, plan in made
     }
-    # Round by round, every plan once a round: the host's drift over minutes falls on
-    # all plans alike instead of on the plans measured last.
-    runs: dict[str, list] = {label: [] for label, _ in made}
-    for _ in range(args.repeats):
-        for label, plan in made:
-            runs[label].append(measure(plan, ranks, args.steps, folder))
+    if args.separate:
+        measured = measure_separately(made, ranks, args, folder)
+    else:
+        measured = measure_interleaved(made, ranks, args, folder)
     results = []
     for label, plan in made:
-        times = [t for t, _ in runs[label]]
-        peaks = tuple(max(m[d] for _, m in runs[label]) for d in range(ranks))
+        step_s, times, peaks = measured[label]
         working = sorted({d for op in json.loads(plan.read_text())["ops"] for d in op["devices"]})
         doc = predicted[label]
         result = Result(
             label,
             doc["step_time_s"],
-            statistics.median(times),
+            step_s,
             (min(times), max(times)),
             tuple(doc["peak_memory_bytes"]),
             peaks,
@@ -245,18 +297,33 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="cnn,resnet18,gpt2,lstm_lm")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--repeats", type=int, default=3, help="runs per plan (default 3)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="rounds of every plan, or runs (default 3)"
+    )
+    p.add_argument(
+        "--round-steps",
+        type=int,
+        default=12,
+        help=f"steps a plan runs a round, the first {WARM_STEPS} not timed (default 12)",
+    )
+    p.add_argument(
+        "--separate",
+        action="store_true",
+        help="measure each plan in its own mpiexec runs, as a user runs it",
+    )
     p.add_argument(
         "--steps",
         type=int,
         default=FIRST_UNTRACED + 12,
-        help=f"steps per run (2-{FIRST_UNTRACED - 1} traced, then timed; default "
-        f"{FIRST_UNTRACED + 12})",
+        help=f"with --separate, steps per run (2-{FIRST_UNTRACED - 1} traced, then timed; "
+        f"default {FIRST_UNTRACED + 12})",
     )
     p.add_argument("--search-evals", type=int, default=300)
     p.add_argument("--costs", choices=["auto", "profiled", "roofline"], default="profiled")
     p.add_argument("--json", help="write every result to this file")
     args = p.parse_args(argv)
+    if args.round_steps <= WARM_STEPS:
+        p.error(f"--round-steps: more than {WARM_STEPS}, so that a step of each round is timed")
     if args.steps < FIRST_UNTRACED + 3:
         p.error(f"--steps: at least {FIRST_UNTRACED + 3}, so that 3 steps run untraced")
     table, everything = [], {}
@@ -272,7 +339,7 @@ def main(argv=None) -> int:
     cores = os.cpu_count()
     print(
         "\n| model | machine | plans | step error | Kendall tau | pairs apart ordered right "
-        "| memory error (worst) | run-to-run spread | measured/predicted | step error after it "
+        "| memory error (worst) | spread of repeats | measured/predicted | step error after it "
         "| predicted fastest, measured | searched, measured |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
