@@ -113,12 +113,8 @@ def measure(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[float, tu
 
 def _traced_run(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[list, tuple]:
     trace, metrics = folder / "trace.json", folder / "metrics.jsonl"
-    command = [str(BIN / "mpiexec"), *_oversubscribe(ranks), "-n", str(ranks), sys.executable]
-    command += ["-m", "executor", "run", str(plan), "--steps", str(steps)]
-    command += ["--trace", str(trace), "--metrics", str(metrics)]
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
-    if done.returncode:
-        raise SystemExit(f"{plan}: the executor failed:\n{done.stderr[-2000:]}")
+    run = ["run", plan, "--steps", steps, "--trace", trace, "--metrics", metrics]
+    _mpiexec(ranks, f"{plan}: the executor", "executor", *run)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     peaks = json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
     return records, tuple(peaks)
@@ -145,12 +141,10 @@ def measure_interleaved(made, ranks: int, args, folder: Path) -> dict:
     by side in one mpiexec: benchmarks/interleave.py), and the ranks' peak memory, from a
     traced run of the plan's own (a process's one-off allocations are each run's)."""
     out = folder / "interleaved.json"
-    command = [str(BIN / "mpiexec"), *_oversubscribe(ranks), "-n", str(ranks)]
-    command += [sys.executable, "-m", "benchmarks.interleave", *(str(p) for _, p in made)]
-    command += ["--rounds", str(args.repeats), "--steps", str(args.round_steps), "--json", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
-    if done.returncode:
-        raise SystemExit(f"benchmarks.interleave failed:\n{done.stderr[-2000:]}")
+    timing = ["--rounds", args.repeats, "--steps", args.round_steps, "--json", out]
+    _mpiexec(
+        ranks, "benchmarks.interleave", "benchmarks.interleave", *(p for _, p in made), *timing
+    )
     doc = json.loads(out.read_text())
     measured = {}
     for label, plan in made:
@@ -160,10 +154,15 @@ def measure_interleaved(made, ranks: int, args, folder: Path) -> dict:
     return measured
 
 
-def _env() -> dict:
+def _mpiexec(ranks: int, what: str, module: str, *args: object) -> None:
+    """``mpiexec -n ranks python -m module args``; a failure stops the benchmark."""
+    command = [str(BIN / "mpiexec"), *_oversubscribe(ranks), "-n", str(ranks), sys.executable]
+    command += ["-m", module, *map(str, args)]
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
     env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
 
 
 def _oversubscribe(ranks: int) -> list[str]:
