@@ -74,7 +74,7 @@ def run_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mpiexec() -> str:
+def find_mpiexec() -> str:
     beside = Path(sys.executable).parent / "mpiexec"
     found = str(beside) if beside.exists() else shutil.which("mpiexec")
     if not found:
@@ -85,7 +85,7 @@ def _mpiexec() -> str:
 def run_probe(args: argparse.Namespace) -> int:
     check_output(args.output)  # before the ranks start measuring
     command = [
-        _mpiexec(),
+        find_mpiexec(),
         "-n",
         str(args.ranks),
         sys.executable,

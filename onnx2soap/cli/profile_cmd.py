@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 
 from onnx2soap.cli.common import add_model_options, float_in, int_in, loss_choice, seconds
-from onnx2soap.cli.machine_cmd import _mpiexec
+from onnx2soap.cli.machine_cmd import find_mpiexec
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
@@ -100,7 +100,7 @@ def _ranks(args, machine: Machine) -> int:
 
 
 def _command(args, db: Path, devices: int, ranks: int) -> list[str]:
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "onnx2soap.sim.profiler"]
+    command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "onnx2soap.sim.profiler"]
     command += [str(args.model), "--devices", str(devices), "--db", str(db)]
     command += ["--device", args.device, "--dtype", args.dtype]
     command += ["--repeat", str(args.repeat), "--min-time", str(args.min_time)]
@@ -175,18 +175,20 @@ def run(args: argparse.Namespace) -> int:
         f"in {seconds(summary['seconds'])} on {summary['ranks']} ranks"
     )
     print(f"  fingerprint: {summary['fingerprint']}")
-    line = _calibration_line(db, args.dtype, model.graph, machine)
+    line = _calibration_line(db, DeviceKind(args.device), args.dtype, model.graph, machine)
     print(f"  in-step calibration: {line}")
     return 0
 
 
-def _calibration_line(db: Path, dtype: str, graph: Graph, machine: Machine) -> str:
+def _calibration_line(
+    db: Path, kind: DeviceKind, dtype: str, graph: Graph, machine: Machine
+) -> str:
     """Per phase, how the step's times of ``graph``'s tasks relate to the isolated ones
     (``ProfiledCost.for_graph``)."""
-    fp = host_fingerprint(DeviceKind.CPU, dtype)
+    fp = host_fingerprint(kind, dtype)
     with CostDB.open(db) as opened:
         fp_id = opened.find(fp)
-        if fp_id is None:  # timings of a GPU: no calibration (yet)
+        if fp_id is None:  # the ranks stored nothing under it
             return "none"
         timings, points = opened.timings(fp_id), opened.in_step(fp_id)
     itemsize = DTYPE_ITEMSIZE[dtype]

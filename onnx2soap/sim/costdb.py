@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
+from executor.kinds import DeviceKind  # one enum: the executor's --device
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Op
 from onnx2soap.soap.partition import Task, rect_shape
@@ -79,11 +80,6 @@ class Phase(Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     UPDATE = "update"  # SGD on a weight shard: key names its element count
-
-
-class DeviceKind(Enum):
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 @dataclass(frozen=True)

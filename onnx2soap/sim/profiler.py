@@ -11,16 +11,18 @@ value where a window reads past the tensor), ``TaskArgs`` as the runtime fixes t
 random key (Dropout drops), and for ops with statistics their partial half, the combine
 and the finishing half together (the simulator splits the phase in two).
 
-Then the in-step calibration: every rank runs the executor's own runtime in-process on
-the one-device plan (all its tasks are among those timed), on a communicator of its own,
-with the executor's tracer timing each instruction as ``--trace`` does, for a second of
-clean steps (after the one tracemalloc slows), then as many steps untraced. A task's
-time in a step is that of its instructions (a statistics op has three), each counted
-from the end of the one before it, so the runtime's dispatch between instructions is in
-it; per task the median over the traced steps, scaled so the tasks add up to the median
-untraced step (what a run pays, without the tracer's own time); per key the mean over
-its tasks and over the ranks, stored next to the isolated timing (``InStep``). A
-profile that finds every task of that plan calibrated skips it.
+Then the in-step calibration: every rank runs the executor's own runtime in-process on the
+one-device plan (all its tasks are among those timed), on a communicator of its own and on
+the profiled kind of device (under ``--device cuda``, the GPU the executor would give the
+rank; the tracer then waits for each instruction's kernels, and the untraced steps, whose
+launches overlap, scale the sum), with the executor's tracer timing each instruction as
+``--trace`` does, for a second of clean steps (after the one tracemalloc slows), then as
+many steps untraced. A task's time in a step is that of its instructions (a statistics op
+has three), each counted from the end of the one before it, so the runtime's dispatch
+between instructions is in it; per task the median over the traced steps, scaled so the
+tasks add up to the median untraced step (what a run pays, without the tracer's own time);
+per key the mean over its tasks and over the ranks, stored next to the isolated timing
+(``InStep``). A profile that finds every task of that plan calibrated skips it.
 
 The N ranks time at once, each its share, so every timing sees the others computing (as
 the executor's ranks do); one BLAS thread per rank. Rank 0 reads which keys the database
@@ -341,15 +343,18 @@ def clean_steps(step_seconds: float) -> int:
     return min(MAX_CLEAN_STEPS, max(MIN_CLEAN_STEPS, wanted))
 
 
-def in_step_times(model, dtype: np.dtype, comm=None) -> dict[tuple[Phase, str], float]:
+def in_step_times(
+    model, dtype: np.dtype, comm=None, kind: DeviceKind = DeviceKind.CPU
+) -> dict[tuple[Phase, str], float]:
     """Seconds of every task of the one-device plan inside the executor's step on this
-    rank, per key (see ``_in_step_seconds``). Ranks calibrating at once pass their
+    rank, per key (see ``_in_step_seconds``), on a device of ``kind`` (a GPU: the one
+    ``python -m executor`` gives this rank). Ranks calibrating at once pass their
     communicator: they agree on the number of steps, so each runs all of them beside the
     others."""
     from mpi4py import MPI
 
     from executor.data import SyntheticData, rows_needed
-    from executor.device import CpuDevice
+    from executor.device import open_device
     from executor.host_memory import release_python_heap, settle_python_heap
     from executor.program import compile_program
     from executor.runtime import Runtime
@@ -358,13 +363,15 @@ def in_step_times(model, dtype: np.dtype, comm=None) -> dict[tuple[Phase, str], 
 
     graph = model.graph
     pg = calibration_plan(graph)
-    device = CpuDevice()
-    # As the executor makes it: before the runtime. Tracing every step run.
+    device = open_device(kind, comm if comm is not None else MPI.COMM_SELF)
+    # As the executor makes it: before the runtime. Tracing every step run (on a GPU the
+    # tracer waits for each instruction's kernels; the untraced steps scale the sum).
     tracer = Tracer(0, pg, device, traced_steps=1 + MAX_CLEAN_STEPS)
     rt = Runtime(
         pg,
         compile_program(pg, 0),
-        MpiTransport(MPI.COMM_SELF, device),
+        # One device: no transfers; staged on a GPU, as the transport a shared GPU gets.
+        MpiTransport(MPI.COMM_SELF, device, staged=kind is DeviceKind.CUDA),
         {**model.weights, **model.state},
         dtype,
         model.constants,
@@ -447,10 +454,12 @@ def _calibrated(db_path: Path, fp, graph: Graph) -> bool:
     return wanted <= have
 
 
-def calibrate_ranks(comm, model, dtype: np.dtype, db: CostDB | None, fp_id: int) -> int:
+def calibrate_ranks(
+    comm, model, dtype: np.dtype, db: CostDB | None, fp_id: int, kind: DeviceKind
+) -> int:
     """Every rank at once (so each sees the others busy, as in a run); rank 0 stores the
     mean over the ranks. Returns how many in-step times were stored."""
-    times = comm.gather(in_step_times(model, dtype, comm), root=0)
+    times = comm.gather(in_step_times(model, dtype, comm, kind), root=0)
     if db is None:
         return 0
     points = [
@@ -490,9 +499,7 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
         try:
             items = profile_items(graph, args.devices, dtype.itemsize)
             fp_id, todo = _todo(Path(args.db), fp, items, args.fresh)
-            calibrated = kind is not DeviceKind.CPU or (
-                not args.fresh and _calibrated(Path(args.db), fp, graph)
-            )
+            calibrated = not args.fresh and _calibrated(Path(args.db), fp, graph)
             plan = (fp_id, todo, len(items), calibrated)
         except UserError as e:  # told to every rank, so none waits for ever
             plan = str(e)
@@ -524,8 +531,7 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
                         file=sys.stderr,
                         flush=True,
                     )
-        # The executor's step runs numpy ranks here; on a GPU, no calibration (yet).
-        in_step = 0 if calibrated else calibrate_ranks(comm, model, dtype, db, fp_id)
+        in_step = 0 if calibrated else calibrate_ranks(comm, model, dtype, db, fp_id, kind)
     finally:
         if db is not None:
             db.close()

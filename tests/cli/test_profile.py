@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from executor.device import cupy_module
 from onnx2soap.cli import main as cli
 from onnx2soap.sim.machine import dump_machine
 from onnx2soap.sim.presets import cpu
@@ -204,6 +205,18 @@ def test_bad_input_is_one_line_before_any_work(tmp_path: Path, capsys) -> None:
     assert err.count("\n") == 1 and "not a cost database" in err
     assert cli(_plan(model, machine, tmp_path / "p.json")) == 2  # plan refuses it too
     assert "not a cost database" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(cupy_module() is not None, reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_one_line(tmp_path: Path, capsys) -> None:
+    model = gemm_model(tmp_path / "tiny.onnx")
+    machine = tmp_path / "host.yaml"
+    machine.write_text(dump_machine(cpu(2)))
+    args = ["profile", str(model), "--batch", "8", "--machine", str(machine), "--quiet"]
+    assert cli([*args, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda" in err, err
 
 
 @pytest.mark.mpi
