@@ -2,6 +2,8 @@
 
     python -m benchmarks.fidelity              # cnn, resnet18, gpt2, lstm_lm on cpu:2, cpu:4
     python -m benchmarks.fidelity --models cnn --ranks 2 --repeats 2 --costs roofline
+    python -m benchmarks.fidelity --export-only --models-dir build/fidelity-models
+    python -m benchmarks.fidelity --device cuda --models-dir build/fidelity-models
 
 Per machine (``onnx2soap machine probe -n N``: this host's N ranks, then ``onnx2soap
 profile`` per model unless ``--costs roofline``) and model, ten plans: data parallel,
@@ -23,7 +25,17 @@ well the model tells plans apart; and what trusting the model gets a user: the p
 predicts fastest, and the searched plan, each measured against the fastest plan measured.
 
 N ranks above this host's cores share them: the table says so.
-Needs torch and transformers (dev extras) for the models other than the example CNN.
+
+``--device cuda``: N ranks share one GPU (NCCL refuses two ranks on one device, so they
+move tiles through page-locked host memory, ``--transport mpi-host``). The machine file
+is ``benchmarks/multirank.py``'s (each rank a 1/N share of an H200's peaks, host-staged
+links of assumed bandwidth and latency: ``machine probe`` measures CPU ranks only); the
+task costs are ``onnx2soap profile --device cuda``'s, kernels and in-step calibration
+timed on the GPU. Memory is the ranks' cupy pools.
+
+Needs torch and transformers (dev extras) for the models other than the example CNN; a
+machine without them (the lent GPU's) takes the models from ``--models-dir``, exported
+into it beforehand with ``--export-only``.
 """
 
 from __future__ import annotations
@@ -43,8 +55,12 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+import yaml
+
 from benchmarks.interleave import WARM_STEPS
+from benchmarks.multirank import shared_gpu_machine
 from executor.trace import MEMORY_STEP, TRACED_STEPS
+from onnx2soap.cli.machine_cmd import find_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -52,6 +68,33 @@ BATCH = {"cnn": 32, "resnet18": 8, "gpt2": 16, "lstm_lm": 32}
 RULES = ("data-parallel", "expert", "single-device", "model-parallel")
 RANDOM_SEEDS = (1, 2, 3, 4, 5)
 FIRST_UNTRACED = MEMORY_STEP + TRACED_STEPS  # metrics count steps from 1, as the tracer
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where the plans run: ``ranks`` MPI ranks of this host's CPU, or sharing one GPU."""
+
+    device: str  # "cpu" or "cuda"
+    ranks: int
+
+    @property
+    def label(self) -> str:
+        return f"cpu:{self.ranks}" if self.device == "cpu" else f"gpu/{self.ranks}"
+
+    @property
+    def executor_args(self) -> list[str]:
+        """How ``python -m executor run`` and ``benchmarks.interleave`` are told (the
+        executor's own default is a GPU wherever cupy sees one)."""
+        if self.device == "cpu":
+            return ["--device", "cpu"]
+        return ["--device", "cuda", "--transport", "mpi-host"]
+
+    def make_machine(self, path: Path) -> Path:
+        if self.device == "cpu":
+            onnx2soap("machine", "probe", "-n", self.ranks, "-o", path)
+        else:
+            path.write_text(yaml.safe_dump(shared_gpu_machine(self.ranks)))
+        return path
 
 
 @dataclass(frozen=True)
@@ -66,30 +109,43 @@ class Result:
 
 
 def export(name: str, folder: Path) -> Path:
+    """The model's ONNX file in ``folder``, exported unless it is there already."""
     if name == "cnn":
         return ROOT / "examples" / "cnn.onnx"
-    if name == "resnet18":
-        from tests.torchvision_models import export_family
-
-        return export_family("resnet18", folder, "legacy")
-    from tests.sequence_models import export_sequence
-
     # GPT-2 as tests/sequences exports it: the legacy exporter cannot export aten::diff
     # (opset 17), dynamo (opset 18, optimize=False: one tied weight) can. The tiny config
     # (width 16, 2 layers, 8 tokens) keeps one fidelity run of it within minutes on cpu:2.
-    return export_sequence(name, folder, "dynamo" if name == "gpt2" else "legacy")
+    exporter = "dynamo" if name == "gpt2" else "legacy"
+    path = folder / f"{name}_{exporter}.onnx"  # the name both exports give it
+    if path.exists():
+        return path
+    if name == "resnet18":
+        from tests.torchvision_models import export_family
+
+        return export_family("resnet18", folder, exporter)
+    from tests.sequence_models import export_sequence
+
+    return export_sequence(name, folder, exporter)
+
+
+def _env() -> dict[str, str]:
+    """This checkout importable, and mpiexec beside this Python found first."""
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def onnx2soap(*args: object) -> str:
-    done = subprocess.run(
-        [str(BIN / "onnx2soap"), *map(str, args)], capture_output=True, text=True, check=False
-    )
+    """``python -m onnx2soap``: a machine where the project is not installed (the lent
+    GPU's) has no ``onnx2soap`` command."""
+    command = [sys.executable, "-m", "onnx2soap", *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
     if done.returncode:
         raise SystemExit(f"onnx2soap {' '.join(map(str, args))}: {done.stderr.strip()}")
     return done.stdout
 
 
-def plans(model: Path, name: str, machine: Path, ranks: int, folder: Path, evals: int):
+def plans(model: Path, name: str, machine: Path, setting: Setting, folder: Path, evals: int):
     common = ["--batch", BATCH[name], "--machine", machine, "--quiet"]
     made = []
     for rule in RULES:
@@ -98,69 +154,67 @@ def plans(model: Path, name: str, machine: Path, ranks: int, folder: Path, evals
         made.append((f"random-{seed}", ["--strategy", "random", "--seed", seed]))
     made.append(("searched", ["--max-evals", evals, "--seed", 0]))
     for label, extra in made:
-        path = folder / f"{name}-{ranks}-{label}.json"
+        path = folder / f"{name}-{setting.device}{setting.ranks}-{label}.json"
         onnx2soap("plan", model, *common, *extra, "-o", path)
         yield label, path
 
 
-def measure(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[float, tuple[int, ...]]:
+def measure(plan: Path, setting: Setting, steps: int, folder: Path) -> tuple[float, tuple]:
     """One run of the plan in its own mpiexec: the median of its untraced steps, and the
     peak memory of every rank over the traced ones."""
-    records, peaks = _traced_run(plan, ranks, steps, folder)
+    records, peaks = _traced_run(plan, setting, steps, folder)
     untraced = [r["time_s"] for r in records if "time_s" in r and r["step"] >= FIRST_UNTRACED]
     return statistics.median(untraced), peaks
 
 
-def _traced_run(plan: Path, ranks: int, steps: int, folder: Path) -> tuple[list, tuple]:
+def _traced_run(plan: Path, setting: Setting, steps: int, folder: Path) -> tuple[list, tuple]:
     trace, metrics = folder / "trace.json", folder / "metrics.jsonl"
     run = ["run", plan, "--steps", steps, "--trace", trace, "--metrics", metrics]
-    _mpiexec(ranks, f"{plan}: the executor", "executor", *run)
+    _mpiexec(setting.ranks, f"{plan}: the executor", "executor", *run, *setting.executor_args)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     peaks = json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
     return records, tuple(peaks)
 
 
-def measure_separately(made, ranks: int, args, folder: Path) -> dict:
+def measure_separately(made, setting: Setting, args, folder: Path) -> dict:
     """Per plan: its step (the median over runs), each run's step, the ranks' peaks.
     Round by round, every plan once a round: the host's drift over minutes falls on all
     plans alike instead of on the plans measured last."""
     runs: dict[str, list] = {label: [] for label, _ in made}
     for _ in range(args.repeats):
         for label, plan in made:
-            runs[label].append(measure(plan, ranks, args.steps, folder))
+            runs[label].append(measure(plan, setting, args.steps, folder))
     measured = {}
     for label, _ in made:
         times = [t for t, _ in runs[label]]
-        peaks = tuple(max(m[d] for _, m in runs[label]) for d in range(ranks))
+        peaks = tuple(max(m[d] for _, m in runs[label]) for d in range(setting.ranks))
         measured[label] = (statistics.median(times), times, peaks)
     return measured
 
 
-def measure_interleaved(made, ranks: int, args, folder: Path) -> dict:
+def measure_interleaved(made, setting: Setting, args, folder: Path) -> dict:
     """Per plan: the median of its timed steps, each round's median (all plans timed side
     by side in one mpiexec: benchmarks/interleave.py), and the ranks' peak memory, from a
     traced run of the plan's own (a process's one-off allocations are each run's)."""
     out = folder / "interleaved.json"
     timing = ["--rounds", args.repeats, "--steps", args.round_steps, "--json", out]
-    _mpiexec(
-        ranks, "benchmarks.interleave", "benchmarks.interleave", *(p for _, p in made), *timing
-    )
+    timing += setting.executor_args
+    interleave = "benchmarks.interleave"
+    _mpiexec(setting.ranks, interleave, interleave, *(p for _, p in made), *timing)
     doc = json.loads(out.read_text())
     measured = {}
     for label, plan in made:
         r = doc[str(plan)]
-        _, peaks = _traced_run(plan, ranks, FIRST_UNTRACED, folder)
+        _, peaks = _traced_run(plan, setting, FIRST_UNTRACED, folder)
         measured[label] = (statistics.median(r["times"]), r["round_medians"], peaks)
     return measured
 
 
 def _mpiexec(ranks: int, what: str, module: str, *args: object) -> None:
     """``mpiexec -n ranks python -m module args``; a failure stops the benchmark."""
-    command = [str(BIN / "mpiexec"), *_oversubscribe(ranks), "-n", str(ranks), sys.executable]
+    command = [find_mpiexec(), *_oversubscribe(ranks), "-n", str(ranks), sys.executable]
     command += ["-m", module, *map(str, args)]
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
     if done.returncode:
         raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
 
@@ -171,7 +225,7 @@ def _oversubscribe(ranks: int) -> list[str]:
 
 
 def _open_mpi() -> bool:
-    done = subprocess.run([str(BIN / "mpiexec"), "--version"], capture_output=True, text=True)
+    done = subprocess.run([find_mpiexec(), "--version"], capture_output=True, text=True)
     return "Open MPI" in done.stdout or "OpenRTE" in done.stdout
 
 
@@ -251,19 +305,21 @@ def over_fastest(ratio: float | None) -> str:
     return "fastest" if ratio <= 1.0 else f"+{(ratio - 1) * 100:.0f} %"
 
 
-def run_model(name, ranks, machine, args, folder) -> list[Result]:
-    model = export(name, folder)
+def run_model(name: str, setting: Setting, machine: Path, args, models: Path) -> list[Result]:
+    folder = machine.parent
+    model = export(name, models)
     if args.costs != "roofline":
-        onnx2soap("profile", model, "--batch", BATCH[name], "--machine", machine, "--quiet")
-    made = list(plans(model, name, machine, ranks, folder, args.search_evals))
+        profile = ["--batch", BATCH[name], "--machine", machine, "--device", setting.device]
+        onnx2soap("profile", model, *profile, "--quiet")
+    made = list(plans(model, name, machine, setting, folder, args.search_evals))
     predicted = {
         label: json.loads(onnx2soap("simulate", plan, "--json", "--costs", args.costs))
         for label, plan in made
     }
     if args.separate:
-        measured = measure_separately(made, ranks, args, folder)
+        measured = measure_separately(made, setting, args, folder)
     else:
-        measured = measure_interleaved(made, ranks, args, folder)
+        measured = measure_interleaved(made, setting, args, folder)
     results = []
     for label, plan in made:
         step_s, times, peaks = measured[label]
@@ -279,9 +335,9 @@ def run_model(name, ranks, machine, args, folder) -> list[Result]:
             tuple(working),
         )
         print(
-            f"  {name:9} cpu:{ranks} {label:15} predicted {result.predicted_s * 1e3:8.2f} ms  "
-            f"measured {result.measured_s * 1e3:8.2f} ms ({min(times) * 1e3:.2f}-"
-            f"{max(times) * 1e3:.2f})  memory "
+            f"  {name:9} {setting.label} {label:15} predicted "
+            f"{result.predicted_s * 1e3:8.2f} ms  measured {result.measured_s * 1e3:8.2f} ms "
+            f"({min(times) * 1e3:.2f}-{max(times) * 1e3:.2f})  memory "
             + " ".join(
                 f"{(p - m) / m * 100:+.0f}%"
                 for p, m in zip(result.predicted_memory, peaks, strict=True)
@@ -292,10 +348,16 @@ def run_model(name, ranks, machine, args, folder) -> list[Result]:
     return results
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="cnn,resnet18,gpt2,lstm_lm")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="this host's CPU ranks, or ranks sharing one GPU (default cpu)",
+    )
     p.add_argument(
         "--repeats", type=int, default=3, help="rounds of every plan, or runs (default 3)"
     )
@@ -319,42 +381,89 @@ def main(argv=None) -> int:
     )
     p.add_argument("--search-evals", type=int, default=300)
     p.add_argument("--costs", choices=["auto", "profiled", "roofline"], default="profiled")
-    p.add_argument("--json", help="write every result to this file")
+    p.add_argument("--json", type=Path, help="write every result to this file")
+    p.add_argument(
+        "--models-dir",
+        type=Path,
+        help="the exported models: used where there, exported into it where not "
+        "(default: a temporary folder)",
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="export the models into --models-dir and stop (for a machine without torch)",
+    )
     args = p.parse_args(argv)
+    unknown = sorted(set(args.models.split(",")) - set(BATCH))
+    if unknown:
+        p.error(f"--models: no model {', '.join(unknown)}; choose from {', '.join(BATCH)}")
     if args.round_steps <= WARM_STEPS:
         p.error(f"--round-steps: more than {WARM_STEPS}, so that a step of each round is timed")
     if args.steps < FIRST_UNTRACED + 3:
         p.error(f"--steps: at least {FIRST_UNTRACED + 3}, so that 3 steps run untraced")
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: no such folder {args.json.parent}")
+    if args.export_only and args.models_dir is None:
+        p.error("--export-only: give --models-dir, the folder to export into")
+    if args.models_dir is not None and args.models_dir.exists() and not args.models_dir.is_dir():
+        p.error(f"--models-dir {args.models_dir}: not a folder")
+    if args.device == "cuda" and not args.export_only:
+        from executor.device import cupy_module
+
+        if cupy_module() is None:
+            p.error("--device cuda: cupy is not installed or sees no GPU; use --device cpu")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = args.models.split(",")
     table, everything = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        models = args.models_dir or folder
+        models.mkdir(parents=True, exist_ok=True)
+        if args.export_only:
+            for name in names:
+                print(export(name, models))
+            return 0
         for ranks in args.ranks:
-            machine = folder / f"host-{ranks}.yaml"
-            onnx2soap("machine", "probe", "-n", ranks, "-o", machine)
-            for name in args.models.split(","):
-                results = run_model(name, ranks, machine, args, folder)
-                everything[f"{name}@cpu:{ranks}"] = [r.__dict__ for r in results]
-                table.append((name, ranks, summary(results)))
-    cores = os.cpu_count()
+            setting = Setting(args.device, ranks)
+            machine = setting.make_machine(folder / f"machine-{args.device}{ranks}.yaml")
+            for name in names:
+                results = run_model(name, setting, machine, args, models)
+                everything[f"{name}@{setting.label}"] = [r.__dict__ for r in results]
+                table.append((name, setting, summary(results)))
+    print_table(table)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"results": everything, "summary": [(n, s.label, x) for n, s, x in table]})
+        )
+    return 0
+
+
+def print_table(table: list[tuple[str, Setting, dict]]) -> None:
+    cores = os.cpu_count() or 1
     print(
         "\n| model | machine | plans | step error | Kendall tau | pairs apart ordered right "
         "| memory error (worst) | spread of repeats | measured/predicted | step error after it "
         "| predicted fastest, measured | searched, measured |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, ranks, s in table:
-        over = " (oversubscribed)" if ranks > (cores or 1) else ""
+    for name, setting, s in table:
+        if setting.device == "cuda":
+            where = f"{setting.ranks} ranks on one GPU"
+        else:
+            over = " (oversubscribed)" if setting.ranks > cores else ""
+            where = f"{setting.label}{over}"
         print(
-            f"| {name} | cpu:{ranks}{over} | {s['plans']} | {s['step_error'] * 100:.0f} % | "
+            f"| {name} | {where} | {s['plans']} | {s['step_error'] * 100:.0f} % | "
             f"{s['tau']:.2f} | {s['ordered_apart'][0]} of {s['ordered_apart'][1]} | "
             f"{s['memory_error'] * 100:.1f} % ({s['memory_worst'] * 100:.0f} %) | "
             f"{s['noise'] * 100:.0f} % | {s['bias']:.2f} | {s['relative_error'] * 100:.0f} % | "
             f"{over_fastest(s['pick_over_fastest'])} | "
             f"{over_fastest(s['searched_over_fastest'])} |"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"results": everything, "summary": table}))
-    return 0
 
 
 if __name__ == "__main__":

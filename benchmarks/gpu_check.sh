@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared run (about 8 minutes at most) on a machine with a CUDA
-# GPU and cupy, torch, mpi4py (with mpiexec), onnx, onnxruntime and pytest:
+# The GPU checks, as one prepared run (about 12 minutes at most, each part capped; a
+# shorter limit keeps the parts that finished) on a machine with a CUDA GPU and cupy,
+# torch, mpi4py (with mpiexec), onnx, onnxruntime and pytest:
 #   1. every op's cupy kernels equal numpy's (float64), and the backend on cupy;
 #   2. the executor on the GPU: one rank like the CPU, four ranks sharing the GPU over
 #      mpi-host like one device, nccl with one rank, mpi-cuda run or refused;
 #   3. the step-time table: the executor next to PyTorch eager on the same GPU;
 #   4. four ranks sharing the GPU: measured step next to the simulator's prediction;
-#   5. the per-op kernel table, numpy vs cupy.
-# Each part has its own time limit, so one stuck part leaves the others' results. Results
-# go to $OUT (or ./build/gpu when OUT is unset).
+#   5. the per-op kernel table, numpy vs cupy;
+#   6. simulator fidelity with 2 and 4 ranks sharing the GPU: profiled on the GPU (kernels
+#      and in-step calibration), ten plans a model predicted next to measured.
+# Part 6 takes its models from build/fidelity-models, exported beforehand where torch and
+# transformers are (this project's venv), and carried to the GPU's machine:
+#   python -m benchmarks.fidelity --export-only --models-dir build/fidelity-models
+# Each part has its own time limit, so one stuck part leaves the others' results; the
+# parts run in order of what matters most, and print as they go. Results go to $OUT (or
+# ./build/gpu when OUT is unset).
 set -u
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
@@ -25,10 +32,14 @@ PATH="$(dirname "$(command -v "$PY")"):$PATH"
 } 2>&1 | tee "$OUT/machine.txt"
 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/ops/test_ops_gpu.py \
   tests/conformance/test_backend.py 2>&1 | tail -n 5 | tee "$OUT/gpu_ops.txt"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/executor/test_gpu.py 2>&1 \
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/executor/test_gpu.py \
+  tests/cli/test_profile_gpu.py 2>&1 \
   | tail -n 15 | tee "$OUT/gpu_executor.txt"
 timeout 90 $PY -m benchmarks.step_time --device cuda --steps 20 2>&1 \
   | grep -v Warning | tail -n 4 | tee "$OUT/step_time.txt"
 timeout 90 $PY -m benchmarks.multirank --device cuda --ranks 4 --steps 10 2>&1 \
   | tail -n 6 | tee "$OUT/multirank.txt"
 timeout 45 $PY -m benchmarks.kernels --batch 256 --repeat 20 2>&1 | tee "$OUT/kernels.txt"
+timeout 200 $PY -m benchmarks.fidelity --device cuda --ranks 2 4 --repeats 2 \
+  --models cnn,gpt2,lstm_lm,resnet18 --models-dir build/fidelity-models 2>&1 \
+  | tee "$OUT/fidelity.txt"

@@ -1,6 +1,8 @@
 """Time several plans of one model step by step side by side, in one set of ranks.
 
     mpiexec -n N python -m benchmarks.interleave PLAN... --rounds R --steps K --json OUT
+    mpiexec -n N python -m benchmarks.interleave PLAN... --json OUT --device cuda \
+        --transport mpi-host          # ranks sharing one GPU
 
 Why: this host's speed changes by half within seconds (a shared VM: a tiny loop runs
 at 50 or 80 thousand iterations a second, in spells from 20 ms to 5 s). Plans measured
@@ -36,6 +38,8 @@ import statistics
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+from executor.kinds import DeviceKind, TransportKind  # noqa: E402  (after the variables)
+
 WARM_STEPS = 2  # a round's first steps, not timed
 
 
@@ -45,6 +49,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--steps", type=int, default=12, help="steps a plan runs a round")
     p.add_argument("--json", type=Path, required=True, help="where rank 0 writes results")
+    p.add_argument(
+        "--device",
+        choices=[k.value for k in DeviceKind],
+        default="cpu",
+        help="as python -m executor run's",
+    )
+    p.add_argument(
+        "--transport",
+        choices=[k.value for k in TransportKind],
+        default="auto",
+        help="as python -m executor run's",
+    )
     args = p.parse_args(argv)
     if not args.json.parent.is_dir():
         p.error(f"--json {args.json}: no such folder {args.json.parent}")
@@ -55,16 +71,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def measure_all(comm, plans: list[Path], rounds: int, steps: int) -> dict:
+def measure_all(
+    comm,
+    plans: list[Path],
+    rounds: int,
+    steps: int,
+    device: DeviceKind = DeviceKind.CPU,
+    transport: TransportKind = TransportKind.AUTO,
+) -> dict:
     """Every plan's timed steps and each round's median (meaningful on rank 0)."""
     from executor.train import RunOptions, train
 
+    def run(plan: Path, count: int):
+        return train(comm, RunOptions(plan=plan, steps=count, device=device, transport=transport))
+
     results = {str(p): {"times": [], "round_medians": []} for p in plans}
     for plan in plans:  # the process's one-off work, before anything is timed
-        train(comm, RunOptions(plan=plan, steps=WARM_STEPS))
+        run(plan, WARM_STEPS)
     for _ in range(rounds):
         for plan in plans:
-            done = train(comm, RunOptions(plan=plan, steps=steps))
+            done = run(plan, steps)
             timed = [r.time_s for r in done.steps[WARM_STEPS:]]
             results[str(plan)]["times"] += timed
             results[str(plan)]["round_medians"].append(statistics.median(timed))
@@ -76,7 +102,8 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    results = measure_all(comm, args.plans, args.rounds, args.steps)
+    device, transport = DeviceKind(args.device), TransportKind(args.transport)
+    results = measure_all(comm, args.plans, args.rounds, args.steps, device, transport)
     if comm.Get_rank() == 0:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -29,6 +29,7 @@ import subprocess
 import yaml
 
 from benchmarks.models import BUILD, ROOT
+from onnx2soap.cli.machine_cmd import find_mpiexec
 from onnx2soap.sim.costdb import db_path_for
 
 PYTHON = Path(sys.executable)
@@ -88,9 +89,8 @@ def _plans(model: Path, batch: int, ranks: int, machine: str, out: Path) -> dict
 
 
 def _measured_s(plan: Path, ranks: int, steps: int, device: str) -> float:
-    mpiexec = PYTHON.parent / "mpiexec"
     transport = ["--transport", "mpi-host"] if device == "cuda" else []
-    command = [str(mpiexec), "-n", str(ranks), str(PYTHON), "-m", "executor", "run", str(plan),
+    command = [find_mpiexec(), "-n", str(ranks), str(PYTHON), "-m", "executor", "run", str(plan),
                "--steps", str(steps), "--json", "--device", device, *transport]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     for line in done.stdout.splitlines():

@@ -15,10 +15,22 @@ from mpi4py import MPI
 from executor.kinds import DeviceKind
 from executor.train import RunOptions, train
 from onnx2soap.cli import main as onnx2soap_main
+from onnx2soap.cli.machine_cmd import find_mpiexec
+from onnx2soap.errors import UserError
 from onnx2soap.ir import DType
 from tests.models import MODELS
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+def _mpiexec() -> Path:
+    """mpiexec beside this Python (the project's MPICH), else the one on PATH (a machine
+    whose MPI came with the system, as the lent GPU's may)."""
+    try:
+        return Path(find_mpiexec())
+    except UserError:  # none at all: the tests that run it fail, saying so
+        return Path(sys.executable).parent / "mpiexec"
+
+
+MPIEXEC = _mpiexec()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,78 @@
+"""benchmarks/fidelity.py run for real, small: one model's ten plans predicted, run side by
+side and traced on two CPU ranks; its arguments checked before any work; the models
+taken from ``--models-dir`` where there (the lent GPU's machine has no torch to export)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.fidelity import RANDOM_SEEDS, RULES, Setting, export
+from executor.device import cupy_module
+from onnx2soap.sim.machine import load_machine_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fidelity(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "benchmarks.fidelity", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--models", "cnn,vgg"], "--models: no model vgg"),
+        (["--export-only"], "--export-only: give --models-dir"),
+        (["--json", "no/such/out.json"], "--json no/such/out.json: no such folder"),
+        (["--round-steps", "2"], "--round-steps: more than 2"),
+    ],
+)
+def test_bad_arguments_exit_2_before_any_work(args: list[str], said: str) -> None:
+    done = _fidelity(*args)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(cupy_module() is not None, reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused() -> None:
+    done = _fidelity("--device", "cuda")
+    assert done.returncode == 2 and "--device cuda: cupy is not installed" in done.stderr
+
+
+def test_ranks_sharing_a_gpu_get_its_machine_and_the_staged_transport(tmp_path: Path) -> None:
+    setting = Setting("cuda", 4)
+    machine = load_machine_file(setting.make_machine(tmp_path / "gpu.yaml"))
+    assert machine.size == 4 and not machine.shares_cores
+    assert machine.devices[0].peak_flops == pytest.approx(67e12 / 4)
+    assert setting.executor_args == ["--device", "cuda", "--transport", "mpi-host"]
+    assert Setting("cpu", 4).executor_args == ["--device", "cpu"]  # never a GPU by default
+
+
+def test_a_model_in_the_models_dir_is_not_exported_again(tmp_path: Path) -> None:
+    there = tmp_path / "resnet18_legacy.onnx"  # the name the export gives it
+    there.write_bytes(b"kept")
+    assert export("resnet18", tmp_path) == there and there.read_bytes() == b"kept"
+    done = _fidelity("--export-only", "--models-dir", str(tmp_path), "--models", "cnn,resnet18")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(ROOT / "examples" / "cnn.onnx"), str(there)]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_one_model_on_two_ranks_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "fidelity.json"
+    small = ["--models", "cnn", "--ranks", "2", "--repeats", "1", "--round-steps", "3"]
+    done = _fidelity(*small, "--search-evals", "10", "--costs", "roofline", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]["cnn@cpu:2"]
+    labels = [r["plan"] for r in results]
+    assert labels == [*RULES, *(f"random-{s}" for s in RANDOM_SEEDS), "searched"]
+    for r in results:
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert len(r["predicted_memory"]) == len(r["measured_memory"]) == 2
+        assert min(r["measured_memory"][d] for d in r["working"]) > 0
+    assert "| cnn | cpu:2 | 10 |" in done.stdout
