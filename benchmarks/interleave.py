@@ -38,7 +38,8 @@ import statistics
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-from executor.kinds import DeviceKind, TransportKind  # noqa: E402  (after the variables)
+from executor.cli import add_device_options  # noqa: E402  (numpy after the variables)
+from executor.kinds import DeviceKind, TransportKind  # noqa: E402
 
 WARM_STEPS = 2  # a round's first steps, not timed
 
@@ -49,18 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--steps", type=int, default=12, help="steps a plan runs a round")
     p.add_argument("--json", type=Path, required=True, help="where rank 0 writes results")
-    p.add_argument(
-        "--device",
-        choices=[k.value for k in DeviceKind],
-        default="cpu",
-        help="as python -m executor run's",
-    )
-    p.add_argument(
-        "--transport",
-        choices=[k.value for k in TransportKind],
-        default="auto",
-        help="as python -m executor run's",
-    )
+    add_device_options(p)  # as python -m executor run takes them
     args = p.parse_args(argv)
     if not args.json.parent.is_dir():
         p.error(f"--json {args.json}: no such folder {args.json.parent}")
@@ -76,7 +66,7 @@ def measure_all(
     plans: list[Path],
     rounds: int,
     steps: int,
-    device: DeviceKind = DeviceKind.CPU,
+    device: DeviceKind | None = None,  # the executor's default: a GPU where cupy sees one
     transport: TransportKind = TransportKind.AUTO,
 ) -> dict:
     """Every plan's timed steps and each round's median (meaningful on rank 0)."""
@@ -102,7 +92,8 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    device, transport = DeviceKind(args.device), TransportKind(args.transport)
+    device = DeviceKind(args.device) if args.device else None
+    transport = TransportKind(args.transport)
     results = measure_all(comm, args.plans, args.rounds, args.steps, device, transport)
     if comm.Get_rank() == 0:
         args.json.write_text(json.dumps(results, indent=1))

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_options(run)
     _add_optimizer_options(run)
     _add_checkpoint_options(run)
-    _add_device_options(run)
+    add_device_options(run)
     _add_output_options(run)
     add_nonfinite_option(run)
     return parser
@@ -115,7 +115,7 @@ def _add_checkpoint_options(run: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_device_options(run: argparse.ArgumentParser) -> None:
+def add_device_options(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--device",
         choices=["cpu", "cuda"],
