@@ -391,7 +391,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--export-only",
         action="store_true",
-        help="export the models into --models-dir and stop (for a machine without torch)",
+        help="export the models into --models-dir and stop (for a machine without the dev extras)",
     )
     args = p.parse_args(argv)
     unknown = sorted(set(args.models.split(",")) - set(BATCH))
