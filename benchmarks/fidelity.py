@@ -34,7 +34,7 @@ task costs are ``onnx2soap profile --device cuda``'s, kernels and in-step calibr
 timed on the GPU. Memory is the ranks' cupy pools.
 
 Needs torch and transformers (dev extras) for the models other than the example CNN; a
-machine without them (the lent GPU's) takes the models from ``--models-dir``, exported
+machine without them (the lent GPU's may be one) takes the models from ``--models-dir``, exported
 into it beforehand with ``--export-only``.
 """
 
@@ -59,6 +59,7 @@ import yaml
 
 from benchmarks.interleave import WARM_STEPS
 from benchmarks.multirank import shared_gpu_machine
+from executor.kinds import DeviceKind
 from executor.trace import MEMORY_STEP, TRACED_STEPS
 from onnx2soap.cli.machine_cmd import find_mpiexec
 
@@ -74,23 +75,27 @@ FIRST_UNTRACED = MEMORY_STEP + TRACED_STEPS  # metrics count steps from 1, as th
 class Setting:
     """Where the plans run: ``ranks`` MPI ranks of this host's CPU, or sharing one GPU."""
 
-    device: str  # "cpu" or "cuda"
+    device: DeviceKind
     ranks: int
 
     @property
+    def on_cpu(self) -> bool:
+        return self.device is DeviceKind.CPU
+
+    @property
     def label(self) -> str:
-        return f"cpu:{self.ranks}" if self.device == "cpu" else f"gpu/{self.ranks}"
+        return f"cpu:{self.ranks}" if self.on_cpu else f"gpu/{self.ranks}"
 
     @property
     def executor_args(self) -> list[str]:
         """How ``python -m executor run`` and ``benchmarks.interleave`` are told (the
         executor's own default is a GPU wherever cupy sees one)."""
-        if self.device == "cpu":
+        if self.on_cpu:
             return ["--device", "cpu"]
         return ["--device", "cuda", "--transport", "mpi-host"]
 
     def make_machine(self, path: Path) -> Path:
-        if self.device == "cpu":
+        if self.on_cpu:
             onnx2soap("machine", "probe", "-n", self.ranks, "-o", path)
         else:
             path.write_text(yaml.safe_dump(shared_gpu_machine(self.ranks)))
@@ -154,7 +159,7 @@ def plans(model: Path, name: str, machine: Path, setting: Setting, folder: Path,
         made.append((f"random-{seed}", ["--strategy", "random", "--seed", seed]))
     made.append(("searched", ["--max-evals", evals, "--seed", 0]))
     for label, extra in made:
-        path = folder / f"{name}-{setting.device}{setting.ranks}-{label}.json"
+        path = folder / f"{name}-{setting.device.value}{setting.ranks}-{label}.json"
         onnx2soap("plan", model, *common, *extra, "-o", path)
         yield label, path
 
@@ -309,7 +314,7 @@ def run_model(name: str, setting: Setting, machine: Path, args, models: Path) ->
     folder = machine.parent
     model = export(name, models)
     if args.costs != "roofline":
-        profile = ["--batch", BATCH[name], "--machine", machine, "--device", setting.device]
+        profile = ["--batch", BATCH[name], "--machine", machine, "--device", setting.device.value]
         onnx2soap("profile", model, *profile, "--quiet")
     made = list(plans(model, name, machine, setting, folder, args.search_evals))
     predicted = {
@@ -428,7 +433,7 @@ def main(argv=None) -> int:
                 print(export(name, models))
             return 0
         for ranks in args.ranks:
-            setting = Setting(args.device, ranks)
+            setting = Setting(DeviceKind(args.device), ranks)
             machine = setting.make_machine(folder / f"machine-{args.device}{ranks}.yaml")
             for name in names:
                 results = run_model(name, setting, machine, args, models)
@@ -451,11 +456,11 @@ def print_table(table: list[tuple[str, Setting, dict]]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, setting, s in table:
-        if setting.device == "cuda":
-            where = f"{setting.ranks} ranks on one GPU"
-        else:
+        if setting.on_cpu:
             over = " (oversubscribed)" if setting.ranks > cores else ""
             where = f"{setting.label}{over}"
+        else:
+            where = f"{setting.ranks} ranks on one GPU"
         print(
             f"| {name} | {where} | {s['plans']} | {s['step_error'] * 100:.0f} % | "
             f"{s['tau']:.2f} | {s['ordered_apart'][0]} of {s['ordered_apart'][1]} | "

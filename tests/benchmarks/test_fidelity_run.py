@@ -14,6 +14,7 @@ import pytest
 from benchmarks import fidelity
 from benchmarks.fidelity import RULES, Setting, export
 from executor.device import cupy_module
+from executor.kinds import DeviceKind
 from onnx2soap.sim.machine import dump_machine, load_machine_file
 from onnx2soap.sim.presets import cpu
 
@@ -46,12 +47,12 @@ def test_cuda_without_a_gpu_is_refused() -> None:
 
 
 def test_ranks_sharing_a_gpu_get_its_machine_and_the_staged_transport(tmp_path: Path) -> None:
-    setting = Setting("cuda", 4)
+    setting = Setting(DeviceKind.CUDA, 4)
     machine = load_machine_file(setting.make_machine(tmp_path / "gpu.yaml"))
     assert machine.size == 4 and not machine.shares_cores
     assert machine.devices[0].peak_flops == pytest.approx(67e12 / 4)
     assert setting.executor_args == ["--device", "cuda", "--transport", "mpi-host"]
-    assert Setting("cpu", 4).executor_args == ["--device", "cpu"]  # never a GPU by default
+    assert Setting(DeviceKind.CPU, 4).executor_args == ["--device", "cpu"]  # never a GPU by default
 
 
 def test_a_model_in_the_models_dir_is_not_exported_again(tmp_path: Path) -> None:
