@@ -15,8 +15,11 @@
 #   python -m benchmarks.fidelity --export-only --models-dir build/fidelity-models
 # Each part has its own time limit, so one stuck part leaves the others' results; the
 # parts run in order of what matters most, and print as they go. Results go to $OUT (or
-# ./build/gpu when OUT is unset).
+# ./build/gpu when OUT is unset). Arguments name the parts to run (default: all), so that
+# a device's time can be split over two calls: `gpu_check.sh 1 2 3 4 5`, then `gpu_check.sh 6`.
 set -u
+PARTS=" ${*:-1 2 3 4 5 6} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -30,16 +33,28 @@ PATH="$(dirname "$(command -v "$PY")"):$PATH"
   command -v mpiexec || echo "no mpiexec on PATH"
   lscpu | grep 'Model name'
 } 2>&1 | tee "$OUT/machine.txt"
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/ops/test_ops_gpu.py \
-  tests/conformance/test_backend.py 2>&1 | tail -n 5 | tee "$OUT/gpu_ops.txt"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/executor/test_gpu.py \
-  tests/cli/test_profile_gpu.py 2>&1 \
-  | tail -n 15 | tee "$OUT/gpu_executor.txt"
-timeout 90 $PY -m benchmarks.step_time --device cuda --steps 20 2>&1 \
-  | grep -v Warning | tail -n 4 | tee "$OUT/step_time.txt"
-timeout 90 $PY -m benchmarks.multirank --device cuda --ranks 4 --steps 10 2>&1 \
-  | tail -n 6 | tee "$OUT/multirank.txt"
-timeout 45 $PY -m benchmarks.kernels --batch 256 --repeat 20 2>&1 | tee "$OUT/kernels.txt"
-timeout 200 $PY -m benchmarks.fidelity --device cuda --ranks 2 4 --repeats 2 \
-  --models cnn,gpt2,lstm_lm,resnet18 --models-dir build/fidelity-models 2>&1 \
-  | tee "$OUT/fidelity.txt"
+if part 1; then
+  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/ops/test_ops_gpu.py \
+    tests/conformance/test_backend.py 2>&1 | tail -n 5 | tee "$OUT/gpu_ops.txt"
+fi
+if part 2; then
+  timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/executor/test_gpu.py \
+    tests/cli/test_profile_gpu.py 2>&1 \
+    | tail -n 15 | tee "$OUT/gpu_executor.txt"
+fi
+if part 3; then
+  timeout 90 $PY -m benchmarks.step_time --device cuda --steps 20 2>&1 \
+    | grep -v Warning | tail -n 4 | tee "$OUT/step_time.txt"
+fi
+if part 4; then
+  timeout 90 $PY -m benchmarks.multirank --device cuda --ranks 4 --steps 10 2>&1 \
+    | tail -n 6 | tee "$OUT/multirank.txt"
+fi
+if part 5; then
+  timeout 45 $PY -m benchmarks.kernels --batch 256 --repeat 20 2>&1 | tee "$OUT/kernels.txt"
+fi
+if part 6; then
+  timeout 200 $PY -m benchmarks.fidelity --device cuda --ranks 2 4 --repeats 2 \
+    --models cnn,gpt2,lstm_lm,resnet18 --models-dir build/fidelity-models 2>&1 \
+    | tee "$OUT/fidelity.txt"
+fi
