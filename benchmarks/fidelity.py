@@ -34,8 +34,8 @@ task costs are ``onnx2soap profile --device cuda``'s, kernels and in-step calibr
 timed on the GPU. Memory is the ranks' cupy pools.
 
 Needs torch and transformers (dev extras) for the models other than the example CNN; a
-machine without them (the lent GPU's may be one) takes the models from ``--models-dir``, exported
-into it beforehand with ``--export-only``.
+machine without them (the lent GPU's may be one) takes the models from ``--models-dir``,
+exported into it beforehand with ``--export-only``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -229,6 +230,7 @@ def _oversubscribe(ranks: int) -> list[str]:
     return ["--oversubscribe"] if ranks > (os.cpu_count() or 1) and _open_mpi() else []
 
 
+@functools.cache  # asked before every mpiexec: the answer does not change
 def _open_mpi() -> bool:
     done = subprocess.run([find_mpiexec(), "--version"], capture_output=True, text=True)
     return "Open MPI" in done.stdout or "OpenRTE" in done.stdout
@@ -359,8 +361,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument(
         "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
+        choices=[k.value for k in DeviceKind],
+        default=DeviceKind.CPU.value,
         help="this host's CPU ranks, or ranks sharing one GPU (default cpu)",
     )
     p.add_argument(
@@ -412,7 +414,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--export-only: give --models-dir, the folder to export into")
     if args.models_dir is not None and args.models_dir.exists() and not args.models_dir.is_dir():
         p.error(f"--models-dir {args.models_dir}: not a folder")
-    if args.device == "cuda" and not args.export_only:
+    if DeviceKind(args.device) is DeviceKind.CUDA and not args.export_only:
         from executor.device import cupy_module
 
         if cupy_module() is None:
