@@ -130,7 +130,7 @@ def pow_backward(xp, attrs, inputs, output, grad_output, args):
 # --- Cast ------------------------------------------------------------------------------
 
 _FLOAT_TARGETS = {onnx.TensorProto.FLOAT: "FLOAT", onnx.TensorProto.DOUBLE: "DOUBLE"}
-_ROUND_MODES = ("up", "down", "nearest")
+ROUND_MODES = ("up", "down", "nearest")
 
 
 def convert_cast(ctx: NodeContext, *, to=None, saturate=1, round_mode="up"):
@@ -140,8 +140,8 @@ def convert_cast(ctx: NodeContext, *, to=None, saturate=1, round_mode="up"):
         raise ctx.fail("attribute 'to' is required")
     if saturate not in (0, 1):
         raise ctx.fail(f"saturate={saturate}; accepted: 0, 1")
-    if text(round_mode) not in _ROUND_MODES:
-        raise ctx.fail(f"round_mode='{text(round_mode)}'; accepted: {', '.join(_ROUND_MODES)}")
+    if text(round_mode) not in ROUND_MODES:
+        raise ctx.fail(f"round_mode='{text(round_mode)}'; accepted: {', '.join(ROUND_MODES)}")
     x = ctx.tensor(0)
     if to in _FLOAT_TARGETS:
         # ids or a mask to float (an attention mask); float to float is the identity
