@@ -1,4 +1,5 @@
-"""ReduceSum, ReduceSumSquare, ReduceMax and ReduceMin.
+"""ReduceSum, ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum, ReduceLogSumExp,
+ReduceProd, ReduceMax and ReduceMin.
 
 As in ``reduce.py`` (ReduceMean), the reduced dims are reductions (absent from
 ``out_dims``), so they are never split and every task's buffer holds whole reduced
@@ -8,12 +9,19 @@ too: exact, only no longer split.
 ReduceMax/ReduceMin send the gradient to the *first* extremum of each reduced block, in
 row-major order of the reduced axes (as our MaxPool does with its window), not spread
 evenly over ties as PyTorch's amax/amin do: a deterministic choice that every split
-agrees on, since a task always holds the block whole.
+agrees on, since a task always holds the block whole. Where a norm has a kink the
+backward takes PyTorch's subgradient: ReduceL1's is ``sign(x)`` (0 at 0), ReduceL2's
+``x / norm`` and 0 where the norm is 0. ReduceProd's gradient is the product of the
+block's other elements, from exclusive running products: exact with zeros in the block,
+where dividing the product by the element would give 0/0. ReduceLogSumExp subtracts the
+block's maximum before exponentiating, so large inputs do not overflow.
 
-The axes are an attribute (ReduceMax/Min/SumSquare before opset 18) or a constant input
+The axes are an attribute (before opset 18, ReduceSum excepted) or a constant input
 (ReduceSum since 13, the others since 18). With empty axes, ``noop_with_empty_axes=1``
-reduces over no axis at all: the identity, or the square for ReduceSumSquare (the spec's
-"composite-reduction operators still perform the non-reduction steps").
+reduces over no axis at all, but the spec's "composite-reduction operators still perform
+the non-reduction steps": the identity for ReduceSum, ReduceProd, ReduceMax, ReduceMin and
+ReduceLogSumExp, the square for ReduceSumSquare, ``|x|`` for ReduceL1 and ReduceL2 and
+``log(x)`` for ReduceLogSum (what onnxruntime and the reference implementation compute).
 """
 
 from __future__ import annotations
@@ -31,8 +39,23 @@ from onnx2soap.ops.context import NodeContext, axis_names, make_op
 class ReduceKind(Enum):
     SUM = "sum"
     SUM_SQUARE = "sum-square"
+    L1 = "l1"
+    L2 = "l2"
+    LOG_SUM = "log-sum"
+    LOG_SUM_EXP = "log-sum-exp"
+    PROD = "prod"
     MAX = "max"
     MIN = "min"
+
+
+# Forward FLOPs per point of the input: the elementwise step and the sum (a log-sum-exp
+# also finds the maximum, subtracts it and exponentiates).
+_FLOPS = {
+    ReduceKind.SUM_SQUARE: 2,
+    ReduceKind.L1: 2,
+    ReduceKind.L2: 2,
+    ReduceKind.LOG_SUM_EXP: 4,
+}
 
 
 @dataclass(frozen=True)
@@ -79,25 +102,20 @@ def _convert(ctx: NodeContext, kind: ReduceKind, axes, keepdims: int, noop: int)
     dims = list(zip(axis_names(rank), x.shape, strict=True))
     out_dims = [None if a in reduced else a for a in range(rank) if keepdims or a not in reduced]
     operands = [Operand(x.name, tuple(identity(a) for a in range(rank)))]
-    flops = 2 if kind is ReduceKind.SUM_SQUARE else 1
     attrs = ReductionAttrs(kind, reduced, bool(keepdims))
-    return make_op(ctx, operands, attrs, dims, out_dims, flops)
+    return make_op(ctx, operands, attrs, dims, out_dims, _FLOPS.get(kind, 1))
 
 
 def convert_sum(ctx: NodeContext, *, keepdims=1, noop_with_empty_axes=0):
+    # ReduceSum has taken its axes as an input since opset 13: no attribute.
     return _convert(ctx, ReduceKind.SUM, None, keepdims, noop_with_empty_axes)
 
 
-def convert_sum_square(ctx: NodeContext, *, axes=None, keepdims=1, noop_with_empty_axes=0):
-    return _convert(ctx, ReduceKind.SUM_SQUARE, axes, keepdims, noop_with_empty_axes)
+def _converter(kind: ReduceKind):
+    def convert(ctx: NodeContext, *, axes=None, keepdims=1, noop_with_empty_axes=0):
+        return _convert(ctx, kind, axes, keepdims, noop_with_empty_axes)
 
-
-def convert_max(ctx: NodeContext, *, axes=None, keepdims=1, noop_with_empty_axes=0):
-    return _convert(ctx, ReduceKind.MAX, axes, keepdims, noop_with_empty_axes)
-
-
-def convert_min(ctx: NodeContext, *, axes=None, keepdims=1, noop_with_empty_axes=0):
-    return _convert(ctx, ReduceKind.MIN, axes, keepdims, noop_with_empty_axes)
+    return convert
 
 
 def _kept_shape(attrs: ReductionAttrs, shape) -> tuple[int, ...]:
@@ -105,19 +123,46 @@ def _kept_shape(attrs: ReductionAttrs, shape) -> tuple[int, ...]:
     return tuple(1 if a in attrs.axes else s for a, s in enumerate(shape))
 
 
+def _pointwise(xp, kind: ReduceKind, x):
+    """The non-reduction steps alone: a reduction over no axis (noop_with_empty_axes)."""
+    if kind is ReduceKind.SUM_SQUARE:
+        return x * x
+    if kind in (ReduceKind.L1, ReduceKind.L2):
+        return xp.abs(x)
+    if kind is ReduceKind.LOG_SUM:
+        return xp.log(x)
+    return x.copy()
+
+
+def _reduce(xp, kind: ReduceKind, x, axes: tuple[int, ...]):
+    """The reduction over ``axes`` (not empty), the reduced axes kept as size 1."""
+    if kind is ReduceKind.MAX:
+        return x.max(axis=axes, keepdims=True)
+    if kind is ReduceKind.MIN:
+        return x.min(axis=axes, keepdims=True)
+    if kind is ReduceKind.PROD:
+        return x.prod(axis=axes, keepdims=True)
+    if kind is ReduceKind.LOG_SUM_EXP:
+        # max + log(sum(exp(x - max))): no overflow. A block whose maximum is infinite
+        # shifts by 0 instead (inf - inf would be NaN): +inf stays +inf, all -inf gives
+        # log(0) = -inf, as the spec's formula does.
+        top = x.max(axis=axes, keepdims=True)
+        top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+        return top + xp.log(xp.exp(x - top).sum(axis=axes, keepdims=True))
+    if kind in (ReduceKind.SUM_SQUARE, ReduceKind.L2):
+        total = (x * x).sum(axis=axes, keepdims=True)
+        return xp.sqrt(total) if kind is ReduceKind.L2 else total
+    if kind is ReduceKind.L1:
+        return xp.abs(x).sum(axis=axes, keepdims=True)
+    total = x.sum(axis=axes, keepdims=True)
+    return xp.log(total) if kind is ReduceKind.LOG_SUM else total
+
+
 def forward(xp, attrs: ReductionAttrs, inputs, args):
     x = inputs[0]
-    if attrs.kind is ReduceKind.SUM_SQUARE:
-        x = x * x
     if not attrs.axes:  # noop_with_empty_axes: nothing is reduced
-        return x.copy() if x is inputs[0] else x
-    if attrs.kind is ReduceKind.MAX:
-        y = x.max(axis=attrs.axes, keepdims=True)
-    elif attrs.kind is ReduceKind.MIN:
-        y = x.min(axis=attrs.axes, keepdims=True)
-    else:
-        y = x.sum(axis=attrs.axes, keepdims=True)
-    return y.reshape(args.out_shape)
+        return _pointwise(xp, attrs.kind, x)
+    return _reduce(xp, attrs.kind, x, attrs.axes).reshape(args.out_shape)
 
 
 def _first_extremum(xp, attrs: ReductionAttrs, x):
@@ -135,16 +180,73 @@ def _first_extremum(xp, attrs: ReductionAttrs, x):
     return mask.reshape(moved.shape).transpose(inverse)
 
 
+def _blocks(attrs: ReductionAttrs, x):
+    """``x`` with the reduced axes moved last and flattened into one: ``[..., K]``, one row
+    per reduced block, and the order that moved them (to move them back)."""
+    kept = [a for a in range(x.ndim) if a not in attrs.axes]
+    order = (*kept, *attrs.axes)
+    moved = x.transpose(order)
+    return moved.reshape(*moved.shape[: len(kept)], -1), moved.shape, order
+
+
+def _unblock(flat, moved_shape, order):
+    """The inverse of ``_blocks``: a ``[..., K]`` array back in the input's layout."""
+    inverse = tuple(int(i) for i in np.argsort(order))
+    return flat.reshape(moved_shape).transpose(inverse)
+
+
+def _first_extremum(xp, attrs: ReductionAttrs, x):
+    """A 0/1 mask of ``x``'s shape marking, per reduced block, its first maximum (or
+    minimum) in row-major order of the reduced axes. argmax/argmin return the first
+    occurrence in numpy and cupy alike."""
+    flat, moved_shape, order = _blocks(attrs, x)
+    pick = flat.argmax(axis=-1) if attrs.kind is ReduceKind.MAX else flat.argmin(axis=-1)
+    mask = (xp.arange(flat.shape[-1]) == pick[..., None]).astype(x.dtype)
+    return _unblock(mask, moved_shape, order)
+
+
+def _product_of_others(xp, attrs: ReductionAttrs, x):
+    """Per element, the product of the other elements of its reduced block: the running
+    product before it times the one after it (both exclusive), so zeros need no care."""
+    flat, moved_shape, order = _blocks(attrs, x)
+    one = xp.ones_like(flat[..., :1])
+    before = xp.concatenate([one, xp.cumprod(flat[..., :-1], axis=-1)], axis=-1)
+    backwards = flat[..., ::-1]
+    after = xp.concatenate([one, xp.cumprod(backwards[..., :-1], axis=-1)], axis=-1)[..., ::-1]
+    return _unblock(before * after, moved_shape, order)
+
+
 def backward(xp, attrs: ReductionAttrs, inputs, output, grad_output, args):
-    x = inputs[0]
-    g = grad_output.reshape(_kept_shape(attrs, x.shape))  # broadcasts over reduced axes
-    if attrs.kind is ReduceKind.SUM:
+    x, kind = inputs[0], attrs.kind
+    kept = _kept_shape(attrs, x.shape)
+    g = grad_output.reshape(kept)  # broadcasts over the reduced axes
+    if kind is ReduceKind.SUM or (not attrs.axes and kind in _IDENTITY_WHEN_NOOP):
         return (xp.zeros_like(x) + g,)
-    if attrs.kind is ReduceKind.SUM_SQUARE:
+    if kind is ReduceKind.SUM_SQUARE:
         return (2 * x * g,)
-    if not attrs.axes:  # max/min over no axis: the identity
-        return (g.copy(),)
+    if kind is ReduceKind.L1:
+        return (xp.sign(x) * g,)
+    if kind is ReduceKind.L2:
+        norm = output.reshape(kept)  # |x| itself over no axis: x / |x| is sign(x)
+        nonzero = norm > 0
+        return (xp.where(nonzero, x / xp.where(nonzero, norm, 1), 0) * g,)
+    if kind is ReduceKind.LOG_SUM:
+        total = x.sum(axis=attrs.axes, keepdims=True) if attrs.axes else x
+        return (xp.zeros_like(x) + g / total,)
+    if kind is ReduceKind.LOG_SUM_EXP:
+        return (xp.exp(x - output.reshape(kept)) * g,)  # the block's softmax
+    if kind is ReduceKind.PROD:
+        return (_product_of_others(xp, attrs, x) * g,)
     return (_first_extremum(xp, attrs, x) * g,)
+
+
+# Reductions whose non-reduction step is the identity: over no axis their gradient is too.
+_IDENTITY_WHEN_NOOP = (
+    ReduceKind.PROD,
+    ReduceKind.LOG_SUM_EXP,
+    ReduceKind.MAX,
+    ReduceKind.MIN,
+)
 
 
 def _extremum_cases(op: str, prefix: str):
@@ -187,7 +289,7 @@ REDUCE_SUM = OpDef(
 REDUCE_SUM_SQUARE = OpDef(
     name="ReduceSumSquare",
     versions=(13, 18),
-    convert=convert_sum_square,
+    convert=_converter(ReduceKind.SUM_SQUARE),
     forward=forward,
     backward=backward,
     cases=(
@@ -208,7 +310,7 @@ REDUCE_SUM_SQUARE = OpDef(
 REDUCE_MAX = OpDef(
     name="ReduceMax",
     versions=(13, 18, 20),
-    convert=convert_max,
+    convert=_converter(ReduceKind.MAX),
     forward=forward,
     backward=backward,
     cases=_extremum_cases("ReduceMax", "reducemax"),
@@ -217,10 +319,113 @@ REDUCE_MAX = OpDef(
 REDUCE_MIN = OpDef(
     name="ReduceMin",
     versions=(13, 18, 20),
-    convert=convert_min,
+    convert=_converter(ReduceKind.MIN),
     forward=forward,
     backward=backward,
     cases=_extremum_cases("ReduceMin", "reducemin"),
 )
 
-DEFINITIONS = (REDUCE_SUM, REDUCE_SUM_SQUARE, REDUCE_MAX, REDUCE_MIN)
+
+def _reduction(name: str, kind: ReduceKind, versions: tuple[int, ...], *cases) -> OpDef:
+    return OpDef(
+        name=name,
+        versions=versions,
+        convert=_converter(kind),
+        forward=forward,
+        backward=backward,
+        cases=cases,
+    )
+
+
+AWAY = Sample.AWAY_FROM_ZERO
+POSITIVE = Sample.POSITIVE
+EMPTY = C([], shape=(0,))
+
+REDUCE_L1 = _reduction(
+    "ReduceL1",
+    ReduceKind.L1,
+    (13, 18),
+    # |x| has a kink at 0: the data stays away from it
+    case("reducel1_attr", "ReduceL1", X(2, 3, 4), sample=AWAY, axes=[1, 2]),
+    case("reducel1_dropped", "ReduceL1", X(2, 3, 4), sample=AWAY, axes=[-1], keepdims=0),
+    case("reducel1_input", "ReduceL1", X(3, 2, 4), C([1]), sample=AWAY, opset=18),
+    case(
+        "reducel1_noop", "ReduceL1", X(2, 3), EMPTY, sample=AWAY, opset=18, noop_with_empty_axes=1
+    ),
+)
+
+REDUCE_L2 = _reduction(
+    "ReduceL2",
+    ReduceKind.L2,
+    (13, 18),
+    case("reducel2_attr", "ReduceL2", X(2, 3, 4), axes=[2]),
+    case("reducel2_dropped", "ReduceL2", X(2, 3, 4, 2), axes=[1, 3], keepdims=0),
+    # wav2vec2's weight norm: the norm over every axis but one, keepdims, axes an input
+    case("reducel2_input", "ReduceL2", X(3, 4, 2), C([0, 2]), opset=18),
+    case(
+        "reducel2_noop", "ReduceL2", X(2, 3), EMPTY, sample=AWAY, opset=18, noop_with_empty_axes=1
+    ),
+)
+
+REDUCE_LOG_SUM = _reduction(
+    "ReduceLogSum",
+    ReduceKind.LOG_SUM,
+    (13, 18, 28),  # 28 removes the integer types
+    case("reducelogsum_attr", "ReduceLogSum", X(2, 3, 4), sample=POSITIVE, axes=[1]),
+    case(
+        "reducelogsum_dropped", "ReduceLogSum", X(2, 3, 4), sample=POSITIVE, axes=[1, 2], keepdims=0
+    ),
+    case("reducelogsum_input", "ReduceLogSum", X(2, 5), C([-1]), sample=POSITIVE, opset=18),
+    case(
+        "reducelogsum_noop",
+        "ReduceLogSum",
+        X(2, 3),
+        EMPTY,
+        sample=POSITIVE,
+        opset=18,
+        noop_with_empty_axes=1,
+    ),
+)
+
+REDUCE_LOG_SUM_EXP = _reduction(
+    "ReduceLogSumExp",
+    ReduceKind.LOG_SUM_EXP,
+    (13, 18, 28),  # 28 removes the integer types
+    case("reducelogsumexp_attr", "ReduceLogSumExp", X(2, 3, 4), axes=[2]),
+    case("reducelogsumexp_dropped", "ReduceLogSumExp", X(2, 3, 4), axes=[0, 2], keepdims=0),
+    case("reducelogsumexp_input", "ReduceLogSumExp", X(3, 4, 2), C([1, 2]), opset=18),
+    # spread values (up to +-1.7): the shift by the maximum matters
+    case(
+        "reducelogsumexp_distinct",
+        "ReduceLogSumExp",
+        X(2, 24),
+        C([1]),
+        sample=Sample.DISTINCT,
+        opset=18,
+    ),
+    case(
+        "reducelogsumexp_noop", "ReduceLogSumExp", X(2, 3), EMPTY, opset=18, noop_with_empty_axes=1
+    ),
+)
+
+REDUCE_PROD = _reduction(
+    "ReduceProd",
+    ReduceKind.PROD,
+    (13, 18),
+    case("reduceprod_attr", "ReduceProd", X(2, 3, 4), axes=[1]),
+    case("reduceprod_dropped", "ReduceProd", X(2, 3, 4), axes=[-1, 1], keepdims=0),
+    case("reduceprod_middle", "ReduceProd", X(3, 4, 2, 3), C([1, 3]), opset=18),
+    case("reduceprod_noop", "ReduceProd", X(2, 3), EMPTY, opset=18, noop_with_empty_axes=1),
+)
+
+DEFINITIONS = (
+    REDUCE_SUM,
+    REDUCE_SUM_SQUARE,
+    REDUCE_L1,
+    REDUCE_L2,
+    REDUCE_LOG_SUM,
+    REDUCE_LOG_SUM_EXP,
+    REDUCE_PROD,
+    REDUCE_MAX,
+    REDUCE_MIN,
+)
