@@ -10,14 +10,15 @@ split of the last two axes computes what one task does. The gradient is the same
 applied to the output gradient.
 
 A rank-2 input is accepted: its rows are then the batch, and the mask depends on the
-sample's global index, which ``origin`` gives exactly as well.
+sample's global index, which ``origin`` gives exactly as well. So are ids (a causal mask
+built from integers): they keep their dtype and take no gradient.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onnx2soap.ops.base import NONE, C, OpDef, Sample, X, case
+from onnx2soap.ops.base import NONE, C, CaseInput, InputKind, OpDef, Sample, X, case
 from onnx2soap.ops.context import NodeContext, elementwise
 
 
@@ -29,8 +30,6 @@ class TriluAttrs:
 
 def convert(ctx: NodeContext, *, upper=1):
     x = ctx.tensor(0)
-    if not x.dtype.is_float:
-        raise ctx.fail(f"input is {x.dtype.value}; only float tensors are supported")
     if len(x.shape) < 2:
         raise ctx.fail(f"input {list(x.shape)} has rank {len(x.shape)}; rank >= 2 required")
     if upper not in (0, 1):
@@ -63,6 +62,8 @@ def forward(xp, attrs: TriluAttrs, inputs, args):
 
 
 def backward(xp, attrs: TriluAttrs, inputs, output, grad_output, args):
+    if inputs[0].dtype.kind != "f":
+        return (None,)  # ids take no gradient
     g = grad_output
     return (xp.where(_mask(xp, attrs, args, g.ndim), g, xp.zeros((), dtype=g.dtype)),)
 
@@ -87,6 +88,12 @@ TRILU = OpDef(
         case("trilu_k_beyond", "Trilu", X(2, 3, 4), _k(7), upper=0),
         case("trilu_omitted_k", "Trilu", X(2, 4, 4), NONE, upper=0),
         case("trilu_rank2", "Trilu", X(5, 4), _k(-1), sample=Sample.DISTINCT),
+        case(
+            "trilu_ids",
+            "Trilu",
+            CaseInput(InputKind.DATA, (2, 4, 4), None, "int64"),
+            output="int64",
+        ),
     ),
 )
 
