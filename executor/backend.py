@@ -5,17 +5,30 @@
     (y,) = rep.run([x])                           # or rep.run({"x": x})
     backend.run_model(model, [x]); backend.run_node(node, [x]); backend.supports_device("CUDA")
 
-onnx2soap imports a model with exactly one float data input, batched along axis 0, and
-reads float initializers as weights and integer ones as constants. So ``run`` binds the
-given values into a copy of the model: the first float graph input the requested output
-depends on stays the data input (its axis 0 is the batch), every other input becomes an
-initializer holding its value (a float one a weight, an integer one a constant), except a
-loss's labels, which stay graph inputs as the importer expects. That copy is imported by
-the real importer (``prepare`` + ``build_graph``, no loss attached) and its ops run in
-graph order, each as one task of its registry kernels over buffers cut from the whole
-tensors, exactly as a one-device plan runs them. A graph with several outputs is imported
-once per output (the graph pruned to what that output needs). Models the importer refuses
-raise its ``ModelError``, the temporary file's path left out.
+onnx2soap imports a model with one data input, batched along axis 0, and reads float
+initializers as weights and integer ones as constants. So ``run`` binds the given values
+into a copy of the model: the first float graph input the requested output depends on
+stays the data input (its axis 0 is the batch), or, where it reads no float input, the
+first integer or bool one (ids or a mask); every other input becomes an initializer
+holding its value (a float one a weight, an integer one a constant), except a loss's
+labels, which stay graph inputs as the importer expects. Integers narrower than 64 bits
+(int8 to int32, uint8 to uint32) are widened to int64 on the way in, exactly, since the
+IR's ids are int64 (where the widened model does not import, say an op that takes no
+int64, the refusal of the model as given is raised). A model of an opset older than the
+importer reads is read at its oldest opset when none of its nodes' schemas changed in
+between (And of opset 7 is And of opset 13). That copy is imported by the real importer
+(``prepare`` + ``build_graph``, no loss attached) and its ops run in graph order, each as
+one task of its registry kernels over buffers cut from the whole tensors, exactly as a
+one-device plan runs them.
+
+Each output comes back in its ONNX element type: the one the graph declares, else the one
+ONNX shape inference gives it (a comparison's bool, not the 0/1 float mask the IR
+computes; int32 ids wrap back as int32 arithmetic would). A graph with several outputs
+is imported once per output (the graph pruned to what that output needs);
+``SoapBackendRep.run_each`` gives each output's value or the importer's refusal of it, so
+the outputs onnx2soap supports are usable where another is refused (LayerNormalization's
+Mean). Models the importer refuses raise its ``ModelError``, the temporary file's path
+left out.
 """
 
 from __future__ import annotations
@@ -37,11 +50,12 @@ from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupl
 from executor.buffers import slice_from_full
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.build import build_graph
-from onnx2soap.importer.prepare import Prepared
+from onnx2soap.importer.prepare import MIN_OPSET, Prepared
 from onnx2soap.importer.prepare import prepare as prepare_model
 from onnx2soap.ir import Graph, LossKind, Op
 from onnx2soap.ops import TaskArgs, definition, registry
 from onnx2soap.ops.base import RandomKey
+from onnx2soap.ops.registry import schema_version
 from onnx2soap.soap.partition import ParallelConfig, op_tasks, rect_shape
 
 __all__ = [
@@ -55,6 +69,20 @@ __all__ = [
 ]
 
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
+
+# Integer element types the importer does not read, fed as int64 (every value fits);
+# uint64 does not fit, and stays refused.
+_WIDENED = {
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.UINT32,
+}
+
+# What a data input may be besides float: ids (int64, or widened to it) or a bool mask.
+_ID_TYPES = {onnx.TensorProto.INT64, onnx.TensorProto.BOOL} | _WIDENED
 
 
 def _array_module(device: str):
@@ -108,15 +136,28 @@ class SoapBackendRep(BackendRep):
         inits = {i.name for i in model.graph.initializer}
         self.input_names = tuple(i.name for i in model.graph.input if i.name not in inits)
         self.output_names = tuple(o.name for o in model.graph.output)
-        self.output_types = {
-            o.name: o.type.tensor_type.elem_type for o in model.graph.output if o.type.tensor_type
-        }
+        self.output_types = _output_types(model)
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[Any, ...]:
-        """The outputs, in graph order, as numpy arrays in the dtype the model declares."""
+        """The outputs, in graph order, as numpy arrays in their ONNX element types; the
+        first refused output raises the importer's ``ModelError``."""
+        results = self.run_each(inputs)
+        for value in results.values():
+            if isinstance(value, ModelError):
+                raise value
+        return namedtupledict("Outputs", self.output_names)(*results.values())
+
+    def run_each(self, inputs: Any) -> dict[str, np.ndarray | ModelError]:
+        """Every output computed on its own, in graph order: its value (as ``run`` gives
+        it), or the ``ModelError`` refusing it. Inputs that cannot be read at all raise."""
         feeds = self._feeds(inputs)
-        values = [self._run_output(name, feeds) for name in self.output_names]
-        return namedtupledict("Outputs", self.output_names)(*values)
+        results: dict[str, np.ndarray | ModelError] = {}
+        for name in self.output_names:
+            try:
+                results[name] = self._run_output(name, feeds)
+            except ModelError as e:
+                results[name] = e
+        return results
 
     def _feeds(self, inputs: Any) -> dict[str, np.ndarray]:
         """The inputs by name, each in the element type the model declares for it."""
@@ -145,20 +186,31 @@ class SoapBackendRep(BackendRep):
             )
         return {n: np.asarray(v) for n, v in zip(self.input_names, inputs, strict=True)}
 
-    def _run_output(self, output: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        if output in feeds:  # a graph input that is also an output: no op computes it
-            return feeds[output].copy()
-        graph, prepared = self._import(output, feeds)
+    def _run_output(self, output: str, given: dict[str, np.ndarray]) -> np.ndarray:
+        if output in given:  # a graph input that is also an output: no op computes it
+            return self._typed(output, given[output])
+        feeds = _widened(self.model, given)
+        try:
+            graph, prepared = self._import(output, feeds)
+        except IllTyped:  # an op of the model takes no int64 there: refused as given
+            feeds = given
+            graph, prepared = self._import(output, feeds)
         values: dict[str, Any] = {
             **prepared.constants,
             **prepared.float_initializers,
             **{k: v for k, v in feeds.items() if k in graph.tensors},
         }
+        values = _in_ir_dtypes(graph, values)
         result = _execute(self.xp, graph, values, _result_name(graph, output), self.seed)
-        result = result.get() if hasattr(result, "get") else np.asarray(result)
+        return self._typed(output, result.get() if hasattr(result, "get") else result)
+
+    def _typed(self, output: str, result: Any) -> np.ndarray:
+        """``result`` as a fresh numpy array in the output's ONNX element type: a mask
+        computed as 0/1 becomes bool; ids wrap into a narrower integer type as that
+        type's arithmetic would have."""
+        result = np.asarray(result)
         elem = self.output_types.get(output, 0)
-        dtype = helper.tensor_dtype_to_np_dtype(elem) if elem else result.dtype
-        return np.asarray(result, dtype=dtype)
+        return result.astype(helper.tensor_dtype_to_np_dtype(elem) if elem else result.dtype)
 
     def _import(self, output: str, feeds: dict[str, np.ndarray]):
         """The graph computing ``output``, with the other float inputs bound as weights
@@ -173,6 +225,75 @@ class SoapBackendRep(BackendRep):
                 return _import_bound(self.model, output, feeds, FloatBinding.CONSTANT)
             except ModelError as as_constants:
                 raise as_constants from as_weights
+
+
+def _widened(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with the inputs of a narrow integer type (``_WIDENED``) as int64; the same
+    dict where there are none."""
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    narrow = [n for n in feeds if types.get(n) in _WIDENED]
+    if not narrow:
+        return feeds
+    return {n: v.astype(np.int64) if n in narrow else v for n, v in feeds.items()}
+
+
+def _read_opsets(
+    opsets: Sequence[onnx.OperatorSetIdProto], nodes: Sequence[onnx.NodeProto]
+) -> list[onnx.OperatorSetIdProto]:
+    """The opset imports to save the copy with: an ai.onnx opset older than the importer
+    reads is raised to the oldest it reads where every node's schema is the same at
+    both (the nodes then mean what they meant), else left for the importer to refuse."""
+    lifted = []
+    for imp in opsets:
+        old = imp.version
+        if imp.domain in ("", "ai.onnx") and old < MIN_OPSET:
+            same = all(
+                (v := schema_version(n.op_type, old)) is not None
+                and v == schema_version(n.op_type, MIN_OPSET)
+                for n in nodes
+                if n.domain in ("", "ai.onnx")
+            )
+            if same:
+                imp = helper.make_opsetid(imp.domain, MIN_OPSET)
+        lifted.append(imp)
+    return lifted
+
+
+def _output_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Each graph output's ONNX element type: declared, else inferred (0 if neither)."""
+    declared = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
+    if all(declared.values()):
+        return declared
+    inferred: dict[str, int] = {}
+    with contextlib.suppress(Exception):  # a model shape inference cannot read: as given
+        typed = onnx.shape_inference.infer_shapes(model)
+        for v in [*typed.graph.value_info, *typed.graph.output]:
+            inferred.setdefault(v.name, v.type.tensor_type.elem_type)
+    return {n: elem or inferred.get(n, 0) for n, elem in declared.items()}
+
+
+def _in_ir_dtypes(graph: Graph, values: dict[str, Any]) -> dict[str, Any]:
+    """The values the ops read, each in its tensor's IR dtype, as the executor holds them:
+    a bool constant (a 0/1 float tensor in the IR) in the run's float dtype, a bool mask
+    input as 0/1 ids."""
+    floats = [v for k, v in values.items() if k in graph.tensors and v.dtype.kind == "f"]
+    run_dtype = np.float64 if any(v.dtype == np.float64 for v in floats) else np.float32
+    converted = {}
+    for name, value in values.items():
+        tensor = graph.tensors.get(name)
+        if tensor is None:
+            continue
+        if tensor.dtype.is_float and value.dtype.kind != "f":
+            value = value.astype(run_dtype)
+        elif not tensor.dtype.is_float and value.dtype.kind == "b":
+            value = value.astype(np.int64)
+        converted[name] = value
+    return converted
+
+
+class IllTyped(ModelError):
+    """The copy with narrow integer inputs widened to int64 breaks an op's type
+    constraints (MaxPool takes uint8, not int64): the model is to be read as given."""
 
 
 class FloatBinding(Enum):
@@ -225,6 +346,21 @@ def _used_inputs(model: onnx.ModelProto, output: str, feeds: dict[str, np.ndarra
     return nodes, used, [n for n in used if types.get(n) in _FLOAT_TYPES]
 
 
+def _data_input(model: onnx.ModelProto, output: str, used: list[str], floats: list[str]) -> str:
+    """The input that stays the data input: the first float one, else the first ids or
+    mask one."""
+    if floats:
+        return floats[0]
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    ids = [n for n in used if types.get(n) in _ID_TYPES]
+    if not ids:
+        raise ModelError(
+            f"output '{output}' depends on no float, integer or bool graph input; onnx2soap "
+            "needs one data input (batched along axis 0)"
+        )
+    return ids[0]
+
+
 def _binds_floats(model: onnx.ModelProto, output: str, feeds: dict[str, np.ndarray]) -> bool:
     """Whether a float input besides the data input is bound (to a weight or constant)."""
     nodes, _, floats = _used_inputs(model, output, feeds)
@@ -240,23 +376,24 @@ def _bind_inputs(
 ) -> str:
     """Save at ``path`` the model computing only ``output``, with every input but the data
     input (returned) and the labels bound to its value: an integer one as an initializer
-    (a constant), a float one as ``floats_as`` says."""
+    (a constant), a float one as ``floats_as`` says. The inputs kept are declared in
+    their feeds' types (narrow integers widened)."""
     graph = model.graph
-    types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
     nodes, used, floats = _used_inputs(model, output, feeds)
-    if not floats:
-        raise ModelError(
-            f"output '{output}' depends on no float graph input; onnx2soap needs one float "
-            "data input (batched along axis 0)"
-        )
-    data, labels = floats[0], _loss_labels(nodes)
+    data, labels = _data_input(model, output, used, floats), _loss_labels(nodes)
     if feeds[data].ndim == 0 or feeds[data].shape[0] == 0:
         raise ModelError(
             f"the data input '{data}' is {'a scalar' if feeds[data].ndim == 0 else 'empty'}; "
             "onnx2soap batches the data along axis 0, at least one sample"
         )
     kept = {data} | (labels & set(used))
-    inputs = [helper.make_tensor_value_info(n, types[n], feeds[n].shape) for n in used if n in kept]
+    inputs = [
+        helper.make_tensor_value_info(
+            n, helper.np_dtype_to_tensor_dtype(feeds[n].dtype), feeds[n].shape
+        )
+        for n in used
+        if n in kept
+    ]
     # np.array, not np.ascontiguousarray: the latter makes a 0-d value 1-d.
     values = {n: numpy_helper.from_array(np.array(feeds[n], order="C"), n) for n in used}
     as_node = set(floats) if floats_as is FloatBinding.CONSTANT else set()
@@ -268,12 +405,21 @@ def _bind_inputs(
     ]
     nodes = [*constants, *nodes]
     outputs = [o for o in graph.output if o.name == output]
+    types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    widened = any(types.get(n) in _WIDENED and feeds[n].dtype == np.int64 for n in used)
+    if widened:  # what is computed from a widened input is widened: inference types it
+        outputs = [onnx.ValueInfoProto(name=output)]
     sub = helper.make_graph(
         nodes, graph.name or "backend", inputs, outputs, [*graph.initializer, *bound]
     )
-    copy = helper.make_model(sub, opset_imports=list(model.opset_import))
+    copy = helper.make_model(sub, opset_imports=_read_opsets(model.opset_import, sub.node))
     copy.ir_version = max(model.ir_version, 4)  # initializers need not be graph inputs
     # The checker wants the output's shape, which the caller need not give: infer it.
+    if widened:
+        try:
+            copy = onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
+            raise IllTyped(f"with its narrow integers read as int64: {e}") from e
     with contextlib.suppress(Exception):
         copy = onnx.shape_inference.infer_shapes(copy)
     onnx.save(copy, str(path))

@@ -100,15 +100,23 @@ def test_refusals_are_clear() -> None:
         [helper.make_tensor_value_info(n, TensorProto.INT64, [2]) for n in "xz"],
         [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
     )
-    with pytest.raises(ModelError, match="no float graph input"):
+    # ids are a data input, but Add adds floats only
+    with pytest.raises(ModelError, match="a float tensor"):
         backend.run_model(ints, [np.ones(2, np.int64), np.ones(2, np.int64)])
+    wide = _model(
+        [helper.make_node("Add", ["x", "z"], ["y"])],
+        [helper.make_tensor_value_info(n, TensorProto.UINT64, [2]) for n in "xz"],
+        [helper.make_tensor_value_info("y", TensorProto.UINT64, None)],
+    )
+    with pytest.raises(ModelError, match="no float, integer or bool graph input"):
+        backend.run_model(wide, [np.ones(2, np.uint64), np.ones(2, np.uint64)])
     batch = _model(
-        [helper.make_node("Round", ["x"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_node("Det", ["x"], ["y"])],  # no op definition
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
     )
     with pytest.raises(ModelError) as refused:
-        backend.run_model(batch, [np.ones((2, 3), np.float32)])
+        backend.run_model(batch, [np.ones((2, 3, 3), np.float32)])
     assert "onnx2soap-backend" not in str(refused.value)
     with pytest.raises(ModelError, match="inputs"):
         backend.run_model(batch, [])
@@ -151,3 +159,91 @@ def test_training_mode_batchnorm_uses_the_batch_statistics() -> None:
     var = x.var(axis=(0, 2, 3), keepdims=True)
     want = (x - mean) / np.sqrt(var + 1e-5) * scale.reshape(1, 3, 1, 1) + bias.reshape(1, 3, 1, 1)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _info(name: str, elem: int, shape=None) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def test_outputs_come_back_in_their_onnx_types() -> None:
+    """The IR computes masks as 0/1 and ids as int64; each output is returned in the type
+    the graph declares, or, undeclared, the one shape inference gives it."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    less = _model(
+        [helper.make_node("Less", ["x", "c"], ["y"])],
+        [_info("x", TensorProto.FLOAT, [3, 4])],
+        [onnx.ValueInfoProto(name="y")],  # no type given: inferred as bool
+        [numpy_helper.from_array(np.float32(0.25), "c")],
+    )
+    (y,) = backend.run_model(less, [x])
+    assert y.dtype == np.bool_
+    np.testing.assert_array_equal(y, x < 0.25)
+    # int32 ids and a bool mask as the data input: widened to int64, read as 0/1 ids
+    ids = rng.integers(-3, 3, (3, 4)).astype(np.int32)
+    equal = _model(
+        [helper.make_node("Equal", ["a", "b"], ["y"])],
+        [_info("a", TensorProto.INT32, [3, 4]), _info("b", TensorProto.INT32, [4])],
+        [_info("y", TensorProto.BOOL)],
+    )
+    (y,) = backend.run_model(equal, [ids, ids[0]])
+    assert y.dtype == np.bool_
+    np.testing.assert_array_equal(y, ids == ids[0])
+    scan = _model(
+        [helper.make_node("CumSum", ["a", "axis"], ["y"], exclusive=1)],
+        [_info("a", TensorProto.INT32, [3, 4])],
+        [_info("y", TensorProto.INT32)],
+        [numpy_helper.from_array(np.int32(1), "axis")],
+    )
+    (y,) = backend.run_model(scan, [ids])
+    assert y.dtype == np.int32
+    want = np.concatenate([np.zeros((3, 1), np.int32), np.cumsum(ids, axis=1)[:, :-1]], axis=1)
+    np.testing.assert_array_equal(y, want)
+    mask = rng.standard_normal((2, 5)) > 0
+    (y,) = backend.run_node(helper.make_node("Not", ["m"], ["y"]), [mask])
+    assert y.dtype == np.bool_
+    np.testing.assert_array_equal(y, ~mask)
+
+
+def test_run_each_computes_the_supported_outputs_and_says_why_not_the_others() -> None:
+    node = helper.make_node("LayerNormalization", ["x", "s"], ["y", "mean"], axis=1)
+    model = _model(
+        [node],
+        [_info("x", TensorProto.FLOAT, [2, 5])],
+        [_info("y", TensorProto.FLOAT), _info("mean", TensorProto.FLOAT)],
+        [numpy_helper.from_array(np.ones(5, np.float32), "s")],
+    )
+    x = np.random.default_rng(5).standard_normal((2, 5)).astype(np.float32)
+    rep = backend.prepare(model)
+    results = rep.run_each([x])
+    assert list(results) == ["y", "mean"]
+    centered = x - x.mean(axis=1, keepdims=True)
+    want = centered / np.sqrt((centered**2).mean(axis=1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(results["y"], want, rtol=1e-5, atol=1e-5)
+    assert isinstance(results["mean"], ModelError)
+    assert "first output" in str(results["mean"])
+    with pytest.raises(ModelError, match="first output"):
+        rep.run([x])
+
+
+def test_an_old_opset_is_read_where_its_schemas_are_unchanged() -> None:
+    """And of opset 7 is And of opset 13; Dropout's schema changed at 12 and 13 (training
+    mode), so a Dropout model of opset 11 stays refused."""
+    model = _model(
+        [helper.make_node("And", ["a", "b"], ["y"])],
+        [_info("a", TensorProto.BOOL, [2, 3]), _info("b", TensorProto.BOOL, [3])],
+        [_info("y", TensorProto.BOOL)],
+        opset=7,
+    )
+    a = np.array([[True, False, True], [False, False, True]])
+    b = np.array([True, True, False])
+    (y,) = backend.run_model(model, [a, b])
+    np.testing.assert_array_equal(y, a & b)
+    dropout = _model(
+        [helper.make_node("Dropout", ["x"], ["y"])],
+        [_info("x", TensorProto.FLOAT, [2, 3])],
+        [_info("y", TensorProto.FLOAT)],
+        opset=11,
+    )
+    with pytest.raises(ModelError, match="too old"):
+        backend.run_model(dropout, [np.ones((2, 3), np.float32)])
