@@ -1,0 +1,7 @@
+"""The stand-in's cupyx.scipy: ``special`` only."""
+
+from __future__ import annotations
+
+from cupyx.scipy import special
+
+__all__ = ["special"]
