@@ -21,15 +21,28 @@ import numpy as np
 from executor.kinds import DeviceKind
 from onnx2soap.errors import UserError
 
+# cudaError_t codes that mean "no GPU here" rather than a broken setup.
+CUDA_NO_DRIVER, CUDA_NO_DEVICE = 35, 100  # cudaErrorInsufficientDriver, cudaErrorNoDevice
+
 
 def cupy_module():
-    """cupy when it is installed and sees a GPU, else None."""
+    """cupy when it is installed and sees a GPU; None when cupy is not installed, or
+    CUDA says there is no driver or no device. Anything else is raised: a cupy that is
+    installed but fails to import, or a driver that fails otherwise, is a broken setup
+    that must fail loudly rather than fall back to the CPU."""
     try:
         import cupy
-
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:  # no cupy, no driver, no device
+    except ModuleNotFoundError as e:
+        if e.name != "cupy":
+            raise  # cupy is there; something it imports is not
         return None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        if getattr(e, "status", None) in (CUDA_NO_DRIVER, CUDA_NO_DEVICE):
+            return None
+        raise
+    return cupy if count > 0 else None
 
 
 class CpuDevice:
@@ -160,12 +173,13 @@ def open_device(kind: DeviceKind | None, comm) -> Device:
     GPUs), so ranks spread over a node's GPUs."""
     from mpi4py import MPI
 
+    if kind is DeviceKind.CPU:  # cupy is not even looked at
+        return CpuDevice()
     cp = cupy_module()
     if kind is None:
         everywhere = comm.allreduce(cp is not None, op=MPI.LAND)
-        kind = DeviceKind.CUDA if everywhere else DeviceKind.CPU
-    if kind is DeviceKind.CPU:
-        return CpuDevice()
+        if not everywhere:
+            return CpuDevice()
     if cp is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
