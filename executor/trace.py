@@ -17,7 +17,10 @@ building the rank's program left for the garbage collector, first calls' caches:
 KB a rank here, up to a tenth of the tiny test models' peaks). Tracing then
 stops, since it slows every allocation: that step is no clean one, and ``onnx2soap
 compare`` leaves it out of the step's median when later steps were traced. On a GPU,
-cupy's pool after every step.
+the same step's peak of the bytes cupy's memory pool hands out (``used_bytes`` as the
+step begins, then every allocation and free the pool makes during it, heard by a
+``cupy.cuda.MemoryHook``): the pool's ``total_bytes`` would count the blocks it keeps
+cached for reuse, which no array holds (the first step's temporaries among them).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from executor.program import (
     AllReduce,
@@ -85,6 +89,7 @@ class Tracer:
     origin: float = 0.0
     peak_bytes: int = 0
     traced_steps: int = TRACED_STEPS  # kept from MEMORY_STEP on
+    _pool_peak: Any = None  # on a GPU: the hook counting MEMORY_STEP's pool bytes
 
     def __post_init__(self) -> None:
         if self.device.xp.__name__ == "numpy":
@@ -98,17 +103,20 @@ class Tracer:
 
     def begin_step(self, step: int) -> None:
         self.step = step
+        # The peak of a steady step: what the rank holds as it begins (weights,
+        # optimizer state, buffers) and what the step allocates. The first step's
+        # one-time objects (see the module's docstring) are not every step's.
         if step == MEMORY_STEP and tracemalloc.is_tracing():
-            # The peak of a steady step: what the rank holds as it begins (weights,
-            # optimizer state, buffers) and what the step allocates. The first step's
-            # one-time objects (see the module's docstring) are not every step's.
             tracemalloc.reset_peak()
+        elif step == MEMORY_STEP and self.device.xp.__name__ != "numpy":
+            self._pool_peak = pool_peak_hook(self.device.xp)
+            self._pool_peak.__enter__()
         self.origin = time.perf_counter()
 
     def end_step(self) -> None:
-        if self.device.xp.__name__ != "numpy":
-            pool = self.device.xp.get_default_memory_pool()
-            self.peak_bytes = max(self.peak_bytes, int(pool.total_bytes()))
+        if self._pool_peak is not None:
+            self._pool_peak.__exit__(None, None, None)
+            self.peak_bytes, self._pool_peak = self._pool_peak.peak, None
         elif tracemalloc.is_tracing() and self.step >= MEMORY_STEP:
             self.peak_bytes = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
@@ -136,6 +144,30 @@ class Tracer:
             }
             for name, kind, offset, seconds, step in self.records
         ]
+
+
+def pool_peak_hook(cp) -> Any:
+    """A ``cupy.cuda.MemoryHook`` whose ``peak`` is the most bytes the current device's
+    memory pool had handed out at once since it was made (from ``used_bytes`` then):
+    every allocation from the pool and every return to it moves the count, so a kernel's
+    short-lived workspace counts as it did on the device."""
+
+    class PoolPeak(cp.cuda.MemoryHook):
+        name = "onnx2soap.trace.PoolPeak"
+
+        def __init__(self, held: int) -> None:
+            self.now = self.peak = held
+
+        def malloc_postprocess(self, **kwargs) -> None:
+            if not kwargs["mem_ptr"]:  # the allocation failed (cupy then raises)
+                return
+            self.now += kwargs["mem_size"]
+            self.peak = max(self.peak, self.now)
+
+        def free_postprocess(self, **kwargs) -> None:
+            self.now -= kwargs["mem_size"]
+
+    return PoolPeak(int(cp.get_default_memory_pool().used_bytes()))
 
 
 def write_measured(
