@@ -32,6 +32,7 @@ from onnx2soap.ops.defs.dropout import (
     random_uniform_like_forward,
 )
 from onnx2soap.ops.random_bits import bits, float_stream, key_hash, uniform
+from tests.optional import cupy_or_skip
 
 KEY = RandomKey(seed=7, step=3, op=2)
 MASK = (1 << 64) - 1
@@ -162,13 +163,9 @@ def test_float_stream() -> None:
     assert float_stream(1.0) == float_stream(1)
 
 
+@pytest.mark.gpu
 def test_cupy_draws_the_same_bits() -> None:
-    cp = pytest.importorskip("cupy")
-    try:
-        if cp.cuda.runtime.getDeviceCount() == 0:
-            pytest.skip("no CUDA GPU")
-    except cp.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA GPU")
+    cp = cupy_or_skip()
     tiles = [((0, 0, 0), (3, 4, 5), (3, 4, 5)), ((1, 2), (2, 3), (4, 7)), ((), (), ())]
     for origin, tile, full in tiles:
         want = bits(np, KEY, origin, tile, full, stream=9)
