@@ -17,10 +17,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python examples/demo.py
 
+# pytest twice: the whole suite (GPU tests real on a GPU, skipped without one), then the
+# GPU tests again under the numpy stand-in for CuPy and NCCL (tests/standins, first on
+# the path, reaching mpiexec's ranks too), so every --device cuda path runs on any machine.
+# The stand-in has four GPUs whatever CUDA_VISIBLE_DEVICES says on a GPU machine.
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff check .
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ruff format --check .
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	env -u CUDA_VISIBLE_DEVICES PATH="$(CURDIR)/$(BIN):$$PATH" \
+		PYTHONPATH="$(CURDIR)/tests/standins" $(BIN)/python -m pytest -q -m gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
