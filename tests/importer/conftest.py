@@ -60,7 +60,7 @@ def _build_own_loss(seed: int = 0):
 
 
 def _build_unsupported(seed: int = 0):
-    """Three ops onnx2soap does not convert (CumSum, Round, TopK) among supported ones, so
+    """Three ops onnx2soap does not convert (Sign, Atan, TopK) among supported ones, so
     a refusal has several nodes to list."""
     import torch
     from torch import nn
@@ -73,7 +73,7 @@ def _build_unsupported(seed: int = 0):
             self.fc = nn.Linear(4 * 8 * 8, 10)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = torch.round(torch.cumsum(self.conv(x), dim=1))
+            y = torch.atan(torch.sign(self.conv(x)))
             return torch.topk(self.fc(self.flatten(y)), k=5, dim=1).values
 
     torch.manual_seed(seed)
@@ -150,7 +150,7 @@ def own_loss_onnx(importer_dir: Path) -> Path:
 def unsupported_onnx(importer_dir: Path) -> Path:
     x = _randn(2, *VIEW_SAMPLE)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the exporter's notes on TopK and CumSum
+        warnings.simplefilter("ignore")  # the exporter's notes on TopK
         return export(_build_unsupported(), x, importer_dir / "unsupported.onnx", "legacy")
 
 
