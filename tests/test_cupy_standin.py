@@ -92,7 +92,9 @@ def test_the_pool_counts_live_bytes_and_keeps_freed_blocks() -> None:
     x = cp.zeros(1000, dtype=cp.uint8)  # 1000 bytes: two of the pool's 512-byte units
     assert pool.used_bytes() == used + 1024
     del x
-    assert pool.used_bytes() == used and pool.total_bytes() >= total + 1024
+    # the block is kept for reuse (it may have come from the cache already)
+    assert pool.used_bytes() == used and pool.free_bytes() >= 1024
+    assert pool.total_bytes() == pool.used_bytes() + pool.free_bytes() >= total
     seen: list[tuple[str, int]] = []
 
     class Hook(cp.cuda.MemoryHook):
