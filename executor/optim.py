@@ -12,8 +12,13 @@ like it: sharded exactly like its weight.
 - ``adamw``: torch's AdamW (decoupled decay: p *= 1 - lr wd before the Adam step)
 
 Schedules multiply the base rate: linear warm-up over ``warmup_steps`` (step k of K uses
-(k + 1) / K), then ``constant``, ``cosine`` (to 0 at the last step) or ``linear`` (to 0),
-as a ``torch.optim.lr_scheduler.LambdaLR`` with ``lr_factor`` would.
+(k + 1) / K), then, over the n = steps - K steps after it, ``constant``, ``cosine`` (step
+K + j uses (1 + cos(pi j / n)) / 2) or ``linear`` (1 - j / n). That is torch's convention:
+``SequentialLR`` of ``LinearLR(start_factor=1/K, total_iters=K-1)`` and
+``CosineAnnealingLR(T_max=n)`` or ``LinearLR(1, 0, total_iters=n)``, milestone K (one
+scheduler step after each optimizer step). Both decays reach 0 one step after the last,
+so the last step still moves: cosine's last factor is (1 + cos(pi (n-1) / n)) / 2, 0.146
+for n = 4; linear's is 1 / n.
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class OptimizerConfig:
         return SLOTS[self.kind]
 
     def lr_factor(self, step: int, total: int) -> float:
-        """The schedule's factor at 0-based ``step`` of ``total`` steps."""
+        """The schedule's factor at 0-based ``step`` of ``total`` steps (see the module's
+        docstring: torch's schedulers give the same)."""
         k = self.warmup_steps
         if step < k:
             return (step + 1) / k

@@ -1,8 +1,9 @@
 """Every optimizer and schedule: steps equal torch.optim's, and N ranks train like one.
 
 - Three float64 steps of the example CNN (one batch, fed from a file) with each
-  optimizer, weight decay, and a warm-up + cosine schedule equal the same steps of
-  ``torch.optim`` with ``LambdaLR`` on the same torch module: losses and every weight.
+  optimizer, weight decay, and warm-up with a cosine or linear schedule equal the same
+  steps of ``torch.optim`` with torch's own schedulers (``torch_schedules.py``, not our
+  ``lr_factor``) on the same torch module: losses and every weight.
 - Each optimizer on a random 3-rank plan under mpiexec trains like one device (1e-10):
   its state is sharded like its weight and every replica applies the same update.
 """
@@ -22,13 +23,16 @@ from executor.optim import OptimizerConfig, OptimizerKind, Schedule
 from executor.train import RunOptions, train
 from onnx2soap.ir import DType
 from tests.executor.mpi import assert_same_training, make_plan, mpirun
+from tests.executor.torch_schedules import torch_scheduler
 from tests.models import MODELS
 
 BATCH, STEPS, LR = 4, 3, 0.05
 CONFIGS = {
     "sgd": OptimizerConfig(OptimizerKind.SGD, weight_decay=0.01),
     "momentum": OptimizerConfig(OptimizerKind.MOMENTUM, momentum=0.8, weight_decay=0.01),
-    "nesterov": OptimizerConfig(OptimizerKind.NESTEROV, momentum=0.9),
+    "nesterov": OptimizerConfig(
+        OptimizerKind.NESTEROV, momentum=0.9, schedule=Schedule.LINEAR, warmup_steps=1
+    ),
     "adam": OptimizerConfig(OptimizerKind.ADAM, betas=(0.8, 0.95), weight_decay=0.01),
     "adamw": OptimizerConfig(
         OptimizerKind.ADAMW, weight_decay=0.1, schedule=Schedule.COSINE, warmup_steps=2
@@ -58,9 +62,7 @@ def _torch_training(model_path: Path, x, labels, config: OptimizerConfig):
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(inits[name].astype(np.float64)))
     optimizer = _torch_optimizer(torch, model.parameters(), config)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: config.lr_factor(step, STEPS)
-    )
+    schedule = torch_scheduler(optimizer, config.schedule, config.warmup_steps, STEPS)
     losses = []
     for _ in range(STEPS):
         optimizer.zero_grad()
@@ -69,7 +71,8 @@ def _torch_training(model_path: Path, x, labels, config: OptimizerConfig):
         )
         loss.backward()
         optimizer.step()
-        schedule.step()
+        if schedule is not None:
+            schedule.step()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().numpy() for n, p in model.named_parameters()}
 
