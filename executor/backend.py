@@ -197,7 +197,7 @@ class SoapBackendRep(BackendRep):
             graph, prepared = self._import(output, feeds)
         values: dict[str, Any] = {
             **prepared.constants,
-            **prepared.float_initializers,
+            **{name: t.read() for name, t in prepared.float_initializers.items()},
             **{k: v for k, v in feeds.items() if k in graph.tensors},
         }
         values = _in_ir_dtypes(graph, values)
@@ -310,7 +310,7 @@ def _import_bound(
         path = Path(tmp) / "model.onnx"
         data = _bind_inputs(model, output, feeds, path, floats)
         try:
-            prepared = prepare_model(path, feeds[data].shape[0], allow_nonfinite=True)
+            prepared = prepare_model(path, feeds[data].shape[0])
             has_loss = any(d.is_loss for d in _definitions(prepared.nodes, prepared.opset))
             graph = build_graph(prepared, None if has_loss else LossKind.NONE)
         except ModelError as e:

@@ -46,11 +46,24 @@ from executor.program import (
 from executor.step import Step
 from executor.trace import Tracer, task_name
 from executor.transport import Transport
+from onnx2soap.errors import UserError
+from onnx2soap.importer.weights import StoredTensor
 from onnx2soap.ops import TaskArgs
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect, Task, owners, rect_shape
 
 WeightKey = tuple[str, Rect]
+
+
+def _refuse_nonfinite(name: str, part: np.ndarray) -> None:
+    """Weights are checked where they are loaded, box by box: planning never reads them."""
+    finite = np.isfinite(part)
+    if not finite.all():
+        raise UserError(
+            f"initializer '{name}': {finite.size - int(finite.sum())} of the {finite.size} "
+            "values this rank loads are NaN or infinite; pass --allow-nonfinite to train "
+            "with them anyway"
+        )
 
 
 class Runtime:
@@ -65,8 +78,11 @@ class Runtime:
         seed: int = 0,
         device: Device | None = None,
         optimizer: OptimizerConfig | None = None,
+        refuse_nonfinite: bool = False,
     ) -> None:
-        """``weights`` holds the initial values of the weights and of the state tensors."""
+        """``weights`` gives the initial values of the weights and of the state tensors:
+        arrays, or ``StoredTensor``s, of which only the boxes this rank holds are read.
+        ``refuse_nonfinite``: a NaN or infinity in them is a ``UserError``."""
         self.pg, self.graph, self.program = pg, pg.graph, program
         self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
         self.device = device or CpuDevice()
@@ -82,11 +98,8 @@ class Runtime:
         for op in self.graph.ops:
             for group in pg.groups[op.name]:
                 if self.rank in group.devices:
-                    part = weights[group.weight][global_slices(group.rect)]
                     key = (group.weight, group.rect)
-                    host = np.ascontiguousarray(part, dtype=self.dtype)
-                    with self.device.compute():
-                        self.shards[key] = self.device.to_device(host)
+                    self.shards[key] = self._shard(weights[group.weight], key, refuse_nonfinite)
                     if group.trainable:
                         self.trainable.add(key)
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
@@ -122,6 +135,17 @@ class Runtime:
         # the order each list runs them.
         self._step_names = tuple(task_name(pg, ins) for ins in program.instructions)
         self._forward_names = tuple(task_name(pg, ins) for ins in self.buffers.forward_program)
+
+    def _shard(self, source, key: WeightKey, refuse_nonfinite: bool):
+        """The rank's copy of one Rect of a weight or state tensor, on its device."""
+        part = source[global_slices(key[1])]  # a StoredTensor reads this box only
+        if refuse_nonfinite:
+            _refuse_nonfinite(key[0], part)
+        host = np.ascontiguousarray(part, dtype=self.dtype)
+        if self.xp is np and isinstance(source, StoredTensor):
+            return host  # read fresh from the file: the rank's own, no second copy
+        with self.device.compute():
+            return self.device.to_device(host)
 
     def dtype_of(self, tensor: str) -> np.dtype:
         """Float tensors in the run's dtype; ids stay int64."""

@@ -78,14 +78,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         choices=[k.value for k in (LossKind.CROSS_ENTROPY, LossKind.MSE, LossKind.NONE)],
         help="loss to attach when the model has none (default: cross-entropy)",
     )
-    add_nonfinite_option(p)
 
 
 def add_nonfinite_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-nonfinite",
         action="store_true",
-        help="accept NaN/Inf in the model's float initializers (refused by default)",
+        help="train with NaN/Inf in the weights it loads (refused by default)",
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from onnx2soap.cli.common import add_nonfinite_option, int_in, seconds
+from onnx2soap.cli.common import int_in, seconds
 from onnx2soap.cli.picture_options import MAX_DPI, MIN_DPI, pixels
 from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
@@ -61,7 +61,6 @@ def register(sub) -> None:
         help="chart dots per inch (default 100)",
     )
     p.add_argument("--json", action="store_true")
-    add_nonfinite_option(p)
     p.set_defaults(run=run)
 
 

@@ -117,9 +117,7 @@ def copy_lines(copies) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(
-        args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
-    )
+    model = load_model(args.model, args.batch, loss_choice(args.loss))
     doc = report(model.graph, args.model)
     copies = weight_copies(model.weights)
     doc["weight_copies"] = [

@@ -184,9 +184,7 @@ def run(args: argparse.Namespace) -> int:
     spec = machine_spec(args.machine, args.devices)
     machine = resolve_machine(spec)
     costs = choose_costs(spec, machine, args.costs)  # a foreign cost DB: refused before work
-    model = load_model(
-        args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
-    )
+    model = load_model(args.model, args.batch, loss_choice(args.loss))
     graph = model.graph
     if graph.loss_op is None:
         raise UserError(

@@ -108,8 +108,6 @@ def _command(args, db: Path, devices: int, ranks: int) -> list[str]:
         command += ["--batch", str(args.batch)]
     if args.loss:
         command += ["--loss", args.loss]
-    if args.allow_nonfinite:
-        command += ["--allow-nonfinite"]
     if args.fresh:
         command += ["--fresh"]
     return command
@@ -133,9 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if db.exists():
         CostDB.open(db, create=True).close()  # a file that is no cost DB: refused now
     # Checked here, where an error is one line; the ranks load it again.
-    model = load_model(
-        args.model, args.batch, loss_choice(args.loss), allow_nonfinite=args.allow_nonfinite
-    )
+    model = load_model(args.model, args.batch, loss_choice(args.loss))
     ranks = _ranks(args, machine)
     env = dict(os.environ)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):

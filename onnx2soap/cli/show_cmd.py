@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from onnx2soap.cli.common import add_nonfinite_option, int_in, seconds
+from onnx2soap.cli.common import int_in, seconds
 from onnx2soap.cli.picture_options import add_picture_options, picture_size
 from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
 from onnx2soap.errors import UserError
@@ -35,7 +35,6 @@ def register(sub) -> None:
         default=MAX_TRANSFERS,
         help=f"draw at most this many transfer lines (default {MAX_TRANSFERS})",
     )
-    add_nonfinite_option(p)
     p.set_defaults(run=run)
 
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from onnx2soap.cli.common import add_nonfinite_option, gib, seconds
+from onnx2soap.cli.common import gib, seconds
 from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_input, check_output
@@ -33,7 +33,6 @@ def register(sub) -> None:
         default="sgd",
         help="the optimizer the plan will train with: its state counts in device memory",
     )
-    add_nonfinite_option(p)
     p.set_defaults(run=run)
 
 
@@ -65,11 +64,9 @@ def plan_on_machine(args: argparse.Namespace) -> PlanOnMachine:
 
 
 def partitioned(args: argparse.Namespace, planned: PlanOnMachine) -> PartitionedGraph:
-    """The plan's strategy on its model (``args.allow_nonfinite``)."""
+    """The plan's strategy on its model."""
     plan = planned.plan
-    graph = load_model(
-        planned.model, plan.batch, import_loss(plan), allow_nonfinite=args.allow_nonfinite
-    ).graph
+    graph = load_model(planned.model, plan.batch, import_loss(plan)).graph
     return Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
 
 

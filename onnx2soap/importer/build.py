@@ -122,7 +122,7 @@ class _Builder:
         if name in self.p.constants:
             return self.p.constants[name]
         if tensor is not None and tensor.role is TensorRole.CONSTANT:
-            return self.p.float_initializers[tensor.name]
+            return self.p.float_initializers[tensor.name].read()  # a 0-d one: a scalar
         return None
 
     def _unique_name(self, node: onnx.NodeProto) -> str:

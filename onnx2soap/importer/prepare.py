@@ -1,8 +1,10 @@
 """Read an ONNX file and make its shapes static: bind the batch, fold constants, infer shapes.
 
 The result is a ``Prepared`` model: the remaining (compute) nodes, a static shape and
-element type for every tensor, the values of every constant, and which initializers
-are float (candidate weights).
+element type for every tensor, the values of every constant, and where the bytes of
+every float initializer (candidate weights) lie. Weights are never read here: their
+bytes stay in the external data file, or are moved out of the parsed proto, so that
+shape inference and folding handle a graph of shapes whatever the model's size.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import numpy_helper
-from onnx.external_data_helper import load_external_data_for_model
 from onnx.reference import ReferenceEvaluator
 
 from onnx2soap.errors import ModelError
+from onnx2soap.importer.weights import (
+    FLOAT_TYPES,
+    InlineData,
+    StoredTensor,
+    external_data,
+)
 
 MIN_OPSET = 13
 _MAX_FOLD_PASSES = 16
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class Prepared:
     nodes: tuple[onnx.NodeProto, ...]
     types: dict[str, TensorType]
     constants: dict[str, np.ndarray]  # folded values and non-float initializers
-    float_initializers: dict[str, np.ndarray]
+    float_initializers: dict[str, StoredTensor]  # where their bytes are; never read here
     graph_inputs: tuple[str, ...]  # non-initializer inputs
     graph_outputs: tuple[str, ...]
     # Constants written in the file (initializers, Constant nodes), as opposed to those
@@ -56,28 +62,41 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_model(path: Path, *, allow_nonfinite: bool = False) -> onnx.ModelProto:
-    """Load and check an ONNX file. Refused with a ``ModelError`` naming the node, tensor
-    or field: names that are not UTF-8, initializers whose data disagree with their dims,
-    NaN/Inf in float weights (unless ``allow_nonfinite``), invalid models."""
+def read_model(path: Path) -> tuple[onnx.ModelProto, dict[str, StoredTensor]]:
+    """Load and check an ONNX file without reading its weights: the model with every
+    float initializer's payload moved out (dims and type kept), and where each one's
+    bytes are. Refused with a ``ModelError`` naming the node, tensor or field: names that
+    are not UTF-8, initializers whose data disagree with their dims, external data that
+    is missing, short, or outside the model's folder, invalid models."""
     if not path.is_file():  # also refuses /dev/zero and FIFOs, which would never end
         raise ModelError(f"{path}: no such model file (or not a regular file)")
+    # The checker reads the file itself (any size; external data is not read), before
+    # Python holds the model: both at once would double a big inline model's memory.
+    problem = _checker_problem(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises several unrelated types on garbage input
         raise ModelError(f"{path}: not a valid ONNX model ({type(e).__name__}: {e})") from e
     # Before anything prints or checks a name: invalid UTF-8 comes back as bytes.
     _check_strings(model, path)
-    _load_external_data(model, path)
     if not model.graph.node:
         raise ModelError(f"{path}: not a valid ONNX model (the graph has no nodes)")
-    _check_initializers(model, path, allow_nonfinite)
+    _check_constant_nodes(model, path)
+    stored = _store_initializers(model, path)
+    if problem is not None:  # our own checks above name the field more plainly
+        raise ModelError(f"{path}: not a valid ONNX model ({problem})")
+    return model, stored
+
+
+def _checker_problem(path: Path) -> str | None:
+    """The ONNX checker's first line about the file, or None when it passes."""
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "validation failed"
-        raise ModelError(f"{path}: not a valid ONNX model ({first})") from e
-    return model
+        return str(e).strip().splitlines()[0] if str(e).strip() else "validation failed"
+    except Exception as e:  # the checker's parser fails on garbage; onnx.load names it
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return None
 
 
 def _is_repeated(field) -> bool:
@@ -133,72 +152,99 @@ def _expected_raw_bytes(tensor: onnx.TensorProto, count: int) -> int | None:
     return count * dtype.itemsize
 
 
-def _tensor_value(tensor: onnx.TensorProto, label: str, path: Path) -> np.ndarray | None:
-    """The tensor's values, or a ModelError when its data disagree with its dims."""
+def _check_size(tensor: onnx.TensorProto, label: str, path: Path) -> int | None:
+    """The bytes the tensor's dims need (None when not fixed-size); a ModelError when its
+    inline data disagree with its dims."""
     if any(d < 0 for d in tensor.dims):
         raise ModelError(f"{path}: {label}: dims {list(tensor.dims)} must be >= 0")
     count = int(np.prod(tensor.dims, dtype=object)) if tensor.dims else 1
+    expected = _expected_raw_bytes(tensor, count)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return expected
     if tensor.HasField("raw_data"):
-        expected = _expected_raw_bytes(tensor, count)
         if expected is not None and len(tensor.raw_data) != expected:
             raise ModelError(
                 f"{path}: {label}: raw data holds {len(tensor.raw_data)} bytes, "
                 f"but dims {list(tensor.dims)} need {expected}"
             )
-    if tensor.data_type not in _FLOAT_TYPES:
-        return None
-    try:
-        return numpy_helper.to_array(tensor)
-    except Exception as e:  # typed data of the wrong length: numpy's reshape error
-        raise ModelError(
-            f"{path}: {label}: its data do not fit dims {list(tensor.dims)} ({e})"
-        ) from e
+    elif tensor.data_type != onnx.TensorProto.STRING:
+        try:  # typed data (float_data, int64_data, ...): numpy's reshape checks the count
+            numpy_helper.to_array(tensor)
+        except Exception as e:  # typed data of the wrong length: numpy's reshape error
+            raise ModelError(
+                f"{path}: {label}: its data do not fit dims {list(tensor.dims)} ({e})"
+            ) from e
+    return expected
 
 
-def _constant_tensors(model: onnx.ModelProto):
+def _check_constant_nodes(model: onnx.ModelProto, path: Path) -> None:
+    """Constant nodes' data fit their dims (they may hold -inf on purpose: masks)."""
     for node in model.graph.node:
         if node.op_type == "Constant":
             for attr in node.attribute:
                 if attr.name == "value" and attr.HasField("t"):
-                    yield f"node '{node.name or node.output[0]}' (Constant) value", attr.t
+                    label = f"node '{node.name or node.output[0]}' (Constant) value"
+                    _check_size(attr.t, label, path)
 
 
-def _check_initializers(model: onnx.ModelProto, path: Path, allow_nonfinite: bool) -> None:
-    """Data that fit their dims everywhere; finite values in the initializers (the weights).
-    Constant nodes may hold -inf on purpose (attention masks), so only their size counts."""
-    tensors = [(f"initializer '{t.name}'", t, True) for t in model.graph.initializer]
-    constants = [(label, t, False) for label, t in _constant_tensors(model)]
-    for label, tensor, weight in [*tensors, *constants]:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            continue  # not loaded (it would have been by _load_external_data)
-        value = _tensor_value(tensor, label, path)
-        if value is None or not weight or allow_nonfinite:
-            continue
-        if not np.isfinite(value).all():
-            bad = int(np.size(value) - np.isfinite(value).sum())
-            raise ModelError(
-                f"{path}: {label}: {bad} of {np.size(value)} values are NaN or infinite; "
-                "pass --allow-nonfinite to train with them anyway"
-            )
+def _is_weight_like(tensor: onnx.TensorProto) -> bool:
+    """A float initializer with dims: a weight (or weight-like constant), never read at
+    import. 0-d floats are the exporter's scalars; they fold like other constants."""
+    return tensor.data_type in FLOAT_TYPES and len(tensor.dims) > 0
 
 
-def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
-    """Load weights kept beside the model (the dynamo exporter's ``.data`` file)."""
-    locations = {
-        entry.value
-        for t in model.graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        for entry in t.external_data
-        if entry.key == "location"
-    }
-    for location in sorted(locations):
-        if not (path.parent / location).is_file():
-            raise ModelError(f"{path}: external weight file missing: {path.parent / location}")
-    if locations:
-        try:
-            load_external_data_for_model(model, str(path.parent))
-        except Exception as e:
-            raise ModelError(f"{path}: cannot read external weights ({e})") from e
+def _store_initializers(model: onnx.ModelProto, path: Path) -> dict[str, StoredTensor]:
+    """Check every initializer's data against its dims, and say where each float one's
+    bytes are. Weight-like ones keep dims and type only (their payload moved into the
+    ``StoredTensor``, external ones not read); the small others are made inline, read
+    from external data where they were (shapes and scalars fold at import)."""
+    stored = {}
+    for init in model.graph.initializer:
+        label = f"initializer '{init.name}'"
+        needed = _check_size(init, label, path)
+        external = init.data_location == onnx.TensorProto.EXTERNAL
+        where = external_data(init, path, label, needed) if external else None
+        if init.data_type not in FLOAT_TYPES and not external:
+            continue  # an integer constant, inline: folded as it is
+        if init.data_type == onnx.TensorProto.STRING:
+            raise ModelError(f"{path}: {label}: string tensors cannot be external data here")
+        shape = tuple(int(d) for d in init.dims)
+        if where is None:
+            where = InlineData(_take_payload(init))
+        tensor = StoredTensor(init.name, shape, init.data_type, where)
+        if init.data_type in FLOAT_TYPES:
+            stored[init.name] = tensor
+        if not _is_weight_like(init):  # a scalar or an integer: its value, inline
+            init.CopyFrom(numpy_helper.from_array(tensor.read(), init.name))
+        else:
+            _strip(init)
+    return stored
+
+
+def _take_payload(init: onnx.TensorProto) -> bytes:
+    """The tensor's little-endian bytes, leaving the proto without them."""
+    if init.HasField("raw_data"):
+        payload = init.raw_data
+    else:  # typed data: numpy's copy, then the field is cleared
+        value = numpy_helper.to_array(init)
+        payload = value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+    _strip(init)
+    return payload
+
+
+def _strip(init: onnx.TensorProto) -> None:
+    """Dims, type and name only: shape inference and folding never need a weight's values."""
+    for name in (
+        "raw_data",
+        "float_data",
+        "double_data",
+        "int32_data",
+        "int64_data",
+        "uint64_data",
+        "external_data",
+    ):
+        init.ClearField(name)
+    init.data_location = onnx.TensorProto.DEFAULT
 
 
 def default_opset(model: onnx.ModelProto, path: Path) -> int:
@@ -352,7 +398,11 @@ def _split_sequences(
     positions (what dynamo writes for ``torch.split`` without its optimizer) becomes one
     ``Split`` whose outputs are the picked parts: the same tensors, no sequences."""
     nodes = list(model.graph.node)
-    known = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    known = {
+        i.name: numpy_helper.to_array(i)
+        for i in model.graph.initializer
+        if not _is_weight_like(i)  # a weight's payload is not here: never a split's size
+    }
     known.update(
         (n.output[0], numpy_helper.to_array(n.attribute[0].t))
         for n in nodes
@@ -470,12 +520,12 @@ def _fold_pass(
     return folded, True
 
 
-def prepare(path: Path, batch: int | None, *, allow_nonfinite: bool = False) -> Prepared:
-    model = read_model(path, allow_nonfinite=allow_nonfinite)
+def prepare(path: Path, batch: int | None) -> Prepared:
+    model, stored = read_model(path)
     opset = default_opset(model, path)
     batch = _bind_batch(model, path, batch)
     # Float initializers are weights (or weight-like constants): never folded away.
-    float_inits = {i.name for i in model.graph.initializer if i.data_type in _FLOAT_TYPES}
+    float_inits = set(stored)
     model = _infer(model, path)
     literal = {i.name for i in model.graph.initializer}
     for _ in range(_MAX_FOLD_PASSES):
@@ -490,7 +540,11 @@ def prepare(path: Path, batch: int | None, *, allow_nonfinite: bool = False) -> 
             break
         model = _infer(model, path)
     init_names = {i.name for i in model.graph.initializer}
-    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    values = {
+        i.name: numpy_helper.to_array(i)
+        for i in model.graph.initializer
+        if i.name not in float_inits
+    }
     return Prepared(
         path=path,
         sha256=file_sha256(path),
@@ -499,8 +553,8 @@ def prepare(path: Path, batch: int | None, *, allow_nonfinite: bool = False) -> 
         batch=batch,
         nodes=tuple(model.graph.node),
         types=_types(model),
-        constants={k: v for k, v in values.items() if k not in float_inits},
-        float_initializers={k: v for k, v in values.items() if k in float_inits},
+        constants=values,
+        float_initializers={k: v for k, v in stored.items() if k in init_names},
         graph_inputs=tuple(i.name for i in model.graph.input if i.name not in init_names),
         graph_outputs=tuple(o.name for o in model.graph.output),
         literal=frozenset(literal),

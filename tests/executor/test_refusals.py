@@ -79,6 +79,34 @@ def test_data_file_trains(plan2: Path, tmp_path: Path) -> None:
     assert len(run.losses) == 4 and run.losses[3] != run.losses[0]
 
 
+def _with_nan(model: Path, weight_index: int) -> str:
+    """Put a NaN into one weight of ``model`` (in place); its name."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(model)
+    t = proto.graph.initializer[weight_index]
+    a = numpy_helper.to_array(t).copy()
+    a.flat[-1] = np.nan
+    t.CopyFrom(numpy_helper.from_array(a, t.name))
+    onnx.save(proto, model)
+    return t.name
+
+
+def test_nonfinite_weights_are_refused_where_they_are_loaded(tmp_path: Path, example_onnx) -> None:
+    """Planning reads no weights; the executor checks the boxes each rank loads, and
+    every rank stops with the one line (the NaN is in rank 1's half of the model here)."""
+    model = tmp_path / "cnn.onnx"
+    shutil.copy(example_onnx, model)
+    name = _with_nan(model, -1)
+    plan = tmp_path / "plan.json"
+    make_plan(model, plan, 2, BATCH, "model-parallel")
+    run = mpirun(plan, 2, tmp_path, "--steps", "1")
+    assert_refused(run, "cnn.onnx", f"initializer '{name}'", "NaN or infinite", "--allow-nonfinite")
+    allowed = mpirun(plan, 2, tmp_path, "--steps", "1", "--allow-nonfinite")
+    assert allowed.returncode == 0, allowed.stderr
+
+
 def test_a_rank_that_raises_aborts_all_ranks_quickly(plan2: Path, tmp_path: Path) -> None:
     started = time.monotonic()
     run = mpirun(plan2, 2, tmp_path, "--steps", "50", timeout=60, script=[str(DRIVER)])

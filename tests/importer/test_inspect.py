@@ -132,19 +132,66 @@ def test_batchnorm_mode_shows_in_its_synchronized_dims(tmp_path: Path) -> None:
         assert {d["name"] for d in bn["dims"] if d["synchronized"]} == synced
 
 
+def _stored(name: str, value):
+    import onnx
+
+    from onnx2soap.importer.weights import InlineData, StoredTensor
+
+    elem = onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
+    payload = value.astype(value.dtype.newbyteorder("<")).tobytes()
+    return StoredTensor(name, value.shape, elem, InlineData(payload))
+
+
 def test_weight_copies_are_found_and_constant_arrays_ignored() -> None:
     import numpy as np
 
     from onnx2soap.importer.copies import CopyKind, weight_copies
 
     w = np.arange(6.0).reshape(2, 3)
-    copies = weight_copies(
-        {"a": w, "b": w.copy(), "c": w.T.copy(), "zeros1": np.zeros(4), "zeros2": np.zeros(4)}
-    )
+    arrays = {"a": w, "b": w.copy(), "c": w.T.copy(), "zeros1": np.zeros(4), "zeros2": np.zeros(4)}
+    copies = weight_copies({k: _stored(k, v) for k, v in arrays.items()})
     assert {(c.first, c.second, c.kind) for c in copies} == {
         ("a", "b", CopyKind.EQUAL),
         ("a", "c", CopyKind.TRANSPOSED),
     }
+
+
+def test_weight_copies_compare_whole_weights_not_only_their_samples() -> None:
+    """Weights that agree at every sampled position but differ elsewhere are not copies;
+    big ones are compared a band of rows at a time."""
+    import numpy as np
+
+    from onnx2soap.importer import copies
+    from onnx2soap.importer.copies import CopyKind, weight_copies
+
+    w = np.random.default_rng(0).standard_normal((97, 41)).astype(np.float32)
+    sampled = set(copies._positions(w.shape))
+    spot = next((i, j) for i in range(97) for j in range(41) if (i, j) not in sampled)
+    near = w.copy()
+    near[spot] += 1.0
+    near_t = w.T.copy()
+    near_t[spot[::-1]] += 1.0
+    arrays = {"w": w, "w_equal": w.copy(), "w_near": near, "wt": w.T.copy(), "wt_near": near_t}
+    stored = {k: _stored(k, v) for k, v in arrays.items()}
+    for band in (copies.COMPARE_BYTES, 41 * 4 * 3):  # whole, and three rows at a time
+        copies_found = {
+            (c.first, c.second, c.kind)
+            for c in _with_band(copies, band, lambda: weight_copies(stored))
+        }
+        assert copies_found == {
+            ("w", "w_equal", CopyKind.EQUAL),
+            ("w", "wt", CopyKind.TRANSPOSED),
+            ("w_near", "wt_near", CopyKind.TRANSPOSED),  # near_t is near's transpose
+        }
+
+
+def _with_band(module, band: int, work):
+    saved = module.COMPARE_BYTES
+    module.COMPARE_BYTES = band
+    try:
+        return work()
+    finally:
+        module.COMPARE_BYTES = saved
 
 
 @pytest.mark.parametrize(("exporter", "warned"), [("dynamo", True), ("legacy", False)])

@@ -1,0 +1,204 @@
+"""Weights stay where they are stored: planning reads shapes and dtypes, and a box of a
+weight reads exactly that box, compared with numpy's own reading of the same bytes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from benchmarks.sparse_mlp import Fill, write_sparse_mlp
+from onnx2soap.importer import load_model, weights
+from onnx2soap.importer.weights import ExternalData, StoredTensor
+from tests.importer.helpers import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _boxes(shape: tuple[int, ...], rng: np.random.Generator, count: int):
+    """The whole tensor, an empty box, and ``count`` random boxes."""
+    yield tuple((0, n) for n in shape)
+    yield tuple((0, 0) if k == 0 else (0, n) for k, n in enumerate(shape))
+    for _ in range(count):
+        box = []
+        for n in shape:
+            lo = int(rng.integers(0, n))
+            box.append((lo, int(rng.integers(lo + 1, n + 1))))
+        yield tuple(box)
+
+
+def _reference(data: Path, offset: int, shape, dtype) -> np.ndarray:
+    count = int(np.prod(shape))
+    return np.fromfile(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+@pytest.mark.parametrize("chunk", [weights.CHUNK_BYTES, 64 * 4 * 3, 40])
+def test_boxes_of_external_weights_are_the_files_bytes(tmp_path: Path, monkeypatch, chunk) -> None:
+    """Whole rows, a few rows a chunk, and rows longer than a chunk read the same."""
+    monkeypatch.setattr(weights, "CHUNK_BYTES", chunk)
+    mlp = write_sparse_mlp(tmp_path, 3, 64, fill=Fill.RANDOM, seed=3)
+    model = load_model(mlp.model, batch=2)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        stored = model.weights[f"w{i}"]
+        assert isinstance(stored.where, ExternalData)
+        full = _reference(mlp.data, i * 64 * 64 * 4, (64, 64), "<f4")
+        for box in _boxes(stored.shape, rng, 12):
+            want = full[tuple(slice(lo, hi) for lo, hi in box)]
+            np.testing.assert_array_equal(stored.read(box), want, err_msg=str(box))
+
+
+@pytest.mark.parametrize("chunk", [weights.CHUNK_BYTES, 9 * 8 * 2, 24])
+def test_boxes_of_a_3d_tensor(tmp_path: Path, monkeypatch, chunk) -> None:
+    monkeypatch.setattr(weights, "CHUNK_BYTES", chunk)
+    value = np.random.default_rng(1).standard_normal((5, 7, 9))
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"pad!" + value.astype("<f8").tobytes())
+    elem = TensorProto.DOUBLE
+    stored = StoredTensor("t", value.shape, elem, ExternalData(path, 4, value.nbytes))
+    rng = np.random.default_rng(2)
+    for box in _boxes(value.shape, rng, 40):
+        want = value[tuple(slice(lo, hi) for lo, hi in box)]
+        np.testing.assert_array_equal(stored.read(box), want, err_msg=str(box))
+        np.testing.assert_array_equal(stored[tuple(slice(lo, hi) for lo, hi in box)], want)
+    np.testing.assert_array_equal(np.asarray(stored), value)
+    with pytest.raises(ValueError, match="not inside"):
+        stored.read(((0, 6), (0, 7), (0, 9)))
+
+
+def _one_matmul(tmp_path: Path, weight: onnx.TensorProto) -> Path:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", weight.name], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [weight],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_typed_float_data_is_read_like_raw_bytes(tmp_path: Path) -> None:
+    value = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    weight = helper.make_tensor("w", TensorProto.FLOAT, (3, 4), value.flatten().tolist())
+    assert not weight.HasField("raw_data")
+    model = load_model(_one_matmul(tmp_path, weight), batch=2)
+    np.testing.assert_array_equal(model.weights["w"].read(), value)
+    np.testing.assert_array_equal(model.weights["w"].read(((1, 3), (2, 4))), value[1:3, 2:4])
+
+
+def _external(tmp_path: Path, entries: dict[str, str], data: bytes | None = None) -> Path:
+    weight = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=(3, 4))
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in entries.items():
+        weight.external_data.add(key=key, value=value)
+    path = _one_matmul(tmp_path, weight)
+    if data is not None:
+        (tmp_path / "w.bin").write_bytes(data)
+    return path
+
+
+FULL = np.zeros((3, 4), np.float32).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("entries", "data", "says"),
+    [
+        ({"location": "w.bin"}, None, "external weight file missing"),
+        ({"location": "w.bin"}, FULL[:-4], "needs bytes 0 to 48 of w.bin, which holds 44"),
+        ({"location": "w.bin", "offset": "8"}, FULL, "needs bytes 8 to 56"),
+        ({"location": "w.bin", "length": "40"}, FULL, "length 40, but its dims [3, 4] need 48"),
+        ({"location": "w.bin", "offset": "-4"}, FULL, "offset '-4' is not a byte count"),
+        ({"location": "../w.bin"}, FULL, "'../w.bin' is outside the model's folder"),
+        ({"location": "/etc/passwd"}, None, "'/etc/passwd' is outside the model's folder"),
+        ({}, None, "external data without a location"),
+    ],
+    ids=["missing", "short", "offset-past-end", "length", "negative", "traversal", "abs", "none"],
+)
+def test_bad_external_data_is_refused_in_one_line(tmp_path, entries, data, says) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if entries.get("location") == "../w.bin":
+        (tmp_path / "w.bin").write_bytes(data)  # it exists, but outside the folder
+        data = None
+    path = _external(folder, entries, data)
+    for command in (
+        ["inspect", path, "--batch", 2],
+        [
+            "plan",
+            path,
+            "--batch",
+            2,
+            "--devices",
+            "2",
+            "--strategy",
+            "data-parallel",
+            "-o",
+            tmp_path / "p.json",
+        ],
+    ):
+        result = run_cli(command)
+        assert result.code == 2, result.stderr
+        assert len(result.stderr_lines) == 1 and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def _peak_rss(argv: list[str]) -> tuple[int, int, str]:
+    """Exit code, peak RSS in bytes and stderr of a process run to its end."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    err = proc.stderr.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, err
+
+
+@pytest.mark.slow
+def test_a_34_gb_model_is_planned_without_reading_its_weights(tmp_path: Path) -> None:
+    """32 layers of 16384x16384 float32 on a sparse file: inspect and plan run in a
+    fraction of a GB (reading the weights would need 34), and the plan is written."""
+    mlp = write_sparse_mlp(tmp_path, 32, 16384)
+    assert mlp.weight_bytes > 34e9 and os.stat(mlp.data).st_blocks == 0  # no disk used
+    cli = [sys.executable, "-m", "onnx2soap"]
+    plan = tmp_path / "plan.json"
+    runs = {
+        "inspect": [*cli, "inspect", str(mlp.model), "--batch", "8"],
+        "plan": [
+            *cli,
+            "plan",
+            str(mlp.model),
+            "--batch",
+            "8",
+            "--devices",
+            "4",
+            "--strategy",
+            "data-parallel",
+            "-o",
+            str(plan),
+        ],
+    }
+    for name, argv in runs.items():
+        code, peak, err = _peak_rss(argv)
+        assert code == 0, f"{name}: {err}"
+        assert peak < 1 << 30, f"{name}: peak RSS {peak / 2**20:.0f} MB"
+    assert plan.is_file()
+    loaded = load_model(mlp.model, batch=8)
+    assert {t.name: t.shape for t in loaded.weights.values()} == {
+        f"w{i}": (16384, 16384) for i in range(32)
+    }
+
+
+def test_inline_weights_leave_the_parsed_model(tmp_path: Path) -> None:
+    """An inline weight's bytes are moved out of the proto, not copied: reading gives
+    what numpy_helper reads from the file."""
+    value = np.random.default_rng(4).standard_normal((3, 4)).astype(np.float32)
+    path = _one_matmul(tmp_path, numpy_helper.from_array(value, "w"))
+    model = load_model(path, batch=2)
+    np.testing.assert_array_equal(model.weights["w"].read(), value)
+    np.testing.assert_array_equal(model.weights["w"][1:, ::1], value[1:])
