@@ -249,25 +249,31 @@ def _rank_map(as_json: bool):
     return show
 
 
-def _summary(result, as_json: bool) -> None:
+def summary_fields(result) -> dict:
     times = [r.time_s for r in result.steps]
     # The first step includes one-off costs (allocations, communicator warm-up).
     steady = times[1:] or times
-    summary = {
+    return {
         "steps": len(result.steps),
         "final_loss": result.steps[-1].loss if result.steps else None,
         "mean_step_time_s": sum(steady) / len(steady) if steady else None,
         "bytes_sent": list(result.bytes_sent),
+        "peak_rss_bytes": list(result.peak_rss),
     }
+
+
+def _summary(summary: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"summary": summary}))
-    elif not result.steps:
+    elif not summary["steps"]:
         print("0 steps: nothing trained")
     else:
         mean = summary["mean_step_time_s"]
+        peaks = [round(b / 2**20) for b in summary["peak_rss_bytes"]]
         print(
             f"{summary['steps']} steps, final loss {summary['final_loss']:.6f}, mean step "
-            f"{mean * 1e3:.2f} ms (after the first), bytes sent per rank {summary['bytes_sent']}"
+            f"{mean * 1e3:.2f} ms (after the first), bytes sent per rank {summary['bytes_sent']}, "
+            f"peak memory (RSS) per rank MB {peaks}"
         )
     sys.stdout.flush()
 
@@ -370,9 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"executor: rank {rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         return _abort(comm, 1)
+    summary = summary_fields(result)
+    if rank == 0:
+        progress.summary(summary)
     progress.close()
     if rank == 0:
-        _summary(result, args.json)
+        _summary(summary, args.json)
     if result.interrupted:
         if rank == 0:
             print(_interrupted_line(result, args.steps, args), file=sys.stderr)

@@ -2,31 +2,40 @@
 
 Every weight and state tensor the executor trains is an initializer of the input file
 (checked before training starts); the saved file is the input graph unchanged, those
-initializers replaced in their own dtype. The weights go to external data beside the
-file (``OUT.onnx.data``) when the input kept them outside or when they pass half of
-protobuf's 2 GB limit on a model file (the graph needs room too). Both files are
-written under temporary names and renamed into place, the data first, so a crash never
-leaves a model pointing at missing data.
+initializers replaced in their own dtype. No rank gathers the model: the ranks that hold
+each shard write it, with MPI-IO, at its place in the data file (``shard_io``).
+
+The weights go to external data beside the file (``OUT.onnx.data``) when the input kept
+them outside or when they pass half of protobuf's 2 GB limit on a model file (the graph
+needs room too): the trained tensors are written there by the ranks, and rank 0 copies
+the other large initializers from the input, a chunk at a time. Otherwise (a small model
+whose input was one file) rank 0 reads the trained tensors back from the shard file into
+the model. The data is written under a temporary name and renamed into place before the
+model is, so a crash never leaves a model pointing at missing data.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
+from mpi4py import MPI
 from onnx import numpy_helper
-from onnx.external_data_helper import set_external_data, uses_external_data
 
+from executor.runtime import Runtime
+from executor.shard_io import Layout, Placed, read_placed, write_shards
+from executor.weights_out import owned_shards, shard_file
 from onnx2soap.errors import UserError
-from onnx2soap.files import check_output
+from onnx2soap.files import check_output, temporary_beside
+from onnx2soap.importer.weights import external_data
 from onnx2soap.ir import Graph
 
 PROTOBUF_LIMIT = 2**31 - 1
-INLINE_BYTES = 1024  # smaller initializers stay in the model file (as onnx's own default)
+INLINE_BYTES = 1024  # smaller untrained initializers stay in the model file (onnx's default)
 
 
 def check_saveable(model_path: Path, graph: Graph, out: Path) -> None:
@@ -43,28 +52,158 @@ def check_saveable(model_path: Path, graph: Graph, out: Path) -> None:
         )
 
 
-def save_model(model_path: Path, trained: Mapping[str, np.ndarray], out: Path) -> None:
-    bare = onnx.load(str(model_path), load_external_data=False)
-    external = any(uses_external_data(i) for i in bare.graph.initializer)
-    model = onnx.load(str(model_path))
-    for init in model.graph.initializer:
-        if init.name in trained:
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-            value = np.asarray(trained[init.name], dtype=dtype).reshape(tuple(init.dims))
-            init.CopyFrom(numpy_helper.from_array(value, init.name))
-    total = sum(i.ByteSize() for i in model.graph.initializer)
-    if external or total > PROTOBUF_LIMIT // 2:  # room left for the graph itself
-        _write_external(model, out)
-    else:
-        _replace(out, model.SerializeToString())
+@dataclass(frozen=True)
+class _Plan:
+    """Rank 0's decision, shared with every rank: where each trained tensor goes."""
+
+    layout: Layout  # the trained tensors first, then (external) the large others
+    external: bool
 
 
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+def _dtype(init: onnx.TensorProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
+
+
+def _nbytes(init: onnx.TensorProto) -> int:
+    return int(np.prod(init.dims, dtype=np.int64)) * _dtype(init).itemsize
+
+
+def _decide(bare: onnx.ModelProto, trained: set[str]) -> _Plan:
+    inits = list(bare.graph.initializer)
+    was_external = any(i.data_location == onnx.TensorProto.EXTERNAL for i in inits)
+    total = sum(_nbytes(i) for i in inits)
+    external = was_external or total > PROTOBUF_LIMIT // 2  # room left for the graph
+    tensors = [(i.name, tuple(i.dims), _dtype(i)) for i in inits if i.name in trained]
+    if external:
+        tensors += [
+            (i.name, tuple(i.dims), _dtype(i))
+            for i in inits
+            if i.name not in trained and _nbytes(i) >= INLINE_BYTES
+        ]
+    return _Plan(Layout.of(tensors), external)
+
+
+def save_model(comm: MPI.Comm, rt: Runtime, model_path: Path, out: Path) -> None:
+    """Collective: write ``out`` (and ``out.data``) from every rank's shards."""
+    trained = {t.name for t in (*rt.graph.weights, *rt.graph.states)}
+    bare, plan, error = None, None, None
+    if comm.rank == 0:
+        bare = onnx.load(str(model_path), load_external_data=False)
+        plan = _decide(bare, trained)
+    plan = comm.bcast(plan, root=0)
+    data = out.with_name(out.name + ".data")
+    raw = shard_file(comm, data)
+    try:
+        write_shards(comm, raw, plan.layout, owned_shards(rt, trained))
+        if comm.rank == 0:
+            try:
+                _finish(bare, plan, model_path, raw, out, trained)
+            except UserError as e:
+                error = str(e)
+            except OSError as e:
+                error = f"{out}: cannot write ({e.strerror or e})"
+        error = comm.bcast(error, root=0)
+        if error:
+            raise UserError(error)
+    finally:
+        if comm.rank == 0:
+            raw.unlink(missing_ok=True)
+
+
+def _finish(
+    bare: onnx.ModelProto, plan: _Plan, source: Path, raw: Path, out: Path, trained: set[str]
+) -> None:
+    """Rank 0, once the shards are on disk: the model (and its data) in place."""
+    if plan.external:
+        data = out.with_name(out.name + ".data")
+        _copy_untrained(bare, plan.layout, source, raw, trained)
+        _fsync(raw)
+        os.replace(raw, data)  # the data first: the model must never point at missing data
+        for init in bare.graph.initializer:
+            if init.name in plan.layout.tensors:
+                _point_at(init, plan.layout.tensors[init.name], data.name)
+            elif init.data_location == onnx.TensorProto.EXTERNAL:
+                # small and untrained, in the input's data file: inline in the output
+                _set_raw(init, b"".join(_stored_bytes(init, source)))
+    else:  # nothing was external: a small model, one file
+        for init in bare.graph.initializer:
+            if init.name in trained:
+                placed = plan.layout.tensors[init.name]
+                _set_raw(init, b"".join(read_placed(raw, placed)))
+    _replace(out, bare.SerializeToString())
+
+
+def _copy_untrained(
+    bare: onnx.ModelProto, layout: Layout, source: Path, raw: Path, trained: set[str]
+) -> None:
+    """Large initializers the run does not train, copied from the input into the data
+    file a chunk at a time (their bytes as the input stores them, little-endian)."""
+    with open(raw, "r+b") as f:
+        for init in bare.graph.initializer:
+            if init.name in trained or init.name not in layout.tensors:
+                continue
+            f.seek(layout.tensors[init.name].offset)
+            for chunk in _stored_bytes(init, source):
+                f.write(chunk)
+
+
+def _stored_bytes(init: onnx.TensorProto, source: Path, chunk: int = 16 << 20) -> Iterator[bytes]:
+    if init.data_location == onnx.TensorProto.EXTERNAL:
+        where = external_data(init, source, f"initializer '{init.name}'", _nbytes(init))
+        with open(where.file, "rb") as f:
+            f.seek(where.offset)
+            left = where.length
+            while left:
+                data = f.read(min(chunk, left))
+                left -= len(data)
+                yield data
+        return
+    value = numpy_helper.to_array(init)
+    yield value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _point_at(init: onnx.TensorProto, placed: Placed, location: str) -> None:
+    """The initializer as an external-data reference to its place in ``location``."""
+    for field in (
+        "raw_data",
+        "float_data",
+        "double_data",
+        "int32_data",
+        "int64_data",
+        "uint64_data",
+        "external_data",
+    ):
+        init.ClearField(field)
+    init.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (
+        ("location", location),
+        ("offset", placed.offset),
+        ("length", placed.nbytes),
+    ):
+        init.external_data.add(key=key, value=str(value))
+
+
+def _set_raw(init: onnx.TensorProto, payload: bytes) -> None:
+    for field in (
+        "float_data",
+        "double_data",
+        "int32_data",
+        "int64_data",
+        "uint64_data",
+        "external_data",
+    ):
+        init.ClearField(field)
+    init.data_location = onnx.TensorProto.DEFAULT
+    init.raw_data = payload
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _replace(path: Path, data: bytes) -> None:
-    tmp = _temporary(path)
+    tmp = temporary_beside(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -74,31 +213,3 @@ def _replace(path: Path, data: bytes) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise UserError(f"{path}: cannot write ({e.strerror or e})") from e
-
-
-def _write_external(model: onnx.ModelProto, out: Path) -> None:
-    """The initializers' bytes (all but the smallest) in ``OUT.onnx.data``, written
-    under a temporary name and renamed into place first; then the model."""
-    data = out.with_name(out.name + ".data")
-    tmp = _temporary(data)
-    offset = 0
-    try:
-        with open(tmp, "wb") as f:
-            for init in model.graph.initializer:
-                value = numpy_helper.to_array(init)
-                if value.nbytes < INLINE_BYTES:
-                    continue  # shapes and scalars stay inline: shape inference reads them
-                raw = value.astype(value.dtype.newbyteorder("<")).tobytes()
-                f.write(raw)
-                init.CopyFrom(numpy_helper.from_array(value, init.name))  # raw_data form
-                set_external_data(init, data.name, offset, len(raw))
-                init.ClearField("raw_data")
-                init.data_location = onnx.TensorProto.EXTERNAL
-                offset += len(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, data)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"{data}: cannot write ({e.strerror or e})") from e
-    _replace(out, model.SerializeToString())

@@ -5,7 +5,8 @@
   evaluations printed above it;
 - anything else (a log file, a pipe): one line per step with the same figures;
 - ``--metrics run.jsonl``: one JSON object per step and per evaluation, flushed as they
-  come (appended to when the run resumes), whatever is shown; ``onnx2soap plot`` draws it.
+  come (appended to when the run resumes), whatever is shown, and the run's summary last
+  (steps, final loss, bytes sent and peak memory per rank); ``onnx2soap plot`` draws it.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ class Progress:
             self._file = open(self.metrics, "a" if self.resumed else "w")  # noqa: SIM115
         self._file.write(json.dumps(fields) + "\n")
         self._file.flush()
+
+    def summary(self, fields: dict) -> None:
+        """The run's summary, last in the metrics file (readers skip it)."""
+        self._record({"summary": fields})
 
     def _print(self, line: str) -> None:
         print(line, file=self.out, flush=True)

@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
-import io
 import os
+import resource
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -38,12 +39,15 @@ from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.trace import Tracer, write_measured
 from executor.transport import make_transport, nap_precisely, oversubscribed, wait_patiently
+from executor.weights_out import save_weights
 from onnx2soap.errors import UserError
-from onnx2soap.files import check_directory, check_output, write_atomic
+from onnx2soap.files import check_directory, check_output
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
 from onnx2soap.ir import DType, Graph
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
 from onnx2soap.soap.partition import rect_shape
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class RunOptions:
     trace: Path | None = None  # every rank's measured timeline (Perfetto JSON, rank 0)
     save_weights: Path | None = None
     save_model: Path | None = None  # the input model with the trained initializers
-    allow_nonfinite: bool = False  # NaN/Inf in the model's float initializers
+    allow_nonfinite: bool = False  # NaN/Inf in the weights a rank loads
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: DeviceKind | None = None  # None: a GPU when cupy sees one, else the CPU
     transport: TransportKind = TransportKind.AUTO
@@ -95,9 +99,10 @@ class StepRecord:
 class RunResult:
     steps: tuple[StepRecord, ...]
     bytes_sent: tuple[int, ...]  # per rank, over all steps
-    weights: dict[str, np.ndarray] | None  # gathered on rank 0 when asked
+    weights: dict[str, np.ndarray] | None  # gathered on rank 0 when asked (tests)
     interrupted: int = 0  # the signal every rank stopped on early (0: all steps ran)
     first_step: int = 0  # steps done before this run (a resumed run)
+    peak_rss: tuple[int, ...] = ()  # bytes, per rank: the process's peak resident memory
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
             f"{path}: sha256 {digest[:12]}… differs from the plan's {plan.model_sha256[:12]}…; "
             "the plan was made for another model file"
         )
-    model = load_model(path, plan.batch, import_loss(plan), allow_nonfinite=options.allow_nonfinite)
+    model = load_model(path, plan.batch, import_loss(plan))
     strategy = plan.strategy(model.graph, analyze(model.graph))
     pg = Partitioner(model.graph).partition(strategy)
     dtype = np.dtype(options.dtype.value)
@@ -140,23 +145,56 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
     return _Setup(plan, model, pg, data, eval_data)
 
 
-def agreed_setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
-    """Every rank sets up; if any fails, all raise the first error (no rank hangs)."""
-    setup, error = None, None
+def agreed(comm: MPI.Comm, work: Callable[[], T]) -> T:
+    """Every rank runs ``work``; if any fails, all raise the first error (no rank hangs)."""
+    result, error = None, None
     try:
-        setup = _setup(comm, options)
+        result = work()
     except UserError as e:
         error = str(e)
     errors = [e for e in comm.allgather(error) if e]
     if errors:
         raise UserError(errors[0])
-    return setup
+    return result
+
+
+def agreed_setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
+    """Every rank sets up; if any fails, all raise the first error (no rank hangs)."""
+    return agreed(comm, lambda: _setup(comm, options))
+
+
+def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Runtime:
+    """The rank's runtime, its shards read from the model's weights (only the boxes its
+    tasks hold), checked for NaN and infinities unless ``--allow-nonfinite``."""
+    try:
+        return Runtime(
+            s.pg,
+            compile_program(s.pg, rank),
+            transport,
+            {**s.model.weights, **s.model.state},
+            np.dtype(options.dtype.value),
+            s.model.constants,
+            options.seed,
+            device,
+            options.optimizer,
+            refuse_nonfinite=not options.allow_nonfinite,
+        )
+    except UserError as e:
+        raise UserError(f"{s.model.path}: {e}") from e
+    except OSError as e:  # the weights' file went away or became unreadable since setup
+        raise UserError(f"{s.model.path}: cannot read its weights ({e})") from e
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.ndarray] | None:
     """Assemble every weight and state tensor on rank 0 from the lowest device of each
-    replica group. Rank 0 receives in the order every owner sends (group order), so the
-    messages need no tags."""
+    replica group, for tests and small models (saving never gathers: ``weights_out``).
+    Rank 0 receives in the order every owner sends (group order), so the messages need
+    no tags."""
     rank = comm.Get_rank()
     held = (*graph.weights, *graph.states)
     full = {w.name: np.empty(w.shape, dtype=rt.dtype) for w in held} if rank == 0 else {}
@@ -173,12 +211,6 @@ def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.nd
             elif rank == owner:
                 comm.Send(np.ascontiguousarray(rt.device.to_host(rt.shards[key])), dest=0)
     return full if rank == 0 else None
-
-
-def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    blob = io.BytesIO()
-    np.savez(blob, **arrays)
-    write_atomic(path, blob.getvalue())
 
 
 def _check_outputs(comm: MPI.Comm, options: RunOptions) -> None:
@@ -378,18 +410,8 @@ def train(
     plan_sha = file_sha256(Path(options.plan))
     # Traced runs count what the rank allocates from here on (its shards, buffers, steps).
     tracer = Tracer(rank, s.pg, device) if options.trace is not None else None
-    program = compile_program(s.pg, rank)
-    rt = Runtime(
-        s.pg,
-        program,
-        transport,
-        {**s.model.weights, **s.model.state},
-        np.dtype(options.dtype.value),
-        s.model.constants,
-        options.seed,
-        device,
-        options.optimizer,
-    )
+    rt = agreed(comm, lambda: _runtime(s, options, rank, transport, device))
+    program = rt.program
     rt.tracer = tracer
     # The rank keeps its shards only: the whole model's values are dropped.
     s = replace(s, model=replace(s.model, weights={}, state={}))
@@ -439,14 +461,13 @@ def train(
             write_measured(options.trace, gathered, options.plan, plan_sha)
     counts = np.zeros(comm.Get_size(), dtype=np.int64)
     comm.Allgather(np.array([transport.bytes_sent], dtype=np.int64), counts)
-    weights = None
-    if gather or options.save_weights or options.save_model:
-        weights = gather_weights(comm, rt, s.model.graph)
-        if rank == 0 and options.save_weights:
-            save_npz(options.save_weights, weights)
-        if options.save_model:
-            _agree_on(comm, lambda: save_model(s.model.path, weights, options.save_model))
+    if options.save_weights:
+        save_weights(comm, rt, options.save_weights)
+    if options.save_model:
+        save_model(comm, rt, s.model.path, options.save_model)
+    weights = gather_weights(comm, rt, s.model.graph) if gather else None
     sent = tuple(int(c) for c in counts)
     if bell is not None:
         bell.close()
-    return RunResult(tuple(records), sent, weights, interrupted, first)
+    peaks = tuple(comm.allgather(peak_rss_bytes()))
+    return RunResult(tuple(records), sent, weights, interrupted, first, peaks)

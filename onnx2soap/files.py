@@ -105,13 +105,18 @@ def check_directory(path: Path | str) -> Path:
     return path
 
 
+def temporary_beside(target: Path, suffix: str = "tmp") -> Path:
+    """A fresh hidden name in ``target``'s folder: written, then renamed over it."""
+    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
+
+
 def write_atomic(path: Path | str, data: str | bytes) -> None:
     """Write ``data`` to a temporary file beside the target, then rename it over it."""
     path = Path(path)
     target = check_output(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        tmp = temporary_beside(target)
         # O_EXCL: never reuse a stray file; mode 0o666 minus the umask, like a plain open().
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as e:

@@ -41,6 +41,7 @@ class Run:
     bytes_sent: tuple[int, ...]
     stdout: str
     stderr: str
+    peak_rss: tuple[int, ...] = ()  # bytes, per rank (the run's summary)
 
 
 def make_plan(
@@ -90,7 +91,7 @@ def mpirun(
         *args,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    losses, sent = [], ()
+    losses, sent, peaks = [], (), ()
     for line in done.stdout.splitlines():
         if line.startswith("{"):
             doc = json.loads(line)
@@ -98,11 +99,12 @@ def mpirun(
                 losses.append(doc["loss"])
             if "summary" in doc:
                 sent = tuple(doc["summary"]["bytes_sent"])
+                peaks = tuple(doc["summary"]["peak_rss_bytes"])
     saved = None
     if done.returncode == 0 and weights.exists():
         with np.load(weights) as f:
             saved = {k: f[k] for k in f.files}
-    return Run(done.returncode, tuple(losses), saved, sent, done.stdout, done.stderr)
+    return Run(done.returncode, tuple(losses), saved, sent, done.stdout, done.stderr, peaks)
 
 
 def reference(plan: Path, steps: int, dtype: DType, lr: float, seed: int = 0):

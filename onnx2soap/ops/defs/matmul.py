@@ -48,20 +48,31 @@ def forward(xp, attrs, inputs, args):
     return xp.matmul(a, b)
 
 
+def _reduced(xp, product, shape):
+    """A product is a fresh array already: it is the gradient as it is where its operand
+    does not broadcast (a copy would hold a second weight-sized array at the peak)."""
+    return product if product.shape == tuple(shape) else unbroadcast(xp, product, shape)
+
+
 def backward(xp, attrs, inputs, output, grad_output, args):
     a, b = inputs
     grad_a = xp.matmul(grad_output, xp.swapaxes(b, -1, -2))
     grad_b = xp.matmul(xp.swapaxes(a, -1, -2), grad_output)
-    return unbroadcast(xp, grad_a, a.shape), unbroadcast(xp, grad_b, b.shape)
+    return _reduced(xp, grad_a, a.shape), _reduced(xp, grad_b, b.shape)
 
 
 def workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
-    """The backward's raw products, both alive until it returns: each gradient is first
-    computed over the output's batch axes, then summed over the ones its operand
-    broadcasts (or copied: ``unbroadcast`` always returns a fresh array)."""
+    """The backward's raw products of the operands that broadcast, alive until it
+    returns: such a gradient is first computed over the output's batch axes, then summed
+    over the ones its operand broadcasts. An operand that does not broadcast gets its
+    product as its gradient (counted with the fresh gradients, not here)."""
     (m, k), n = shapes[0][-2:], shapes[1][-1]
     batch = math.prod(out_shape[:-2])
-    return 0, batch * k * (m + n) * itemsize
+    raw_a, raw_b = batch * m * k, batch * k * n
+    held = (raw_a if math.prod(shapes[0]) != raw_a else 0) + (
+        raw_b if math.prod(shapes[1]) != raw_b else 0
+    )
+    return 0, held * itemsize
 
 
 MATMUL = OpDef(

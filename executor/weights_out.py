@@ -1,0 +1,84 @@
+"""``--save-weights W.npz``: every weight and state tensor, whole, in the run's dtype,
+written by the ranks that hold its shards: no rank gathers the model.
+
+The ranks write their shards into a file of whole tensors beside the output
+(``shard_io``), then rank 0 streams it into the .npz (uncompressed members, a chunk at a
+time, so its memory holds a chunk, not the model) under a temporary name, renamed into
+place; the shard file is removed. The disk holds the model twice for a moment.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from executor.runtime import Runtime
+from executor.shard_io import Layout, read_placed, write_shards
+from onnx2soap.errors import UserError
+from onnx2soap.files import check_output, temporary_beside
+from onnx2soap.soap.partition import Rect
+
+
+def owned_shards(rt: Runtime, names: set[str]) -> Iterator[tuple[str, Rect, np.ndarray]]:
+    """(tensor, rect, host values) of every shard of ``names`` this rank writes: those
+    whose replica group has this rank as its lowest device (each Rect written once).
+    Made one at a time, so a GPU rank holds one host copy at a time."""
+    for op in rt.graph.ops:
+        for group in rt.pg.groups[op.name]:
+            if group.devices[0] == rt.rank and group.weight in names:
+                shard = rt.shards[(group.weight, group.rect)]
+                yield group.weight, group.rect, rt.device.to_host(shard)
+
+
+def shard_file(comm: MPI.Comm, target: Path) -> Path:
+    """A temporary path beside ``target`` that every rank agrees on."""
+    return Path(comm.bcast(str(temporary_beside(target, "shards")) if comm.rank == 0 else None))
+
+
+def save_weights(comm: MPI.Comm, rt: Runtime, out: Path) -> None:
+    """Collective: write ``out`` (.npz) from every rank's shards."""
+    held = (*rt.graph.weights, *rt.graph.states)
+    layout = Layout.of([(t.name, t.shape, rt.dtype) for t in held])
+    target = check_output(out)
+    raw = shard_file(comm, target)
+    try:
+        write_shards(comm, raw, layout, owned_shards(rt, {t.name for t in held}))
+        error = None
+        if comm.rank == 0:
+            try:
+                _npz_from(raw, layout, target)
+            except UserError as e:
+                error = str(e)
+        error = comm.bcast(error, root=0)
+        if error:
+            raise UserError(error)
+    finally:
+        if comm.rank == 0:
+            raw.unlink(missing_ok=True)
+
+
+def _npz_from(raw: Path, layout: Layout, target: Path) -> None:
+    tmp = temporary_beside(target)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for placed in layout.tensors.values():
+                header = {
+                    "descr": np.lib.format.dtype_to_descr(placed.dtype),
+                    "fortran_order": False,
+                    "shape": placed.shape,
+                }
+                with archive.open(f"{placed.name}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array_header_2_0(member, header)
+                    for chunk in read_placed(raw, placed):
+                        member.write(chunk)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{target}: cannot write ({e.strerror or e})") from e
