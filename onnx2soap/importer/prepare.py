@@ -392,7 +392,7 @@ def _evaluate(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) ->
 
 
 def _split_sequences(
-    model: onnx.ModelProto, types: dict[str, TensorType]
+    model: onnx.ModelProto, types: dict[str, TensorType], large: dict[str, np.ndarray]
 ) -> tuple[onnx.ModelProto, bool]:
     """``SequenceAt(SplitToSequence(x, split, axis), k)`` with constant splits and
     positions (what dynamo writes for ``torch.split`` without its optimizer) becomes one
@@ -401,7 +401,8 @@ def _split_sequences(
     known = {
         i.name: numpy_helper.to_array(i)
         for i in model.graph.initializer
-        if not _is_weight_like(i)  # a weight's payload is not here: never a split's size
+        # a weight's payload and a large folded value are not here: never a split's size
+        if not _is_weight_like(i) and i.name not in large
     }
     known.update(
         (n.output[0], numpy_helper.to_array(n.attribute[0].t))
@@ -464,16 +465,23 @@ def _split_sequences(
 
 
 def _fold_pass(
-    model: onnx.ModelProto, opset: int, float_inits: set[str], literal: set[str]
+    model: onnx.ModelProto,
+    opset: int,
+    float_inits: set[str],
+    literal: set[str],
+    large: dict[str, np.ndarray],
 ) -> tuple[onnx.ModelProto, bool]:
-    """Fold Shape nodes and nodes whose inputs are all non-weight constants."""
+    """Fold Shape nodes and nodes whose inputs are all non-weight constants. Folded
+    values past ``LARGE_CONSTANT_BYTES`` (a causal mask) go into ``large`` and the model
+    keeps their dims only, so that shape inference never serializes them."""
     types = _types(model)
     # 0-d float initializers are constants (see the importer's roles), so they fold too.
     known = {
         i.name: numpy_helper.to_array(i)
         for i in model.graph.initializer
-        if i.name not in float_inits or not i.dims
+        if i.name not in large and (i.name not in float_inits or not i.dims)
     }
+    known.update(large)
     kept, changed = [], False
     for node in model.graph.node:
         if node.op_type == "Shape" and node.input[0] in types:
@@ -506,18 +514,29 @@ def _fold_pass(
     graph = model.graph
     inits = [i for i in graph.initializer if i.name in needed]
     present = {i.name for i in inits}
-    inits += [
-        # asarray, not ascontiguousarray: that one makes a 0-d scalar 1-d.
-        numpy_helper.from_array(np.asarray(v, order="C"), name)
-        for name, v in known.items()
-        if name in needed and name not in present
-    ]
+    for name, v in known.items():
+        if name in needed and name not in present:
+            inits.append(_folded_initializer(name, np.asarray(v), large))
     new_graph = onnx.helper.make_graph(
         kept, graph.name, list(graph.input), list(graph.output), inits
     )
     folded = onnx.helper.make_model(new_graph, opset_imports=list(model.opset_import))
     folded.ir_version = model.ir_version
     return folded, True
+
+
+LARGE_CONSTANT_BYTES = 64 << 10  # shape tensors and scalars are far smaller
+
+
+def _folded_initializer(name: str, value: np.ndarray, large: dict) -> onnx.TensorProto:
+    """A folded value as an initializer: whole when small (data propagation may read a
+    shape), else its dims only, the value kept in ``large``."""
+    if value.nbytes <= LARGE_CONSTANT_BYTES:
+        # asarray, not ascontiguousarray: that one makes a 0-d scalar 1-d.
+        return numpy_helper.from_array(np.asarray(value, order="C"), name)
+    large[name] = value
+    elem = onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
+    return onnx.TensorProto(name=name, data_type=elem, dims=value.shape)
 
 
 def prepare(path: Path, batch: int | None) -> Prepared:
@@ -528,11 +547,12 @@ def prepare(path: Path, batch: int | None) -> Prepared:
     float_inits = set(stored)
     model = _infer(model, path)
     literal = {i.name for i in model.graph.initializer}
+    large: dict[str, np.ndarray] = {}  # folded values too big to go through the proto
     for _ in range(_MAX_FOLD_PASSES):
         try:
-            model, changed = _fold_pass(model, opset, float_inits, literal)
+            model, changed = _fold_pass(model, opset, float_inits, literal, large)
             # The splits' sizes may need shapes folding has just made static.
-            model, rewritten = _split_sequences(model, _types(model))
+            model, rewritten = _split_sequences(model, _types(model), large)
             changed = changed or rewritten
         except ModelError as e:
             raise ModelError(f"{path}: {e}") from e
@@ -541,7 +561,7 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         model = _infer(model, path)
     init_names = {i.name for i in model.graph.initializer}
     values = {
-        i.name: numpy_helper.to_array(i)
+        i.name: large[i.name] if i.name in large else numpy_helper.to_array(i)
         for i in model.graph.initializer
         if i.name not in float_inits
     }

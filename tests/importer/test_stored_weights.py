@@ -202,3 +202,41 @@ def test_inline_weights_leave_the_parsed_model(tmp_path: Path) -> None:
     model = load_model(path, batch=2)
     np.testing.assert_array_equal(model.weights["w"].read(), value)
     np.testing.assert_array_equal(model.weights["w"][1:, ::1], value[1:])
+
+
+def test_a_large_folded_constant_kept_beside_the_proto_feeds_its_op(tmp_path: Path) -> None:
+    """A folded value past 64 KiB (a causal mask, here a [64, 512] table) is kept beside
+    the proto, never serialized through shape inference again; the model still computes
+    what onnxruntime computes."""
+    import onnxruntime as ort
+
+    from executor import backend
+    from onnx2soap.importer.prepare import prepare
+
+    shape = helper.make_tensor("shape", TensorProto.INT64, (2,), [64, 512])
+    table = helper.make_node(
+        "ConstantOfShape",
+        ["shape"],
+        ["table"],
+        value=helper.make_tensor("v", TensorProto.FLOAT, (1,), [0.5]),
+    )
+    ramp = helper.make_node("CumSum", ["table", "axis"], ["ramp"])  # 0.5, 1.0, ... per row
+    axis = helper.make_tensor("axis", TensorProto.INT64, (), [1])
+    graph = helper.make_graph(
+        [table, ramp, helper.make_node("Mul", ["x", "ramp"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64, 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64, 512])],
+        [shape, axis],
+    )
+    path = tmp_path / "folded.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    prepared = prepare(path, 2)
+    (big,) = [v for v in prepared.constants.values() if v.nbytes > 64 << 10]
+    np.testing.assert_array_equal(big, np.cumsum(np.full((64, 512), 0.5, np.float32), axis=1))
+    x = np.random.default_rng(0).standard_normal((2, 64, 512)).astype(np.float32)
+    (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    (got,) = backend.prepare(onnx.load(path)).run([x])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
