@@ -38,6 +38,10 @@ RANDOM_RANKS, RANDOM_SEED = 3, 11
 CASES = {
     "resnet18": {},  # has neither Dropout nor stochastic depth
     "mobilenet_v2": {"dropout": 0.0},
+    "squeezenet1_1": {"dropout": 0.0},  # no BatchNorm at all
+    "shufflenet_v2_x0_5": {},
+    "densenet121": {"dropout": 0.0},
+    "inception_v3": {"dropout": 0.0},
     "efficientnet_b0": {"dropout": 0.0, "stochastic_depth": 0.0},
 }
 
