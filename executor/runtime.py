@@ -102,6 +102,8 @@ class Runtime:
                     self.shards[key] = self._shard(weights[group.weight], key, refuse_nonfinite)
                     if group.trainable:
                         self.trainable.add(key)
+        # Updated in this order (the shards' own: graph order), every step.
+        self.trainable_order = tuple(k for k in self.shards if k in self.trainable)
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
         # floats in the run's dtype, ids int64.
         with self.device.compute():
@@ -187,8 +189,6 @@ class Runtime:
         partial losses."""
         state = Step(self, batch, training=True)
         with self.device.compute():
-            for grad in self.buffers.grads.values():
-                grad.fill(0)
             self._run(state, self.program.instructions, self._step_names)
             tracing = self.tracer is not None and self.tracer.active
             with self._timed("wait allreduce", "allreduce") if tracing else nullcontext():
@@ -196,10 +196,12 @@ class Runtime:
                     self.transport.wait(pending)
                 self.transport.end_step()
             self.updates += 1
-            for key, grad in self.buffers.grads.items():
+            for key in self.trainable_order:
                 shard, slots = self.shards[key], self.slots[key]
+                grad = self.buffers.gradient(key, self.xp)
                 with self._timed(f"update {key[0]}", "update") if tracing else nullcontext():
                     apply_update(self.xp, self.optimizer, shard, grad, slots, lr, self.updates)
+            self.buffers.grads.clear()  # the gradients live from their backward to here
             loss = state.loss()
         self.device.synchronize()
         return loss
@@ -238,7 +240,11 @@ class _Buffers:
         self.forward_program = tuple(
             ins for ins in rt.program.instructions if _phase(ins) is Phase.FORWARD
         )
-        self.grads = {k: xp.zeros_like(v) for k, v in rt.shards.items() if k in rt.trainable}
+        # Each trainable shard's gradient in the step, from its first backward kernel to
+        # the update (``Step._weight_grad``); none between steps.
+        self.grads: dict[tuple, object] = {}
+        self._shapes = {k: v.shape for k, v in rt.shards.items() if k in rt.trainable}
+        self._dtype = rt.dtype
         self.received = {
             t.id: xp.empty(rect_shape(t.rect), dtype=rt.dtype_of(_tensor(rt, t)))
             for t in rt.program.receives
@@ -250,6 +256,12 @@ class _Buffers:
         self.staging: dict[int, object] = {}  # strided tiles to send, by transfer
         for ins in rt.program.instructions:
             self._prepare(rt, ins)
+
+    def gradient(self, key, xp):
+        """The shard's gradient this step: zeros where no kernel made one."""
+        if key not in self.grads:
+            self.grads[key] = xp.zeros(self._shapes[key], dtype=self._dtype)
+        return self.grads[key]
 
     def _prepare(self, rt: Runtime, ins) -> None:
         """The buffers of the instruction that assembles a task's inputs (forward) or

@@ -279,16 +279,37 @@ class Step:
         )
         for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
             if role is TensorRole.WEIGHT:
-                self.buf.grads[(name, task.inputs[k].data)] += grads[k]
+                self._weight_grad((name, task.inputs[k].data), grads[k], grad_out, key)
         # Keep only what producers still collect: activation gradients.
         self.input_grads[key] = tuple(
             g if role is TensorRole.ACTIVATION else None
             for g, role in zip(grads, self.rt.roles[ins.op], strict=True)
         )
 
+    def _weight_grad(self, shard, grad, grad_out, key: TaskKey) -> None:
+        """Sum a task's weight gradient into the shard's. The first one this step becomes
+        the shard's gradient as it is, when the kernel made it afresh (no accumulator is
+        kept between steps: a weight-sized buffer fewer at the peak, no zeroing, no sum).
+        Else it is copied, in C order: the all-reduce sums it in place through a flat
+        view (a view of another array, or the kernel's own arguments, are not its to own)."""
+        summed = self.buf.grads.get(shard)
+        if summed is not None:
+            summed += grad
+            return
+        fresh = (
+            getattr(grad, "base", True) is None
+            and grad.dtype == self.rt.dtype
+            and grad.flags.c_contiguous
+            and grad is not grad_out
+            and all(grad is not x for x in self.inputs[key])
+        )
+        if not fresh:
+            grad = self.xp.array(grad, dtype=self.rt.dtype, order="C")
+        self.buf.grads[shard] = grad
+
     def allreduce(self, ins: AllReduce) -> None:
         """Start the sum of a replica group's gradient; ``end_step`` completes it (the
         backward pass goes on meanwhile)."""
         group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
-        grad = self.buf.grads[(group.weight, group.rect)]
+        grad = self.buf.gradient((group.weight, group.rect), self.xp)
         self.reductions.append(self.rt.transport.allreduce(grad, ins.devices))

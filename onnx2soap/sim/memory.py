@@ -5,8 +5,8 @@ holds but the gradients the backward (in reverse graph order) has yet to make, o
 forward, over what it holds before and during one kernel:
 
 - made once, before the first step (``executor/layout.py``, ``runtime.py``): every
-  weight and state Rect it holds, once, with a gradient accumulator and the optimizer's
-  state per trainable one (none for SGD, one array for momentum, two for Adam); per task,
+  weight and state Rect it holds, once, with the optimizer's state per trainable one
+  (none for SGD, one array for momentum, two for Adam); per task,
   an input buffer per operand (data rows, labels at their own width, a constant's cut),
   except where one piece fills it whole (read in place): a local producer's whole tile,
   or a received piece, whose receive buffer is then the input buffer; an output gradient
@@ -15,11 +15,13 @@ forward, over what it holds before and during one kernel:
   sent; the partial sums' slots;
 - made by each step: the batch rows its tasks read (the labels and the constants whole),
   every task's output tile and the gradients of its activation inputs, kept until the
-  step ends;
+  step ends, and each trainable Rect's gradient: the first backward kernel's fresh
+  array, which later ones are summed into, kept until the update;
 - on top of that, what a kernel holds while it runs (``OpDef.workspace``: Conv's
-  columns, MaxPool's tap copies), in the backward with the fresh gradients of weights and
-  data inputs it returns before they are summed or dropped. The forward peak counts the
-  output tiles of the ops before in graph order; the backward one counts everything.
+  columns, MaxPool's tap copies), in the backward with the fresh gradients of data
+  inputs (and of weights already given one) it returns before they are summed or
+  dropped. The forward peak counts the output tiles of the ops before in graph order;
+  the backward one counts everything.
 
 Bytes are what ``tracemalloc`` counts on CPU ranks (``--trace``): numpy's heap
 allocations, and the runtime's own Python objects, which at small batches are a third of
@@ -110,11 +112,15 @@ def _op_bytes(
     grads: dict[int, int] = {}
     forward: dict[int, int] = {}
     backward_: dict[int, int] = {}
+    backward = graph.differentiable(op.output)
     shards = {(g.weight, g.rect, d, g.trainable) for g in groups for d in g.devices}
     for _, rect, d, trainable in shards:
         n = rect_volume(rect) * itemsize
-        _add(held, d, (2 + slots) * n if trainable else n)  # + gradient, optimizer
-    backward = graph.differentiable(op.output)
+        _add(held, d, (1 + slots) * n if trainable else n)  # + the optimizer's state
+        if trainable:  # its gradient: the first backward kernel's own, until the update
+            _add(held, d, n)
+            _add(grads, d, n)
+    adopted: set[tuple] = set()  # (weight, rect, device) whose first gradient is made
     graded = {t.index for t in owners(op, tasks)} if backward and not op.is_loss else set()
     out_width = _width(graph.tensors[op.output], itemsize)
     workspace = definition(op.type).workspace
@@ -147,7 +153,12 @@ def _op_bytes(
             n = rect_volume(region.buffer)
             grad = backward and graph.differentiable(tensor.name)
             if tensor.role in (TensorRole.WEIGHT, TensorRole.STATE):
-                dropped += n * itemsize if grad and tensor.role is TensorRole.WEIGHT else 0
+                # The first task's weight gradient becomes the shard's; another task's on
+                # the same device is summed into it, then dropped.
+                shard = (tensor.name, region.data, t.device)
+                if grad and tensor.role is TensorRole.WEIGHT and shard in adopted:
+                    dropped += n * itemsize
+                adopted.add(shard)
                 continue
             total += n * _width(tensor, itemsize)  # the input buffer
             if tensor.role is TensorRole.ACTIVATION and grad:
