@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import EXPORTERS, Exporter, export_named
+from tests.optional import require
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_ONNX = REPO / "examples" / "cnn.onnx"
@@ -29,7 +30,7 @@ ExportModel = Callable[[str, Exporter], Path]
 @pytest.fixture(scope="session")
 def export_model(tmp_path_factory: pytest.TempPathFactory) -> ExportModel:
     """``export_model(name, exporter="legacy") -> Path``, cached for the session."""
-    pytest.importorskip("torch")
+    require("torch")
     directory = tmp_path_factory.mktemp("exported")
     cache: dict[tuple[str, str], Path] = {}
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import Exporter
+from tests.optional import require
 
 FAMILIES = (
     "resnet18",
@@ -33,12 +34,14 @@ FamilyOnnx = Callable[[str, Exporter], Path]
 
 @pytest.fixture(scope="session")
 def family_onnx(tmp_path_factory: pytest.TempPathFactory) -> FamilyOnnx:
-    pytest.importorskip("torch")
+    require("torch")
     from tests.torchvision_models import export_family, import_torchvision
 
     try:
         import_torchvision()
-    except ImportError as e:
+    except ModuleNotFoundError as e:  # not installed; a broken install fails the tests
+        if e.name != "torchvision":
+            raise
         pytest.skip(f"torchvision: {e}")
     directory = tmp_path_factory.mktemp("families")
     cache: dict[tuple[str, str], Path] = {}

@@ -30,6 +30,7 @@ import pytest
 
 from tests.executor.mpi import make_plan, mpirun
 from tests.families.conftest import BATCH
+from tests.optional import require
 
 LR = 0.05
 RTOL = ATOL = 1e-10
@@ -68,13 +69,15 @@ def deterministic_onnx(tmp_path_factory: pytest.TempPathFactory) -> Export:
     """``get(name)`` -> the legacy (TRAINING mode) export of ``CASES[name]``, cached.
 
     Not the session's ``family_onnx``: that one keeps torchvision's drop probabilities."""
-    pytest.importorskip("torch")
-    pytest.importorskip("onnx")
+    require("torch")
+    require("onnx")
     from tests.torchvision_models import export_family, import_torchvision
 
     try:
         import_torchvision()
-    except ImportError as e:
+    except ModuleNotFoundError as e:  # not installed; a broken install fails the tests
+        if e.name != "torchvision":
+            raise
         pytest.skip(f"torchvision: {e}")
     directory = tmp_path_factory.mktemp("torch_step")
     cache: dict[str, Path] = {}

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import require
+
 SequenceOnnx = Callable[[str, str], Path]
 DROPOUT = 0.1
 # torch's legacy exporter refuses an RNN's dropout in training mode ("Unsupported: ONNX
@@ -22,8 +24,8 @@ NO_DROPOUT = {("lstm_lm", "legacy"), ("gru_classifier", "legacy")}
 
 @pytest.fixture(scope="session")
 def sequence_onnx(tmp_path_factory: pytest.TempPathFactory) -> SequenceOnnx:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    require("torch")
+    require("transformers")
     from tests.sequence_models import export_sequence
 
     directory = tmp_path_factory.mktemp("sequences")
