@@ -9,6 +9,7 @@ op type.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -124,6 +125,70 @@ class IterDim:
     @property
     def max_degree(self) -> int:
         return self.size // self.granule
+
+
+@dataclass(frozen=True)
+class BatchAt:
+    """Where the batch lies in a tensor: along ``axis``, whose index is
+    ``outer * (batch * stride) + sample * stride + inner`` with ``inner < stride``.
+
+    A plain batch axis is ``BatchAt(axis)`` (stride 1, nothing outside it); merged with the
+    heads behind it ([N*H, T, D], nn.MultiheadAttention's layout) the stride is H; merged
+    behind the time steps ([T*N, E]) the stride is 1 and the time steps lie outside it.
+    """
+
+    axis: int
+    stride: int = 1
+
+
+def _carried(m: AxisMap, stride: int, batch: int, sizes: tuple[int, ...]) -> tuple[int, int] | None:
+    """(dim, stride within it) of the iteration dim that carries a batch lying at ``stride``
+    in an operand axis read through ``m``; None where no one dim holds it all."""
+    if isinstance(m, Grouped):
+        # axis index = group * in_per_group + within; the dim counts out_per_group per group
+        if stride % m.in_per_group:
+            return None  # the batch lies within the groups, which no dim indexes
+        return m.dim, stride // m.in_per_group * m.out_per_group
+    if not isinstance(m, Affine) or not m.terms:
+        return None
+    if len(m.terms) == 1 and m.terms[0][1] == 1:
+        return m.terms[0][0], stride  # a copy (a Concat's part, a Slice: offset and all)
+    # A split axis: index = sum(coef * dim), each dim one digit of it.
+    for d, coef in m.terms:
+        if stride % coef == 0 and stride * batch <= coef * sizes[d]:
+            return d, stride // coef
+    return None
+
+
+def batch_dims(
+    nest: LoopNest, operands: Sequence[frozenset[BatchAt]], batch: int
+) -> dict[int, int]:
+    """Iteration dim -> the stride of the batch within it, for every dim that reads the
+    batch of an operand (``operands[k]``: where it lies in operand k) through the access
+    maps: wherever the batch has moved to (a transpose, a time-major layout, a merge with
+    the heads), not only axis 0."""
+    sizes = tuple(d.size for d in nest.dims)
+    found: dict[int, int] = {}
+    for operand, where in zip(nest.inputs, operands, strict=True):
+        for at in where:
+            if at.axis < len(operand.axes):
+                hit = _carried(operand.axes[at.axis], at.stride, batch, sizes)
+                if hit is not None:
+                    found.setdefault(*hit)
+    return found
+
+
+def output_batch(nest: LoopNest, carried: dict[int, int]) -> frozenset[BatchAt]:
+    """Where the batch lies in the output: the axes of the kept dims that carry it."""
+    return frozenset(
+        BatchAt(axis, carried[d]) for axis, d in enumerate(nest.out_dims) if d in carried
+    )
+
+
+def holds_whole_batch(nest: LoopNest, dim: int, stride: int, batch: int) -> bool:
+    """The dim carries the batch outermost (nothing outside it): splitting the dim splits
+    the samples, as data parallelism does. [N*T] merged does; [T*N] does not."""
+    return stride * batch == nest.dims[dim].size
 
 
 class Binding(Enum):

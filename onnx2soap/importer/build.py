@@ -10,7 +10,18 @@ import onnx
 
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.prepare import Prepared
-from onnx2soap.ir import Binding, DType, Graph, LossKind, Op, Tensor, TensorRole
+from onnx2soap.ir import (
+    BatchAt,
+    Binding,
+    DType,
+    Graph,
+    LossKind,
+    Op,
+    Tensor,
+    TensorRole,
+    batch_dims,
+    output_batch,
+)
 from onnx2soap.ops import OpDef, registry
 from onnx2soap.ops.context import NodeContext, output_tensor
 from onnx2soap.ops.defs.losses import LossAttrs, cross_entropy_op, mse_op
@@ -77,6 +88,11 @@ class _Builder:
         self.ops: list[Op] = []
         self.bound: set[str] = set()  # tensors read by the ops converted so far
         self.loss_types = {d.name for d in registry().onnx_ops() if d.is_loss}
+        # Where the batch lies in each tensor computed from the data (axis 0 of every
+        # graph input), traced through the access maps as ops are converted.
+        self.where: dict[str, frozenset[BatchAt]] = {
+            name: frozenset({BatchAt(0)}) for name in p.graph_inputs
+        }
         for name in p.graph_inputs:
             _dtype(p, name)  # an input of a type onnx2soap cannot feed is refused up front
 
@@ -125,6 +141,10 @@ class _Builder:
             return self.p.float_initializers[tensor.name].read()  # a 0-d one: a scalar
         return None
 
+    def _batch_at(self, t: Tensor | None) -> frozenset[BatchAt]:
+        """Where the batch lies in ``t`` (nowhere in weights and constants)."""
+        return self.where.get(t.name, frozenset()) if t is not None else frozenset()
+
     def _unique_name(self, node: onnx.NodeProto) -> str:
         """The op's name: the node's, made unique (ONNX does not require unique names)."""
         base = node.name or node.output[0]
@@ -161,6 +181,8 @@ class _Builder:
             outputs=tuple(node.output),
             input_names=tuple(node.input),
             literal=tuple(i in self.p.literal for i in node.input),
+            batch=self.p.batch,
+            batches=tuple(self._batch_at(t) for t in inputs),
         )
         attrs = _attributes(node)
         known = [k for k in inspect.signature(definition.convert).parameters if k != "ctx"]
@@ -185,6 +207,9 @@ class _Builder:
             self._cross_check(node, op, out)
             self.tensors[out.name] = out
             self.ops.append(op)
+            operands = [self._batch_at(self.tensors[o.tensor]) for o in op.nest.inputs]
+            carried = batch_dims(op.nest, operands, self.p.batch)
+            self.where[op.output] = output_batch(op.nest, carried)
 
     def _register_int_constants(self, op: Op) -> None:
         """Integer constants an op reads as operands (``ctx.operand``) become tensors."""

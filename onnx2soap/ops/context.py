@@ -15,6 +15,7 @@ import numpy as np
 from onnx2soap.errors import ModelError
 from onnx2soap.ir import (
     AxisMap,
+    BatchAt,
     Broadcast,
     DType,
     IterDim,
@@ -41,6 +42,10 @@ class NodeContext:
     outputs: tuple[str, ...]
     input_names: tuple[str, ...] = ()
     literal: tuple[bool, ...] = ()  # per input: a constant written in the file
+    batch: int = 1  # the bound batch size
+    # per input: where the batch lies in it (empty for weights, constants and what is
+    # computed from them alone)
+    batches: tuple[frozenset[BatchAt], ...] = ()
 
     @property
     def output(self) -> str:
@@ -83,6 +88,10 @@ class NodeContext:
         """Input ``i`` is a constant the file states (not folded from shapes at the bound
         batch): a batch size in it was fixed at export time."""
         return i < len(self.literal) and self.literal[i]
+
+    def batch_at(self, i: int) -> frozenset[BatchAt]:
+        """Where the batch lies in input ``i`` (traced through the ops before this one)."""
+        return self.batches[i] if i < len(self.batches) else frozenset()
 
     def is_constant(self, i: int) -> bool:
         return i < len(self.constants) and self.constants[i] is not None

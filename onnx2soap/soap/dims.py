@@ -15,7 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from onnx2soap.ir import Affine, Graph, Grouped, Op, TensorRole, Whole
+from onnx2soap.ir import (
+    Affine,
+    BatchAt,
+    Graph,
+    Op,
+    TensorRole,
+    Whole,
+    batch_dims,
+    holds_whole_batch,
+    output_batch,
+)
 
 
 class DimKind(Enum):
@@ -46,26 +56,10 @@ def _direct_dim(m) -> int | None:
     return None
 
 
-def _batch_dim(m) -> int | None:
-    """The dim that carries the batch when an axis holding it is read through ``m``: a
-    one-to-one copy's dim; the outer dim of a split axis ([N*T] read as [N, T]); the
-    merged dim of a merge ([N, T] read as [N*T])."""
-    if isinstance(m, Grouped):
-        return m.dim
-    if isinstance(m, Affine) and m.terms and m.terms[-1][1] == 1:
-        return max(m.terms, key=lambda term: term[1])[0]  # the outermost (largest stride)
-    return None
-
-
-def _sample_dims(op: Op, batch_axes: dict[str, frozenset[int]]) -> set[int]:
-    found = set()
-    for operand in op.nest.inputs:
-        axes = batch_axes.get(operand.tensor, frozenset())
-        for a, m in enumerate(operand.axes):
-            d = _batch_dim(m)
-            if d is not None and a in axes:
-                found.add(d)
-    return found
+def _sample_dims(op: Op, batch: int, where: dict[str, frozenset[BatchAt]]) -> dict[int, int]:
+    """Dim -> the batch's stride in it, for the dims that read the batch of an operand."""
+    operands = [where.get(o.tensor, frozenset()) for o in op.nest.inputs]
+    return batch_dims(op.nest, operands, batch)
 
 
 def _parameter_dims(op: Op, graph: Graph) -> set[int]:
@@ -80,9 +74,17 @@ def _hidden_dims(op: Op) -> set[int]:
     return {d for o in op.nest.inputs for m in o.axes if isinstance(m, Whole) for d in m.dims}
 
 
-def op_dims(op: Op, graph: Graph, batch_axes: dict[str, frozenset[int]]) -> tuple[SoapDim, ...]:
+def op_dims(
+    op: Op,
+    graph: Graph,
+    where: dict[str, frozenset[BatchAt]],
+    carried: dict[int, int] | None = None,
+) -> tuple[SoapDim, ...]:
+    """``where``: where the batch lies in each tensor the op reads; ``carried``: the
+    dims that read it (computed from ``where`` if not given)."""
     nest = op.nest
-    samples = _sample_dims(op, batch_axes)
+    carried = _sample_dims(op, graph.batch, where) if carried is None else carried
+    samples = {d for d, s in carried.items() if holds_whole_batch(nest, d, s, graph.batch)}
     params = _parameter_dims(op, graph)
     hidden = _hidden_dims(op)
     axis_of = {d: a for a, d in enumerate(nest.out_dims) if d is not None}
@@ -104,16 +106,22 @@ def op_dims(op: Op, graph: Graph, batch_axes: dict[str, frozenset[int]]) -> tupl
     return tuple(dims)
 
 
-def analyze(graph: Graph) -> dict[str, tuple[SoapDim, ...]]:
-    """The SOAP dims of every op, keyed by op name, in graph order."""
-    batch_axes: dict[str, frozenset[int]] = {name: frozenset({0}) for name in graph.inputs}
+def _seeds(graph: Graph) -> dict[str, frozenset[BatchAt]]:
+    where = {name: frozenset({BatchAt(0)}) for name in graph.inputs}
     if graph.labels:
-        batch_axes[graph.labels] = frozenset({0})
+        where[graph.labels] = frozenset({BatchAt(0)})
+    return where
+
+
+def analyze(graph: Graph) -> dict[str, tuple[SoapDim, ...]]:
+    """The SOAP dims of every op, keyed by op name, in graph order. The batch is traced
+    from axis 0 of the data inputs and the labels through every op's access maps: a
+    transpose moves it, a merge with the heads gives it a stride, a reduction ends it. A
+    dim that holds it outermost is a sample dim."""
+    where = _seeds(graph)
     result = {}
     for op in graph.ops:
-        dims = op_dims(op, graph, batch_axes)
-        result[op.name] = dims
-        batch_axes[op.output] = frozenset(
-            d.axis for d in dims if d.kind is DimKind.SAMPLE and d.axis is not None
-        )
+        carried = _sample_dims(op, graph.batch, where)
+        result[op.name] = op_dims(op, graph, where, carried)
+        where[op.output] = output_batch(op.nest, carried)
     return result

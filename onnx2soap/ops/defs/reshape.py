@@ -10,7 +10,13 @@ products. Per group:
 - several axes merged into one ([N, T, H, D] -> [N, T, H*D]): the output dim splits in
   whole multiples of the inner axes (its granule); the outer input axis is a ``Grouped``
   map of it, the inner ones are read whole;
-- anything else: read whole, not split.
+- anything else ([T, N, E] -> [T, N*H, D], nn.MultiheadAttention's heads beside a
+  time-major batch): the outer axes split together, in the largest blocks that hold
+  whole rows of both sides: with ``g = gcd(outer input axis, outer output axis)``, the
+  outer output dim splits in multiples of ``output / g`` (its granule), each reading
+  ``input / g`` rows of the outer input axis (a ``Grouped`` map); the inner axes are read
+  whole and never split. A block of outer rows is one contiguous run of the group's
+  elements on both sides, since their products are equal.
 
 Every task's buffer is then exactly its tile's data in C order, so the kernel is a
 reshape of the local buffer. Copies, so outputs never alias inputs.
@@ -21,9 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from onnx2soap.errors import ModelError
 from onnx2soap.ir import (
     Affine,
     AxisMap,
+    BatchAt,
     Broadcast,
     Grouped,
     IterDim,
@@ -90,8 +98,12 @@ def relayout(ctx: NodeContext, out: tuple[int, ...]):
             inner = math.prod(x.shape[a] for a in ins[1:])
             dims[outs[0]] = replace(dims[outs[0]], granule=inner)
             axes[ins[0]] = Grouped(dim=outs[0], out_per_group=inner, in_per_group=1)
-        else:  # neither: read whole, never split
-            for o in outs:
+        else:  # neither ([T, N, E] -> [T, N*H, D]): the outer axes split together
+            outer, rest = x.shape[ins[0]], out[outs[0]]
+            common = math.gcd(outer, rest)
+            dims[outs[0]] = replace(dims[outs[0]], granule=rest // common)
+            axes[ins[0]] = Grouped(outs[0], rest // common, outer // common)
+            for o in outs[1:]:
                 dims[o] = replace(dims[o], granule=dims[o].size)
     op = make_op(
         ctx,
@@ -131,6 +143,74 @@ def _reshaped(ctx: NodeContext, source: tuple[int, ...], shape: list[int], allow
     return tuple(out)
 
 
+def _landing(source: tuple[int, ...], out: tuple[int, ...], at: BatchAt, batch: int) -> int | None:
+    """The output axis the batch lands on when ``source`` (its batch at ``at``) is
+    reshaped to ``out``: the axis whose digit of the group's flat index holds the batch
+    whole, wherever it is (a time-major [T, N, E] to [T, N*H, D] puts it in axis 1, a
+    merge behind the time steps [T*N, E] in axis 0); None where no one axis holds it."""
+    for ins, outs in axis_groups(source, out):
+        if at.axis not in ins:
+            continue
+        stride = at.stride * math.prod(source[a] for a in ins if a > at.axis)
+        for j in outs:
+            inner = math.prod(out[o] for o in outs if o > j)
+            if stride % inner == 0 and stride * batch <= inner * out[j]:
+                return j
+        return None
+    return None
+
+
+def _follows_the_batch(
+    ctx: NodeContext, source: tuple[int, ...], shape: list[int], allowzero: int, at: BatchAt
+) -> bool:
+    """Whether the target ``shape`` reshapes ``source`` alike at any batch: with the batch
+    doubled, the output changes only where the batch lands, by the same factor."""
+    batch = ctx.batch
+    scaled = tuple(2 * n if a == at.axis else n for a, n in enumerate(source))
+    try:
+        out, doubled = (
+            _reshaped(ctx, source, shape, allowzero),
+            _reshaped(ctx, scaled, shape, allowzero),
+        )
+    except ModelError:
+        return False
+    j = _landing(scaled, doubled, at, 2 * batch)
+    want = tuple(2 * n if a == j else n for a, n in enumerate(out))
+    return j is not None and doubled == want
+
+
+def _export_batch(
+    ctx: NodeContext, source: tuple[int, ...], shape: list[int], allowzero: int, at: BatchAt
+) -> int | None:
+    """The batch the literal ``shape`` was likely written for: the first at which the
+    batch lands alone on an output axis (the file's entry there is the batch), else the
+    first at which it lands whole at all (merged with the heads, say); None if none up
+    to 4096."""
+    size, landed = source[at.axis], None
+    for b in range(1, 4097):
+        if b == ctx.batch or (size * b) % ctx.batch:
+            continue
+        resized = tuple(size * b // ctx.batch if a == at.axis else n for a, n in enumerate(source))
+        try:
+            out = _reshaped(ctx, resized, shape, allowzero)
+        except ModelError:
+            continue
+        j = _landing(resized, out, at, b)
+        if j is not None and out[j] == b:
+            return b
+        landed = landed or (b if j is not None else None)
+    return landed
+
+
+def _fixed_batch(ctx: NodeContext, shape: list[int], exported: int | None) -> str:
+    hint = f" at {exported}" if exported else ""
+    plan = f", or plan with --batch {exported}" if exported else ""
+    return (
+        f"its shape input {shape}, written in the file, fixes the batch{hint}: export with a "
+        f"dynamic batch axis{plan}"
+    )
+
+
 def convert_reshape(ctx: NodeContext, *, allowzero=0):
     value = ctx.constant(1)
     if value.dtype.kind not in "iu" or value.ndim != 1:
@@ -138,18 +218,33 @@ def convert_reshape(ctx: NodeContext, *, allowzero=0):
             f"the shape input must be a 1-D int64 tensor, got {value.dtype} {list(value.shape)}"
         )
     shape = [int(s) for s in value]
-    detail = ""
-    if shape and shape[0] not in (0, -1):
-        detail = (
-            f" (its shape input {shape} fixes the batch at {shape[0]}: export with a dynamic "
-            f"batch axis, or plan with --batch {shape[0]})"
-        )
     x = ctx.tensor(0)
-    out = _reshaped(ctx, x.shape, shape, allowzero)
-    if detail and x.batched and ctx.is_literal(1) and out[0] != x.shape[0]:
-        # A literal first entry other than the batch: the model was exported for one
-        # batch size, and reshaping at another would mix samples.
-        raise ctx.fail(f"input {list(x.shape)} becomes {list(out)}{detail}")
+    try:
+        out = _reshaped(ctx, x.shape, shape, allowzero)
+    except ModelError as e:
+        if not ctx.is_literal(1) or not ctx.batch_at(0):
+            raise
+        at = min(ctx.batch_at(0), key=lambda a: a.axis)
+        exported = _export_batch(ctx, x.shape, shape, allowzero, at)
+        raise ctx.fail(f"input {list(x.shape)}: {_fixed_batch(ctx, shape, exported)}") from e
+    # A shape folded from Shape nodes at the bound batch is right by construction; one the
+    # file states was made for the export's batch. Without a -1 its element count pins
+    # the batch: the file was exported at this very batch. With one, it must follow the
+    # batch wherever the batch lies (time-major layouts put it on axis 1), or at least
+    # keep the samples apart here, the batch landing whole on one axis (a file exported
+    # at this batch does).
+    fixed = [
+        at
+        for at in (ctx.batch_at(0) if ctx.is_literal(1) and -1 in shape else ())
+        if not _follows_the_batch(ctx, x.shape, shape, allowzero, at)
+        and _landing(x.shape, out, at, ctx.batch) is None
+    ]
+    if fixed:
+        exported = _export_batch(ctx, x.shape, shape, allowzero, fixed[0])
+        raise ctx.fail(
+            f"input {list(x.shape)} becomes {list(out)}, the samples mixed at another batch: "
+            f"{_fixed_batch(ctx, shape, exported)}"
+        )
     return relayout(ctx, out)
 
 
