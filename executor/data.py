@@ -64,10 +64,10 @@ def _stated_bound(graph: Graph, name: str) -> int | None:
         for k, t in enumerate(op.inputs):
             if t != name:
                 continue
-            if d.id_bound is not None:
-                bounds.append(d.id_bound(op, k, graph.tensors))
-            elif d.moves_values:  # ids reshaped on their way to an embedding
-                bounds.append(_stated_bound(graph, op.output))
+            bound = d.id_bound(op, k, graph.tensors) if d.id_bound is not None else None
+            if bound is None and d.moves_values:  # ids moved on their way to an embedding
+                bound = _stated_bound(graph, op.output)
+            bounds.append(bound)
     found = [b for b in bounds if b is not None]
     return min(found) if found else None
 

@@ -205,6 +205,7 @@ class _Builder:
             self._bind(op)
             out = output_tensor(op, self.tensors)
             self._cross_check(node, op, out)
+            self._refuse_cut_gradient(op, out)
             self.tensors[out.name] = out
             self.ops.append(op)
             operands = [self._batch_at(self.tensors[o.tensor]) for o in op.nest.inputs]
@@ -217,6 +218,21 @@ class _Builder:
             if name not in self.tensors and name in self.p.constants:
                 value = self.p.constants[name]
                 self.tensors[name] = Tensor(name, value.shape, DType.INT64, TensorRole.CONSTANT)
+
+    def _refuse_cut_gradient(self, op: Op, out: Tensor) -> None:
+        """An op that computes integers runs no backward (ids take no gradient), so it may
+        read no float tensor computed at run time: that tensor's producer would wait for a
+        gradient from it. Integers are computed from ids, masks and constants."""
+        if out.dtype.is_float:
+            return
+        for t in op.inputs:
+            read = self.tensors[t]
+            if read.dtype.is_float and read.role is TensorRole.ACTIVATION:
+                raise ModelError(
+                    f"{self.p.path}: node '{op.name}' ({op.type}) computes integers from "
+                    f"'{t}', a float tensor computed at run time; integers computed from "
+                    "ids, masks and constants are supported (no gradient flows through them)"
+                )
 
     def _bind(self, op: Op) -> None:
         """Give the float initializers an op reads as constants or state their role."""

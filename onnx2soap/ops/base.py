@@ -251,8 +251,9 @@ class OpDef:
     # Integer operands: (op, operand index, tensors) -> the exclusive bound of valid ids
     # (an embedding's row count), so synthetic data draws ids the op can read.
     id_bound: Callable[..., int | None] | None = None
-    # The output holds input values, only moved (reshapes, slices, transposes): ids read
-    # through it keep the bounds of whoever reads the output.
+    # The output holds input values, only moved (reshapes, slices, transposes, a scatter's
+    # data and updates): ids read through it keep the bounds of whoever reads the output,
+    # at the operands ``id_bound`` states no bound of their own for (a scatter's indices).
     moves_values: bool = False
     # Kernels that hold large temporaries (Conv's columns, MaxPool's tap copies):
     # (attrs, input buffer shapes, output tile shape, itemsize) -> the bytes a task's

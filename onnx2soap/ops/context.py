@@ -110,6 +110,17 @@ class NodeContext:
         return self.constants[i] if i < len(self.constants) else None
 
 
+def one_kind(ctx: NodeContext, tensors: Sequence[Tensor], what: str = "operands") -> bool:
+    """Whether ``tensors`` are integers (ids, masks and positions computed from the data,
+    or integer constants: no gradient), else floats. ONNX gives them one element type; the
+    IR's only mix is a bool constant (a 0/1 float) among ids, refused here by name."""
+    ints = [not t.dtype.is_float for t in tensors]
+    if any(ints) and not all(ints):
+        kinds = ", ".join(f"'{t.name}' {t.dtype.value}" for t in tensors)
+        raise ctx.fail(f"{what} mix floats and integers ({kinds}); one element type is needed")
+    return all(ints)
+
+
 def text(value: str | bytes) -> str:
     """A string attribute as onnx.helper returns it (bytes) or as a default (str)."""
     return value.decode() if isinstance(value, bytes) else value

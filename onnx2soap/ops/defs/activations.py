@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
 
-from onnx2soap.ops.base import NoAttrs, OpDef, Sample, X, case, output_copies
+from onnx2soap.ops.base import (
+    CaseInput,
+    InputKind,
+    NoAttrs,
+    OpDef,
+    Sample,
+    X,
+    case,
+    output_copies,
+)
 from onnx2soap.ops.context import NodeContext, elementwise, text
 
 # --- erf ---------------------------------------------------------------------------------
@@ -147,7 +156,7 @@ def identity_forward(xp, attrs, inputs, args):
 
 
 def identity_backward(xp, attrs, inputs, output, grad_output, args):
-    return (grad_output.copy(),)
+    return (grad_output.copy() if inputs[0].dtype.kind == "f" else None,)
 
 
 def convert_neg(ctx: NodeContext):
@@ -433,13 +442,22 @@ RELU = _op(
     case("relu", "Relu", X(2, 3, 4), sample=AWAY),
 )
 
-IDENTITY = _op(
-    "Identity",
-    (13, 14, 16, 19, 21, 23, 24, 25),
-    convert_identity,
-    identity_forward,
-    identity_backward,
-    case("identity", "Identity", X(3, 4)),
+IDENTITY = replace(
+    _op(
+        "Identity",
+        (13, 14, 16, 19, 21, 23, 24, 25),
+        convert_identity,
+        identity_forward,
+        identity_backward,
+        case("identity", "Identity", X(3, 4)),
+        case(
+            "identity_ids",
+            "Identity",
+            CaseInput(InputKind.DATA, (3, 5), None, "int64"),
+            output="int64",
+        ),
+    ),
+    moves_values=True,  # ids copied keep the bound of whoever reads them
 )
 
 NEG = _op("Neg", (13,), convert_neg, neg_forward, neg_backward, case("neg", "Neg", X(2, 3, 4)))

@@ -1,22 +1,29 @@
-"""Add, Sub, Mul and Div: numpy (multidirectional) broadcasting of two float operands,
-each a data tensor, a weight or a float constant. Outputs and gradients are fresh arrays,
-never views of an input: the executor may accumulate into them in place."""
+"""Add, Sub, Mul and Div: numpy (multidirectional) broadcasting of two operands of one
+element type. Floats (each a data tensor, a weight or a float constant) take gradients;
+integers (ids, masks and positions computed from the data, and integer constants beside
+them: RoBERTa's position ids, a running count times the padding mask) take none: the
+output is int64 and the executor runs no backward for it. Integer Div truncates toward
+zero, as ONNX (and C) divide. Outputs and gradients are fresh arrays, never views of an
+input: the executor may accumulate into them in place."""
 
 from __future__ import annotations
 
-from onnx2soap.ops.base import C, NoAttrs, OpDef, Sample, W, X, case
-from onnx2soap.ops.context import NodeContext, elementwise
+from onnx2soap.ops.base import C, CaseInput, InputKind, NoAttrs, OpDef, Sample, W, X, case
+from onnx2soap.ops.context import NodeContext, elementwise, one_kind
 from onnx2soap.ops.kernel_util import unbroadcast
 
 VERSIONS = (13, 14)  # 14 adds integer and bfloat16 types: the float semantics are 13's
 
 
 def convert_binary(ctx: NodeContext):
-    operands = [ctx.tensor(0), ctx.tensor(1)]
-    for i, t in enumerate(operands):
-        if not t.dtype.is_float:
-            raise ctx.fail(f"input {i} is {t.dtype.value}; only float operands are supported")
+    operands = [ctx.operand(0), ctx.operand(1)]
+    one_kind(ctx, operands)
     return elementwise(ctx, operands, NoAttrs(), 1)
+
+
+def _grad(xp, grad, x):
+    """``grad`` summed to ``x``'s shape; None for integers, which take no gradient."""
+    return unbroadcast(xp, grad, x.shape) if x.dtype.kind == "f" else None
 
 
 # A Broadcast operand axis has a size-1 buffer: its gradient sums the tile's axis, which
@@ -29,7 +36,7 @@ def add_forward(xp, attrs, inputs, args):
 
 
 def add_backward(xp, attrs, inputs, output, grad_output, args):
-    return tuple(unbroadcast(xp, grad_output, x.shape) for x in inputs)
+    return tuple(_grad(xp, grad_output, x) for x in inputs)
 
 
 def sub_forward(xp, attrs, inputs, args):
@@ -39,7 +46,7 @@ def sub_forward(xp, attrs, inputs, args):
 
 def sub_backward(xp, attrs, inputs, output, grad_output, args):
     a, b = inputs
-    return unbroadcast(xp, grad_output, a.shape), unbroadcast(xp, -grad_output, b.shape)
+    return _grad(xp, grad_output, a), _grad(xp, -grad_output, b)
 
 
 def mul_forward(xp, attrs, inputs, args):
@@ -49,11 +56,14 @@ def mul_forward(xp, attrs, inputs, args):
 
 def mul_backward(xp, attrs, inputs, output, grad_output, args):
     a, b = inputs
-    return unbroadcast(xp, grad_output * b, a.shape), unbroadcast(xp, grad_output * a, b.shape)
+    return _grad(xp, grad_output * b, a), _grad(xp, grad_output * a, b)
 
 
 def div_forward(xp, attrs, inputs, args):
     a, b = inputs
+    if a.dtype.kind != "f":  # toward zero: floor division, one up where it rounded down
+        q = a // b
+        return q + ((q < 0) & (q * b != a))
     return a / b
 
 
@@ -61,6 +71,8 @@ def div_backward(xp, attrs, inputs, output, grad_output, args):
     # d(a/b)/da = 1/b, d(a/b)/db = -a/b^2; both from the inputs (not the output, which a
     # broadcast a may not cover).
     a, b = inputs
+    if a.dtype.kind != "f":
+        return None, None
     grad_a = grad_output / b
     return unbroadcast(xp, grad_a, a.shape), unbroadcast(xp, -grad_a * a / b, b.shape)
 
@@ -92,13 +104,28 @@ def _cases(op: str, sample: Sample = Sample.NORMAL):
     )
 
 
+def _ids(*shape: int) -> CaseInput:
+    """An int64 data input (ids, a mask, positions)."""
+    return CaseInput(InputKind.DATA, tuple(shape), None, "int64")
+
+
+def _int_cases(op: str, scalar: int = 3):
+    """Integers computed from the data, with an int64 constant either side (RoBERTa adds
+    the padding id to its positions)."""
+    p = op.lower()
+    return (
+        case(f"{p}_ids_const", op, _ids(3, 4), C(scalar), output="int64"),
+        case(f"{p}_const_ids", op, C([scalar, -2, 5, 1]), _ids(2, 3, 4), output="int64", opset=14),
+    )
+
+
 ADD = OpDef(
     name="Add",
     versions=VERSIONS,
     convert=convert_binary,
     forward=add_forward,
     backward=add_backward,
-    cases=_cases("Add"),
+    cases=(*_cases("Add"), *_int_cases("Add")),
 )
 
 SUB = OpDef(
@@ -107,7 +134,7 @@ SUB = OpDef(
     convert=convert_binary,
     forward=sub_forward,
     backward=sub_backward,
-    cases=_cases("Sub"),
+    cases=(*_cases("Sub"), *_int_cases("Sub")),
 )
 
 MUL = OpDef(
@@ -116,7 +143,7 @@ MUL = OpDef(
     convert=convert_binary,
     forward=mul_forward,
     backward=mul_backward,
-    cases=_cases("Mul"),
+    cases=(*_cases("Mul"), *_int_cases("Mul")),
 )
 
 DIV = OpDef(
@@ -126,7 +153,11 @@ DIV = OpDef(
     forward=div_forward,
     backward=div_backward,
     # Divisors near 0 would make central differences meaningless.
-    cases=_cases("Div", Sample.AWAY_FROM_ZERO),
+    cases=(
+        *_cases("Div", Sample.AWAY_FROM_ZERO),
+        # toward zero: 1 / -2 is 0 (floor division would give -1)
+        case("div_ids_const", "Div", _ids(3, 4), C([-2, 3, -1, 2]), output="int64"),
+    ),
 )
 
 DEFINITIONS = (ADD, SUB, MUL, DIV)

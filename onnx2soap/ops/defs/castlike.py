@@ -71,6 +71,7 @@ def _ids(*shape: int) -> CaseInput:
 
 
 CAST_LIKE = OpDef(
+    moves_values=True,
     name="CastLike",
     versions=(15, 19, 21, 23, 24, 25),
     convert=convert,

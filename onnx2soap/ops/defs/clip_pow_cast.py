@@ -239,6 +239,8 @@ POW = OpDef(
 )
 
 CAST = OpDef(
+    # ids cast to ids keep their values (and so the bound of whoever reads them)
+    moves_values=True,
     name="Cast",
     versions=(13, 19, 21, 23, 24, 25, 28),
     convert=convert_cast,

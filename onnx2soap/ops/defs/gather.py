@@ -31,7 +31,7 @@ class GatherAttrs:
 
 
 def convert(ctx: NodeContext, *, axis=0):
-    data = ctx.tensor(0)
+    data = ctx.operand(0)  # an integer constant too, picked by ids computed at run time
     rank = len(data.shape)
     if not -rank <= axis < rank:
         raise ctx.fail(f"axis {axis} is out of range for data of rank {rank}")
@@ -122,6 +122,8 @@ def forward(xp, attrs: GatherAttrs, inputs, args):
 
 def backward(xp, attrs: GatherAttrs, inputs, output, grad_output, args):
     data = inputs[0]
+    if data.dtype.kind != "f":  # integers picked: no gradient
+        return (None,) if attrs.indices is not None else (None, None)
     ids, mine = _rows(xp, attrs, inputs, args)
     if mine is not None:
         mask = _as_output(mine, attrs, grad_output.ndim)
@@ -149,6 +151,7 @@ def _ids(*shape: int) -> CaseInput:
 
 
 GATHER = OpDef(
+    moves_values=True,  # integers picked keep the bound of whoever reads them
     name="Gather",
     versions=(13,),
     convert=convert,
@@ -164,6 +167,10 @@ GATHER = OpDef(
         # constant indices into the data: a time step, two channels (negative wraps)
         case("gather_const_step", "Gather", X(2, 5, 3), C(2), axis=1),
         case("gather_const_channels", "Gather", X(3, 4, 2), C([3, -4, 1]), axis=-2),
+        # integers picked by ids: a table of positions or token types
+        case(
+            "gather_int_constant_by_ids", "Gather", C([5, -2, 0, 9, 3]), _ids(3, 4), output="int64"
+        ),
     ),
 )
 

@@ -36,9 +36,9 @@ from enum import Enum
 
 import numpy as np
 
-from onnx2soap.ir import AxisMap, Operand, Tensor, Whole, identity
+from onnx2soap.ir import Affine, AxisMap, Operand, Tensor, Whole, identity
 from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
-from onnx2soap.ops.context import NodeContext, axis_names, make_op, text
+from onnx2soap.ops.context import NodeContext, axis_names, make_op, one_kind, text
 from onnx2soap.ops.kernel_util import scatter_add
 
 # --- shared -------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ class GatherElementsAttrs:
 
 
 def convert_gather_elements(ctx: NodeContext, *, axis=0):
-    data = ctx.tensor(0)
+    data = ctx.operand(0)  # an integer constant too (RoBERTa's token types, by position)
     rank = len(data.shape)
     if rank == 0:
         raise ctx.fail("data must have rank >= 1")
@@ -247,6 +247,7 @@ def id_bound_gather_elements(op, operand: int, tensors) -> int | None:
 
 
 GATHER_ELEMENTS = OpDef(
+    moves_values=True,  # integers picked keep the bound of whoever reads them
     name="GatherElements",
     versions=(13,),
     convert=convert_gather_elements,
@@ -270,6 +271,15 @@ GATHER_ELEMENTS = OpDef(
         ),
         case("gatherelements_ids_axis1", "GatherElements", W(3, 5), _ids(3, 4), axis=1),
         case("gatherelements_ids_axis0", "GatherElements", W(4, 3, 2), _ids(5, 2, 2)),
+        # integers picked by computed positions (RoBERTa's token types, by position id)
+        case(
+            "gatherelements_int_constant_by_ids",
+            "GatherElements",
+            C([4, 0, -3, 2, 9, 1, 5, 5, 7, -1, 0, 3], shape=(2, 6)),
+            _ids(2, 3),
+            axis=1,
+            output="int64",
+        ),
     ),
 )
 
@@ -286,7 +296,7 @@ class GatherNDAttrs:
 
 
 def convert_gather_nd(ctx: NodeContext, *, batch_dims=0):
-    data = ctx.tensor(0)
+    data = ctx.operand(0)
     ids, value = _index_input(ctx, 1)
     shape = ids.shape if ids is not None else tuple(value.shape)
     r, q, b = len(data.shape), len(shape), batch_dims
@@ -369,6 +379,7 @@ def id_bound_gather_nd(op, operand: int, tensors) -> int | None:
 
 
 GATHER_ND = OpDef(
+    moves_values=True,
     name="GatherND",
     versions=(13,),
     convert=convert_gather_nd,
@@ -412,14 +423,14 @@ class ScatterElementsAttrs:
 
 
 def convert_scatter_elements(ctx: NodeContext, *, axis=0, reduction="none"):
-    data = ctx.tensor(0)
+    data, updates = ctx.operand(0), ctx.operand(2)
+    one_kind(ctx, [data, updates], "data and updates")
     rank = len(data.shape)
     if rank == 0:
         raise ctx.fail("data must have rank >= 1")
     axis = _normalize_axis(ctx, axis, rank)
     how = _reduction(ctx, reduction)
     ids, value = _index_input(ctx, 1)
-    updates = ctx.tensor(2)
     shape = ids.shape if ids is not None else tuple(value.shape)
     if updates.shape != shape:
         raise ctx.fail(f"updates {list(updates.shape)} and indices {list(shape)} differ")
@@ -488,6 +499,7 @@ def id_bound_scatter_elements(op, operand: int, tensors) -> int | None:
 
 
 SCATTER_ELEMENTS = OpDef(
+    moves_values=True,  # data and updates; the indices have a bound of their own
     name="ScatterElements",
     versions=(13, 16, 18),
     convert=convert_scatter_elements,
@@ -532,6 +544,16 @@ SCATTER_ELEMENTS = OpDef(
             reduction="add",
             opset=16,
         ),
+        # label ids: the start id written into column 0 (T5's shift-right)
+        case(
+            "scatterelements_ids_const_updates",
+            "ScatterElements",
+            _ids(3, 5),
+            C([0, 0, 0], shape=(3, 1)),
+            C([7, 7, 7], shape=(3, 1)),
+            axis=1,
+            output="int64",
+        ),
     ),
 )
 
@@ -545,13 +567,28 @@ class ScatterNDAttrs:
     reduction: Reduction
     indices: tuple[int, ...] | None = None  # constant indices, flattened; None: an operand
     indices_shape: tuple[int, ...] = ()
+    # Constant indices [[o], [o + 1], ...] (a slice assignment, ``x[o:o + n] = u``): the
+    # first row the updates write; None otherwise.
+    run: int | None = None
+
+
+def _run_start(value: np.ndarray, sizes: tuple[int, ...]) -> int | None:
+    """Where constant indices of shape [n, 1] write consecutive rows from, if they do."""
+    if value.ndim != 2 or value.shape[1] != 1:
+        return None
+    rows = np.where(value < 0, value + sizes[0], value).ravel()
+    if (rows != rows[0] + np.arange(len(rows))).any():
+        return None
+    return int(rows[0])
 
 
 def convert_scatter_nd(ctx: NodeContext, *, reduction="none"):
-    data = ctx.tensor(0)
+    # data and updates: floats, or integers (T5's and BART's shift-right writes the label
+    # ids into a constant of zeros), an integer constant among them as an operand
+    data, updates = ctx.operand(0), ctx.operand(2)
+    one_kind(ctx, [data, updates], "data and updates")
     how = _reduction(ctx, reduction)
     ids, value = _index_input(ctx, 1)
-    updates = ctx.tensor(2)
     shape = ids.shape if ids is not None else tuple(value.shape)
     r, q = len(data.shape), len(shape)
     if r < 1 or q < 1:
@@ -571,11 +608,17 @@ def convert_scatter_nd(ctx: NodeContext, *, reduction="none"):
             tuples = np.where(value < 0, value + np.array(sizes), value).reshape(-1, k)
             if len(np.unique(tuples, axis=0)) != len(tuples):
                 raise ctx.fail("duplicate indices with reduction 'none' are undefined in ONNX")
-        attrs = ScatterNDAttrs(sizes, how, tuple(int(v) for v in value.ravel()), shape)
+        run = _run_start(value, sizes)
+        attrs = ScatterNDAttrs(sizes, how, tuple(int(v) for v in value.ravel()), shape, run)
     # the updates' lookup axes (and all of the indices) are read whole: the task keeps the
-    # tuples that fall in its tile; their trailing axes are data's trailing ones
+    # tuples that fall in its tile; their trailing axes are data's trailing ones. A slice
+    # assignment reads its updates row for row instead (a shifted copy of data's axis 0),
+    # so the batch, if it is there, goes on through it.
     lookups = q - 1
-    update_axes = (*(Whole() for _ in range(lookups)), *(identity(k + i) for i in range(r - k)))
+    trailing = tuple(identity(k + i) for i in range(r - k))
+    update_axes: tuple[AxisMap, ...] = (*(Whole() for _ in range(lookups)), *trailing)
+    if attrs.run is not None:
+        update_axes = (Affine(((0, 1),), -attrs.run), *trailing)
     operands = [Operand(data.name, tuple(identity(i) for i in range(r)))]
     if ids is not None:
         operands.append(Operand(ids.name, tuple(Whole() for _ in range(q))))
@@ -588,12 +631,16 @@ def _scatter_nd_dest(xp, attrs: ScatterNDAttrs, inputs, args):
     """Per index tuple, the flat row (over the tile's first k axes) it writes, or the
     dummy row for tuples another task applies."""
     k = len(attrs.sizes)
+    tile = args.out_shape[:k]
+    if attrs.run is not None:  # the buffer holds the updates rows that land in the tile
+        first = min(max(args.origin[0] - attrs.run, 0), len(attrs.indices))
+        rows = inputs[-1].shape[0]
+        return xp.arange(rows, dtype=np.int64) + (first + attrs.run - args.origin[0]), tile[0]
     if attrs.indices is None:
         ids = inputs[1]
     else:
         ids = xp.asarray(np.asarray(attrs.indices, dtype=np.int64))
     ids = ids.reshape(-1, k)
-    tile = args.out_shape[:k]
     locals_ = [_wrap(xp, ids[:, j], size) - args.origin[j] for j, size in enumerate(attrs.sizes)]
     mine = xp.ones(ids.shape[0], dtype=bool)
     for c, n in zip(locals_, tile, strict=True):
@@ -625,6 +672,7 @@ def id_bound_scatter_nd(op, operand: int, tensors) -> int | None:
 
 
 SCATTER_ND = OpDef(
+    moves_values=True,  # data and updates; the indices have a bound of their own
     name="ScatterND",
     versions=(13, 16, 18),
     convert=convert_scatter_nd,
@@ -670,6 +718,26 @@ SCATTER_ND = OpDef(
         # run-time indices (duplicates likely: the last writer wins)
         case("scatternd_ids", "ScatterND", W(4, 3), _ids(3, 1), W(3, 3)),
         case("scatternd_ids_add", "ScatterND", W(3, 4), _ids(2, 3, 2), W(2, 3), reduction="add"),
+        # slice assignments (consecutive rows, ``x[1:4] = u``): updates read row for row
+        case("scatternd_slice_assign", "ScatterND", X(5, 3), C([1, 2, 3], shape=(3, 1)), W(3, 3)),
+        case(
+            "scatternd_slice_assign_data_updates",
+            "ScatterND",
+            W(6, 2),
+            C([-4, -3, -2, -1], shape=(4, 1)),
+            X(4, 2),
+            reduction="add",
+            opset=16,
+        ),
+        # label ids shifted one place along into zeros (T5's and BART's shift-right)
+        case(
+            "scatternd_ids_into_int_constant",
+            "ScatterND",
+            C([0] * 12, shape=(4, 3)),
+            C([1, 2, 3], shape=(3, 1)),
+            _ids(3, 3),
+            output="int64",
+        ),
     ),
 )
 

@@ -14,11 +14,11 @@ numpy broadcasting: every dim splits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from onnx2soap.ir import Tensor
+from onnx2soap.ir import DType, Tensor
 from onnx2soap.ops.base import C, CaseInput, InputKind, NoAttrs, OpDef, Sample, W, X, case
-from onnx2soap.ops.context import NodeContext, elementwise
+from onnx2soap.ops.context import NodeContext, elementwise, one_kind
 from onnx2soap.ops.kernel_util import unbroadcast
 
 
@@ -57,12 +57,14 @@ def _zero_grads(xp, attrs, inputs, output, grad_output, args):
 
 
 def convert_where(ctx: NodeContext):
-    operands = [
-        _tensor(ctx, 0, "the condition", mask=True),
-        _tensor(ctx, 1, "X", mask=False),
-        _tensor(ctx, 2, "Y", mask=False),
-    ]
-    return elementwise(ctx, operands, NoAttrs(), 1)
+    # X and Y: floats, or integers (``masked_fill`` of label ids: T5's and BART's
+    # shift-right), an integer constant among them as an operand
+    values = [ctx.operand(1), ctx.operand(2)]
+    ints = one_kind(ctx, values, "X and Y")
+    operands = [_tensor(ctx, 0, "the condition", mask=True), *values]
+    op = elementwise(ctx, operands, NoAttrs(), 1)
+    # the values' type, whatever the condition's (a bool constant is a 0/1 float)
+    return replace(op, dtype=DType.INT64) if ints else op
 
 
 def where_forward(xp, attrs, inputs, args):
@@ -72,6 +74,8 @@ def where_forward(xp, attrs, inputs, args):
 
 def where_backward(xp, attrs, inputs, output, grad_output, args):
     cond, x, y = inputs
+    if x.dtype.kind != "f":  # selected integers: no gradient anywhere
+        return _no_grad(xp, cond), None, None
     keep = cond != 0
     zero = xp.zeros((), dtype=grad_output.dtype)
     return (
@@ -163,6 +167,8 @@ def _bools(*shape: int) -> CaseInput:
 
 
 WHERE = OpDef(
+    # X and Y are moved: ids selected keep the bound of whoever reads them
+    moves_values=True,
     name="Where",
     versions=(9, 16),  # 16 adds bfloat16
     convert=convert_where,
@@ -173,6 +179,24 @@ WHERE = OpDef(
         case("where_const_fill", "Where", _bools(1, 4), X(2, 3, 4), C(-3.5, dtype="float32")),
         case("where_weight_first", "Where", _bools(3, 1), W(4), X(2, 3, 4), opset=16),
         case("where_mask_input", "Where", _mask_input(2, 3, 4), W(4), C(-2.0, dtype="float32")),
+        # label ids: -100 replaced by the padding id (T5's and BART's shift-right)
+        case(
+            "where_ids_fill",
+            "Where",
+            _bools(2, 1),
+            C(0),
+            CaseInput(InputKind.DATA, (2, 5), None, "int64"),
+            output="int64",
+        ),
+        case(
+            "where_mask_ids_const",
+            "Where",
+            _mask_input(3, 4),
+            C([7, -100, 3, 1], shape=(4,)),
+            C(5),
+            output="int64",
+            opset=16,
+        ),
     ),
 )
 
