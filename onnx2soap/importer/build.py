@@ -122,8 +122,11 @@ class _Builder:
         if name in self.p.float_initializers:
             # A 0-d float initializer is a constant the exporter stored (a scale, an
             # epsilon), not a parameter: trained, it would drift from what the model means.
+            # So is a buffer torch.export recorded (rotary frequencies): torch never
+            # trains it.
             scalar = self.p.float_initializers[name].ndim == 0
-            return self._add(name, TensorRole.CONSTANT if scalar else TensorRole.WEIGHT)
+            fixed = scalar or name in self.p.buffers
+            return self._add(name, TensorRole.CONSTANT if fixed else TensorRole.WEIGHT)
         if name in self.p.graph_inputs:
             # Every graph input is batched along axis 0: the loss's targets (its input 1),
             # or data.

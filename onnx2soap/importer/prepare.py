@@ -19,6 +19,7 @@ from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from onnx2soap.errors import ModelError
+from onnx2soap.importer.signature import untrained_initializers
 from onnx2soap.importer.weights import (
     FLOAT_TYPES,
     InlineData,
@@ -52,6 +53,8 @@ class Prepared:
     # Constants written in the file (initializers, Constant nodes), as opposed to those
     # folded from shapes at the bound batch: a literal shape was fixed at export time.
     literal: frozenset[str] = frozenset()
+    # Initializers torch.export's signature calls buffers or constants: never trained.
+    buffers: frozenset[str] = frozenset()
 
 
 def file_sha256(path: Path) -> str:
@@ -541,6 +544,7 @@ def _folded_initializer(name: str, value: np.ndarray, large: dict) -> onnx.Tenso
 
 def prepare(path: Path, batch: int | None) -> Prepared:
     model, stored = read_model(path)
+    buffers = untrained_initializers(model)  # before folding rebuilds the graph without it
     opset = default_opset(model, path)
     batch = _bind_batch(model, path, batch)
     # Float initializers are weights (or weight-like constants): never folded away.
@@ -578,4 +582,5 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         graph_inputs=tuple(i.name for i in model.graph.input if i.name not in init_names),
         graph_outputs=tuple(o.name for o in model.graph.output),
         literal=frozenset(literal),
+        buffers=buffers,
     )
