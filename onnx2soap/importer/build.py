@@ -45,11 +45,23 @@ def _dtype(p: Prepared, name: str) -> DType:
     return _DTYPES[elem]
 
 
-def _definitions(p: Prepared) -> list[OpDef]:
-    """The definition reading each node; every node without one is listed in one error."""
+def _unfolded_shape(p: Prepared, node: onnx.NodeProto) -> bool:
+    """A Shape node left because shape inference gave its input no static shape: not an
+    unsupported op, but the trace of a node before it whose shapes do not fit (a shape
+    written in the file for another batch), which converting that node names."""
+    return (
+        node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.input[0] not in p.types
+    )
+
+
+def _definitions(p: Prepared) -> list[OpDef | None]:
+    """The definition reading each node; every node without one is listed in one error
+    (but unfolded Shape nodes: see ``_unfolded_shape``)."""
     reg = registry()
     found = [reg.for_node(n.op_type, n.domain, p.opset) for n in p.nodes]
-    bad = [n for n, d in zip(p.nodes, found, strict=True) if d is None]
+    bad = [
+        n for n, d in zip(p.nodes, found, strict=True) if d is None and not _unfolded_shape(p, n)
+    ]
     if bad:
         listed = ", ".join(
             f"'{n.name or n.output[0]}' ({n.op_type}, domain {n.domain or 'ai.onnx'}, "
@@ -379,6 +391,13 @@ def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
     found = _definitions(p)
     b = _Builder(p)
     for node, definition in zip(p.nodes, found, strict=True):
+        if definition is None:  # an unfolded Shape, no node before it to blame
+            raise ModelError(
+                f"{p.path}: node '{node.name or node.output[0]}' (Shape): the shape of its "
+                f"input '{node.input[0]}' is not static after shape inference, so it cannot "
+                "be folded (a shape written in the file for another batch? export with a "
+                "dynamic batch axis)"
+            )
         b.convert(node, definition)
     own = [op for op in b.ops if op.is_loss]
     if len(p.graph_outputs) != 1 and not own:

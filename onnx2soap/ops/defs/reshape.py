@@ -222,10 +222,11 @@ def convert_reshape(ctx: NodeContext, *, allowzero=0):
     try:
         out = _reshaped(ctx, x.shape, shape, allowzero)
     except ModelError as e:
-        if not ctx.is_literal(1) or not ctx.batch_at(0):
+        if not ctx.is_literal(1) or not x.batched:
             raise
-        at = min(ctx.batch_at(0), key=lambda a: a.axis)
-        exported = _export_batch(ctx, x.shape, shape, allowzero, at)
+        # where the batch lies is unknown past a merge behind the time steps ([T*N, E])
+        where = sorted(ctx.batch_at(0), key=lambda a: a.axis)
+        exported = _export_batch(ctx, x.shape, shape, allowzero, where[0]) if where else None
         raise ctx.fail(f"input {list(x.shape)}: {_fixed_batch(ctx, shape, exported)}") from e
     # A shape folded from Shape nodes at the bound batch is right by construction; one the
     # file states was made for the export's batch. Without a -1 its element count pins
