@@ -85,11 +85,7 @@ def check_window_buffer(op: str, attrs, buffer_shape: Sequence[int], out_spatial
 
 
 def scatter_add(xp, target: Array, indices: Array, values: Array) -> None:
-    """``target[indices[k]] += values[k]`` along axis 0, repeated indices accumulating
-    (numpy's ``add.at``; cupy spells it ``cupyx.scatter_add``)."""
-    if xp.__name__ == "numpy":
-        xp.add.at(target, indices, values)
-    else:  # cupy
-        import cupyx
-
-        cupyx.scatter_add(target, indices, values)
+    """``target[indices[k]] += values[k]`` along axis 0, repeated indices accumulating:
+    ``add.at`` on numpy and cupy alike (cupy >= 13; its older ``cupyx.scatter_add`` goes
+    through ``ndarray.scatter_add``, deprecated since cupy 12, which warns at every call)."""
+    xp.add.at(target, indices, values)
