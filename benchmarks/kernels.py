@@ -23,21 +23,13 @@ import time
 import numpy as np
 
 from executor.buffers import slice_from_full
+from executor.device import cupy_module
 from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph, TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.soap import Partitioner, analyze
 from onnx2soap.soap.partition import rect_shape
-
-
-def _cupy():
-    try:
-        import cupy
-
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:  # no cupy, no driver, no device: numpy only
-        return None
 
 
 def _inputs(graph: Graph, rng: np.random.Generator, dtype) -> dict[str, np.ndarray]:
@@ -86,7 +78,7 @@ def main() -> int:
     graph = load_model(args.model, args.batch).graph
     pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
     values = _inputs(graph, np.random.default_rng(0), np.float32)
-    cp = _cupy()
+    cp = cupy_module()  # None: no cupy, no driver or no GPU (numpy only)
     modules = [("numpy", np)] + ([("cupy", cp)] if cp is not None else [])
     print(f"{'op':<28}{'type':<26}" + "".join(f"{n + ' ms':>12}" for n, _ in modules) + "   ratio")
     totals = {n: 0.0 for n, _ in modules}
