@@ -8,8 +8,8 @@ It has the part of CuPy's API the project uses, with CuPy's signatures: arrays a
 ``asnumpy`` (``_core.py``: strict about host and device, as CuPy is), creation and math
 functions and ufuncs, devices (``cuda.runtime``, ``cuda.Device``), streams and events
 (``cuda.stream``), the memory pool and memory hooks (``_memory.py``), pinned host memory,
-``cupy.cuda.nccl`` over mpi4py between ranks (``cuda/nccl.py``) and the ``cupyx`` pieces
-(``scatter_add``, ``scipy.special.erf``). Anything else is missing on purpose: an
+``cupy.cuda.nccl`` over mpi4py between ranks (``cuda/nccl.py``) and the one ``cupyx``
+piece (``cupyx.scipy.special.erf``). Anything else is missing on purpose: an
 ``AttributeError`` here is a call to check against CuPy's documentation before adding it.
 Arrays live in host memory, kernels run at once on the host; see ``cuda/stream.py`` for
 what that means for streams.

@@ -23,7 +23,6 @@ where the stand-in has none. Reductions return 0-d arrays, not scalars, as CuPy'
 from __future__ import annotations
 
 import numbers
-import warnings
 
 import numpy as np
 
@@ -302,14 +301,6 @@ class ndarray:
         _stream.before_kernel()
         self._a.fill(value)
 
-    def scatter_add(self, slices, value) -> None:
-        warnings.warn(
-            "`ndarray.scatter_add` is deprecated. Please use `cupy.add.at` instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        _scatter_add(self, slices, value)
-
     # --- numpy interoperation, as CuPy dispatches it -------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         import cupy
@@ -367,7 +358,8 @@ class ufunc_type:
 
 
 class add_ufunc_type(ufunc_type):
-    """``cupy.add``, whose ``at`` is ``cupyx.scatter_add`` (the only ``at`` used here)."""
+    """``cupy.add``, with ``at`` (numpy's ``add.at``: repeated indices accumulate), the
+    only ufunc ``at`` the project uses."""
 
     def at(self, a, indices, b=None) -> None:
         _scatter_add(a, indices, b)
