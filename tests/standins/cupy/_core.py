@@ -335,11 +335,12 @@ def _rebuild(host: np.ndarray) -> ndarray:
 
 
 def _scatter_add(a: ndarray, slices, value) -> None:
+    """``cupy.add.at``: with index arrays CuPy copies host values over (``core.array``),
+    with basic slices it adds them as a kernel operand (host arrays refused)."""
     _check_device(a)
     _stream.before_kernel()
-    if isinstance(value, np.ndarray):
-        raise TypeError(f"Unsupported type {type(value)}")
-    np.add.at(a._a, _index(slices), operand(value))
+    value = operand(value) if isinstance(value, ndarray) or not _advanced(slices) else value
+    np.add.at(a._a, _index(slices), value)
 
 
 class ufunc_type:
