@@ -15,9 +15,9 @@ tests. Skipped where cupy is not installed or sees no GPU.
 - ``mpi-cuda``: runs when the MPI library reports CUDA support and is refused in one
   line when it does not; under the stand-in, whose device arrays MPI can read, it also
   runs as a CUDA-aware MPI would (``cuda_aware_driver.py``);
-- ``--trace``: each rank's peak memory of a steady step is within 10 % of the memory
-  model's prediction for GPUs (the bytes cupy's pool hands out at the step's peak, not
-  the pool's cached total).
+- ``--trace`` (ranks sharing one GPU over ``mpi-host``): each rank's peak memory of a
+  steady step is within 10 % of the memory model's prediction for GPUs (the bytes
+  cupy's pool hands out at the step's peak, not the pool's cached total).
 """
 
 from __future__ import annotations
@@ -219,13 +219,15 @@ def _predicted_gpu_peaks(plan_path: Path) -> tuple[int, ...]:
 @pytest.mark.mpi
 @pytest.mark.parametrize(("strategy", "seed", "ranks"), [("data-parallel", 0, 2), ("random", 2, 3)])
 def test_traced_peak_memory_is_the_steps_peak(
-    example_onnx: Path, tmp_path: Path, strategy: str, seed: int, ranks: int
+    example_onnx: Path, tmp_path: Path, monkeypatch, strategy: str, seed: int, ranks: int
 ):
-    _needs_gpus(ranks)
+    """Ranks sharing one GPU (so that it runs on a single lent GPU too): each has its own
+    process, so its own memory pool, which is what the trace reads."""
     plan = tmp_path / "plan.json"
     make_plan(example_onnx, plan, ranks, 32, strategy, seed)
     trace = tmp_path / "measured.json"
-    args = ("--steps", "3", "--device", "cuda", "--transport", "nccl", "--trace", str(trace))
+    args = ("--steps", "3", "--device", "cuda", "--transport", "mpi-host", "--trace", str(trace))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     run = mpirun(plan, ranks, tmp_path, *args)
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
