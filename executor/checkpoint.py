@@ -49,6 +49,7 @@ class RunIdentity:
     dtype: str
     seed: int
     optimizer: str
+    precision: str = "fp32"  # manifests from before mixed precision trained in fp32
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,16 @@ class Manifest:
     plan_sha256: str
     step: int  # steps completed
     entries: tuple[Entry, ...]
+    loss_scale: LossScale | None = None  # fp16's, where the run scales its loss
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """fp16's dynamic loss scale at the checkpoint: the scale, and the good steps since
+    it last changed (``executor.precision.LossScaler``)."""
+
+    scale: float
+    growth_tracker: int
 
 
 def _fsync_write(path: Path, array: np.ndarray) -> None:
@@ -104,7 +115,13 @@ def _agree(comm: MPI.Comm, error: str | None) -> None:
 
 
 def save_checkpoint(
-    comm: MPI.Comm, rt: Runtime, directory: Path, step: int, identity: RunIdentity, plan_sha: str
+    comm: MPI.Comm,
+    rt: Runtime,
+    directory: Path,
+    step: int,
+    identity: RunIdentity,
+    plan_sha: str,
+    loss_scale: LossScale | None = None,
 ) -> Path:
     """Write the checkpoint after ``step`` completed steps (collective); returns its path."""
     rank, name = comm.Get_rank(), f"step-{step:09d}"
@@ -131,7 +148,8 @@ def save_checkpoint(
     gathered = comm.gather(entries, root=0)
     final = directory / name
     if rank == 0:
-        manifest = Manifest(identity, plan_sha, step, tuple(e for part in gathered for e in part))
+        entries = tuple(e for part in gathered for e in part)
+        manifest = Manifest(identity, plan_sha, step, entries, loss_scale)
         write_atomic(tmp / "manifest.json", json.dumps({"format": FORMAT, **asdict(manifest)}))
         if final.exists():  # the same step saved again (a resumed run): replace it
             shutil.rmtree(final)
@@ -166,7 +184,10 @@ def read_manifest(directory: Path) -> tuple[Manifest, Path]:
             Entry(e["tensor"], e["kind"], _rect(e["rect"]), e["file"]) for e in doc["entries"]
         )
         identity = RunIdentity(**doc["identity"])
-        return Manifest(identity, doc["plan_sha256"], int(doc["step"]), entries), path
+        scale = doc.get("loss_scale")
+        loss_scale = None if scale is None else LossScale(**scale)
+        manifest = Manifest(identity, doc["plan_sha256"], int(doc["step"]), entries, loss_scale)
+        return manifest, path
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path}/manifest.json: not a checkpoint manifest ({e})") from e
 
@@ -183,6 +204,7 @@ def check_identity(directory: Path, saved: RunIdentity, run: RunIdentity) -> Non
         ("dtype", "--dtype"),
         ("seed", "--seed"),
         ("optimizer", "--optimizer"),
+        ("precision", "--precision"),
     ):
         had, has = getattr(saved, field), getattr(run, field)
         if had != has:
@@ -219,6 +241,7 @@ def restore(rt: Runtime, manifest: Manifest, path: Path) -> None:
         for (tensor, rect), shard in rt.shards.items():
             values = _assemble(path, by_key.get((tensor, VALUE), []), rect, rt.dtype)
             rt.device.to_device(values, out=shard)
+            rt.refresh_compute_copy((tensor, rect))
             for slot, array in rt.slots.get((tensor, rect), {}).items():
                 state = _assemble(path, by_key.get((tensor, slot), []), rect, rt.dtype)
                 rt.device.to_device(state, out=array)

@@ -29,9 +29,11 @@ from pathlib import Path
 
 from executor.kinds import DeviceKind, TransportKind
 from executor.optim import OptimizerConfig, OptimizerKind, Schedule
+from executor.precision import LossScaler
 from onnx2soap.cli.common import OneLineParser, add_nonfinite_option, float_in, int_in
 from onnx2soap.errors import UserError
 from onnx2soap.ir import DType
+from onnx2soap.precision import Precision
 
 EXIT_USER_ERROR = 2
 ABORT_GRACE_S = 0.3
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dtype", choices=[DType.FLOAT32.value, DType.FLOAT64.value], default="float32"
     )
+    _add_precision_options(run)
     _add_data_options(run)
     _add_optimizer_options(run)
     _add_checkpoint_options(run)
@@ -64,6 +67,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_options(run)
     add_nonfinite_option(run)
     return parser
+
+
+def _add_precision_options(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("mixed precision")
+    group.add_argument(
+        "--precision",
+        choices=[p.value for p in Precision],
+        help="bf16/fp16: forward and backward values in the half format, float32 master "
+        "weights and optimizer state, as torch.autocast (on CPUs and for bf16 on GPUs: "
+        "float32 arithmetic on values rounded to the format); fp16 scales the loss "
+        "dynamically, as torch.amp.GradScaler (default: the plan's, else fp32)",
+    )
+    group.add_argument(
+        "--loss-scale",
+        type=float_in(0, 2.0**64, low_open=True),
+        default=LossScaler.scale,
+        metavar="S",
+        help="fp16's initial loss scale (default 65536)",
+    )
+    group.add_argument(
+        "--loss-scale-growth-interval",
+        type=int_in(1, MAX_STEPS),
+        default=LossScaler.growth_interval,
+        metavar="K",
+        help="fp16: double the loss scale after K steps without an infinity (default 2000)",
+    )
 
 
 def _add_data_options(run: argparse.ArgumentParser) -> None:
@@ -348,6 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_weights=args.save_weights,
         save_model=args.save_model,
         allow_nonfinite=args.allow_nonfinite,
+        precision=Precision(args.precision) if args.precision else None,
+        loss_scale=args.loss_scale,
+        loss_scale_growth_interval=args.loss_scale_growth_interval,
         optimizer=optimizer,
         checkpoint=args.checkpoint,
         checkpoint_every=args.checkpoint_every,

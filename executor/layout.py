@@ -111,7 +111,7 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
     op = rt.graph.ops[key[0]]
     name, role, region = op.inputs[k], rt.roles[key[0]][k], task.inputs[k]
     if role in (TensorRole.WEIGHT, TensorRole.STATE):
-        return Fixed(rt.shards[(name, region.data)])
+        return Fixed(rt.weight_values((name, region.data)))
     if role is TensorRole.CONSTANT:
         return Fixed(_cut_constant(rt, name, region))
     if role in (TensorRole.INPUT, TensorRole.LABELS):

@@ -22,13 +22,17 @@ from executor.train import StepRecord
 
 
 def step_fields(record: StepRecord) -> dict[str, Any]:
-    return {
+    fields = {
         "step": record.step,
         "loss": record.loss,
         "lr": record.lr,
         "time_s": record.time_s,
         "samples_per_s": record.samples_per_s,
     }
+    if record.loss_scale is not None:  # fp16: the scale, and whether the update was skipped
+        fields["loss_scale"] = record.loss_scale
+        fields["skipped"] = record.skipped
+    return fields
 
 
 def eval_fields(record: EvalRecord) -> dict[str, Any]:

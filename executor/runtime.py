@@ -30,6 +30,7 @@ from executor.layout import (
     input_source,
 )
 from executor.optim import OptimizerConfig, apply_update
+from executor.precision import Rounding
 from executor.program import (
     Compute,
     Partial,
@@ -49,6 +50,7 @@ from executor.transport import Transport
 from onnx2soap.errors import UserError
 from onnx2soap.importer.weights import StoredTensor
 from onnx2soap.ops import TaskArgs
+from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect, Task, owners, rect_shape
 
@@ -79,10 +81,12 @@ class Runtime:
         device: Device | None = None,
         optimizer: OptimizerConfig | None = None,
         refuse_nonfinite: bool = False,
+        precision: Precision = Precision.FP32,
     ) -> None:
         """``weights`` gives the initial values of the weights and of the state tensors:
         arrays, or ``StoredTensor``s, of which only the boxes this rank holds are read.
-        ``refuse_nonfinite``: a NaN or infinity in them is a ``UserError``."""
+        ``refuse_nonfinite``: a NaN or infinity in them is a ``UserError``.
+        ``precision``: mixed precision (``executor/precision.py``) on float32 shards."""
         self.pg, self.graph, self.program = pg, pg.graph, program
         self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
         self.device = device or CpuDevice()
@@ -90,6 +94,7 @@ class Runtime:
         self.seed = seed
         self.optimizer = optimizer or OptimizerConfig()
         self.tracer: Tracer | None = None  # set to time every instruction (--trace)
+        self.rounding = Rounding(self.xp, precision)
         self.updates = 0  # optimizer steps taken (Adam's bias correction counts them)
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
@@ -104,6 +109,14 @@ class Runtime:
                         self.trainable.add(key)
         # Updated in this order (the shards' own: graph order), every step.
         self.trainable_order = tuple(k for k in self.shards if k in self.trainable)
+        # Mixed precision: the kernels read each trainable weight rounded to the half
+        # format, a copy remade after every update; the shard stays the float32 master.
+        self.compute_copies: dict[WeightKey, object] = {}
+        if self.rounding.active:
+            with self.device.compute():
+                for key in self.trainable_order:
+                    self.compute_copies[key] = self.xp.array(self.shards[key])
+                    self.rounding(self.compute_copies[key])
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
         # floats in the run's dtype, ids int64.
         with self.device.compute():
@@ -187,24 +200,67 @@ class Runtime:
     def step(self, batch: Batch, lr: float) -> float:
         """Run one training step at learning rate ``lr``; returns the sum of this rank's
         partial losses."""
-        state = Step(self, batch, training=True)
+        loss = self.forward_backward(batch)
+        self.update(lr)
+        return loss
+
+    def forward_backward(self, batch: Batch, grad_seed: float = 1.0) -> float:
+        """The step's forward and backward, every weight gradient summed over its
+        replica group; the backward starts from ``grad_seed`` (fp16's loss scale). The
+        sum of this rank's partial losses (unscaled)."""
+        state = Step(self, batch, training=True, grad_seed=grad_seed)
         with self.device.compute():
             self._run(state, self.program.instructions, self._step_names)
-            tracing = self.tracer is not None and self.tracer.active
-            with self._timed("wait allreduce", "allreduce") if tracing else nullcontext():
+            with self._timed("wait allreduce", "allreduce") if self._tracing else nullcontext():
                 for pending in state.reductions:  # every gradient is summed before the update
                     self.transport.wait(pending)
                 self.transport.end_step()
-            self.updates += 1
-            for key in self.trainable_order:
-                shard, slots = self.shards[key], self.slots[key]
-                grad = self.buffers.gradient(key, self.xp)
-                with self._timed(f"update {key[0]}", "update") if tracing else nullcontext():
-                    apply_update(self.xp, self.optimizer, shard, grad, slots, lr, self.updates)
-            self.buffers.grads.clear()  # the gradients live from their backward to here
             loss = state.loss()
-        self.device.synchronize()
         return loss
+
+    def nonfinite_gradients(self) -> bool:
+        """Whether a weight gradient of this step holds an infinity or NaN."""
+        with self.device.compute():
+            finite = [self.xp.isfinite(g).all() for g in self.buffers.grads.values()]
+            return not all(bool(f) for f in finite)
+
+    def update(self, lr: float, grad_scale: float = 1.0, skip: bool = False) -> None:
+        """Apply the optimizer to every trainable shard with its gradient times
+        ``grad_scale`` (1 / fp16's loss scale), or, with ``skip``, drop the gradients: a
+        skipped step is no optimizer step (Adam's count stays)."""
+        with self.device.compute():
+            if not skip:
+                self.updates += 1
+                tracing = self._tracing
+                for key in self.trainable_order:
+                    with self._timed(f"update {key[0]}", "update") if tracing else nullcontext():
+                        self._update_shard(key, lr, grad_scale)
+            self.buffers.grads.clear()  # the gradients live from their backward to here
+        self.device.synchronize()
+
+    def _update_shard(self, key: WeightKey, lr: float, grad_scale: float) -> None:
+        grad = self.buffers.gradient(key, self.xp)
+        if grad_scale != 1.0:
+            grad *= grad_scale
+        slots = self.slots[key]
+        apply_update(self.xp, self.optimizer, self.shards[key], grad, slots, lr, self.updates)
+        self.refresh_compute_copy(key)
+
+    @property
+    def _tracing(self) -> bool:
+        return self.tracer is not None and self.tracer.active
+
+    def weight_values(self, key: WeightKey):
+        """What kernels read of a weight or state shard: in mixed precision, a trainable
+        weight's copy rounded to the half format; else the shard itself."""
+        return self.compute_copies.get(key, self.shards[key])
+
+    def refresh_compute_copy(self, key: WeightKey) -> None:
+        """Remake a weight's half-format copy from its master (after it changed)."""
+        copy = self.compute_copies.get(key)
+        if copy is not None:
+            copy[...] = self.shards[key]
+            self.rounding(copy)
 
     def _run(self, state: Step, instructions, names: tuple[tuple[str, str], ...]) -> None:
         # Local, not on the step: bound methods held by the step would make it a cycle

@@ -35,12 +35,21 @@ from onnx2soap.soap.partition import Rect, rect_shape
 WeightKey = tuple[str, Rect]
 
 
+def _owns(array, inputs) -> bool:
+    """A kernel's result that owns its memory: made afresh, not a view of anything and
+    not one of its input buffers (those a step may round or keep in place)."""
+    return getattr(array, "base", True) is None and all(array is not x for x in inputs)
+
+
 class Step:
     """One step on one rank: the arrays it produces, over the buffers made once."""
 
-    def __init__(self, rt, batch: Batch, training: bool) -> None:
-        """``rt`` is the rank's ``Runtime``: its program, buffers, shards and transport."""
+    def __init__(self, rt, batch: Batch, training: bool, grad_seed: float = 1.0) -> None:
+        """``rt`` is the rank's ``Runtime``: its program, buffers, shards and transport.
+        ``grad_seed``: the loss's gradient, where the backward starts (fp16's loss scale)."""
         self.rt, self.batch, self.training = rt, batch, training
+        self.grad_seed = grad_seed
+        self.rounding = rt.rounding
         self.buf = rt.buffers
         self.xp = rt.xp
         self.outputs: dict[TaskKey, object] = {}
@@ -138,18 +147,20 @@ class Step:
         rows = held[(slice(lo - first, hi - first), *global_slices(tuple(rest)))]
         if source.host is None:  # numpy: straight into the buffer
             source.buffer[source.into] = rows
-            return source.buffer
-        np.copyto(source.host, rows)
-        target = source.buffer if source.staged is None else source.staged
-        self.rt.device.to_device(source.host, out=target)
-        if source.staged is not None:
-            source.buffer[source.into] = source.staged
+        else:
+            np.copyto(source.host, rows)
+            target = source.buffer if source.staged is None else source.staged
+            self.rt.device.to_device(source.host, out=target)
+            if source.staged is not None:
+                source.buffer[source.into] = source.staged
+        if source.name != self.rt.graph.labels:  # data in the half format; targets not
+            self.rounding(source.buffer)
         return source.buffer
 
     def _grad_output(self, key: TaskKey):
         op = self.rt.graph.ops[key[0]]
         if op.is_loss:
-            return self.xp.ones((), dtype=self.rt.dtype)
+            return self.xp.full((), self.grad_seed, dtype=self.rt.dtype)
         source = self.buf.grad_outputs[key]
         if isinstance(source, GradAlias):
             return self.input_grads[source.consumer][source.operand]
@@ -214,6 +225,7 @@ class Step:
             total += self.outputs[(ins.op, t)]
         if len(group.devices) > 1:
             self.rt.transport.wait(self.rt.transport.allreduce(total, group.devices))
+        self.rounding(total)  # the op's output, as one task's would be
         if group.owner in mine:
             self.outputs[(ins.op, group.owner)] = total
 
@@ -256,6 +268,8 @@ class Step:
         args = self._args(key)
         d = definition(op.type)
         out = d.forward(self.xp, op.attrs, buffers, args)
+        if not op.is_loss and _owns(out, buffers):  # a view holds rounded values already
+            self.rounding(out)
         self.inputs[key], self.outputs[key] = buffers, out
         if synced and self.training:
             task = self.rt.task(key)
@@ -277,6 +291,8 @@ class Step:
         grads = definition(op.type).backward(
             self.xp, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(key)
         )
+        if self.rounding.active:
+            grads = tuple(self._rounded(g, key) for g in grads)
         for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
             if role is TensorRole.WEIGHT:
                 self._weight_grad((name, task.inputs[k].data), grads[k], grad_out, key)
@@ -285,6 +301,16 @@ class Step:
             g if role is TensorRole.ACTIVATION else None
             for g, role in zip(grads, self.rt.roles[ins.op], strict=True)
         )
+
+    def _rounded(self, grad, key: TaskKey):
+        """A kernel's gradient in the half format: rounded in place where the kernel made
+        it afresh, else (a view, an argument) as a rounded copy."""
+        if grad is None or grad.dtype != np.float32:
+            return grad
+        if not _owns(grad, self.inputs[key]):
+            grad = self.xp.array(grad, order="C")
+        self.rounding(grad)
+        return grad
 
     def _weight_grad(self, shard, grad, grad_out, key: TaskKey) -> None:
         """Sum a task's weight gradient into the shard's. The first one this step becomes
@@ -297,11 +323,10 @@ class Step:
             summed += grad
             return
         fresh = (
-            getattr(grad, "base", True) is None
+            _owns(grad, self.inputs[key])
             and grad.dtype == self.rt.dtype
             and grad.flags.c_contiguous
             and grad is not grad_out
-            and all(grad is not x for x in self.inputs[key])
         )
         if not fresh:
             grad = self.xp.array(grad, dtype=self.rt.dtype, order="C")

@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from executor.checkpoint import (
+    LossScale,
     RunIdentity,
     check_identity,
     read_manifest,
@@ -35,6 +36,7 @@ from executor.host_memory import keep_freed_memory, release_python_heap, settle_
 from executor.kinds import DeviceKind, TransportKind
 from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
+from executor.precision import LossScaler
 from executor.program import compile_program
 from executor.runtime import Runtime
 from executor.trace import Tracer, write_measured
@@ -44,6 +46,7 @@ from onnx2soap.errors import UserError
 from onnx2soap.files import check_directory, check_output
 from onnx2soap.importer import ImportedModel, file_sha256, load_model
 from onnx2soap.ir import DType, Graph
+from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
 from onnx2soap.soap.partition import rect_shape
 
@@ -67,6 +70,9 @@ class RunOptions:
     save_weights: Path | None = None
     save_model: Path | None = None  # the input model with the trained initializers
     allow_nonfinite: bool = False  # NaN/Inf in the weights a rank loads
+    precision: Precision | None = None  # None: the plan's
+    loss_scale: float = LossScaler.scale  # fp16's initial loss scale
+    loss_scale_growth_interval: int = LossScaler.growth_interval
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: DeviceKind | None = None  # None: a GPU when cupy sees one, else the CPU
     transport: TransportKind = TransportKind.AUTO
@@ -93,6 +99,8 @@ class StepRecord:
     time_s: float
     lr: float = 0.0
     samples_per_s: float | None = None
+    loss_scale: float | None = None  # fp16: the scale the step's backward started from
+    skipped: bool = False  # fp16: an infinity or NaN in its gradients, so no update
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,7 @@ class _Setup:
     pg: PartitionedGraph
     data: SyntheticData | FileData
     eval_data: FileData | None = None
+    precision: Precision = Precision.FP32
 
 
 def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
@@ -142,7 +151,7 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
     eval_data = None
     if options.eval_data is not None:
         eval_data = open_dataset(Path(options.eval_data), model.graph, dtype)
-    return _Setup(plan, model, pg, data, eval_data)
+    return _Setup(plan, model, pg, data, eval_data, precision_of(plan, options))
 
 
 def agreed(comm: MPI.Comm, work: Callable[[], T]) -> T:
@@ -178,6 +187,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
             device,
             options.optimizer,
             refuse_nonfinite=not options.allow_nonfinite,
+            precision=s.precision,
         )
     except UserError as e:
         raise UserError(f"{s.model.path}: {e}") from e
@@ -251,10 +261,30 @@ def _identity(s: _Setup, options: RunOptions) -> RunIdentity:
         options.dtype.value,
         options.seed,
         options.optimizer.kind.value,
+        s.precision.value,
     )
 
 
-def _resume(comm: MPI.Comm, rt: Runtime, s: _Setup, options: RunOptions) -> int:
+def precision_of(plan: Plan, options: RunOptions) -> Precision:
+    """``--precision``, else the plan's; mixed precision keeps float32 master weights."""
+    precision = options.precision or plan.precision
+    if precision.mixed and options.dtype is not DType.FLOAT32:
+        raise UserError(
+            f"--precision {precision.value} trains float32 master weights; it needs --dtype "
+            f"float32, not {options.dtype.value}"
+        )
+    return precision
+
+
+def _scaler(precision: Precision, options: RunOptions) -> LossScaler | None:
+    if not precision.scales_loss:
+        return None
+    return LossScaler(options.loss_scale, growth_interval=options.loss_scale_growth_interval)
+
+
+def _resume(
+    comm: MPI.Comm, rt: Runtime, s: _Setup, options: RunOptions, scaler: LossScaler | None
+) -> int:
     """Restore from ``--resume`` (every rank reads what it needs); the steps done."""
     error, done = None, 0
     try:
@@ -262,6 +292,9 @@ def _resume(comm: MPI.Comm, rt: Runtime, s: _Setup, options: RunOptions) -> int:
         check_identity(options.resume, manifest.identity, _identity(s, options))
         restore(rt, manifest, path)
         done = manifest.step
+        if scaler is not None and manifest.loss_scale is not None:
+            scaler.scale = manifest.loss_scale.scale
+            scaler.growth_tracker = manifest.loss_scale.growth_tracker
     except UserError as e:
         error = str(e)
     errors = [e for e in comm.allgather(error) if e]
@@ -279,6 +312,7 @@ class _Checkpoints:
     options: RunOptions
     identity: RunIdentity
     plan_sha: str
+    scaler: LossScaler | None = None
     saved: int = -1
 
     def maybe(self, done: int, force: bool = False) -> None:
@@ -286,7 +320,9 @@ class _Checkpoints:
         if directory is None or done == self.saved:
             return
         if force or (every and done % every == 0):
-            save_checkpoint(self.comm, self.rt, directory, done, self.identity, self.plan_sha)
+            scale = self.scaler
+            kept = None if scale is None else LossScale(scale.scale, scale.growth_tracker)
+            save_checkpoint(self.comm, self.rt, directory, done, self.identity, self.plan_sha, kept)
             self.saved = done
 
 
@@ -351,10 +387,12 @@ class _Stepper:
     nap: bool
     bell: GroupBell | None  # the working ranks', where ranks share cores
     stop: Callable[[], int] | None
+    scaler: LossScaler | None = None  # fp16's loss scale (read here, updated by train)
     # [SIGINT seen, SIGTERM seen, bad data] summed over ranks: one tiny collective a step.
     flags: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
     seen: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
-    total: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # [loss, ranks whose gradients hold an infinity or NaN] summed over the ranks.
+    total: np.ndarray = field(default_factory=lambda: np.zeros(2))
 
     def run(self, step: int, first: int) -> Note:
         steppers, rt, options = self.crew.steppers, self.rt, self.options
@@ -370,13 +408,24 @@ class _Stepper:
             rt.tracer.begin_step(step + 1 - first)
         start = time.perf_counter()
         lr = options.lr * options.optimizer.lr_factor(step, options.steps)
-        partial = rt.step(batch, lr)
-        if rt.tracer is not None:
+        scale = None if self.scaler is None else self.scaler.scale
+        if scale is None:
+            partial, found = rt.step(batch, lr), 0.0
+        else:  # the update waits for every rank's word on its gradients
+            partial = rt.forward_backward(batch, grad_seed=scale)
+            found = float(rt.nonfinite_gradients())
+        if scale is None and rt.tracer is not None:
             rt.tracer.end_step()
-        _allreduce(steppers, np.array([partial]), self.total, self.nap, self.bell)
+        _allreduce(steppers, np.array([partial, found]), self.total, self.nap, self.bell)
+        skipped = bool(self.total[1])
+        if scale is not None:
+            rt.update(lr, grad_scale=1.0 / scale, skip=skipped)
+            if rt.tracer is not None:
+                rt.tracer.end_step()
         took = time.perf_counter() - start
         rate = self.setup.plan.batch / took if took > 0 else None
-        return Note(record=StepRecord(step + 1, float(self.total[0]), took, lr, rate))
+        loss = float(self.total[0])
+        return Note(record=StepRecord(step + 1, loss, took, lr, rate, scale, skipped))
 
 
 def train(
@@ -415,8 +464,10 @@ def train(
     rt.tracer = tracer
     # The rank keeps its shards only: the whole model's values are dropped.
     s = replace(s, model=replace(s.model, weights={}, state={}))
-    first = _resume(comm, rt, s, options) if options.resume is not None else 0
-    checkpoints = _Checkpoints(comm, rt, options, _identity(s, options), plan_sha, saved=first)
+    scaler = _scaler(s.precision, options)  # on every rank: idle ones follow the records
+    first = _resume(comm, rt, s, options, scaler) if options.resume is not None else 0
+    identity = _identity(s, options)
+    checkpoints = _Checkpoints(comm, rt, options, identity, plan_sha, scaler, saved=first)
     rows = rows_needed(s.pg, rank)
     evaluation = _Evaluation(comm, rt, s.eval_data, rows, options.eval_every, on_eval)
     crew = Crew.form(comm, bool(program.instructions))
@@ -425,7 +476,7 @@ def train(
         steppers_bell = GroupBell(
             bell, tuple(r for r in range(comm.Get_size()) if r not in crew.idle)
         )
-    stepper = _Stepper(crew, rt, s, options, rows, nap, steppers_bell, stop)
+    stepper = _Stepper(crew, rt, s, options, rows, nap, steppers_bell, stop, scaler)
     records, interrupted = [], 0
     try:
         for step in range(first, options.steps):
@@ -443,6 +494,8 @@ def train(
                 interrupted = note.interrupted
                 break
             records.append(note.record)
+            if scaler is not None:
+                scaler.update(note.record.skipped)
             if on_step is not None and rank == 0:
                 on_step(note.record)
             checkpoints.maybe(step + 1)

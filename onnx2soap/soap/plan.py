@@ -2,7 +2,7 @@
 
     {"format": "onnx2soap.plan", "version": 1,
      "model": {"path": str, "sha256": str, "batch": int}, "loss": str, "devices": int,
-     "machine": str | null,
+     "machine": str | null, "precision": "fp32" | "bf16" | "fp16" (absent: fp32),
      "ops": [{"name": str, "degrees": {dim: int}, "devices": [int]}],
      "predicted": {...} | null, "search": {...} | null}
 
@@ -31,6 +31,7 @@ from pathlib import Path
 from onnx2soap.errors import PlanError
 from onnx2soap.files import write_atomic
 from onnx2soap.ir import Graph, LossKind
+from onnx2soap.precision import Precision
 from onnx2soap.soap.dims import SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.strategy import Strategy, validate
@@ -85,6 +86,7 @@ class Plan:
     machine: str | None = None
     predicted: Predicted | None = None
     search: SearchInfo | None = None
+    precision: Precision = Precision.FP32
 
     def strategy(self, graph: Graph, space: Mapping[str, tuple[SoapDim, ...]]) -> Strategy:
         """The plan as a validated ``Strategy`` for ``graph`` (errors name the op)."""
@@ -159,6 +161,7 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
         "loss": plan.loss.value,
         "devices": plan.devices,
         "machine": _relative_machine(plan.machine, plan_dir),
+        "precision": plan.precision.value,
         "ops": [
             {"name": o.name, "degrees": dict(o.degrees), "devices": list(o.devices)}
             for o in plan.ops
@@ -413,4 +416,15 @@ def load_plan(path: Path | str) -> Plan:
         machine=_resolved_machine(r.path(doc, "machine", "machine", optional=True), path.parent),
         predicted=_read_predicted(r, doc),
         search=_read_search(r, doc),
+        precision=_read_precision(r, doc),
     )
+
+
+def _read_precision(r: _Reader, doc: Mapping) -> Precision:
+    value = r.get(doc, "precision", str, "precision", optional=True)
+    known = [p.value for p in Precision]
+    if value is None:
+        return Precision.FP32
+    if value not in known:
+        raise r.fail("precision", f"must be one of {known}, got {json.dumps(value)[:60]}")
+    return Precision(value)
