@@ -138,7 +138,7 @@ class ndarray:
 
     __slots__ = ("__weakref__", "_a", "_mem")
 
-    def __init__(self, shape, dtype=float, order: str = "C") -> None:
+    def __init__(self, shape, dtype=float, *, order: str = "C") -> None:
         _stream.before_kernel()
         self._a = np.empty(shape, dtype=dtype, order=order)
         self._mem = _memory.adopt(self._a)
