@@ -95,6 +95,9 @@ class Runtime:
         self.optimizer = optimizer or OptimizerConfig()
         self.tracer: Tracer | None = None  # set to time every instruction (--trace)
         self.rounding = Rounding(self.xp, precision)
+        # fp16 on a GPU: matrix products on tensor cores (CuPy has float16, not bfloat16).
+        half = precision is Precision.FP16 and self.xp is not np
+        self.matmul_dtype = self.xp.float16 if half else None
         self.updates = 0  # optimizer steps taken (Adam's bias correction counts them)
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
@@ -357,6 +360,7 @@ def _fixed_args(rt: Runtime, key: TaskKey, task: Task) -> TaskArgs:
         full_shape=rt.graph.tensors[op.output].shape,
         float_dtype=rt.dtype,
         box=task.box,
+        matmul_dtype=rt.matmul_dtype,
     )
 
 

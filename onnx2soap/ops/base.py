@@ -51,6 +51,9 @@ class TaskArgs:
                 produces.
     box:        the task's global box, per iteration dim: where a partial op's share of a
                 split reduction lies (an embedding's vocabulary rows).
+    matmul_dtype: the dtype matrix products multiply in (``kernel_util.matmul``):
+                float16 on a GPU in fp16 mixed precision (tensor cores, float32 sums);
+                None: the operands' own.
     """
 
     out_shape: tuple[int, ...]
@@ -63,6 +66,7 @@ class TaskArgs:
     grad_stats: Array | None = None
     float_dtype: Any = None
     box: tuple[Interval, ...] = ()  # the task's box of iteration dims (global)
+    matmul_dtype: Any = None
 
 
 @dataclass(frozen=True)

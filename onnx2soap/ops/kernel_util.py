@@ -9,6 +9,16 @@ from itertools import product
 from onnx2soap.ops.base import Array
 
 
+def matmul(xp, a: Array, b: Array, dtype=None) -> Array:
+    """``a @ b``, multiplied in ``dtype`` when one is given (float16 on a GPU: cuBLAS's
+    tensor cores, summing in float32), the result in ``a``'s dtype. In mixed precision
+    the operands hold float16 values already, so only the product's rounding moves, and
+    the step rounds every kernel's result to float16 anyway."""
+    if dtype is None:
+        return xp.matmul(a, b)
+    return xp.matmul(a.astype(dtype), b.astype(dtype)).astype(a.dtype)
+
+
 def unbroadcast(xp, grad: Array, shape: Sequence[int]) -> Array:
     """Sum ``grad`` over the axes numpy broadcasting added or stretched to reach its shape
     from ``shape``. Always a fresh array: two operands of one op must never share (and so

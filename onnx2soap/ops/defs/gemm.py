@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from onnx2soap.ir import Operand, identity
 from onnx2soap.ops.base import OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, broadcast_operand, broadcast_shape, make_op
-from onnx2soap.ops.kernel_util import unbroadcast
+from onnx2soap.ops.kernel_util import matmul, unbroadcast
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def forward(xp, attrs: GemmAttrs, inputs, args):
     a, b = inputs[0], inputs[1]
     a = a.T if attrs.trans_a else a
     b = b.T if attrs.trans_b else b
-    y = xp.matmul(a, b)
+    y = matmul(xp, a, b, args.matmul_dtype)
     if attrs.alpha != 1.0:
         y *= attrs.alpha
     if len(inputs) > 2:
@@ -63,8 +63,9 @@ def backward(xp, attrs: GemmAttrs, inputs, output, grad_output, args):
     tb = b.T if attrs.trans_b else b  # B' (K, N)
     # dA' = g B'^T, dB' = A'^T g; a transposed operand takes the transposed product,
     # computed directly so that the result is contiguous in the buffer's layout.
-    grad_a = xp.matmul(tb, g.T) if attrs.trans_a else xp.matmul(g, tb.T)
-    grad_b = xp.matmul(g.T, ta) if attrs.trans_b else xp.matmul(ta.T, g)
+    low = args.matmul_dtype
+    grad_a = matmul(xp, tb, g.T, low) if attrs.trans_a else matmul(xp, g, tb.T, low)
+    grad_b = matmul(xp, g.T, ta, low) if attrs.trans_b else matmul(xp, ta.T, g, low)
     grads = [grad_a, grad_b]
     if len(inputs) > 2:
         grads.append(unbroadcast(xp, grad_output * attrs.beta, inputs[2].shape))

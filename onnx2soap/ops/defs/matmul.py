@@ -9,7 +9,7 @@ import math
 from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, identity
 from onnx2soap.ops.base import NoAttrs, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, broadcast_shape, make_op
-from onnx2soap.ops.kernel_util import unbroadcast
+from onnx2soap.ops.kernel_util import matmul, unbroadcast
 
 
 def convert(ctx: NodeContext):
@@ -45,7 +45,7 @@ def convert(ctx: NodeContext):
 
 def forward(xp, attrs, inputs, args):
     a, b = inputs
-    return xp.matmul(a, b)
+    return matmul(xp, a, b, args.matmul_dtype)
 
 
 def _reduced(xp, product, shape):
@@ -56,8 +56,8 @@ def _reduced(xp, product, shape):
 
 def backward(xp, attrs, inputs, output, grad_output, args):
     a, b = inputs
-    grad_a = xp.matmul(grad_output, xp.swapaxes(b, -1, -2))
-    grad_b = xp.matmul(xp.swapaxes(a, -1, -2), grad_output)
+    grad_a = matmul(xp, grad_output, xp.swapaxes(b, -1, -2), args.matmul_dtype)
+    grad_b = matmul(xp, xp.swapaxes(a, -1, -2), grad_output, args.matmul_dtype)
     return _reduced(xp, grad_a, a.shape), _reduced(xp, grad_b, b.shape)
 
 
