@@ -17,7 +17,7 @@ from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
-from onnx2soap.sim import Simulator
+from onnx2soap.sim import make_simulator
 from onnx2soap.sim.compare import (
     Comparison,
     Predicted,
@@ -100,7 +100,8 @@ def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str
     costs = choose_costs(planned.spec, machine, args.costs)
     pg = partitioned(args, planned)
     costs = costs.for_graph(pg.graph, machine)
-    simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
+    slots = OPTIMIZER_SLOTS[args.optimizer]
+    simulator = make_simulator(machine, costs.model, slots, planned.plan.precision)
     memory = simulator.evaluate(pg).peak_memory_bytes
     tg = simulator.task_graph(pg, names=True)
     return Predicted(tg, simulate(tg), machine), memory, costs.description

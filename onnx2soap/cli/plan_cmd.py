@@ -17,6 +17,7 @@ from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_cost
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
+from onnx2soap.precision import Precision
 from onnx2soap.search.baselines import BASELINES, Rule, by_rule
 from onnx2soap.search.mcmc import (
     MAX_BETA,
@@ -27,7 +28,7 @@ from onnx2soap.search.mcmc import (
     SearchOptions,
     mcmc,
 )
-from onnx2soap.sim import Evaluation, Simulator, resolve_machine
+from onnx2soap.sim import Evaluation, Simulator, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.soap import (
     Partitioner,
@@ -87,6 +88,13 @@ def register(sub) -> None:
         choices=list(OPTIMIZER_SLOTS),
         default="sgd",
         help="the optimizer the plan will train with: its state counts in device memory",
+    )
+    p.add_argument(
+        "--precision",
+        choices=[x.value for x in Precision],
+        default=Precision.FP32.value,
+        help="train in mixed precision (bf16, fp16): the simulator's costs and memory follow "
+        "it, and the executor trains in it by default",
     )
     p.add_argument("-o", "--output", required=True, help="plan file to write")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -194,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
     space = analyze(graph)
     _check_dims(space)
     costs = costs.for_graph(graph, machine)
-    simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
+    precision = Precision(args.precision)
+    slots = OPTIMIZER_SLOTS[args.optimizer]
+    simulator = make_simulator(machine, costs.model, slots, precision)
     if searching:
         outcome = _search(args, graph, space, simulator)
     else:
@@ -217,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         machine=spec,
         predicted=predicted,
         search=outcome.search,
+        precision=precision,
     )
     save_plan(plan, args.output)
     _report(args, plan, machine.name, searching, outcome.time_s, costs)
@@ -237,6 +248,7 @@ def _report(
             "evaluated": s.evaluated if s else 1,
             "search_time_s": time_s,
             "costs": costs.name,
+            "precision": plan.precision.value,
         }
         print(json.dumps(doc))
         return

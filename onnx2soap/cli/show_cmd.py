@@ -15,7 +15,7 @@ from onnx2soap.cli.picture_options import add_picture_options, picture_size
 from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
-from onnx2soap.sim import RooflineCost, Simulator
+from onnx2soap.sim import RooflineCost, Simulator, make_simulator
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.viz import require_matplotlib
@@ -73,4 +73,5 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace) -> tuple[PartitionedGraph, Simulator]:
     """The plan partitioned on its model, as ``simulate`` loads it (same checks)."""
     planned = plan_on_machine(args)
-    return partitioned(args, planned), Simulator(planned.machine, RooflineCost())
+    simulator = make_simulator(planned.machine, RooflineCost(), 0, planned.plan.precision)
+    return partitioned(args, planned), simulator

@@ -12,7 +12,7 @@ from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_input, check_output
 from onnx2soap.importer import file_sha256, load_model
-from onnx2soap.sim import Machine, Simulator, resolve_machine
+from onnx2soap.sim import Machine, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     costs = choose_costs(planned.spec, machine, args.costs)  # before loading the model
     pg = partitioned(args, planned)
     costs = costs.for_graph(pg.graph, machine)
-    simulator = Simulator(machine, costs.model, optimizer_slots=OPTIMIZER_SLOTS[args.optimizer])
+    slots = OPTIMIZER_SLOTS[args.optimizer]
+    simulator = make_simulator(machine, costs.model, slots, planned.plan.precision)
     ev = simulator.evaluate(pg)
     if args.trace:
         tg = simulator.task_graph(pg, names=True)

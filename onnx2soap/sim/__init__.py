@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from onnx2soap.precision import Precision
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.memory import peak_memory
+from onnx2soap.sim.precision_cost import with_precision
 from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import Timeline, simulate
 from onnx2soap.sim.taskgraph import Memo, TaskGraph, build_task_graph
@@ -22,6 +24,7 @@ __all__ = [
     "Machine",
     "RooflineCost",
     "Simulator",
+    "make_simulator",
     "resolve_machine",
 ]
 
@@ -32,6 +35,22 @@ class Evaluation:
     peak_memory_bytes: tuple[int, ...]
     bytes_moved: int
     fits: bool  # every device's peak memory within its capacity
+
+
+def make_simulator(
+    machine: Machine,
+    cost: CostModel,
+    optimizer_slots: int = 0,
+    precision: Precision = Precision.FP32,
+) -> Simulator:
+    """A simulator of training in ``precision``: its costs (``precision_cost``) and its
+    memory both follow it."""
+    return Simulator(
+        machine,
+        with_precision(cost, precision),
+        optimizer_slots=optimizer_slots,
+        precision=precision,
+    )
 
 
 @dataclass(frozen=True)
@@ -45,6 +64,20 @@ class Simulator:
     itemsize: int = 4
     optimizer_slots: int = 0  # optimizer arrays per trainable shard (memory.OPTIMIZER_SLOTS)
     memo: Memo = field(default_factory=Memo, compare=False, repr=False)
+    # Mixed precision: its memory here; its time in the cost model (``make_simulator``).
+    precision: Precision = Precision.FP32
+
+    @property
+    def shard_slots(self) -> int:
+        """Arrays a trainable shard holds besides itself and its gradient: the
+        optimizer's state, and mixed precision's half-format copy of the weight."""
+        return self.optimizer_slots + (1 if self.precision.mixed else 0)
+
+    @property
+    def rounding_bytes(self) -> int:
+        """Temporaries per element of rounding an array to the half format: a NaN mask
+        and two uint32 arrays for bf16, a float16 copy for fp16."""
+        return {Precision.BF16: 9, Precision.FP16: 2}.get(self.precision, 0)
 
     @property
     def host_objects(self) -> bool:
@@ -63,8 +96,9 @@ class Simulator:
             self.machine.size,
             self.itemsize,
             self.memo.memory,
-            self.optimizer_slots,
+            self.shard_slots,
             self.host_objects,
+            self.rounding_bytes,
         )
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))
         return Evaluation(timeline.makespan, memory, int(tg.nbytes.sum()), fits)

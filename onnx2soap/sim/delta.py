@@ -149,8 +149,9 @@ class DeltaSimulator:
                 parts.tasks,
                 parts.groups,
                 sim.itemsize,
-                sim.optimizer_slots,
+                sim.shard_slots,
                 sim.host_objects,
+                sim.rounding_bytes,
             )
         return memo[key]
 

@@ -63,6 +63,8 @@ class ComputeDevice:
     memory_bandwidth: float
     memory: int
     kernel_overhead: float = 5e-6  # fixed cost of launching one task
+    # Float16 matrix products (a GPU's tensor cores); None: no faster than peak_flops.
+    peak_flops_half: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,9 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         overhead = d.get("kernel_overhead", 5e-6) if isinstance(d, Mapping) else None
         if not _nonnegative(overhead):
             raise MachineError(f"{source}: {w}.kernel_overhead: must be a finite number >= 0")
+        half = None
+        if isinstance(d, Mapping) and d.get("peak_flops_half") is not None:
+            half = _number(d, "peak_flops_half", w, source)
         devices.append(
             ComputeDevice(
                 _name(d, w, source),
@@ -210,6 +215,7 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
                 _number(d, "memory_bandwidth", w, source),
                 int(_number(d, "memory", w, source, integer=True)),
                 float(overhead),
+                half,
             )
         )
     links = []
@@ -280,6 +286,7 @@ def machine_to_dict(m: Machine) -> dict:
                 "memory_bandwidth": d.memory_bandwidth,
                 "memory": d.memory,
                 "kernel_overhead": d.kernel_overhead,
+                **({"peak_flops_half": d.peak_flops_half} if d.peak_flops_half else {}),
             }
             for d in m.devices
         ],

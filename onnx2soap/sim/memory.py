@@ -104,9 +104,12 @@ def _op_bytes(
     itemsize: int,
     slots: int = 0,
     objects: bool = True,
+    rounding: int = 0,
 ) -> OpMemory:
     """What one op holds per device, counting every activation input buffer and output
-    gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place)."""
+    gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place).
+    ``rounding``: bytes per element mixed precision's rounding of a kernel's result
+    holds while it runs (its temporaries), after the kernel's own are gone."""
     held: dict[int, int] = {}
     outputs: dict[int, int] = {}
     grads: dict[int, int] = {}
@@ -171,9 +174,11 @@ def _op_bytes(
         fw, bw = (
             workspace(op.attrs, shapes, rect_shape(t.output), itemsize) if workspace else (0, 0)
         )
+        fw = max(fw, rect_volume(t.output) * rounding)
+        widest = max((rect_volume(r.buffer) for r in t.inputs), default=0) * rounding
         forward[t.device] = max(forward.get(t.device, 0), fw)
         if backward:
-            backward_[t.device] = max(backward_.get(t.device, 0), bw + dropped)
+            backward_[t.device] = max(backward_.get(t.device, 0), max(bw, widest) + dropped)
     if op.nest.partial_dims:
         for group in sum_groups(op, tasks):
             n = rect_volume(tasks[group.owner].output) * out_width
@@ -294,10 +299,11 @@ def peak_memory(
     memo: dict[tuple, OpMemory] | None = None,
     slots: int = 0,
     objects: bool = True,
+    rounding: int = 0,
 ) -> tuple[int, ...]:
-    """``memo`` must belong to one (itemsize, slots, objects), as a Simulator's does.
-    ``objects``: count the runtime's Python objects, which share the memory of CPU ranks
-    (a GPU's memory holds arrays only)."""
+    """``memo`` must belong to one (itemsize, slots, objects, rounding), as a
+    Simulator's does. ``objects``: count the runtime's Python objects, which share the
+    memory of CPU ranks (a GPU's memory holds arrays only)."""
     memo = {} if memo is None else memo
     graph = pg.graph
     held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
@@ -306,7 +312,14 @@ def peak_memory(
         key = (op.name, pg.strategy[op.name])
         if key not in memo:
             memo[key] = _op_bytes(
-                graph, op, pg.tasks[op.name], pg.groups[op.name], itemsize, slots, objects
+                graph,
+                op,
+                pg.tasks[op.name],
+                pg.groups[op.name],
+                itemsize,
+                slots,
+                objects,
+                rounding,
             )
         for d, n in memo[key].held:
             held[d] += n

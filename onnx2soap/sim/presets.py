@@ -35,10 +35,12 @@ class NodeSpec:
     nic_per_gpu: bool = False
 
 
-P100 = ComputeDevice("P100", 10.6e12, 732e9, 16 * GiB, 5e-6)
+# Datasheet peaks: FP32, and (last) FP16 matrix products: P100's packed FP16, V100's and
+# H100's (SXM, dense) tensor cores; a K80 multiplies FP16 no faster than FP32.
+P100 = ComputeDevice("P100", 10.6e12, 732e9, 16 * GiB, 5e-6, 21.2e12)
 K80 = ComputeDevice("K80", 4.37e12, 240e9, 12 * GiB, 5e-6)  # one GK210 die
-V100 = ComputeDevice("V100", 15.7e12, 900e9, 16 * GiB, 5e-6)
-H100 = ComputeDevice("H100", 67e12, 3.35e12, 80 * GiB, 4e-6)
+V100 = ComputeDevice("V100", 15.7e12, 900e9, 16 * GiB, 5e-6, 125e12)
+H100 = ComputeDevice("H100", 67e12, 3.35e12, 80 * GiB, 4e-6, 989e12)
 
 CLUSTERS = {
     "flexflow-p100": NodeSpec(
@@ -140,7 +142,7 @@ def cluster(name: str, spec: NodeSpec, nodes: int) -> Machine:
 
 
 def _fields(d: ComputeDevice) -> tuple:
-    return d.peak_flops, d.memory_bandwidth, d.memory, d.kernel_overhead
+    return d.peak_flops, d.memory_bandwidth, d.memory, d.kernel_overhead, d.peak_flops_half
 
 
 def cpu(

@@ -3,10 +3,10 @@ rank, and every rank's measured peak RSS, less an idle executor's, is the memory
 peak within 20 %.
 
 The model is an MLP of eight 4096x4096 float32 layers (537 MB) on a sparse file; the
-plans split it model-parallel over 1, 2 and 4 ranks. An idle executor is the idle rank
-of a single-device plan on 2 ranks: the same interpreter, libraries, graph and plan,
-no shards. Peak RSS is what each rank's kernel reports (``ru_maxrss``), in the run's
-summary.
+plans split it model-parallel over 1, 2 and 4 ranks, and over 2 in bf16 mixed
+precision. An idle executor is the idle rank of a single-device plan on 2 ranks: the
+same interpreter, libraries, graph and plan, no shards. Peak RSS is what each rank's
+kernel reports (``ru_maxrss``), in the run's summary.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sparse_mlp import write_sparse_mlp
+from onnx2soap.cli import main as onnx2soap_main
 from tests.executor.mpi import MPIEXEC, make_plan
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -50,6 +51,11 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
         plan = folder / f"{name}.json"
         make_plan(mlp.model, plan, ranks, BATCH, rule)
         runs[name] = _run(plan, ranks)
+    # bf16 mixed precision: a half-format copy of each weight, rounding's temporaries
+    plan = folder / "bf16.json"
+    argv = ["plan", str(mlp.model), "--batch", str(BATCH), "--devices", "2", "--precision"]
+    assert onnx2soap_main([*argv, "bf16", "--strategy", "model-parallel", "-o", str(plan)]) == 0
+    runs["bf16"] = _run(plan, 2)
     return runs
 
 
@@ -65,7 +71,7 @@ def test_memory_per_rank_falls_with_the_number_of_ranks(measured) -> None:
 
 def test_measured_peaks_are_the_memory_models_within_20_percent(measured) -> None:
     idle = measured["idle"][0][1]
-    for n in (1, 2, 4):
+    for n in (1, 2, 4, "bf16"):
         peaks, simulated = measured[n]
         for rank, (peak, predicted) in enumerate(zip(peaks, simulated, strict=True)):
             error = abs(peak - idle - predicted) / predicted
