@@ -15,10 +15,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from onnx2soap.ir import AxisMap, Operand, Whole, identity
+from onnx2soap.ir import Affine, AxisMap, Operand, TensorRole, Whole, identity
 from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, make_op
 from onnx2soap.ops.kernel_util import scatter_add
+
+_COMPUTED = (TensorRole.ACTIVATION, TensorRole.INPUT)  # data read at run time
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,33 @@ class GatherAttrs:
     indices: tuple[int, ...] | None = None  # constant indices, flattened; None: an operand
     indices_shape: tuple[int, ...] = ()
     vocabulary: int | None = None  # the dim ``v`` of the gathered axis, when it splits
+    # Constant indices that are a grid (offset + sum of coef * coordinate): the gathered
+    # axis is read through that affine map, each task its own rows.
+    grid: bool = False
+
+
+def _grid(value: np.ndarray, size: int) -> tuple[tuple[tuple[int, int], ...], int] | None:
+    """Constant indices equal to ``offset + sum(coef * coordinate)`` over their axes, each
+    coef positive: ((index axis, coef), ...) and the offset; None if they are not."""
+    v = np.where(value < 0, value + size, value)
+    if v.ndim == 0:
+        return None
+    offset = int(v[(0,) * v.ndim])
+    terms = []
+    for m, n in enumerate(v.shape):
+        if n > 1:
+            step = int(v[tuple(int(a == m) for a in range(v.ndim))]) - offset
+            if step < 0:
+                return None
+            if step:
+                terms.append((m, step))
+    if not terms:
+        return None
+    grid = sum(
+        c * np.arange(v.shape[m]).reshape([-1 if a == m else 1 for a in range(v.ndim)])
+        for m, c in terms
+    )
+    return (tuple(terms), offset) if np.array_equal(v, offset + grid + 0 * v) else None
 
 
 def convert(ctx: NodeContext, *, axis=0):
@@ -58,6 +87,13 @@ def convert(ctx: NodeContext, *, axis=0):
     dims = [*lead, *picked, *trail]
     kept = range(len(dims))
     gathered: AxisMap = Whole()
+    fitted = _grid(value, size) if ids is None and data.role in _COMPUTED else None
+    if fitted is not None:
+        # a grid of rows (legacy exports write mask[:, None, None, :] as a Gather of the
+        # flattened mask at i * T + j): each task reads its rows, the batch traced through
+        terms, offset = fitted
+        gathered = Affine(tuple((axis + m, c) for m, c in terms), offset)
+        attrs = replace(attrs, grid=True)
     if ids is not None and data.dtype.is_float:
         # the vocabulary: a reduction whose partial lookups are summed (ids gathered from
         # ids gain nothing by it, and their tiles would be summed at int64 width)
@@ -97,6 +133,8 @@ def _rows(xp, attrs: GatherAttrs, inputs, args):
     """(ids made local to the task's rows, which of them fall in its rows): all of them,
     unless the vocabulary is split."""
     ids = _indices(xp, attrs, inputs, args)
+    if attrs.grid:  # the buffer starts at the task's first (and smallest) row
+        return ids - ids.reshape(-1)[0], None
     if attrs.vocabulary is None or not args.box:
         return ids, None
     lo, hi = args.box[attrs.vocabulary]
@@ -167,6 +205,14 @@ GATHER = OpDef(
         # constant indices into the data: a time step, two channels (negative wraps)
         case("gather_const_step", "Gather", X(2, 5, 3), C(2), axis=1),
         case("gather_const_channels", "Gather", X(3, 4, 2), C([3, -4, 1]), axis=-2),
+        # a grid of rows, i * 4 + j + 1: each task reads its own
+        case(
+            "gather_const_grid",
+            "Gather",
+            X(13, 2),
+            C([i * 4 + j + 1 for i in range(3) for j in range(2)], shape=(3, 1, 2)),
+        ),
+        case("gather_const_range", "Gather", X(2, 6), C([1, 2, 3, 4]), axis=1),
         # integers picked by ids: a table of positions or token types
         case(
             "gather_int_constant_by_ids", "Gather", C([5, -2, 0, 9, 3]), _ids(3, 4), output="int64"

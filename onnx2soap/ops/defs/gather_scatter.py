@@ -293,6 +293,26 @@ class GatherNDAttrs:
     sizes: tuple[int, ...]  # data's extents along the k indexed axes
     indices: tuple[int, ...] | None = None  # constant indices, flattened; None: an operand
     indices_shape: tuple[int, ...] = ()
+    # Per index component: the lookup axis whose coordinate it is everywhere (constant
+    # indices that are a grid: ``mask[:, None, None, :]`` written as a GatherND), or None.
+    aligned: tuple[int | None, ...] = ()
+
+
+def _aligned(value: np.ndarray, sizes: tuple[int, ...]) -> tuple[int | None, ...]:
+    """For each component of constant index tuples, the lookup axis (of the same extent
+    as the data axis it indexes) whose coordinate it equals everywhere, if one does."""
+    lead, used, found = value.shape[:-1], set(), []
+    for j, size in enumerate(sizes):
+        component = np.where(value[..., j] < 0, value[..., j] + size, value[..., j])
+        hit = None
+        for m, n in enumerate(lead):
+            grid = np.arange(n).reshape([n if a == m else 1 for a in range(len(lead))])
+            if m not in used and n == size and (component == grid).all():
+                hit = m
+                used.add(m)
+                break
+        found.append(hit)
+    return tuple(found)
 
 
 def convert_gather_nd(ctx: NodeContext, *, batch_dims=0):
@@ -316,15 +336,19 @@ def convert_gather_nd(ctx: NodeContext, *, batch_dims=0):
     if value is not None:
         for j, size in enumerate(sizes):
             _check_range(ctx, value[..., j], size, f"indices into axis {b + j}")
-        attrs = GatherNDAttrs(b, sizes, tuple(int(v) for v in value.ravel()), shape)
+        flat = tuple(int(v) for v in value.ravel())
+        attrs = GatherNDAttrs(b, sizes, flat, shape, _aligned(value, sizes))
     lead, trail = shape[:-1], data.shape[b + k :]
     dims = [
         *(("n" if i == 0 else f"i{i}", s) for i, s in enumerate(lead)),
         *(("d" if i == 0 else f"d{i}", s) for i, s in enumerate(trail)),
     ]
+    # An indexed axis is read at data-dependent positions, whole; one a grid component
+    # reads at its lookup coordinate is an identity of that lookup dim, and splits.
+    aligned = attrs.aligned or (None,) * k
     data_axes = (
         *(identity(i) for i in range(b)),
-        *(Whole() for _ in range(k)),  # read at data-dependent positions
+        *(Whole() if m is None else identity(m) for m in aligned),
         *(identity(q - 1 + i) for i in range(len(trail))),
     )
     operands = [Operand(data.name, data_axes)]
@@ -347,10 +371,16 @@ def _gather_nd_rows(xp, attrs: GatherNDAttrs, inputs, args):
     batch = math.prod(ids.shape[:b])
     lookups = math.prod(ids.shape[b:-1])
     trail = math.prod(data.shape[b + k :])
-    positions = math.prod(attrs.sizes)
+    # the buffer's extents: whole indexed axes, or the task's part of an aligned one
+    extents = data.shape[b : b + k]
+    positions = math.prod(extents)
     ids = ids.reshape(batch, lookups, k)
-    coords = [_wrap(xp, ids[..., j], size) for j, size in enumerate(attrs.sizes)]
-    within = _flat(xp, coords, attrs.sizes)
+    aligned = attrs.aligned or (None,) * k
+    coords = [
+        _wrap(xp, ids[..., j], size) - (0 if m is None else args.origin[m])
+        for j, (size, m) in enumerate(zip(attrs.sizes, aligned, strict=True))
+    ]
+    within = _flat(xp, coords, extents)
     rows = xp.arange(batch, dtype=np.int64).reshape(batch, 1) * positions + within
     table = data.reshape(batch * positions, trail)
     return table, rows.reshape(-1), (batch, lookups, trail)
@@ -403,6 +433,19 @@ GATHER_ND = OpDef(
             X(2, 3, 4, 2),
             C([0, 1, 2, 3, 1, 0, -1, -1, 2, 0, 0, 2], shape=(2, 3, 2)),
             batch_dims=1,
+        ),
+        # a grid: mask[:, None, None, :] as the dynamo exporter writes it (RoBERTa's)
+        case(
+            "gathernd_const_grid",
+            "GatherND",
+            X(2, 3),
+            C([i for a in range(2) for t in range(3) for i in (a, t)], shape=(2, 1, 3, 2)),
+        ),
+        case(
+            "gathernd_const_grid_swapped",
+            "GatherND",
+            X(3, 4, 2),
+            C([i for t in range(4) for a in range(3) for i in (a, t)], shape=(4, 3, 2)),
         ),
         case("gathernd_ids", "GatherND", W(3, 4, 2), _ids(3, 2, 2)),
         case("gathernd_ids_batch", "GatherND", W(3, 4, 5), _ids(3, 2, 1), batch_dims=1),
