@@ -100,9 +100,17 @@ def test_refusals_are_clear() -> None:
         [helper.make_tensor_value_info(n, TensorProto.INT64, [2]) for n in "xz"],
         [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
     )
-    # ids are a data input, but Add adds floats only
-    with pytest.raises(ModelError, match="a float tensor"):
-        backend.run_model(ints, [np.ones(2, np.int64), np.ones(2, np.int64)])
+    # ids are a data input, and integers computed from them are supported (no gradient)
+    (y,) = backend.run_model(ints, [np.array([3, -7]), np.array([4, 2])])
+    np.testing.assert_array_equal(y, [7, -5])
+    # but not integers computed from floats: the gradient would stop there
+    cut = _model(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.INT64)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
+    )
+    with pytest.raises(ModelError, match="cast of float32 to INT64 is not supported"):
+        backend.run_model(cut, [np.ones(2, np.float32)])
     wide = _model(
         [helper.make_node("Add", ["x", "z"], ["y"])],
         [helper.make_tensor_value_info(n, TensorProto.UINT64, [2]) for n in "xz"],
