@@ -286,7 +286,11 @@ RESHAPE = OpDef(
         case("reshape_merge_heads", "Reshape", X(2, 3, 3, 4), C([0, 0, -1])),
         case("reshape_tokens_to_rows", "Reshape", X(2, 3, 4), C([-1, 4])),
         case("reshape_size_one_axes", "Reshape", X(2, 1, 6), C([2, 3, 1, 2])),
+        # [6, 4] -> [4, 6]: the outer axes split together, in blocks of gcd 2
         case("reshape_regroup", "Reshape", X(2, 6, 4), C([2, 4, 6])),
+        # nn.MultiheadAttention beside a time-major batch: [T, N, H*D] <-> [T, N*H, D]
+        case("reshape_time_major_heads", "Reshape", X(3, 2, 12), C([0, -1, 3])),
+        case("reshape_time_major_back", "Reshape", X(3, 8, 3), C([3, 2, 12])),
     ),
 )
 
