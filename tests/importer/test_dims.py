@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
+from onnx2soap.errors import ModelError
 from onnx2soap.importer import load_model
 from onnx2soap.ir import LossKind, TensorRole
 from tests.importer.conftest import BATCH
@@ -256,3 +258,81 @@ def test_reducemean_dims(load_graph) -> None:
     dims = dims_by_op(graph)[op.name]
     assert kinds(dims) == {"n": "sample", "c": "attribute", "h": "reduction", "w": "reduction"}
     assert splittable(dims) == {"n": True, "c": True, "h": False, "w": False}
+
+
+# --- the batch traced where it lands (a graph by hand, no torch) -------------------------
+
+T, N, H, D = 3, 4, 2, 5  # time steps, batch, heads, head width
+
+
+def _time_major(path, *, literal_batch: bool):
+    """x [N, T, H*D] -> Transpose [T, N, H*D] -> Reshape [T, N*H, D] -> Transpose
+    [N*H, T, D] -> Reshape [N, H, T, D] -> Softmax -> Transpose [T, N, H, D] -> Reshape
+    [T*N, H*D] -> Reshape [T, N, H*D] -> Transpose [N, T, H*D]: nn.MultiheadAttention's
+    layouts around a time-major batch. Shapes written in the file: with a -1 where the
+    batch lands, or (``literal_batch``) with the batch written out and a -1 elsewhere."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    shapes = {
+        "heads": [0, -1, D] if not literal_batch else [T, N * H, -1],
+        "split": [-1, H, T, D] if not literal_batch else [N, H, T, -1],
+        "rows": [-1, H * D],
+        "back": [T, -1, H * D],
+    }
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in shapes.items()]
+    node = helper.make_node
+    nodes = [
+        node("Transpose", ["x"], ["tm"], perm=[1, 0, 2]),
+        node("Reshape", ["tm", "heads"], ["merged"]),
+        node("Transpose", ["merged"], ["bt"], perm=[1, 0, 2]),
+        node("Reshape", ["bt", "split"], ["nhtd"]),
+        node("Softmax", ["nhtd"], ["p"], axis=-1),
+        node("Transpose", ["p"], ["tnhd"], perm=[2, 0, 1, 3]),
+        node("Reshape", ["tnhd", "rows"], ["flat"]),
+        node("Reshape", ["flat", "back"], ["tne"]),
+        node("Transpose", ["tne"], ["y"], perm=[1, 0, 2]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "time_major",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", T, H * D])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", T, H * D])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_the_batch_is_traced_through_time_major_reshapes(tmp_path) -> None:
+    graph = load_model(_time_major(tmp_path / "tm.onnx", literal_batch=False), N).graph
+    space = {op.output: op for op in graph.ops}
+    dims = dims_by_op(graph)
+
+    def sample_of(tensor: str) -> list[tuple[str, int, bool]]:
+        op = space[tensor]
+        found = dims[op.name].values()
+        return [(d.name, d.granule, d.splittable) for d in found if d.kind.value == "sample"]
+
+    assert sample_of("tm") == [("c", 1, True)]  # [T, N, E]: the batch on axis 1
+    # [T, N*H, D]: neither a split nor a merge; the outer axes split together, in heads
+    assert sample_of("merged") == [("r1", H, True)]
+    assert graph.tensors["merged"].shape == (T, N * H, D)
+    assert sample_of("bt") == [("n", 1, True)]  # [N*H, T, D]
+    assert sample_of("nhtd") == [("n", 1, True)] and sample_of("p") == [("n", 1, True)]
+    assert sample_of("tnhd") == [("c", 1, True)]  # [T, N, H, D]
+    # [T*N, H*D]: the batch merged behind the time steps is no sample dim (splitting the
+    # rows splits the time steps), and is not traced on past the merge
+    assert sample_of("flat") == [] and sample_of("tne") == [] and sample_of("y") == []
+
+
+def test_a_written_shape_that_follows_the_batch_is_not_refused(tmp_path) -> None:
+    """[T, N*H, -1] and [N, H, T, -1] were written at batch N: they import at N, where they
+    land the batch whole, and are refused at another batch, where they would mix samples."""
+    path = _time_major(tmp_path / "literal.onnx", literal_batch=True)
+    graph = load_model(path, N).graph
+    assert graph.tensors["merged"].shape == (T, N * H, D)
+    with pytest.raises(ModelError) as err:
+        load_model(path, 2 * N)
+    message = str(err.value)
+    assert f"fixes the batch at {N}" in message and f"--batch {N}" in message

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper, numpy_helper
 
 from onnx2soap.cli import main as cli
+from onnx2soap.errors import ModelError
 from onnx2soap.importer import load_model
 from onnx2soap.ir import LossKind, TensorRole
 from onnx2soap.search.baselines import data_parallel
@@ -99,3 +101,69 @@ def test_shape_with_start_folds_into_a_reshape(tmp_path: Path) -> None:
     ).graph
     (reshape, _) = graph.ops
     assert reshape.type == "Reshape" and graph.tensors[reshape.output].shape == (3, 4)
+
+
+def _ids_model(path: Path, nodes, inits, inputs=None) -> Path:
+    """A graph of ids [batch, 5] (and ``inputs``) to y [batch, 5, 3] float."""
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["batch", 5]),
+            *(inputs or []),
+        ],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 5, 3])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_integers_computed_from_a_float_tensor_are_refused_by_name(tmp_path: Path) -> None:
+    """Where(x > 0, ids, ids + 1) computes integers from a float tensor computed at run
+    time: no backward runs for integer outputs, so the comparison's producer would wait
+    for a gradient that never comes. Refused, naming the op and the tensor."""
+    nodes = [
+        helper.make_node("Gemm", ["f", "w"], ["x"]),
+        helper.make_node("Greater", ["x", "zero"], ["positive"]),
+        helper.make_node("Add", ["ids", "one"], ["next"]),
+        helper.make_node("Where", ["positive", "ids", "next"], ["picked"]),
+        helper.make_node("Gather", ["table", "picked"], ["y"]),
+    ]
+    inits = [
+        weight("w", (4, 5)),
+        weight("table", (9, 3)),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+    ]
+    features = [helper.make_tensor_value_info("f", onnx.TensorProto.FLOAT, ["batch", 4])]
+    path = _ids_model(tmp_path / "cut.onnx", nodes, inits, inputs=features)
+    refusal = r"node 'picked' \(Where\) computes integers from 'positive'"
+    with pytest.raises(ModelError, match=refusal):
+        load_model(path, 2)
+
+
+def test_integer_ops_take_integer_constants_as_operands(tmp_path: Path) -> None:
+    """RoBERTa's positions: (cumsum(ids != pad) * mask + pad) as int64 ops with integer
+    constants beside them; no gradient flows through any of them, the embedding's does."""
+    nodes = [
+        helper.make_node("Equal", ["ids", "pad"], ["is_pad"]),
+        helper.make_node("Not", ["is_pad"], ["mask"]),
+        helper.make_node("Cast", ["mask"], ["m"], to=onnx.TensorProto.INT64),
+        helper.make_node("CumSum", ["m", "axis"], ["count"]),
+        helper.make_node("Mul", ["count", "m"], ["kept"]),
+        helper.make_node("Add", ["kept", "pad"], ["positions"]),
+        helper.make_node("Gather", ["table", "positions"], ["y"]),
+    ]
+    inits = [
+        weight("table", (7, 3)),
+        numpy_helper.from_array(np.array(1, np.int64), "pad"),
+        numpy_helper.from_array(np.array(1, np.int64), "axis"),
+    ]
+    graph = load_model(_ids_model(tmp_path / "positions.onnx", nodes, inits), 2).graph
+    ints = [op for op in graph.ops if not graph.tensors[op.output].dtype.is_float]
+    assert [op.type for op in ints] == ["Equal", "Not", "Cast", "CumSum", "Mul", "Add"]
+    assert all(not graph.differentiable(op.output) for op in ints)
+    assert graph.tensors["pad"].role is TensorRole.CONSTANT  # an int64 operand, read whole
+    (gather,) = (op for op in graph.ops if op.type == "Gather")
+    assert graph.differentiable(gather.output)
