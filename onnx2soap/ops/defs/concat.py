@@ -1,13 +1,15 @@
 """Concat. Tasks receive, per input, the part of it their box covers, which is empty
-(zero extent along the axis) for inputs the box does not reach."""
+(zero extent along the axis) for inputs the box does not reach. The parts are floats, or
+integers (ids beside an integer constant: a start id put in front of shifted labels),
+which take no gradient."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from onnx2soap.ir import Affine, Operand, identity
-from onnx2soap.ops.base import OpDef, W, X, case
-from onnx2soap.ops.context import NodeContext, axis_names, make_op
+from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
+from onnx2soap.ops.context import NodeContext, axis_names, make_op, one_kind
 
 
 @dataclass(frozen=True)
@@ -16,7 +18,8 @@ class ConcatAttrs:
 
 
 def convert(ctx: NodeContext, *, axis):
-    parts = [ctx.tensor(i) for i in range(len(ctx.inputs))]
+    parts = [ctx.operand(i) for i in range(len(ctx.inputs))]
+    one_kind(ctx, parts, "the parts")
     rank = len(parts[0].shape)
     if not -rank <= axis < rank:
         raise ctx.fail(f"axis={axis} is out of range for rank {rank}")
@@ -51,7 +54,7 @@ def backward(xp, attrs: ConcatAttrs, inputs, output, grad_output, args):
         size = x.shape[attrs.axis]
         index = [slice(None)] * grad_output.ndim
         index[attrs.axis] = slice(offset, offset + size)
-        grads.append(grad_output[tuple(index)].copy())
+        grads.append(grad_output[tuple(index)].copy() if x.dtype.kind == "f" else None)
         offset += size
     return tuple(grads)
 
@@ -66,6 +69,15 @@ CONCAT = OpDef(
     cases=(
         case("concat_middle", "Concat", W(2, 2, 4), X(2, 3, 4), W(2, 1, 4), axis=1),
         case("concat_last", "Concat", X(2, 3, 2), W(2, 3, 3), W(2, 3, 1), axis=-1),
+        # a start id in front of the ids
+        case(
+            "concat_int_constant_and_ids",
+            "Concat",
+            C([7, 7, 7], shape=(3, 1)),
+            CaseInput(InputKind.DATA, (3, 4), None, "int64"),
+            axis=1,
+            output="int64",
+        ),
     ),
 )
 
