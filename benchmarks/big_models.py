@@ -145,6 +145,21 @@ def planning_table(sizes: list[str], work: Path, cap: int | None) -> list[str]:
     return rows
 
 
+def llama_rows(work: Path, cap: int | None) -> None:
+    """The planning commands on a LLaMA-3-8B-shaped decoder exported from torch's meta
+    device (batch 8, 2,048 tokens; 32 GB of float32 weights on a sparse file)."""
+    from benchmarks.llama_shape import export_llama_shape
+
+    began = time.perf_counter()
+    exported = export_llama_shape(work / "llama")
+    print(f"# LLaMA-3-8B shape exported in {time.perf_counter() - began:.0f} s", flush=True)
+    for name, argv in planning_commands(exported.model, work / "llama").items():
+        got = measure(argv, cap)
+        status = "ok" if got.exit_code == 0 else f"{got.exit_code}: {got.error}"
+        size = f"{exported.weight_bytes / GB:.1f} GB (LLaMA-3-8B shape)"
+        print(f"| {size} | {name} | {got.wall_s:.1f} | {got.peak_rss / MB:.0f} | | {status} |")
+
+
 def _mpiexec() -> str:
     beside = Path(sys.executable).with_name("mpiexec")
     return str(beside) if beside.exists() else shutil.which("mpiexec") or "mpiexec"
@@ -244,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cap-gb", type=float, default=16.0, help="address-space cap a process")
     parser.add_argument("--train", action="store_true", help="also train a 2.1 GB model")
+    parser.add_argument(
+        "--llama",
+        action="store_true",
+        help="also plan a LLaMA-3-8B-shaped export (needs torch and transformers)",
+    )
     parser.add_argument("--work", type=Path, help="folder for the models (default: a temp dir)")
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -255,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         print(f"# planning ({BATCH} rows a batch), cap {args.cap_gb:g} GB of address space")
         planning_table(sizes, work, cap)
+        if args.llama:
+            llama_rows(work, cap)
         if args.train:
             print("# training, 2 steps")
             train_table(work)
