@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
-from executor.kinds import DeviceKind  # one enum: the executor's --device
+from onnx2soap.device_kind import DeviceKind  # one enum: the executor's --device too
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Op
 from onnx2soap.soap.partition import Task, rect_shape
