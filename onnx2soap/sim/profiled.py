@@ -36,6 +36,7 @@ import numpy as np
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph, Op
+from onnx2soap.sim.calibration_plan import calibration_keys, calibration_plan, one_device_keys
 from onnx2soap.sim.costdb import (
     CostDB,
     Fingerprint,
@@ -194,7 +195,6 @@ def one_device_copies(
     in-step time holds it; the simulator adds it as a task of its own, and the cnn's
     one-device step was predicted 0.67 ms (4 %) too long for counting it twice. The mean
     over the tasks of a key, as the in-step times are."""
-    from onnx2soap.sim.profiler import calibration_keys, calibration_plan
     from onnx2soap.sim.taskgraph import TaskKind, build_task_graph
 
     pg = calibration_plan(graph)
@@ -367,15 +367,6 @@ class ProfiledCost:
         if not _same_kind(device, self.reference):
             f = f.moved_to(self.reference, device)
         return f.seconds(flops, nbytes)
-
-
-def one_device_keys(graph: Graph) -> frozenset[tuple[Phase, str]]:
-    """The cost keys of ``graph``'s tasks with every op whole on one device (forward,
-    backward) and of its weights' updates: those ``onnx2soap profile`` times in the
-    executor's step."""
-    from onnx2soap.sim.profiler import calibration_keys, calibration_plan
-
-    return frozenset(t.key for t in calibration_keys(graph, calibration_plan(graph)).values())
 
 
 def _same_kind(a: ComputeDevice, b: ComputeDevice) -> bool:

@@ -52,7 +52,12 @@ from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph, LossKind, Op, TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey
-from onnx2soap.search.baselines import data_parallel
+from onnx2soap.sim.calibration_plan import (
+    Traced,
+    calibration_keys,
+    calibration_plan,
+    one_device_keys,
+)
 from onnx2soap.sim.costdb import (
     CostDB,
     DeviceKind,
@@ -64,8 +69,7 @@ from onnx2soap.sim.costdb import (
     update_key,
 )
 from onnx2soap.sim.costs import task_bytes, task_flops
-from onnx2soap.sim.profiled import one_device_keys
-from onnx2soap.soap import PartitionedGraph, Partitioner, analyze
+from onnx2soap.soap import Partitioner, analyze
 from onnx2soap.soap.candidates import candidates
 from onnx2soap.soap.partition import ParallelConfig, Task, rect_shape, rect_volume
 
@@ -300,41 +304,6 @@ def measure(target: Target, item: Item, repeat: int, min_s: float) -> Timing:
 
 
 # --- in the executor's step -----------------------------------------------------------------
-
-
-def calibration_plan(graph: Graph) -> PartitionedGraph:
-    """The one-device plan: every op whole, its tasks among the profile's items."""
-    return Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
-
-
-@dataclass(frozen=True)
-class Traced:
-    """What one traced instruction of the calibration stands for: the task it is part of
-    (a statistics op's partial half, its statistics and its finishing half are one task:
-    ``fwd bn``) and that task's key in the cost DB."""
-
-    task: str
-    key: tuple[Phase, str]
-
-
-def calibration_keys(graph: Graph, pg: PartitionedGraph) -> dict[str, Traced]:
-    """The tracer's name of every compute instruction of ``pg`` on its one device and of
-    every update, to the task it is part of and the task's key."""
-    names: dict[str, Traced] = {}
-    for op in graph.ops:
-        (task,) = pg.tasks[op.name]
-        key = cost_key(op, task)
-        for tag, phase in (("fwd", Phase.FORWARD), ("bwd", Phase.BACKWARD)):
-            traced = Traced(f"{tag} {op.name}", (phase, key))
-            for name in (f"{tag} {op.name}[0]", f"{tag} {op.name}[0] partial"):
-                names[name] = traced
-            names[f"stats {op.name} {tag}"] = traced
-        for group in pg.groups[op.name]:
-            if group.trainable:
-                numel = rect_volume(group.rect)
-                traced = Traced(f"update {group.weight}", (Phase.UPDATE, update_key(numel)))
-                names[f"update {group.weight}"] = traced
-    return names
 
 
 def clean_steps(step_seconds: float) -> int:

@@ -12,6 +12,12 @@ import pytest
 from onnx2soap.errors import UserError
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.sim import Simulator
+from onnx2soap.sim.calibration_plan import (
+    Traced,
+    calibration_keys,
+    calibration_plan,
+    one_device_keys,
+)
 from onnx2soap.sim.costdb import (
     CostDB,
     DeviceKind,
@@ -36,12 +42,10 @@ from onnx2soap.sim.profiled import (
     calibrations,
     fit,
     one_device_copies,
-    one_device_keys,
 )
 from onnx2soap.sim.profiler import (
     MAX_CLEAN_STEPS,
     MIN_CLEAN_STEPS,
-    Traced,
     _in_step_seconds,
     clean_steps,
     profile_items,
@@ -381,13 +385,23 @@ def test_the_calibration_runs_a_second_of_steps_within_bounds() -> None:
     assert clean_steps(1e-6) == MAX_CLEAN_STEPS  # a trivial model: not a million steps
 
 
+def test_the_calibration_plan_is_data_parallelism_on_one_device(tmp_path: Path) -> None:
+    """Built in the simulator without the search's baselines, and still the plan that
+    ``data_parallel`` makes on one device: every op whole on device 0."""
+    graph = tiny_graph(tmp_path)
+    ours = calibration_plan(graph)
+    theirs = Partitioner(graph).partition(data_parallel(graph, analyze(graph), 1))
+    assert ours.strategy == theirs.strategy
+    assert all(len(ours.tasks[op.name]) == 1 for op in graph.ops)
+
+
 @pytest.mark.parametrize("name", ["bnnet", "tied"])
 def test_in_step_times_cover_the_one_device_plan(export_model, name: str) -> None:
     """The executor's runtime in-process: every task of the one-device plan (statistics
     halves included) and every update gets an in-step time under a key the profile
     times."""
     from onnx2soap.importer import load_model
-    from onnx2soap.sim.profiler import calibration_keys, calibration_plan, in_step_times
+    from onnx2soap.sim.profiler import in_step_times
 
     model = load_model(export_model(name), batch=4)
     graph = model.graph
