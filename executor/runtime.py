@@ -15,6 +15,7 @@ the host waits for nothing but the loss at the end of the step.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -74,7 +75,7 @@ class Runtime:
         pg: PartitionedGraph,
         program: Program,
         transport: Transport,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray | StoredTensor],
         dtype: np.dtype,
         constants: dict[str, np.ndarray] | None = None,
         seed: int = 0,

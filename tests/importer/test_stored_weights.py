@@ -240,3 +240,27 @@ def test_a_large_folded_constant_kept_beside_the_proto_feeds_its_op(tmp_path: Pa
     )
     (got,) = backend.prepare(onnx.load(path)).run([x])
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_a_weight_the_executor_cannot_compute_in_is_refused_in_one_line(tmp_path, elem) -> None:
+    """Half-precision weights (mixed precision keeps float32 masters: export them in
+    float32) are refused by planning too, before anything reads them."""
+    weight = TensorProto(name="w", data_type=elem, dims=(3, 4))
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in {"location": "w.bin", "length": "24"}.items():
+        weight.external_data.add(key=key, value=value)
+    (tmp_path / "w.bin").write_bytes(bytes(24))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", elem, ["N", 3])],
+        [helper.make_tensor_value_info("y", elem, ["N", 4])],
+        [weight],
+    )
+    path = tmp_path / "half.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    result = run_cli(["inspect", path, "--batch", 2])
+    assert result.code == 2 and len(result.stderr_lines) == 1, result.stderr
+    name = TensorProto.DataType.Name(elem)
+    assert f"element type {name}; supported: float, double, int64" in result.stderr
