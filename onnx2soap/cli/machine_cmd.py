@@ -90,7 +90,7 @@ def run_probe(args: argparse.Namespace) -> int:
         str(args.ranks),
         sys.executable,
         "-m",
-        "onnx2soap.sim.probe",
+        "onnx2soap.measure.probe",
         "-o",
         args.output,
         "--seconds",

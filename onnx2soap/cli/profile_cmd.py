@@ -100,7 +100,7 @@ def _ranks(args, machine: Machine) -> int:
 
 
 def _command(args, db: Path, devices: int, ranks: int) -> list[str]:
-    command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "onnx2soap.sim.profiler"]
+    command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "onnx2soap.measure.profiler"]
     command += [str(args.model), "--devices", str(devices), "--db", str(db)]
     command += ["--device", args.device, "--dtype", args.dtype]
     command += ["--repeat", str(args.repeat), "--min-time", str(args.min_time)]

@@ -1,4 +1,4 @@
-"""The message probe (``sim/probe_messages.py``): its premise, checked on the simulator
+"""The message probe (``measure/probe_messages.py``): its premise, checked on the simulator
 with hand-computed link costs, and the probe itself under mpiexec."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from onnx2soap.sim import RooflineCost, Simulator
-from onnx2soap.sim.probe_messages import (
+from onnx2soap.measure.probe_messages import (
     BATCH,
     CHAIN_OPS,
     WIDTH,
@@ -20,6 +19,7 @@ from onnx2soap.sim.probe_messages import (
     norm_chain_model,
     rings_run,
 )
+from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.taskgraph import TaskKind
 from tests.sim.tiny import LINK_BW, LINK_LATENCY, round_machine
 
@@ -66,7 +66,7 @@ def test_probe_measures_a_message_as_the_runtime_pays_it(tmp_path: Path) -> None
     script = tmp_path / "probe.py"
     script.write_text(
         "from mpi4py import MPI\n"
-        "from onnx2soap.sim.probe_messages import message_costs\n"
+        "from onnx2soap.measure.probe_messages import message_costs\n"
         "(c,) = message_costs(MPI.COMM_WORLD, False)\n"
         "if MPI.COMM_WORLD.Get_rank() == 0: print(c.seconds, c.busy)\n"
     )

@@ -1,6 +1,6 @@
 """Time a model's tasks with the executor's kernels (``onnx2soap profile``, under mpiexec).
 
-    mpiexec -n N python -m onnx2soap.sim.profiler MODEL --batch B --devices D --db FILE
+    mpiexec -n N python -m onnx2soap.measure.profiler MODEL --batch B --devices D --db FILE
 
 What is timed: for every op, every candidate config the search may choose on D devices
 (``soap/candidates.py``), every task of it (``Partitioner.tasks``), one timing per
@@ -525,7 +525,7 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m onnx2soap.sim.profiler")
+    p = argparse.ArgumentParser(prog="python -m onnx2soap.measure.profiler")
     p.add_argument("model")
     p.add_argument("--batch", type=int)
     p.add_argument("--loss")

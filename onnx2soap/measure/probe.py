@@ -1,6 +1,6 @@
 """Measure this host's MPI ranks and write a machine file (``onnx2soap machine probe``).
 
-Run under mpiexec (``python -m onnx2soap.sim.probe -o FILE.yaml``); the ranks measure at
+Run under mpiexec (``python -m onnx2soap.measure.probe -o FILE.yaml``); the ranks measure at
 the same time, one per core (where ranks outnumber the cores, the file says how many
 cores they share, ``Machine.cores``, and the simulator gives them turns): matmul FLOP/s,
 copy bandwidth, the fixed cost of a tiny task, and rank-to-rank latency
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from onnx2soap.files import write_atomic
+from onnx2soap.measure.probe_messages import message_costs, ring_step_seconds
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
-from onnx2soap.sim.probe_messages import message_costs, ring_step_seconds
 
 
 def _rate(work: Callable[[], None], seconds: float) -> float:
@@ -177,7 +177,7 @@ def probe(comm, seconds: float = 0.3) -> str:
 def main() -> int:
     from mpi4py import MPI
 
-    parser = argparse.ArgumentParser(prog="python -m onnx2soap.sim.probe")
+    parser = argparse.ArgumentParser(prog="python -m onnx2soap.measure.probe")
     parser.add_argument("-o", "--output", required=True)
     parser.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
     args = parser.parse_args()
