@@ -25,6 +25,7 @@ from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph
+from onnx2soap.measure.cost_writer import CostWriter
 from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerprint
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     db = _db_path(args)
     check_output(db)  # before the ranks start measuring
     if db.exists():
-        CostDB.open(db, create=True).close()  # a file that is no cost DB: refused now
+        CostWriter.open(db).close()  # a file that is no cost DB: refused now
     # Checked here, where an error is one line; the ranks load it again.
     model = load_model(args.model, args.batch, loss_choice(args.loss))
     ranks = _ranks(args, machine)

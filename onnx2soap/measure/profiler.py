@@ -50,6 +50,7 @@ from executor.trace import MEMORY_STEP
 from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph, LossKind, Op, TensorRole
+from onnx2soap.measure.cost_writer import CostWriter
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey
 from onnx2soap.sim.calibration_plan import (
@@ -433,7 +434,7 @@ def _calibrated(db_path: Path, fp, graph: Graph) -> bool:
 
 
 def calibrate_ranks(
-    comm, model, dtype: np.dtype, db: CostDB | None, fp_id: int, kind: DeviceKind
+    comm, model, dtype: np.dtype, db: CostWriter | None, fp_id: int, kind: DeviceKind
 ) -> int:
     """Every rank at once (so each sees the others busy, as in a run); rank 0 stores the
     mean over the ranks. Returns how many in-step times were stored."""
@@ -455,7 +456,7 @@ def _todo(db_path: Path, fp, items: list[Item], fresh: bool) -> tuple[int, list[
     """Rank 0: the fingerprint's id and the items the database does not hold yet (all
     of them when ``fresh``), the largest first (so rounds of equal items keep the ranks
     equally busy)."""
-    with CostDB.open(db_path, create=True) as db:
+    with CostWriter.open(db_path) as db:
         fp_id = db.add_fingerprint(fp)
         done = db.keys(fp_id)
     todo = [x for x in items if fresh or (x.phase, x.key) not in done]
@@ -489,7 +490,7 @@ def run_ranks(comm, args: argparse.Namespace) -> dict:
     mine = todo[rank::size]
     rounds = -(-len(todo) // (size * ROUND_ITEMS)) if todo else 0
     done, began, shown = 0, time.perf_counter(), 0.0
-    db = CostDB.open(Path(args.db), create=True) if rank == 0 else None
+    db = CostWriter.open(Path(args.db)) if rank == 0 else None
     try:
         for r in range(rounds):
             batch = mine[r * ROUND_ITEMS : (r + 1) * ROUND_ITEMS]

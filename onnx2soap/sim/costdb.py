@@ -15,7 +15,11 @@ Next to the isolated timings, *in-step* times (``InStep``): what the same tasks 
 inside the executor's own step (``onnx2soap profile`` runs the one-device plan with the
 executor's tracer after timing the kernels). ``ProfiledCost`` fits the step's per-phase
 scale and per-instruction overhead from the pairs. The table is optional (a database
-written before it existed has no calibration; ``open(create=True)`` adds it).
+written before it existed has no calibration; the profile adds it).
+
+This module reads (planning opens the file read-only); ``onnx2soap/measure/cost_writer.py``
+makes and fills it. Both follow the format defined here (``FORMAT``, ``VERSION``, the
+tables below, ``IN_STEP_METHOD``).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import math
 import os
 import platform
 import sqlite3
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 
 from onnx2soap.device_kind import DeviceKind  # one enum: the executor's --device too
 from onnx2soap.errors import UserError
@@ -46,7 +50,9 @@ VERSION = 1
 IN_STEP_METHOD = "3"
 SUFFIX = ".costs.sqlite"
 
-_IN_STEP_SCHEMA = """
+_Opened = TypeVar("_Opened", bound="CostDB")  # a reader, or measure's writer
+
+IN_STEP_SCHEMA = """
 CREATE TABLE IF NOT EXISTS in_step (
     fingerprint INTEGER NOT NULL REFERENCES fingerprints(id),
     phase TEXT NOT NULL,
@@ -56,7 +62,7 @@ CREATE TABLE IF NOT EXISTS in_step (
 );
 """
 
-_SCHEMA = (
+SCHEMA = (
     """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS fingerprints (id INTEGER PRIMARY KEY, doc TEXT NOT NULL UNIQUE);
@@ -72,7 +78,7 @@ CREATE TABLE IF NOT EXISTS timings (
     PRIMARY KEY (fingerprint, phase, key)
 );
 """
-    + _IN_STEP_SCHEMA
+    + IN_STEP_SCHEMA
 )
 
 
@@ -235,38 +241,30 @@ def db_path_for(machine_file: Path | str) -> Path:
 
 
 class CostDB:
-    """An open cost database. ``CostDB.open`` checks it is one (format and version)."""
+    """An open cost database, read-only. ``CostDB.open`` checks it is one (format and
+    version); a profile writes through ``measure.cost_writer.CostWriter``."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self.conn, self.path = conn, path
         self.in_step_method = IN_STEP_METHOD
 
-    @staticmethod
-    def open(path: Path | str, create: bool = False) -> CostDB:
+    @classmethod
+    def open(cls, path: Path | str) -> CostDB:
         path = Path(path)
-        if not create and not path.is_file():
+        if not path.is_file():
             raise UserError(f"{path}: no such cost database")
-        try:
-            if create:
-                conn = sqlite3.connect(path)
-            else:  # read-only: planning never changes the file
-                conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-            db = CostDB(conn, path)
-            db._check(create)
+        try:  # read-only: planning never changes the file
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            db = cls(conn, path)
+            db.check()
         except sqlite3.Error as e:
             raise UserError(f"{path}: not a cost database ({e})") from e
         return db
 
-    def _check(self, create: bool) -> None:
+    def check(self) -> None:
+        """A ``UserError`` unless the file holds this format's tables and version; notes
+        the method its in-step times were taken by."""
         names = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master")}
-        if create and not names:
-            self.conn.executescript(_SCHEMA)
-            self.conn.executemany(
-                "INSERT INTO meta VALUES (?, ?)",
-                [("format", FORMAT), ("version", str(VERSION)), ("in_step_method", IN_STEP_METHOD)],
-            )
-            self.conn.commit()
-            return
         if not {"meta", "fingerprints", "timings"} <= names:
             raise UserError(f"{self.path}: not a cost database (tables missing)")
         meta = dict(self.conn.execute("SELECT name, value FROM meta"))
@@ -278,21 +276,11 @@ class CostDB:
                 f"version {VERSION}"
             )
         self.in_step_method = meta.get("in_step_method", "1")
-        if create:  # a database from before in-step calibration gets its table
-            self.conn.executescript(_IN_STEP_SCHEMA)
-            if self.in_step_method != IN_STEP_METHOD:  # the profile calibrates anew
-                with self.conn:
-                    self.conn.execute("DELETE FROM in_step")
-                    self.conn.execute(
-                        "INSERT OR REPLACE INTO meta VALUES ('in_step_method', ?)",
-                        (IN_STEP_METHOD,),
-                    )
-                self.in_step_method = IN_STEP_METHOD
 
     def close(self) -> None:
         self.conn.close()
 
-    def __enter__(self) -> CostDB:
+    def __enter__(self: _Opened) -> _Opened:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -306,28 +294,9 @@ class CostDB:
         """The id of ``fp``'s timings, compared field by field (not as text)."""
         return next((i for i, f in self.fingerprints().items() if f == fp), None)
 
-    def add_fingerprint(self, fp: Fingerprint) -> int:
-        found = self.find(fp)
-        if found is not None:
-            return found
-        cur = self.conn.execute("INSERT INTO fingerprints (doc) VALUES (?)", (fp.to_json(),))
-        self.conn.commit()
-        return int(cur.lastrowid)
-
     def keys(self, fp_id: int) -> set[tuple[Phase, str]]:
         rows = self.conn.execute("SELECT phase, key FROM timings WHERE fingerprint = ?", (fp_id,))
         return {(Phase(p), k) for p, k in rows}
-
-    def add(self, fp_id: int, timings: Iterable[Timing]) -> None:
-        """Store a batch in one transaction: an interrupted profile loses at most it."""
-        rows = [
-            (fp_id, t.phase.value, t.key, t.op_type, t.flops, t.nbytes, t.seconds, t.ranks)
-            for t in timings
-        ]
-        with self.conn:
-            self.conn.executemany(
-                "INSERT OR REPLACE INTO timings VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows
-            )
 
     def timings(self, fp_id: int) -> tuple[Timing, ...]:
         rows = self.conn.execute(
@@ -347,11 +316,6 @@ class CostDB:
                     raise UserError(f"{self.path}: timings.{name} of {key!r}: {value!r}")
             out.append(timing)
         return tuple(out)
-
-    def add_in_step(self, fp_id: int, points: Iterable[InStep]) -> None:
-        rows = [(fp_id, p.phase.value, p.key, p.seconds) for p in points]
-        with self.conn:
-            self.conn.executemany("INSERT OR REPLACE INTO in_step VALUES (?, ?, ?, ?)", rows)
 
     def in_step(self, fp_id: int) -> tuple[InStep, ...]:
         """The in-step times under ``fp_id``; none in a database without the table. Times

@@ -138,9 +138,10 @@ def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, 
     tiny model's plan is predicted as before by plan and simulate (its own calibration),
     where a calibration over every model's tasks would move it."""
     from onnx2soap.importer import load_model
+    from onnx2soap.measure.cost_writer import CostWriter
     from onnx2soap.search.baselines import data_parallel
     from onnx2soap.sim import Simulator
-    from onnx2soap.sim.costdb import CostDB, DeviceKind, InStep, Phase, Timing, host_fingerprint
+    from onnx2soap.sim.costdb import DeviceKind, InStep, Phase, Timing, host_fingerprint
     from onnx2soap.sim.presets import load_machine_file
     from onnx2soap.sim.profiled import ProfiledCost
     from onnx2soap.soap import Partitioner, analyze
@@ -159,7 +160,7 @@ def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, 
         for phase in Phase
         for i in range(4)
     ]
-    with CostDB.open(db, create=True) as opened:
+    with CostWriter.open(db) as opened:
         fp_id = opened.find(fp)
         opened.add(fp_id, foreign)
         opened.add_in_step(fp_id, [InStep(t.phase, t.key, 5 * t.seconds + 1e-3) for t in foreign])

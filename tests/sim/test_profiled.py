@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from onnx2soap.errors import UserError
+from onnx2soap.measure.cost_writer import CostWriter
 from onnx2soap.measure.profiler import (
     profile_items,
 )
@@ -63,7 +64,7 @@ def _timings(n: int = 3) -> list[Timing]:
 
 def test_db_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "host.costs.sqlite"
-    with CostDB.open(path, create=True) as db:
+    with CostWriter.open(path) as db:
         fp_id = db.add_fingerprint(HOST)
         assert db.add_fingerprint(HOST) == fp_id  # one id per fingerprint
         db.add(fp_id, _timings())
@@ -96,7 +97,7 @@ def test_host_fingerprint_is_stable() -> None:
 
 def test_a_db_from_another_device_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "host.costs.sqlite"
-    with CostDB.open(path, create=True) as db:
+    with CostWriter.open(path) as db:
         db.add(db.add_fingerprint(HOST), _timings())
     here = replace(HOST, processor="This CPU")
     with pytest.raises(FingerprintMismatch, match="processor 'This CPU' vs 'Test CPU'") as e:
@@ -105,19 +106,37 @@ def test_a_db_from_another_device_is_refused(tmp_path: Path) -> None:
     assert ProfiledCost.load(path, HOST, DEVICE).measured == 3
 
 
+@pytest.mark.parametrize("opener", [CostDB, CostWriter])
 @pytest.mark.parametrize("content", [b"not a database at all, just text" * 100, b"\0" * 4096])
-def test_a_file_that_is_no_cost_db_is_one_line(tmp_path: Path, content: bytes) -> None:
+def test_a_file_that_is_no_cost_db_is_one_line(tmp_path: Path, content: bytes, opener) -> None:
     path = tmp_path / "host.costs.sqlite"
     path.write_bytes(content)
     with pytest.raises(UserError, match="not a cost database"):
-        CostDB.open(path)
+        opener.open(path)
 
 
-def test_another_sqlite_file_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("opener", [CostDB, CostWriter])
+def test_another_sqlite_file_is_refused(tmp_path: Path, opener) -> None:
     path = tmp_path / "other.sqlite"
     sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.commit()
     with pytest.raises(UserError, match="tables missing"):
+        opener.open(path)
+
+
+def test_the_reader_neither_makes_nor_changes_a_file(tmp_path: Path) -> None:
+    """Planning opens the DB read-only: a missing file stays missing, and a DB from
+    before calibration is read as it is (only a profile's writer adds the table)."""
+    path = tmp_path / "host.costs.sqlite"
+    with pytest.raises(UserError, match="no such cost database"):
         CostDB.open(path)
+    assert not path.exists()
+    with CostWriter.open(path) as db:
+        db.add(db.add_fingerprint(HOST), _timings())
+        db.conn.execute("DROP TABLE in_step")
+    before = path.read_bytes()
+    with CostDB.open(path) as db:
+        assert not hasattr(db, "add") and len(db.timings(db.find(HOST))) == 3
+    assert path.read_bytes() == before
 
 
 def test_profiled_cost_answers_measured_values_exactly(tmp_path: Path) -> None:
@@ -228,7 +247,7 @@ def test_db_round_trip_of_in_step_times(tmp_path: Path) -> None:
     path = tmp_path / "host.costs.sqlite"
     timings = _timings(4)
     points = [InStep(t.phase, t.key, 2 * t.seconds + 3e-5) for t in timings]
-    with CostDB.open(path, create=True) as db:
+    with CostWriter.open(path) as db:
         fp_id = db.add_fingerprint(HOST)
         db.add(fp_id, timings)
         db.add_in_step(fp_id, points)
@@ -242,14 +261,14 @@ def test_db_round_trip_of_in_step_times(tmp_path: Path) -> None:
 
 def test_a_db_from_before_calibration_reads_and_gets_the_table(tmp_path: Path) -> None:
     path = tmp_path / "old.costs.sqlite"
-    with CostDB.open(path, create=True) as db:
+    with CostWriter.open(path) as db:
         fp_id = db.add_fingerprint(HOST)
         db.add(fp_id, _timings())
         db.conn.execute("DROP TABLE in_step")
     with CostDB.open(path) as db:  # read-only, as planning opens it: no calibration
         assert db.in_step(fp_id) == ()
     assert ProfiledCost.load(path, HOST, DEVICE).calibration == {}
-    with CostDB.open(path, create=True) as db:  # the profile adds it
+    with CostWriter.open(path) as db:  # the profile adds it
         db.add_in_step(fp_id, [InStep(Phase.FORWARD, "Relu k1", 1e-4)])
         assert len(db.in_step(fp_id)) == 1
 
@@ -262,7 +281,7 @@ def test_in_step_times_of_an_older_method_are_refused_until_a_profile_redoes_the
     to profile drops them (the timings stay) and marks it current."""
     path = tmp_path / "old.costs.sqlite"
     timings = _timings(4)
-    with CostDB.open(path, create=True) as db:
+    with CostWriter.open(path) as db:
         fp_id = db.add_fingerprint(HOST)
         db.add(fp_id, timings)
         db.add_in_step(fp_id, [InStep(t.phase, t.key, 2 * t.seconds) for t in timings])
@@ -270,7 +289,7 @@ def test_in_step_times_of_an_older_method_are_refused_until_a_profile_redoes_the
             db.conn.execute("DELETE FROM meta WHERE name = 'in_step_method'")
     with pytest.raises(UserError, match=r"meta.in_step_method: '1'.*run onnx2soap profile"):
         ProfiledCost.load(path, HOST, DEVICE)
-    with CostDB.open(path, create=True) as db:
+    with CostWriter.open(path) as db:
         assert db.in_step(fp_id) == () and db.timings(fp_id) == tuple(timings)
     assert ProfiledCost.load(path, HOST, DEVICE).calibration == {}
 
