@@ -22,14 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
+from executor.records import StepRecord
 from executor.transport import wait_patiently
-
-if TYPE_CHECKING:
-    from executor.train import StepRecord
 
 IDLE_NAP_S = 1e-3  # an idle rank's nap between notes: ~4 % of a core on a VM, and the
 # most a checkpoint or evaluation waits for it to join

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from executor.evaluation import EvalRecord
-from executor.train import StepRecord
+from executor.records import StepRecord
 
 
 def step_fields(record: StepRecord) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
 from executor.precision import LossScaler
 from executor.program import compile_program
+from executor.records import StepRecord
 from executor.runtime import Runtime
 from executor.trace import Tracer, write_measured
 from executor.transport import make_transport, nap_precisely, oversubscribed, wait_patiently
@@ -90,17 +91,6 @@ class RankInfo:
     rank: int
     host: str
     pid: int
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    loss: float
-    time_s: float
-    lr: float = 0.0
-    samples_per_s: float | None = None
-    loss_scale: float | None = None  # fp16: the scale the step's backward started from
-    skipped: bool = False  # fp16: an infinity or NaN in its gradients, so no update
 
 
 @dataclass(frozen=True)
