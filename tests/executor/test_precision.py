@@ -18,8 +18,9 @@ import pytest
 
 from executor.precision import LossScaler, Rounding, round_bf16, round_fp16
 from onnx2soap.precision import Precision
+from tests.optional import require
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 
 STEPS, BATCH, LR = 4, 8, 0.1
 

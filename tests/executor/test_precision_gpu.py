@@ -13,10 +13,10 @@ import pytest
 from onnx2soap.precision import Precision
 from tests.executor.mpi import make_plan, mpirun
 from tests.executor.test_precision import BATCH, LR, STEPS, _mlp, _one_device
-from tests.optional import cupy_or_skip
+from tests.optional import cupy_or_skip, require
 
 cp = cupy_or_skip()
-torch = pytest.importorskip("torch")
+torch = require("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 

@@ -15,6 +15,7 @@ import pytest
 from onnx2soap.importer import ImportedModel, load_model
 from onnx2soap.ir import LossKind
 from tests.models import export
+from tests.optional import require
 
 VIEW_SAMPLE = (3, 8, 8)
 STATIC_BATCH = 4
@@ -108,7 +109,7 @@ def _randn(*shape: int):
 
 @pytest.fixture(scope="session")
 def importer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("torch")
+    require("torch")
     return tmp_path_factory.mktemp("importer")
 
 

@@ -18,6 +18,7 @@ from onnx2soap.ir import DType, LossKind, TensorRole
 from onnx2soap.ops.defs.losses import LossReduction
 from tests.importer.conftest import BATCH, STATIC_BATCH
 from tests.importer.helpers import ops_of, run_cli
+from tests.optional import require
 
 EXAMPLE_WEIGHTS = {
     "conv1.weight": (16, 3, 3, 3),
@@ -93,7 +94,7 @@ def test_weights_are_the_float_initializers_with_their_shapes(example_onnx: Path
 
 def test_example_weights_match_the_seeded_torch_model(example_onnx: Path) -> None:
     # examples/cnn.onnx must be what `python examples/cnn.py` writes today.
-    pytest.importorskip("torch")
+    require("torch")
     from tests.models import build_cnn
 
     state = {k: v.detach().numpy() for k, v in build_cnn().state_dict().items()}
@@ -104,7 +105,7 @@ def test_example_weights_match_the_seeded_torch_model(example_onnx: Path) -> Non
 
 
 def test_example_re_export_is_byte_identical(example_onnx: Path, tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     from tests.models import example_cnn_module
 
     path = tmp_path / "cnn.onnx"
