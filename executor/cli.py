@@ -30,9 +30,9 @@ from pathlib import Path
 from executor.kinds import DeviceKind, TransportKind
 from executor.optim import OptimizerConfig, OptimizerKind, Schedule
 from executor.precision import LossScaler
-from onnx2soap.cli.common import OneLineParser, add_nonfinite_option, float_in, int_in
 from onnx2soap.errors import UserError
 from onnx2soap.ir import DType
+from onnx2soap.options import OneLineParser, float_in, int_in
 from onnx2soap.precision import Precision
 
 EXIT_USER_ERROR = 2
@@ -65,8 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_options(run)
     add_device_options(run)
     _add_output_options(run)
-    add_nonfinite_option(run)
+    _add_nonfinite_option(run)
     return parser
+
+
+def _add_nonfinite_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="train with NaN/Inf in the weights it loads (refused by default)",
+    )
 
 
 def _add_precision_options(run: argparse.ArgumentParser) -> None:

@@ -20,8 +20,8 @@ from onnx2soap.cli import (
     show_cmd,
     simulate_cmd,
 )
-from onnx2soap.cli.common import OneLineParser
 from onnx2soap.errors import UserError
+from onnx2soap.options import OneLineParser
 
 EXIT_USER_ERROR = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a killed writer

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from onnx2soap.cli.common import int_in, seconds
+from onnx2soap.cli.common import seconds
 from onnx2soap.cli.picture_options import MAX_DPI, MIN_DPI, pixels
 from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
+from onnx2soap.options import int_in
 from onnx2soap.sim import make_simulator
 from onnx2soap.sim.compare import (
     Comparison,

@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from onnx2soap.cli.common import float_in, gib, human, int_in
+from onnx2soap.cli.common import gib, human
 from onnx2soap.errors import MachineError, UserError
 from onnx2soap.files import check_output
+from onnx2soap.options import float_in, int_in
 from onnx2soap.sim.machine import dump_machine
 from onnx2soap.sim.presets import preset_names, resolve_machine
 from onnx2soap.soap.plan import MAX_DEVICES

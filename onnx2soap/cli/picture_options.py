@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from onnx2soap.cli.common import int_in
+from onnx2soap.options import int_in
 from onnx2soap.viz.render import Size
 
 MIN_PIXELS, MAX_PIXELS = 100, 8000  # 8000² RGBA is 256 MB: the most a picture may take

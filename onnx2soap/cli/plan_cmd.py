@@ -12,11 +12,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from onnx2soap.cli.common import add_model_options, float_in, int_in, loss_choice, seconds
+from onnx2soap.cli.common import add_model_options, loss_choice, seconds
 from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
+from onnx2soap.options import float_in, int_in
 from onnx2soap.precision import Precision
 from onnx2soap.search.baselines import BASELINES, Rule, by_rule
 from onnx2soap.search.mcmc import (

@@ -19,13 +19,14 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
-from onnx2soap.cli.common import add_model_options, float_in, int_in, loss_choice, seconds
+from onnx2soap.cli.common import add_model_options, loss_choice, seconds
 from onnx2soap.cli.machine_cmd import find_mpiexec
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph
 from onnx2soap.measure.cost_writer import CostWriter
+from onnx2soap.options import float_in, int_in
 from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerprint
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine

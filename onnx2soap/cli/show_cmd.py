@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from onnx2soap.cli.common import int_in, seconds
+from onnx2soap.cli.common import seconds
 from onnx2soap.cli.picture_options import add_picture_options, picture_size
 from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
+from onnx2soap.options import int_in
 from onnx2soap.sim import RooflineCost, Simulator, make_simulator
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import PartitionedGraph, analyze
