@@ -73,12 +73,15 @@ def mpirun(
     *args: str,
     timeout: float = 180,
     script: list[str] | None = None,
+    launch: tuple[str, ...] = (),
 ) -> Run:
-    """``mpiexec -n ranks python -m executor run plan --json ...``, weights saved."""
+    """``mpiexec [launch...] -n ranks python -m executor run plan --json ...``, weights
+    saved. ``launch``: mpiexec's own options (a hostfile, a launcher)."""
     weights = workdir / f"weights-{ranks}-{plan.stem}.npz"
     entry = script or ["-m", "executor"]
     command = [
         str(MPIEXEC),
+        *launch,
         "-n",
         str(ranks),
         sys.executable,
