@@ -90,9 +90,15 @@ class Whole:
     ``dims`` are the iteration dims the index depends on in a way no affine map
     expresses (a Reshape's merged axes, the channel group of a grouped Conv): splitting
     them would need global coordinates in the kernel, so they are never split.
+
+    ``within``: (dim, stride) where the axis's values land, when they all land inside one
+    iteration dim: a Reshape merging the axis behind an outer one ([T, N, E] to [T*N, E]
+    puts N in the merged dim at stride 1). Only batch tracing reads it (``batch_dims``);
+    the partition math reads the axis whole all the same.
     """
 
     dims: tuple[int, ...] = ()
+    within: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,9 @@ def _carried(m: AxisMap, stride: int, batch: int, sizes: tuple[int, ...]) -> tup
         if stride % m.in_per_group:
             return None  # the batch lies within the groups, which no dim indexes
         return m.dim, stride // m.in_per_group * m.out_per_group
+    if isinstance(m, Whole) and m.within is not None:  # an inner axis of a merge
+        dim, inner = m.within
+        return dim, stride * inner
     if not isinstance(m, Affine) or not m.terms:
         return None
     if len(m.terms) == 1 and m.terms[0][1] == 1:
@@ -166,7 +175,7 @@ def batch_dims(
     """Iteration dim -> the stride of the batch within it, for every dim that reads the
     batch of an operand (``operands[k]``: where it lies in operand k) through the access
     maps: wherever the batch has moved to (a transpose, a time-major layout, a merge with
-    the heads), not only axis 0."""
+    the heads or behind the time steps), not only axis 0. Those are the sample dims."""
     sizes = tuple(d.size for d in nest.dims)
     found: dict[int, int] = {}
     for operand, where in zip(nest.inputs, operands, strict=True):
@@ -183,12 +192,6 @@ def output_batch(nest: LoopNest, carried: dict[int, int]) -> frozenset[BatchAt]:
     return frozenset(
         BatchAt(axis, carried[d]) for axis, d in enumerate(nest.out_dims) if d in carried
     )
-
-
-def holds_whole_batch(nest: LoopNest, dim: int, stride: int, batch: int) -> bool:
-    """The dim carries the batch outermost (nothing outside it): splitting the dim splits
-    the samples, as data parallelism does. [N*T] merged does; [T*N] does not."""
-    return stride * batch == nest.dims[dim].size
 
 
 class Binding(Enum):

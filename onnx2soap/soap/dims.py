@@ -23,7 +23,6 @@ from onnx2soap.ir import (
     TensorRole,
     Whole,
     batch_dims,
-    holds_whole_batch,
     output_batch,
 )
 
@@ -84,7 +83,7 @@ def op_dims(
     dims that read it (computed from ``where`` if not given)."""
     nest = op.nest
     carried = _sample_dims(op, graph.batch, where) if carried is None else carried
-    samples = {d for d, s in carried.items() if holds_whole_batch(nest, d, s, graph.batch)}
+    samples = set(carried)
     params = _parameter_dims(op, graph)
     hidden = _hidden_dims(op)
     axis_of = {d: a for a, d in enumerate(nest.out_dims) if d is not None}
@@ -116,8 +115,9 @@ def _seeds(graph: Graph) -> dict[str, frozenset[BatchAt]]:
 def analyze(graph: Graph) -> dict[str, tuple[SoapDim, ...]]:
     """The SOAP dims of every op, keyed by op name, in graph order. The batch is traced
     from axis 0 of the data inputs and the labels through every op's access maps: a
-    transpose moves it, a merge with the heads gives it a stride, a reduction ends it. A
-    dim that holds it outermost is a sample dim."""
+    transpose moves it, a merge with the heads or the time steps gives it a stride, a
+    reduction ends it. A kept dim that holds it is a sample dim: splitting it splits the
+    samples, or (merged behind the time steps, [T*N]) the rows that hold them."""
     where = _seeds(graph)
     result = {}
     for op in graph.ops:

@@ -321,9 +321,11 @@ def test_the_batch_is_traced_through_time_major_reshapes(tmp_path) -> None:
     assert sample_of("bt") == [("n", 1, True)]  # [N*H, T, D]
     assert sample_of("nhtd") == [("n", 1, True)] and sample_of("p") == [("n", 1, True)]
     assert sample_of("tnhd") == [("c", 1, True)]  # [T, N, H, D]
-    # [T*N, H*D]: the batch merged behind the time steps is no sample dim (splitting the
-    # rows splits the time steps), and is not traced on past the merge
-    assert sample_of("flat") == [] and sample_of("tne") == [] and sample_of("y") == []
+    # [T*N, H*D]: the batch merged behind the time steps; the rows still split (each
+    # task some time steps of every sample), and the batch is traced on through them
+    assert sample_of("flat") == [("n", N, True)]  # in whole time steps
+    assert sample_of("tne") == [("r1", N, False)]  # [T, N, E]: the inner part of a split
+    assert sample_of("y") == [("n", 1, True)]  # [N, T, E], as the data came in
 
 
 def test_a_written_shape_that_follows_the_batch_is_not_refused(tmp_path) -> None:

@@ -74,6 +74,17 @@ def axis_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[Group]:
     return groups
 
 
+def _lands(src: tuple[int, ...], dst: tuple[int, ...], ins, outs, a: int) -> tuple[int, int] | None:
+    """(output axis, stride) where input axis ``a`` of the group (ins, outs) lands whole:
+    the output digit of the group's flat index that holds all of the axis's values."""
+    stride = math.prod(src[b] for b in ins if b > a)
+    for o in outs:
+        inner = math.prod(dst[p] for p in outs if p > o)
+        if stride % inner == 0 and stride * src[a] <= inner * dst[o]:
+            return o, stride // inner
+    return None
+
+
 def relayout(ctx: NodeContext, out: tuple[int, ...]):
     """The op moving ``ctx.tensor(0)`` into shape ``out`` (same element count)."""
     x = ctx.tensor(0)
@@ -98,11 +109,15 @@ def relayout(ctx: NodeContext, out: tuple[int, ...]):
             inner = math.prod(x.shape[a] for a in ins[1:])
             dims[outs[0]] = replace(dims[outs[0]], granule=inner)
             axes[ins[0]] = Grouped(dim=outs[0], out_per_group=inner, in_per_group=1)
+            for a in ins[1:]:  # read whole; where their values land traces the batch
+                axes[a] = Whole(within=_lands(x.shape, out, ins, outs, a))
         else:  # neither ([T, N, E] -> [T, N*H, D]): the outer axes split together
             outer, rest = x.shape[ins[0]], out[outs[0]]
             common = math.gcd(outer, rest)
             dims[outs[0]] = replace(dims[outs[0]], granule=rest // common)
             axes[ins[0]] = Grouped(outs[0], rest // common, outer // common)
+            for a in ins[1:]:
+                axes[a] = Whole(within=_lands(x.shape, out, ins, outs, a))
             for o in outs[1:]:
                 dims[o] = replace(dims[o], granule=dims[o].size)
     op = make_op(
