@@ -45,14 +45,23 @@ BUFFERS = {
 
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
-def test_imports_with_buffers_untrained(llm_onnx, case: tuple[str, str]) -> None:
+def test_imports_buffers_untrained_batch_everywhere(llm_onnx, case: tuple[str, str]) -> None:
+    """The exporter's buffers are constants; every op computed from the data (integer
+    ones included) has a sample dim: the batch is traced through every layout change; and
+    every attention's scores split by batch."""
     name, exporter = case
     graph = load_model(llm_onnx(name, exporter), BATCH).graph
     assert graph.loss_op is not None and graph.weights
     for buffer in BUFFERS.get(name, set()):
         assert graph.tensors[buffer].role is TensorRole.CONSTANT, buffer
-    # every attention's scores split by batch (the decoders' and encoders' alike)
     space = analyze(graph)
+    lost = [
+        (op.name, op.type)
+        for op in graph.ops
+        if graph.tensors[op.output].batched
+        and not any(d.kind is DimKind.SAMPLE for d in space[op.name])
+    ]
+    assert not lost, f"the batch is lost at {lost[:5]}"
     for op in graph.ops:
         if op.type == "Softmax":
             first = space[op.name][0]
