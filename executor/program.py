@@ -101,7 +101,8 @@ class ReduceStats:
 @dataclass(frozen=True)
 class SumOutputs:
     """Forward of an op with partial sums: add the group's partial output tiles (an
-    all-reduce over its devices); the owner task's output becomes the sum."""
+    all-reduce over its devices); on each member device, the output of the group's
+    holder there (``SumGroup.holders``) becomes the sum."""
 
     op: int
     group: int  # index into PartitionedGraph.sums[op name]
@@ -110,9 +111,9 @@ class SumOutputs:
 
 @dataclass(frozen=True)
 class ShareGrad:
-    """Backward of an op with partial sums: the owner assembles its tile's gradient from
-    ``pieces``; an all-reduce in which the others add zeros gives every task of the group
-    that gradient."""
+    """Backward of an op with partial sums: on each member device the holder assembles
+    the gradient pieces its readers sent it (``pieces``), and an all-reduce of them gives
+    every task of the group the whole tile's gradient."""
 
     op: int
     group: int
@@ -229,8 +230,9 @@ def _send_recv(transfers: list[Transfer]) -> list[tuple[int, Instruction]]:
 
 def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
     """One phase of an op with partial sums. Forward: every task computes its partial
-    tile, each group sums them into its owner, which sends the tile on. Backward: the
-    owners receive their tiles' gradients, each group shares them, every task computes."""
+    tile, each group sums them into its holders, which send the tile on. Backward: the
+    holders receive their tiles' gradient pieces, each group sums them, every task
+    computes."""
     order: list[tuple[int, Instruction]] = []
     tasks, groups = pg.tasks[op.name], pg.sums[op.name]
     for task in tasks:
@@ -242,8 +244,9 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
         if phase is Phase.FORWARD:
             order += [(d, SumOutputs(i, g, group.devices)) for d in group.devices]
         else:
-            given = tuple(pieces.get((phase, i, group.owner), []))
-            order += [(d, ShareGrad(i, g, group.devices, given)) for d in group.devices]
+            for d, holder in zip(group.devices, group.holders, strict=True):
+                given = tuple(pieces.get((phase, i, holder), []))
+                order.append((d, ShareGrad(i, g, group.devices, given)))
     for task in tasks:
         key = (phase, i, task.index)
         if phase is Phase.BACKWARD:
@@ -273,7 +276,7 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
             if phase is Phase.BACKWARD and not graph.differentiable(op.output):
                 continue  # nothing flows back through ids or masks computed from them
             links = (waits, sends, pieces)
-            if op.nest.partial_dims:
+            if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
                 order += _summed_op(pg, phase, i, op, *links)
             else:
                 order += _plain_op(pg, phase, i, op, *links)

@@ -326,7 +326,7 @@ class _Buffers:
     def _prepare(self, rt: Runtime, ins) -> None:
         """The buffers of the instruction that assembles a task's inputs (forward) or
         output gradient (backward): a ``Partial`` where the op has one, else ``Compute``
-        (a ``ShareGrad`` for the owner of a partial sum)."""
+        (a ``ShareGrad`` for the holders of a partial sum)."""
         if isinstance(ins, Compute | Partial):
             key = (ins.op, ins.task)
             op, task = rt.graph.ops[ins.op], rt.task(key)
@@ -337,13 +337,12 @@ class _Buffers:
                 self.inputs[key] = tuple(
                     input_source(rt, key, task, k, pieces) for k in range(len(op.inputs))
                 )
-            elif assembles and not (op.is_loss or op.nest.partial_dims):
+            elif assembles and not (op.is_loss or rt.pg.sums[op.name]):
                 self.grad_outputs[key] = grad_source(rt, task, ins.pieces)
         elif isinstance(ins, ShareGrad):
             group = rt.pg.sums[rt.graph.ops[ins.op].name][ins.group]
-            owner = rt.task((ins.op, group.owner))
-            if owner.device == rt.rank:
-                self.grad_outputs[(ins.op, group.owner)] = grad_source(rt, owner, ins.pieces)
+            key = (ins.op, group.holder(rt.rank))
+            self.grad_outputs[key] = grad_source(rt, rt.task(key), ins.pieces)
 
 
 def _tensor(rt: Runtime, t: Transfer) -> str:

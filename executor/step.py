@@ -216,7 +216,7 @@ class Step:
         return slots
 
     def sum_outputs(self, ins: SumOutputs) -> None:
-        """The group's partial tiles summed; the owner's output becomes the sum."""
+        """The group's partial tiles summed; this rank's holder's output becomes the sum."""
         group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
         mine = self._local(ins.op, group.tasks)
         first = self.outputs[(ins.op, mine[0])]
@@ -226,17 +226,16 @@ class Step:
         if len(group.devices) > 1:
             self.rt.transport.wait(self.rt.transport.allreduce(total, group.devices))
         self.rounding(total)  # the op's output, as one task's would be
-        if group.owner in mine:
-            self.outputs[(ins.op, group.owner)] = total
+        self.outputs[(ins.op, group.holder(self.rt.rank))] = total
 
     def share_grad(self, ins: ShareGrad) -> None:
-        """Every task of the group gets the gradient of the tile its owner received."""
+        """Every task of the group gets the gradient of its tile: the pieces its holders
+        received, summed over the group."""
         group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
         mine = self._local(ins.op, group.tasks)
-        owner = self.rt.task((ins.op, group.owner))
-        grad = self._slots(("share", ins.op, ins.group), rect_shape(owner.output))
-        if group.owner in mine:
-            grad += self._grad_output((ins.op, group.owner))
+        holder = (ins.op, group.holder(self.rt.rank))
+        grad = self._slots(("share", ins.op, ins.group), rect_shape(self.rt.task(holder).output))
+        grad += self._grad_output(holder)
         if len(group.devices) > 1:
             self.rt.transport.wait(self.rt.transport.allreduce(grad, group.devices))
         for t in mine:
@@ -286,7 +285,7 @@ class Step:
     def backward(self, ins: Compute) -> None:
         key = (ins.op, ins.task)
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
-        shared = op.nest.sync_dims or op.nest.partial_dims
+        shared = op.nest.sync_dims or self.rt.pg.sums[op.name]
         grad_out = self.grad_outputs.pop(key) if shared else self._grad_output(key)
         grads = definition(op.type).backward(
             self.xp, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(key)

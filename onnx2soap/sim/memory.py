@@ -43,7 +43,6 @@ from onnx2soap.soap import Edge, PartitionedGraph
 from onnx2soap.soap.partition import (
     ReplicaGroup,
     Task,
-    owners,
     rect_contiguous,
     rect_shape,
     rect_volume,
@@ -124,7 +123,8 @@ def _op_bytes(
             _add(held, d, n)
             _add(grads, d, n)
     adopted: set[tuple] = set()  # (weight, rect, device) whose first gradient is made
-    graded = {t.index for t in owners(op, tasks)} if backward and not op.is_loss else set()
+    holders = {t for g in sum_groups(op, tasks) for t in g.holders}
+    graded = {t.index for t in _graded(op, tasks)} if backward and not op.is_loss else set()
     out_width = _width(graph.tensors[op.output], itemsize)
     workspace = definition(op.type).workspace
     tensors = [graph.tensors[name] for name in op.inputs]
@@ -149,8 +149,11 @@ def _op_bytes(
                     _add(held, d, instruction)
     for t in tasks:
         out = rect_volume(t.output) * out_width
-        _add(outputs, t.device, out)
-        total = 2 * out if t.index in graded else out  # the tile and its gradient buffer
+        # The tile and its gradient buffer; a holder's partial tile gives way to the sum
+        # (the step keeps the summed slot, counted with its group below).
+        tile = 0 if t.index in holders else out
+        _add(outputs, t.device, tile)
+        total = tile + (out if t.index in graded else 0)
         dropped = 0  # gradients a backward kernel returns and the runtime sums or drops
         for tensor, region in zip(tensors, t.inputs, strict=True):
             n = rect_volume(region.buffer)
@@ -181,10 +184,20 @@ def _op_bytes(
             backward_[t.device] = max(backward_.get(t.device, 0), max(bw, widest) + dropped)
     if op.nest.partial_dims:
         for group in sum_groups(op, tasks):
-            n = rect_volume(tasks[group.owner].output) * out_width
+            n = group.numel * out_width
             for d in group.devices:  # the summed tile, and its shared gradient
                 _add(held, d, 2 * n if backward else n)
     return OpMemory(*(tuple(x.items()) for x in (held, outputs, grads, forward, backward_)))
+
+
+def _graded(op: Op, tasks: tuple[Task, ...]) -> tuple[Task, ...]:
+    """The tasks that gather an output gradient from their readers' pieces: every task,
+    or for an op with partial sums each group's holders (``ShareGrad``)."""
+    groups = sum_groups(op, tasks)
+    if not groups:
+        return tasks
+    held = {t for g in groups for t in g.holders}
+    return tuple(t for t in tasks if t.index in held)
 
 
 def _edge_bytes(

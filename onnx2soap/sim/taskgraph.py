@@ -395,7 +395,7 @@ def _synced_phase(costs, b, parts, kind, seconds, after) -> tuple[list, list]:
 
 def _summed_forward(costs, b, parts, seconds) -> tuple[list, list]:
     """Forward of an op with partial sums: every task, then per group a ring of the
-    partial tiles and a gate on the owner (no duration): its tile is ready after it."""
+    partial tiles and a gate (no duration) on each holder: its tile is ready after it."""
     op, tasks = parts.op, parts.tasks
     starts = [
         b.add(TaskKind.FORWARD, s, (t.device,), (), 0, lambda t=t: f"fwd {op.name}[{t.index}]")
@@ -407,25 +407,25 @@ def _summed_forward(costs, b, parts, seconds) -> tuple[list, list]:
         done = _group_ring(
             costs, b, group.devices, group.numel, ready, f"partial sums {op.name} fwd"
         )
-        owner = tasks[group.owner]
-        ends[group.owner] = b.add(TaskKind.FORWARD, 0.0, (owner.device,), done, 0, f"sum {op.name}")
+        for d, holder in zip(group.devices, group.holders, strict=True):
+            ends[holder] = b.add(TaskKind.FORWARD, 0.0, (d,), done, 0, f"sum {op.name}")
     return starts, ends
 
 
 def _summed_backward(costs, b, parts, seconds, after) -> tuple[list, list]:
-    """Backward of an op with partial sums: per group the owner receives its tile's
-    gradient (a gate), a ring shares it, then every task computes."""
+    """Backward of an op with partial sums: per group each holder receives the gradient
+    pieces of its readers (a gate), a ring sums them, then every task computes."""
     op, tasks = parts.op, parts.tasks
     ready_at: dict[int, tuple[Ref, ...]] = {}
     starts: list = [None] * len(tasks)
     for group in parts.sums:
-        owner = tasks[group.owner]
-        gate = b.add(
-            TaskKind.BACKWARD, 0.0, (owner.device,), after[owner.index], 0, f"sum {op.name}"
-        )
-        starts[group.owner] = gate
+        gates = []
+        for d, holder in zip(group.devices, group.holders, strict=True):
+            gate = b.add(TaskKind.BACKWARD, 0.0, (d,), after[holder], 0, f"sum {op.name}")
+            starts[holder] = gate
+            gates.append(gate)
         done = _group_ring(
-            costs, b, group.devices, group.numel, [gate], f"partial sums {op.name} bwd"
+            costs, b, group.devices, group.numel, gates, f"partial sums {op.name} bwd"
         )
         ready_at |= dict.fromkeys(group.tasks, done)
     ends = []
@@ -456,7 +456,7 @@ def forward_segment(costs: Costs, slot: int, parts: OpParts, names: bool) -> Seg
     none = [()] * len(parts.tasks)
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.FORWARD, seconds, none)
-    elif parts.op.nest.partial_dims:
+    elif parts.sums:  # a split partial dim
         starts, ends = _summed_forward(costs, b, parts, seconds)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.FORWARD, seconds, none)
@@ -476,7 +476,7 @@ def backward_segment(
     after = [((fwd_slot, e),) for e in fwd.ends]
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.BACKWARD, seconds, after)
-    elif parts.op.nest.partial_dims:
+    elif parts.sums:  # a split partial dim
         starts, ends = _summed_backward(costs, b, parts, seconds, after)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.BACKWARD, seconds, after)

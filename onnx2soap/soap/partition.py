@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from onnx2soap.ir import Affine, AxisMap, Broadcast, Grouped, IterDim, LoopNest, Op, Whole
@@ -332,43 +332,88 @@ def stat_groups(op: Op, tasks: Sequence[Task]) -> tuple[StatGroup, ...]:
 
 @dataclass(frozen=True)
 class SumGroup:
-    """Tasks of an op with ``LoopNest.partial_dims`` that write the same output tile:
-    their partial outputs are summed over ``devices`` (an all-reduce), ``tasks[0]`` owns
-    the sum (it alone sends the tile on), and its gradient is shared back the same way.
-    ``numel`` is the tile's size."""
+    """Tasks of an op with ``LoopNest.partial_dims`` (a split reduction dim: MatMul's,
+    Gemm's and Conv's contraction, an embedding's vocabulary) that write the same output
+    tile: each computes a partial tile, and the group all-reduces them over ``devices``
+    (distinct, sorted), so that every member device ends with the sum.
+
+    Per device, its first member task, its *holder*, holds the summed tile: a consumer
+    on a member device reads it there, with no transfer (Megatron's all-reduce after a
+    row-parallel linear); a consumer elsewhere reads it from ``owner``, the first task.
+    In the backward every holder assembles the gradient pieces its readers send it,
+    and the same all-reduce sums them, so that every member task gets the whole tile's
+    gradient. ``numel`` is the tile's size."""
 
     tasks: tuple[int, ...]
     devices: tuple[int, ...]
     numel: int
+    holders: tuple[int, ...] = ()  # per device of ``devices``, its first member task
 
     @property
     def owner(self) -> int:
         return self.tasks[0]
 
+    def holder(self, device: int) -> int | None:
+        """The member task on ``device`` that holds the sum; None off the group."""
+        for d, t in zip(self.devices, self.holders, strict=True):
+            if d == device:
+                return t
+        return None
+
 
 def sum_groups(op: Op, tasks: Sequence[Task]) -> tuple[SumGroup, ...]:
+    """The op's groups of partial tiles; none where the config splits no partial dim:
+    then every task computes its whole tile, as any op's does."""
     if not op.nest.partial_dims:
         return ()
     by_tile: dict[Rect, list[Task]] = {}
     for t in tasks:
         by_tile.setdefault(t.output, []).append(t)
-    return tuple(
-        SumGroup(
-            tasks=tuple(t.index for t in members),
-            devices=tuple(sorted({t.device for t in members})),
-            numel=rect_volume(tile),
+    if len(by_tile) == len(tasks):
+        return ()
+    groups = []
+    for tile, members in by_tile.items():
+        first: dict[int, int] = {}
+        for t in members:
+            first.setdefault(t.device, t.index)
+        devices = tuple(sorted(first))
+        groups.append(
+            SumGroup(
+                tasks=tuple(t.index for t in members),
+                devices=devices,
+                numel=rect_volume(tile),
+                holders=tuple(first[d] for d in devices),
+            )
         )
-        for tile, members in by_tile.items()
-    )
+    return tuple(groups)
 
 
 def owners(op: Op, tasks: Sequence[Task]) -> tuple[Task, ...]:
     """The tasks whose output tiles partition the tensor: all of them, or for an op with
     partial sums the first task of each tile."""
-    if not op.nest.partial_dims:
+    groups = sum_groups(op, tasks)
+    if not groups:
         return tuple(tasks)
-    first = {g.owner for g in sum_groups(op, tasks)}
+    first = {g.owner for g in groups}
     return tuple(t for t in tasks if t.index in first)
+
+
+def summed_overlaps(
+    op: Op, producers: Sequence[Task], consumers: Sequence[Task], operand: int
+) -> tuple[Overlap, ...]:
+    """``overlaps`` of a producer's tiles into ``consumers``' regions; for an op with
+    partial sums each piece comes from the holder of the sum on the consumer's device
+    where the tile's group has one (no transfer), else from the tile's owner."""
+    found = overlaps(owners(op, producers), consumers, operand)
+    groups = sum_groups(op, producers)
+    if not groups:
+        return found
+    group_of = {g.owner: g for g in groups}
+    moved = []
+    for o in found:
+        holder = group_of[o.src_task].holder(consumers[o.dst_task].device)
+        moved.append(o if holder is None else replace(o, src_task=holder))
+    return tuple(moved)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ from onnx2soap.soap.partition import (
     SumGroup,
     Task,
     op_tasks,
-    overlaps,
-    owners,
     replica_groups,
     stat_groups,
     sum_groups,
+    summed_overlaps,
 )
 from onnx2soap.soap.strategy import Strategy
 
@@ -104,9 +103,10 @@ class Partitioner:
     ) -> Edge:
         key = (producer.name, pconf, consumer.name, cconf, operand)
         if key not in self._overlaps:
-            # Only the tiles' owners send: a partial sum is no tile.
-            producers = owners(producer, self.tasks(producer, pconf))
-            self._overlaps[key] = overlaps(producers, self.tasks(consumer, cconf), operand)
+            # A partial sum is no tile: the summed tile goes from its holders.
+            self._overlaps[key] = summed_overlaps(
+                producer, self.tasks(producer, pconf), self.tasks(consumer, cconf), operand
+            )
         tensor = consumer.inputs[operand]
         return Edge(tensor, producer.name, consumer.name, operand, self._overlaps[key])
 

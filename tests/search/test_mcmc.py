@@ -84,7 +84,10 @@ def test_a_plan_never_exceeds_device_memory(tmp_path: Path) -> None:
     ]
     dp = max(peak_memory(partitioner.partition(by_rule(Rule.DATA_PARALLEL, graph, space, 4)), 4))
     assert min(peaks) < dp
-    limit = (min(peaks) + dp) // 2  # data parallelism does not fit; some plans do
+    # Data parallelism just does not fit; the 22 of the 1,232 plans (reduction splits
+    # counted) that need less do. A limit only 4 of them meet had left a 300-proposal
+    # search to luck.
+    limit = dp - 1
     device = ComputeDevice("dev", 1e9, 1e10, limit, 1e-6)
     tight = Simulator(cpu(4, device, 1e9, 1e-6), RooflineCost())
     result = mcmc(graph, space, tight, SearchOptions(budget_s=60, seed=0, max_evals=300))
@@ -111,6 +114,7 @@ def test_plan_cli_json(example_onnx: Path, tmp_path: Path, capsys) -> None:
         "evaluated",
         "search_time_s",
         "costs",
+        "precision",
     }
     baselines = {"data-parallel", "expert", "single-device", "model-parallel"}
     assert doc["plan"] == str(plan) and set(doc["baselines"]) == baselines

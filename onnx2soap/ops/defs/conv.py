@@ -9,6 +9,11 @@ A grouped convolution's output channel ``c`` reads the input channels of its gro
 ``c // (C_out / group)``: a ``Grouped`` map, and the output channel dim is split in whole
 groups only (its granule), so every task holds whole groups of both buffers. Depthwise
 (one channel per group) is the identity case.
+
+Without groups the input channels ``ci`` split too (``LoopNest.partial_dims``): each
+task convolves its channels with its slice of W, a partial output, and the partial tiles
+are summed; the bias belongs to the sum once, added (and given its gradient) by the task
+whose channels start at 0.
 """
 
 from __future__ import annotations
@@ -86,7 +91,15 @@ def convert(
         nest = op.nest
         granular = replace(nest.dims[1], granule=co // group)
         op = replace(op, nest=replace(nest, dims=(nest.dims[0], granular, *nest.dims[2:])))
+    if group == 1:  # the input channels are a plain contraction: partial sums
+        op = replace(op, nest=replace(op.nest, partial_dims=(CI,)))
     return op
+
+
+def _first_channels(args, rank: int) -> bool:
+    """Whether the task holds input channel 0 (every task that does not split them; the
+    whole op where the box is not given): it alone adds the bias."""
+    return not args.box or args.box[2 + rank][0] == 0
 
 
 @dataclass(frozen=True)
@@ -247,7 +260,8 @@ def forward(xp, attrs: ConvAttrs, inputs, args):
     x, w = inputs[0], inputs[1]
     lay = _layout(attrs, x, w, args.out_shape)
     product_ = xp.matmul(_tap_major(xp, w, lay), _columns(xp, attrs, x, lay))
-    return _output(xp, product_, inputs[2] if len(inputs) > 2 else None, lay)
+    first = _first_channels(args, len(attrs.kernel_shape))
+    return _output(xp, product_, inputs[2] if len(inputs) > 2 and first else None, lay)
 
 
 def backward(xp, attrs: ConvAttrs, inputs, output, grad_output, args):
@@ -261,7 +275,10 @@ def backward(xp, attrs: ConvAttrs, inputs, output, grad_output, args):
     grad_cols = xp.matmul(weights_t, gy)  # (n, groups, depth, grid)
     grads = [_col2im(xp, attrs, grad_cols, x, lay), grad_w]
     if len(inputs) > 2:
-        grads.append(grad_output.sum(axis=(0, *range(2, grad_output.ndim))))
+        if _first_channels(args, len(attrs.kernel_shape)):
+            grads.append(grad_output.sum(axis=(0, *range(2, grad_output.ndim))))
+        else:
+            grads.append(xp.zeros(inputs[2].shape, dtype=grad_output.dtype))
     return tuple(grads)
 
 

@@ -1,17 +1,22 @@
 """Gemm: Y = alpha * A' @ B' + beta * C, with A' = A.T if transA, B' = B.T if transB.
 
-The reduction dim (``ci``) is never split, so every buffer holds whole rows/columns of
-the contraction and a task's product is complete.
+The contraction dim ``ci`` splits too (``LoopNest.partial_dims``, Megatron's row-parallel
+linear): each task computes alpha * A'_k @ B'_k from its slices and the partial tiles
+are summed. ``beta * C`` belongs to the sum once: the task whose slice of ``ci`` starts
+at 0 adds it, and only that task gives C a gradient (the others zeros, which the
+gradients' sum over the tasks that read the same C adds harmlessly).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from onnx2soap.ir import Operand, identity
 from onnx2soap.ops.base import OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, broadcast_operand, broadcast_shape, make_op
 from onnx2soap.ops.kernel_util import matmul, unbroadcast
+
+_CI = 2  # the contraction dim's index in the nest
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ def convert(ctx: NodeContext, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     kb, n = b.shape[::-1] if transB else b.shape
     if k != kb:
         raise ctx.fail(f"A' {[m, k]} and B' {[kb, n]} do not multiply")
-    N, CO, CI = 0, 1, 2  # dims: rows (n), output features (co), reduction (ci)
+    N, CO, CI = 0, 1, _CI  # dims: rows (n), output features (co), reduction (ci)
     a_axes = (identity(CI), identity(N)) if transA else (identity(N), identity(CI))
     b_axes = (identity(CO), identity(CI)) if transB else (identity(CI), identity(CO))
     operands = [Operand(a.name, a_axes), Operand(b.name, b_axes)]
@@ -41,7 +46,14 @@ def convert(ctx: NodeContext, *, alpha=1.0, beta=1.0, transA=0, transB=0):
         operands.append(broadcast_operand(c, (m, n)))
     attrs = GemmAttrs(float(alpha), float(beta), bool(transA), bool(transB))
     dims = [("n", m), ("co", n), ("ci", k)]
-    return make_op(ctx, operands, attrs, dims, (N, CO), 2)
+    op = make_op(ctx, operands, attrs, dims, (N, CO), 2)
+    return replace(op, nest=replace(op.nest, partial_dims=(CI,)))
+
+
+def _first_slice(args) -> bool:
+    """Whether the task holds the start of the contraction (every task that does not
+    split it; the whole op where the box is not given): it alone adds C."""
+    return not args.box or args.box[_CI][0] == 0
 
 
 def forward(xp, attrs: GemmAttrs, inputs, args):
@@ -51,7 +63,7 @@ def forward(xp, attrs: GemmAttrs, inputs, args):
     y = matmul(xp, a, b, args.matmul_dtype)
     if attrs.alpha != 1.0:
         y *= attrs.alpha
-    if len(inputs) > 2:
+    if len(inputs) > 2 and _first_slice(args):
         y += attrs.beta * inputs[2]
     return y
 
@@ -68,7 +80,11 @@ def backward(xp, attrs: GemmAttrs, inputs, output, grad_output, args):
     grad_b = matmul(xp, g.T, ta, low) if attrs.trans_b else matmul(xp, ta.T, g, low)
     grads = [grad_a, grad_b]
     if len(inputs) > 2:
-        grads.append(unbroadcast(xp, grad_output * attrs.beta, inputs[2].shape))
+        c = inputs[2]
+        if _first_slice(args):
+            grads.append(unbroadcast(xp, grad_output * attrs.beta, c.shape))
+        else:
+            grads.append(xp.zeros(c.shape, dtype=grad_output.dtype))
     return tuple(grads)
 
 

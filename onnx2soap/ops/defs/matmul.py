@@ -1,10 +1,15 @@
 """MatMul: numpy.matmul semantics for operands of rank >= 2 (rank 1 is refused): batch
-axes broadcast, and an operand may have fewer of them than the output. The reduction dim
-(``ci``) is never split."""
+axes broadcast, and an operand may have fewer of them than the output.
+
+The contraction dim ``ci`` splits too (``LoopNest.partial_dims``, Megatron's row-parallel
+linear): each task multiplies its slices of both operands, a partial product, and the
+partial tiles are summed; the kernels need nothing for it, since a task's buffers hold
+exactly its slices and its backward gets the whole tile's gradient."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, identity
 from onnx2soap.ops.base import NoAttrs, OpDef, W, X, case
@@ -40,7 +45,10 @@ def convert(ctx: NodeContext):
         Operand(a.name, (*batch_axes(a), identity(M), identity(CI))),
         Operand(b.name, (*batch_axes(b), identity(CI), identity(CO))),
     ]
-    return make_op(ctx, operands, NoAttrs(), dims, range(nb + 2), 2)
+    op = make_op(ctx, operands, NoAttrs(), dims, range(nb + 2), 2)
+    if not (a.dtype.is_float and b.dtype.is_float):
+        return op  # integer products would be summed at int64 width: nothing gained
+    return replace(op, nest=replace(op.nest, partial_dims=(CI,)))
 
 
 def forward(xp, attrs, inputs, args):
