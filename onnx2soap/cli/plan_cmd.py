@@ -19,7 +19,8 @@ from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
 from onnx2soap.options import float_in, int_in
 from onnx2soap.precision import Precision
-from onnx2soap.search.baselines import BASELINES, Rule, by_rule
+from onnx2soap.search.baselines import BASELINES, Rule, build
+from onnx2soap.search.ilp import IlpResult
 from onnx2soap.search.mcmc import (
     MAX_BETA,
     MAX_BUDGET_S,
@@ -149,6 +150,7 @@ class _Outcome:
     baselines: dict[str, Evaluation]
     search: SearchInfo | None
     time_s: float = 0.0  # reported, never written: the plan file stays reproducible
+    ilp: IlpResult | None = None  # the ILP's build and solve times and gap, reported
 
 
 def _search(args, graph, space, simulator: Simulator) -> _Outcome:
@@ -158,7 +160,9 @@ def _search(args, graph, space, simulator: Simulator) -> _Outcome:
     if show:
         sys.stderr.write("\n")
     info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated)
-    return _Outcome(result.best, result.evaluation, dict(result.baselines), info, result.time_s)
+    return _Outcome(
+        result.best, result.evaluation, dict(result.baselines), info, result.time_s, result.ilp
+    )
 
 
 def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
@@ -167,7 +171,11 @@ def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
     def evaluate(strategy: Strategy) -> Evaluation:
         return simulator.evaluate(partitioner.partition(strategy))
 
-    strategy = by_rule(rule, graph, space, devices, args.seed)
+    built = {rule: build(rule, graph, space, devices, args.seed, simulator)}
+    for r in BASELINES:
+        if r not in built:
+            built[r] = build(r, graph, space, devices, 0, simulator)
+    strategy = built[rule].strategy
     validate_strategy(graph, space, strategy)
     chosen = evaluate(strategy)
     if not chosen.fits:
@@ -175,8 +183,8 @@ def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
             f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
             file=sys.stderr,
         )
-    baselines = {r.value: evaluate(by_rule(r, graph, space, devices)) for r in BASELINES}
-    return _Outcome(strategy, chosen, baselines, None)
+    baselines = {r.value: evaluate(built[r].strategy) for r in BASELINES}
+    return _Outcome(strategy, chosen, baselines, None, ilp=built[Rule.ILP].ilp)
 
 
 def _check_dims(space) -> None:
@@ -231,12 +239,32 @@ def run(args: argparse.Namespace) -> int:
         precision=precision,
     )
     save_plan(plan, args.output)
-    _report(args, plan, machine.name, searching, outcome.time_s, costs)
+    _report(args, plan, machine.name, searching, outcome.time_s, costs, outcome.ilp)
     return 0
 
 
+def _ilp_doc(ilp: IlpResult) -> dict:
+    return {
+        "status": ilp.status,
+        "objective_s": ilp.objective_s,
+        "bound_s": ilp.bound_s,
+        "gap": ilp.gap,
+        "build_s": ilp.build_s,
+        "solve_s": ilp.solve_s,
+        "decisions": ilp.decisions,
+        "variables": ilp.variables,
+        "constraints": ilp.constraints,
+    }
+
+
 def _report(
-    args, plan: Plan, machine: str, searching: bool, time_s: float, costs: ChosenCosts
+    args,
+    plan: Plan,
+    machine: str,
+    searching: bool,
+    time_s: float,
+    costs: ChosenCosts,
+    ilp: IlpResult | None,
 ) -> None:
     p, s = plan.predicted, plan.search
     baselines = dict(p.baselines)
@@ -250,6 +278,7 @@ def _report(
             "search_time_s": time_s,
             "costs": costs.name,
             "precision": plan.precision.value,
+            "ilp": _ilp_doc(ilp) if ilp else None,
         }
         print(json.dumps(doc))
         return
@@ -266,3 +295,8 @@ def _report(
             continue
         speedup = t / p.step_time_s if p.step_time_s > 0 else float("inf")
         print(f"  {name:<22}{seconds(t):>12}   {speedup:.2f}x")
+    if ilp:
+        print(
+            f"  ilp: {ilp.decisions} ops decide, {ilp.variables} variables; built in "
+            f"{ilp.build_s:.1f}s, solved in {ilp.solve_s:.1f}s ({ilp.status}, gap {ilp.gap:.2%})"
+        )

@@ -1,14 +1,20 @@
-"""Strategies built by rule, not search: data parallel, model parallel, expert, random."""
+"""Strategies built by rule, not search: data parallel, model parallel, expert, single
+device, Megatron-LM's tensor parallelism (search/megatron.py), Alpa's intra-operator ILP
+(search/ilp.py), random."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
 
 from onnx2soap.ir import Graph, Op, TensorRole
+from onnx2soap.search.ilp import IlpOptions, IlpResult, ilp
+from onnx2soap.search.megatron import megatron, node_size
+from onnx2soap.sim import Simulator
 from onnx2soap.soap.dims import DimKind, SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.strategy import Strategy
@@ -21,12 +27,29 @@ class Rule(Enum):
     MODEL_PARALLEL = "model-parallel"
     EXPERT = "expert"
     SINGLE_DEVICE = "single-device"
+    MEGATRON = "megatron"
+    ILP = "ilp"
     RANDOM = "random"
 
 
 # Every plan is compared with each of these (a search could have returned any of them);
 # one that does not fit in memory is reported as such and never used as a reference.
-BASELINES = (Rule.DATA_PARALLEL, Rule.EXPERT, Rule.SINGLE_DEVICE, Rule.MODEL_PARALLEL)
+BASELINES = (
+    Rule.DATA_PARALLEL,
+    Rule.EXPERT,
+    Rule.SINGLE_DEVICE,
+    Rule.MODEL_PARALLEL,
+    Rule.MEGATRON,
+    Rule.ILP,
+)
+
+
+@dataclass(frozen=True)
+class Built:
+    """A strategy built by rule, and the ILP's account of itself where it built it."""
+
+    strategy: Strategy
+    ilp: IlpResult | None = None
 
 
 def _split_one(dims: tuple[SoapDim, ...], kind: DimKind, devices: int) -> ParallelConfig:
@@ -115,7 +138,36 @@ def random_strategy(graph: Graph, space: Space, devices: int, rng: np.random.Gen
     )
 
 
-def by_rule(rule: Rule, graph: Graph, space: Space, devices: int, seed: int = 0) -> Strategy:
+def build(
+    rule: Rule,
+    graph: Graph,
+    space: Space,
+    devices: int,
+    seed: int = 0,
+    simulator: Simulator | None = None,
+    ilp_options: IlpOptions | None = None,
+) -> Built:
+    """The strategy of ``rule``. Megatron reads the machine's nodes off ``simulator``
+    (without one, all devices are one node); the ILP prices configs with it (required)."""
+    if rule is Rule.MEGATRON:
+        node = devices if simulator is None else node_size(simulator.machine)
+        return Built(megatron(graph, space, devices, node))
+    if rule is Rule.ILP:
+        if simulator is None:
+            raise ValueError("the ILP prices every config with a simulator; give one")
+        result = ilp(graph, space, simulator, ilp_options or IlpOptions())
+        return Built(result.strategy, result)
+    return Built(by_rule(rule, graph, space, devices, seed, simulator))
+
+
+def by_rule(
+    rule: Rule,
+    graph: Graph,
+    space: Space,
+    devices: int,
+    seed: int = 0,
+    simulator: Simulator | None = None,
+) -> Strategy:
     if rule is Rule.DATA_PARALLEL:
         return data_parallel(graph, space, devices)
     if rule is Rule.MODEL_PARALLEL:
@@ -124,4 +176,6 @@ def by_rule(rule: Rule, graph: Graph, space: Space, devices: int, seed: int = 0)
         return expert(graph, space, devices)
     if rule is Rule.SINGLE_DEVICE:
         return single_device(graph, space, devices)
+    if rule in (Rule.MEGATRON, Rule.ILP):
+        return build(rule, graph, space, devices, seed, simulator).strategy
     return random_strategy(graph, space, devices, np.random.default_rng(seed))

@@ -8,7 +8,8 @@ for resharding to its unchanged neighbours. Metropolis–Hastings accepts it wit
 depend on the model's units.
 
 Before the first proposal the search evaluates every strategy built by rule: the
-baselines (data parallelism, expert, single device, model parallelism) and data
+baselines (data parallelism, expert, single device, model parallelism, Megatron-LM's
+tensor parallelism, Alpa's intra-operator ILP: ``search/baselines.py``) and data
 parallelism over the first k devices for every divisor k of the device count
 (``data-parallel:k``; devices are numbered node by node, so these are a node or a few).
 A few chains then run interleaved, one proposal each per round, starting from the best of
@@ -44,7 +45,8 @@ import numpy as np
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
-from onnx2soap.search.baselines import BASELINES, by_rule, narrow_data_parallel
+from onnx2soap.search.baselines import BASELINES, Rule, build, narrow_data_parallel
+from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.regions import RegionMoves
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
@@ -70,6 +72,9 @@ class SearchOptions:
     # The share of proposals that give the new config's shape to the op's neighbourhood
     # too (search/regions.py); the others change the one op.
     region_share: float = 0.25
+    # The ILP start's solver time limit (search/ilp.py), at most a quarter of the budget
+    # (but a second): its time counts in the budget.
+    ilp_time_limit_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check_range("budget", self.budget_s, 0.0, MAX_BUDGET_S, "seconds")
@@ -80,6 +85,11 @@ class SearchOptions:
         _check_int("chains", self.chains, 1, 64)
         _check_int("min_chain_proposals", self.min_chain_proposals, 1, MAX_EVALS)
         _check_range("region_share", self.region_share, 0.0, 1.0, "")
+        _check_range("ilp-time-limit", self.ilp_time_limit_s, 1e-3, MAX_BUDGET_S, "seconds")
+
+    @property
+    def ilp(self) -> IlpOptions:
+        return IlpOptions(min(self.ilp_time_limit_s, max(self.budget_s / 4, 1.0)))
 
 
 def _check_range(name: str, value: float, low: float, high: float, unit: str) -> None:
@@ -124,6 +134,7 @@ class SearchResult:
     proposals: int = 0
     # the best at the first proposal, then at each improvement
     history: tuple[Improvement, ...] = ()
+    ilp: IlpResult | None = None  # the ILP start's account of itself
 
 
 class _Evaluator:
@@ -249,11 +260,19 @@ class _Search:
             chain.active = False
 
 
-def _rule_strategies(graph: Graph, space, devices: int) -> dict[str, Strategy]:
-    """The baselines, then data parallelism over the first k devices."""
-    named = {rule.value: by_rule(rule, graph, space, devices) for rule in BASELINES}
+def _rule_strategies(
+    graph: Graph, space, simulator: Simulator, options: SearchOptions
+) -> tuple[dict[str, Strategy], IlpResult | None]:
+    """The baselines, then data parallelism over the first k devices; and the ILP's
+    account of itself."""
+    devices = simulator.machine.size
+    built = {
+        rule.value: build(rule, graph, space, devices, 0, simulator, options.ilp)
+        for rule in BASELINES
+    }
+    named = {name: b.strategy for name, b in built.items()}
     named.update(narrow_data_parallel(graph, space, devices))
-    return named
+    return named, built[Rule.ILP.value].ilp
 
 
 def mcmc(
@@ -266,7 +285,7 @@ def mcmc(
     began = time.perf_counter()
     search = _Search(graph, space, simulator, options)
     seeds = np.random.SeedSequence(options.seed)
-    named = _rule_strategies(graph, space, search.devices)
+    named, ilp = _rule_strategies(graph, space, simulator, options)
     starts, states = {}, {}
     for name, strategy in named.items():
         starts[name], state = search.evaluate.with_state(strategy)
@@ -343,4 +362,5 @@ def mcmc(
         setup_s=setup_s,
         proposals=proposals,
         history=tuple(history),
+        ilp=ilp,
     )

@@ -190,6 +190,22 @@ def _op_bytes(
     return OpMemory(*(tuple(x.items()) for x in (held, outputs, grads, forward, backward_)))
 
 
+def op_held(
+    graph: Graph,
+    op: Op,
+    tasks: tuple[Task, ...],
+    groups: tuple[ReplicaGroup, ...],
+    itemsize: int,
+    slots: int = 0,
+    objects: bool = True,
+    rounding: int = 0,
+) -> Pieces:
+    """What one op under one config holds per device until the step ends (its share of
+    every device's peak, as ``peak_memory`` counts it, less its kernels' workspace and
+    its edges' buffers): a solver's memory rows (search/ilp.py)."""
+    return _op_bytes(graph, op, tasks, groups, itemsize, slots, objects, rounding).held
+
+
 def _graded(op: Op, tasks: tuple[Task, ...]) -> tuple[Task, ...]:
     """The tasks that gather an output gradient from their readers' pieces: every task,
     or for an op with partial sums each group's holders (``ShareGrad``)."""

@@ -31,6 +31,8 @@ def test_plan_by_rule_records_its_prediction(plan: Path, capsys) -> None:
         "expert",
         "single-device",
         "model-parallel",
+        "megatron",
+        "ilp",
     }
     assert doc["predicted"]["step_time_s"] == doc["predicted"]["baselines"]["expert"]
     fc = next(o for o in doc["ops"] if o["name"] == "/fc1/Gemm")

@@ -38,7 +38,7 @@ class Walk:
 def best_rule(graph: Graph, space: Mapping[str, tuple[SoapDim, ...]], simulator: Simulator):
     """(name, cost) of the fastest strategy ``mcmc`` would have started from."""
     partitioner = Partitioner(graph)
-    named = _rule_strategies(graph, space, simulator.machine.size)
+    named, _ = _rule_strategies(graph, space, simulator, SearchOptions())
     costs = {n: cost_of(simulator.evaluate(partitioner.partition(s))) for n, s in named.items()}
     name = min(costs, key=costs.__getitem__)
     return name, costs[name]

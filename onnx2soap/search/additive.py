@@ -1,0 +1,418 @@
+"""An additive cost of a strategy, op by op and edge by edge: what Alpa's intra-operator
+ILP minimizes (search/ilp.py), priced with the simulator's own costs.
+
+- an op under a config costs the busiest of its devices: its tasks' forward and
+  backward (the simulator's cost model), the rings of its partial sums, statistics and
+  weight gradients (the simulator's ring times, ``taskgraph.Costs.ring``), the updates
+  of its weight shards;
+- an edge under its two configs costs the resharding: every overlap that crosses
+  devices (the partition math's, as the executor sends them) at its route's time, summed
+  per sending and per receiving device, the busiest of them; twice where a gradient
+  flows back the same way;
+- an op under a config holds, per device, what the memory model says it holds to the
+  end of the step (``memory.op_held``).
+
+The simulator schedules: it overlaps transfers with compute and ops on different
+devices with each other, so its step is not this sum. The sum is what makes one binary
+choice per op and a cost per pair of choices an integer program; the ILP's plan is then
+simulated like any other.
+
+Alpa shrinks its graph by merging lightweight ops (elementwise, transposes, reductions)
+into their deepest operand; here an op without weights, statistics or partial sums
+*follows* its latest producer: given the producer's config it takes the config of its
+own that costs least with the edge between them, so its choice is a function of the op
+it follows, and only the others are decisions (``Decisions``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from onnx2soap.ir import Graph, Op, TensorRole
+from onnx2soap.sim import Simulator
+from onnx2soap.sim.memory import op_held
+from onnx2soap.sim.taskgraph import Costs, OpParts, graph_edges
+from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
+from onnx2soap.soap.partition import Task, owners, stat_groups, sum_groups
+
+Space = Mapping[str, tuple[SoapDim, ...]]
+
+
+def mesh_configs(
+    dims: Sequence[SoapDim], devices: int, mesh_only: bool
+) -> tuple[ParallelConfig, ...]:
+    """The configs an op chooses among: on a block of devices starting at device 0 (the
+    device mesh; a block elsewhere is the same split, moved). ``mesh_only``: as Alpa's
+    intra-op pass, which maps a tensor's dims onto the two axes of a logical 2-D mesh,
+    those that split at most two dims into the most tasks the op can have (every device,
+    where its dims allow), and the op whole on device 0."""
+    found = [c for c in candidates(dims, devices) if c.devices[0] == 0]
+    if not mesh_only:
+        return tuple(found)
+    most = max(c.tasks for c in found)
+    return tuple(
+        c for c in found if c.tasks == 1 or (c.tasks == most and sum(d > 1 for d in c.degrees) <= 2)
+    )
+
+
+def _signature(graph: Graph, op: Op) -> tuple:
+    """What an op's costs depend on besides its config: identical layers share them."""
+    tensors = [graph.tensors[t] for t in op.inputs]
+    try:
+        hash(op.attrs)
+        attrs = op.attrs
+    except TypeError:
+        attrs = op.name
+    return (
+        op.type,
+        attrs,
+        op.nest,
+        op.is_loss,
+        tuple((t.shape, t.dtype, t.role) for t in tensors),
+        graph.tensors[op.output].dtype,
+        graph.differentiable(op.output),
+    )
+
+
+@dataclass(frozen=True)
+class OpCost:
+    seconds: float
+    held: tuple[int, ...]  # bytes per device
+
+
+class AdditiveCost:
+    """Costs of ops and edges under configs, memoized by what they depend on."""
+
+    def __init__(self, graph: Graph, simulator: Simulator) -> None:
+        self.graph, self.simulator = graph, simulator
+        self.machine = simulator.machine
+        simulator.memo.bind(graph)
+        self.costs = Costs(simulator.machine, simulator.cost, simulator.itemsize, simulator.memo)
+        self.partitioner = Partitioner(graph)
+        self.ops = {op.name: op for op in graph.ops}
+        self.index = {op.name: i for i, op in enumerate(graph.ops)}
+        self.edges = tuple(
+            (graph.ops[p].name, graph.ops[c].name, k) for p, c, k in graph_edges(graph)
+        )
+        # a number per distinct signature: keys hash fast (a LoopNest hashes deep)
+        interned: dict[tuple, int] = {}
+        self._signatures = {
+            op.name: interned.setdefault(_signature(graph, op), len(interned)) for op in graph.ops
+        }
+        self._op: dict[tuple, OpCost] = {}
+        self._edge: dict[tuple, float] = {}
+        self._tile_memo: dict[tuple, Tiles] = {}
+        self._region_memo: dict[tuple, Regions] = {}
+
+    def op(self, name: str, config: ParallelConfig) -> OpCost:
+        key = (self._signatures[name], config)
+        if key not in self._op:
+            self._op[key] = self._op_cost(self.ops[name], config)
+        return self._op[key]
+
+    def _op_cost(self, op: Op, config: ParallelConfig) -> OpCost:
+        graph, sim, costs = self.graph, self.simulator, self.costs
+        p = self.partitioner
+        tasks = p.tasks(op, config)
+        groups = p.groups(op, config)
+        sums = sum_groups(op, tasks)
+        parts = OpParts(op, config, tasks, groups, stat_groups(op, tasks), sums)
+        backward = graph.differentiable(op.output)
+        forward_s, backward_s = costs.durations(parts)
+        busy = [0.0] * self.machine.size
+        for t, f, b in zip(tasks, forward_s, backward_s, strict=True):
+            busy[t.device] += f + (b if backward else 0.0)
+
+        def ring(devices: tuple[int, ...], numel: int) -> None:
+            if len(devices) > 1:
+                seconds = costs.ring(devices, numel)[0]
+                for d in devices:
+                    busy[d] += seconds
+
+        for group in parts.stats:
+            ring(group.devices, group.numel[0])
+            if backward:
+                ring(group.devices, group.numel[1])
+        for group in sums:
+            ring(group.devices, group.numel)
+            if backward:
+                ring(group.devices, group.numel)
+        for group in groups:
+            if not group.trainable:
+                continue
+            numel = math.prod(hi - lo for lo, hi in group.rect)
+            if backward:
+                ring(group.devices, numel)
+            for d in group.devices:
+                busy[d] += sim.cost.update(numel, self.machine.devices[d], sim.itemsize)
+        held = [0] * self.machine.size
+        pieces = op_held(
+            graph,
+            op,
+            tasks,
+            groups,
+            sim.itemsize,
+            sim.shard_slots,
+            sim.host_objects,
+            sim.rounding_bytes,
+        )
+        for d, n in pieces:
+            held[d] += n
+        return OpCost(max(busy), tuple(held))
+
+    def edge(self, j: int, pconf: ParallelConfig, cconf: ParallelConfig) -> float:
+        """Edge ``j`` (``graph_edges`` order) between its ops under these configs."""
+        producer, consumer, operand = self.edges[j]
+        key = (self._signatures[producer], pconf, self._signatures[consumer], cconf, operand)
+        if key not in self._edge:
+            self._edge[key] = self._edge_cost(producer, pconf, consumer, cconf, operand)
+        return self._edge[key]
+
+    def _edge_cost(self, producer, pconf, consumer, cconf, operand) -> float:
+        c = self.ops[consumer]
+        tensor = self.graph.tensors[c.inputs[operand]]
+        src, dst, volume = crossing_pieces(
+            self._tiles(producer, pconf), self._regions(consumer, cconf, operand)
+        )
+        if not len(volume):
+            return 0.0
+        width = self.simulator.itemsize if tensor.dtype.is_float else tensor.dtype.itemsize
+        latency, bandwidth = self._routes
+        seconds = latency[src, dst] + volume * width / bandwidth[src, dst]
+        n = self.machine.size
+        busiest = max(
+            np.bincount(src, seconds, minlength=n).max(),
+            np.bincount(dst, seconds, minlength=n).max(),
+        )
+        return float(busiest) * (2 if self.graph.differentiable(tensor.name) else 1)
+
+    def _tiles(self, name: str, config: ParallelConfig) -> Tiles:
+        key = (self._signatures[name], config)
+        if key not in self._tile_memo:
+            op = self.ops[name]
+            self._tile_memo[key] = tiles(op, self.partitioner.tasks(op, config), self.machine.size)
+        return self._tile_memo[key]
+
+    def _regions(self, name: str, config: ParallelConfig, operand: int) -> Regions:
+        key = (self._signatures[name], config, operand)
+        if key not in self._region_memo:
+            op = self.ops[name]
+            self._region_memo[key] = regions(self.partitioner.tasks(op, config), operand)
+        return self._region_memo[key]
+
+    @cached_property
+    def _routes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per device pair, a transfer's latency and bandwidth (``Machine.transfer_time``'s
+        terms: every link's latency, the slowest link's rate)."""
+        m, n = self.machine, self.machine.size
+        latency, bandwidth = np.zeros((n, n)), np.ones((n, n))
+        for a in range(n):
+            for b in range(n):
+                if a != b:
+                    links = [m.links[i] for i in m.route(a, b)]
+                    latency[a, b] = sum(x.latency for x in links)
+                    bandwidth[a, b] = min(x.bandwidth for x in links)
+        return latency, bandwidth
+
+    def strategy(self, strategy: Strategy) -> float:
+        """The additive cost of a whole strategy: every op's and every edge's."""
+        total = sum(self.op(n, strategy[n]).seconds for n in self.ops)
+        for j, (p, c, _) in enumerate(self.edges):
+            total += self.edge(j, strategy[p], strategy[c])
+        return total
+
+    def held(self, strategy: Strategy) -> tuple[int, ...]:
+        """Bytes per device the ops hold under ``strategy`` (the memory rows' sum)."""
+        total = [0] * self.machine.size
+        for n in self.ops:
+            for d, b in enumerate(self.op(n, strategy[n]).held):
+                total[d] += b
+        return tuple(total)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A producer's output tiles under one config, as arrays: per tile its rect, its
+    owner's device, and the devices that hold it (a partial sum's group, else the
+    owner's)."""
+
+    lo: np.ndarray  # [tile, axis]
+    hi: np.ndarray
+    device: np.ndarray  # [tile]
+    holds: np.ndarray  # bool [tile, device]
+
+
+@dataclass(frozen=True)
+class Regions:
+    """A consumer's data regions of one operand under one config, as arrays."""
+
+    lo: np.ndarray  # [task, axis]
+    hi: np.ndarray
+    device: np.ndarray  # [task]
+
+
+def tiles(producer: Op, ptasks: Sequence[Task], devices: int) -> Tiles:
+    owned = owners(producer, ptasks)
+    groups = {g.owner: g.devices for g in sum_groups(producer, ptasks)}
+    holds = np.zeros((len(owned), devices), dtype=bool)
+    for i, t in enumerate(owned):
+        holds[i, list(groups.get(t.index, (t.device,)))] = True
+    rank = len(owned[0].output) if owned else 0
+    lo = np.array([[lo for lo, _ in t.output] for t in owned], dtype=np.int64)
+    hi = np.array([[hi for _, hi in t.output] for t in owned], dtype=np.int64)
+    device = np.array([t.device for t in owned], dtype=np.int64)
+    return Tiles(lo.reshape(len(owned), rank), hi.reshape(len(owned), rank), device, holds)
+
+
+def regions(ctasks: Sequence[Task], operand: int) -> Regions:
+    data = [t.inputs[operand].data for t in ctasks]
+    rank = len(data[0]) if data else 0
+    lo = np.array([[lo for lo, _ in r] for r in data], dtype=np.int64)
+    hi = np.array([[hi for _, hi in r] for r in data], dtype=np.int64)
+    device = np.array([t.device for t in ctasks], dtype=np.int64)
+    return Regions(lo.reshape(len(data), rank), hi.reshape(len(data), rank), device)
+
+
+def crossing_pieces(t: Tiles, r: Regions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source devices, destination devices, element counts) of the pieces of an edge
+    that cross devices: ``PartitionedGraph.moves``' overlaps, computed at once over every
+    pair of a producer's tile and a consumer's region (the same interval arithmetic as
+    ``partition.overlaps``, vectorized; ``tests/search/test_ilp.py`` checks them equal).
+    A partial sum's tile comes from its holder on the consumer's device where its group
+    has one (no piece crosses), else from its owner (``partition.summed_overlaps``)."""
+    extent = np.minimum(t.hi[:, None, :], r.hi[None, :, :]) - np.maximum(
+        t.lo[:, None, :], r.lo[None, :, :]
+    )
+    volume = np.prod(np.clip(extent, 0, None), axis=2)  # [tile, consumer task]
+    i, j = np.nonzero((volume > 0) & ~t.holds[:, r.device])
+    return t.device[i], r.device[j], volume[i, j]
+
+
+def crossing(
+    producer: Op, ptasks: Sequence[Task], ctasks: Sequence[Task], operand: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``crossing_pieces`` of one edge's tasks."""
+    devices = 1 + max(t.device for t in (*ptasks, *ctasks))
+    return crossing_pieces(tiles(producer, ptasks, devices), regions(ctasks, operand))
+
+
+def lightweight(graph: Graph, op: Op) -> bool:
+    """An op that follows its producer (Alpa merges such ops into their operand): no
+    weights or state, no statistics, no partial sums, not the loss."""
+    roles = (TensorRole.WEIGHT, TensorRole.STATE)
+    return (
+        not op.is_loss
+        and not op.nest.sync_dims
+        and not op.nest.partial_dims
+        and not any(graph.tensors[t].role in roles for t in op.inputs)
+    )
+
+
+class Decisions:
+    """The ops that decide (the others follow), their configs, and the strategy a choice
+    of them induces."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        space: Space,
+        model: AdditiveCost,
+        mesh_only: bool = True,
+        merge: bool = True,
+    ) -> None:
+        self.graph, self.model = graph, model
+        devices = model.machine.size
+        self.configs = {
+            op.name: mesh_configs(space[op.name], devices, mesh_only) for op in graph.ops
+        }
+        producer = {op.output: op.name for op in graph.ops}
+        # follows[f] = the latest op whose output f reads (Alpa: its deepest operand)
+        self.follows: dict[str, str] = {}
+        for op in graph.ops:
+            sources = [producer[t] for t in op.inputs if t in producer]
+            if merge and sources and lightweight(graph, op):
+                self.follows[op.name] = max(sources, key=model.index.__getitem__)
+        self.leader = {}
+        for op in graph.ops:
+            name = op.name
+            self.leader[name] = self.leader[self.follows[name]] if name in self.follows else name
+        self.deciders = tuple(op.name for op in graph.ops if op.name not in self.follows)
+        self.members: dict[str, list[str]] = {n: [] for n in self.deciders}
+        for op in graph.ops:
+            if op.name in self.follows:
+                self.members[self.leader[op.name]].append(op.name)
+        # the edge from the op a follower follows (its choice is made along it)
+        self._along: dict[str, int] = {}
+        for j, (p, c, _) in enumerate(model.edges):
+            if self.follows.get(c) == p and c not in self._along:
+                self._along[c] = j
+        self._induced: dict[tuple[str, ParallelConfig], dict[str, ParallelConfig]] = {}
+        self._ranked: dict[str, list[tuple[float, int, ParallelConfig]]] = {}
+
+    def induced(self, leader: str, config: ParallelConfig) -> Mapping[str, ParallelConfig]:
+        """The configs of ``leader``'s group when it takes ``config``: each follower, in
+        graph order, the config of its own that costs least with the edge from the op it
+        follows (ties: the cheaper op, then candidate order)."""
+        key = (leader, config)
+        if key not in self._induced:
+            chosen = {leader: config}
+            for name in self.members[leader]:
+                chosen[name] = self._follow(name, chosen[self.follows[name]])
+            self._induced[key] = chosen
+        return self._induced[key]
+
+    def _follow(self, name: str, given: ParallelConfig) -> ParallelConfig:
+        """The follower's config costing least with the edge from ``given``: tried in
+        order of its own cost, which bounds the sum from below, until none can win."""
+        j, model = self._along[name], self.model
+        best, best_cost = None, math.inf
+        for own, _, c in self._by_cost(name):
+            if own >= best_cost:
+                break
+            total = own + model.edge(j, given, c)
+            if total < best_cost:
+                best, best_cost = c, total
+        assert best is not None
+        return best
+
+    def _by_cost(self, name: str) -> list[tuple[float, int, ParallelConfig]]:
+        if name not in self._ranked:
+            configs = self.configs[name]
+            self._ranked[name] = sorted(
+                (self.model.op(name, c).seconds, k, c) for k, c in enumerate(configs)
+            )
+        return self._ranked[name]
+
+    def strategy(self, choice: Mapping[str, ParallelConfig]) -> Strategy:
+        configs: dict[str, ParallelConfig] = {}
+        for leader, config in choice.items():
+            configs.update(self.induced(leader, config))
+        return Strategy(self.model.machine.size, configs)
+
+    @cached_property
+    def internal(self) -> tuple[int, ...]:
+        """Edges within one group (both ends decided by one leader)."""
+        return tuple(
+            j for j, (p, c, _) in enumerate(self.model.edges) if self.leader[p] == self.leader[c]
+        )
+
+    def group(self, leader: str, config: ParallelConfig) -> OpCost:
+        """The group's cost under ``config``: its ops' and its internal edges'."""
+        induced = self.induced(leader, config)
+        seconds = 0.0
+        held = [0] * self.model.machine.size
+        for name, c in induced.items():
+            cost = self.model.op(name, c)
+            seconds += cost.seconds
+            for d, b in enumerate(cost.held):
+                held[d] += b
+        for j in self.internal:
+            p, c, _ = self.model.edges[j]
+            if self.leader[p] == leader:
+                seconds += self.model.edge(j, induced[p], induced[c])
+        return OpCost(seconds, tuple(held))

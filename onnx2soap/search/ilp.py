@@ -1,0 +1,240 @@
+"""Alpa's intra-operator pass: one binary choice per op among its configs on the device
+mesh, solved as an integer program (scipy.optimize.milp, HiGHS) under a time limit.
+
+    minimize   sum_v  c_v . x_v   +   sum_(u,v)  R_uv . y_uv
+    subject to sum_i x_v,i = 1                       (one config per deciding op)
+               sum_j y_uv,ij = x_u,i,  sum_i y_uv,ij = x_v,j   (y = x_u x_v^T)
+               sum_v held_v,d . x_v <= memory_d      (per device)
+               x binary, 0 <= y <= 1
+
+``c_v``: the group's additive cost per config (its ops' compute and collectives, its
+internal edges; ``search/additive.py``), ``R_uv``: the resharding between two groups per
+pair of configs. With ``x`` integral the constraints leave ``y`` one point, the product,
+so ``y`` need not be integer (Alpa's linearization). The memory rows count what the ops
+hold to the end of the step, not kernels' workspace nor receive buffers: the plan is
+then simulated, and may be found not to fit.
+
+A pure function, (graph, space, simulator, options) -> ``IlpResult``: the strategy, the
+objective (its additive cost), HiGHS's bound and gap, and where the time went.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx2soap.errors import UserError
+from onnx2soap.ir import Graph
+from onnx2soap.search.additive import AdditiveCost, Decisions
+from onnx2soap.sim import Simulator
+from onnx2soap.soap import SoapDim, Strategy
+
+Space = Mapping[str, tuple[SoapDim, ...]]
+MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
+SCALE = 1e6  # the objective in microseconds: HiGHS's tolerances are absolute
+
+
+@dataclass(frozen=True)
+class IlpOptions:
+    time_limit_s: float = 10.0
+    mesh_only: bool = True  # configs on every device of the mesh, and on device 0 alone
+    merge: bool = True  # lightweight ops follow their producer (Alpa's graph shrinking)
+
+    def __post_init__(self) -> None:
+        t = self.time_limit_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_TIME_LIMIT_S:
+            raise UserError(
+                f"the ILP's time limit must be in (0, {MAX_TIME_LIMIT_S:g}] s, got {t!r}"
+            )
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    strategy: Strategy
+    objective_s: float  # the strategy's additive cost
+    bound_s: float  # HiGHS's lower bound on the optimum (the objective when optimal)
+    gap: float  # HiGHS's relative gap between them (0: proven optimal)
+    status: str  # "optimal", "time limit", or why no solution came
+    build_s: float  # pricing every config and edge, building the matrices
+    solve_s: float
+    decisions: int  # ops that choose (the others follow)
+    variables: int
+    constraints: int
+
+
+def ilp(graph: Graph, space: Space, simulator: Simulator, options: IlpOptions) -> IlpResult:
+    began = time.perf_counter()
+    model = AdditiveCost(graph, simulator)
+    decisions = Decisions(graph, space, model, options.mesh_only, options.merge)
+    problem = _build(decisions)
+    built = time.perf_counter()
+    choice, status, bound, gap = _solve(problem, decisions, options.time_limit_s)
+    solved = time.perf_counter()
+    strategy = decisions.strategy(choice)
+    objective = model.strategy(strategy)
+    return IlpResult(
+        strategy,
+        objective,
+        bound if math.isfinite(bound) else objective,
+        gap,
+        status,
+        built - began,
+        solved - built,
+        len(decisions.deciders),
+        problem.variables,
+        problem.constraints,
+    )
+
+
+@dataclass(frozen=True)
+class _Problem:
+    cost: np.ndarray  # per variable, microseconds
+    integral: np.ndarray
+    rows: np.ndarray  # constraint matrix in coordinates
+    cols: np.ndarray
+    values: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    offsets: tuple[int, ...]  # per decider, its first x variable
+    counts: tuple[int, ...]
+
+    @property
+    def variables(self) -> int:
+        return len(self.cost)
+
+    @property
+    def constraints(self) -> int:
+        return len(self.lower)
+
+
+def _build(decisions: Decisions) -> _Problem:
+    model = decisions.model
+    deciders = decisions.deciders
+    configs = [decisions.configs[n] for n in deciders]
+    groups = [[decisions.group(n, c) for c in cs] for n, cs in zip(deciders, configs, strict=True)]
+    cost: list[float] = []
+    offsets, counts = [], []
+    for g in groups:
+        offsets.append(len(cost))
+        counts.append(len(g))
+        cost.extend(x.seconds * SCALE for x in g)
+    where = {n: i for i, n in enumerate(deciders)}
+    # Resharding between groups, per pair of deciders (both edge directions summed into
+    # one matrix, rows the earlier decider's configs).
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for j, (p, c, _) in enumerate(model.edges):
+        u, v = where[decisions.leader[p]], where[decisions.leader[c]]
+        if u == v:
+            continue
+        a, b = min(u, v), max(u, v)
+        matrix = pairs.setdefault((a, b), np.zeros((counts[a], counts[b])))
+        for i, ca in enumerate(configs[a]):
+            ia = decisions.induced(deciders[a], ca)
+            for k, cb in enumerate(configs[b]):
+                ib = decisions.induced(deciders[b], cb)
+                matrix[i, k] += model.edge(
+                    j, ia[p] if a == u else ib[p], ib[c] if a == u else ia[c]
+                )
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    lower: list[float] = []
+    upper: list[float] = []
+    integral = [1] * len(cost)
+
+    def row(variables, coefficients, lo: float, hi: float) -> None:
+        r = len(lower)
+        rows.append(np.full(len(variables), r))
+        cols.append(np.asarray(variables))
+        vals.append(np.asarray(coefficients, dtype=float))
+        lower.append(lo)
+        upper.append(hi)
+
+    for off, n in zip(offsets, counts, strict=True):  # one config each
+        row(np.arange(off, off + n), np.ones(n), 1.0, 1.0)
+    for (a, b), matrix in pairs.items():
+        if counts[a] == 1 or counts[b] == 1:
+            # one side fixed: the matrix is a vector on the other's choice
+            if counts[a] == 1:
+                for k in range(counts[b]):
+                    cost[offsets[b] + k] += matrix[0, k] * SCALE
+            else:
+                for i in range(counts[a]):
+                    cost[offsets[a] + i] += matrix[i, 0] * SCALE
+            continue
+        first = len(cost)
+        cost.extend((matrix * SCALE).ravel().tolist())
+        integral.extend([0] * matrix.size)
+        y = first + np.arange(matrix.size).reshape(matrix.shape)
+        for i in range(counts[a]):  # sum_k y_ik = x_a,i
+            row(np.append(y[i], offsets[a] + i), np.append(np.ones(counts[b]), -1.0), 0.0, 0.0)
+        for k in range(counts[b]):  # sum_i y_ik = x_b,k
+            row(np.append(y[:, k], offsets[b] + k), np.append(np.ones(counts[a]), -1.0), 0.0, 0.0)
+    machine = model.machine
+    for d in range(machine.size):  # memory
+        variables, coefficients = [], []
+        for g, off in zip(groups, offsets, strict=True):
+            for i, x in enumerate(g):
+                if x.held[d]:
+                    variables.append(off + i)
+                    coefficients.append(float(x.held[d]))
+        if variables and sum(coefficients) > machine.devices[d].memory:
+            row(np.asarray(variables), coefficients, -np.inf, float(machine.devices[d].memory))
+    return _Problem(
+        np.asarray(cost),
+        np.asarray(integral),
+        np.concatenate(rows) if rows else np.zeros(0, int),
+        np.concatenate(cols) if cols else np.zeros(0, int),
+        np.concatenate(vals) if vals else np.zeros(0),
+        np.asarray(lower),
+        np.asarray(upper),
+        tuple(offsets),
+        tuple(counts),
+    )
+
+
+def _solve(problem: _Problem, decisions: Decisions, time_limit_s: float):
+    """(a config per decider, status, bound in seconds, gap). Where HiGHS finds no
+    solution in time (or none exists within memory), each decider takes its cheapest
+    group config and the status says so."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    matrix = coo_matrix(
+        (problem.values, (problem.rows, problem.cols)),
+        shape=(problem.constraints, problem.variables),
+    ).tocsr()
+    result = milp(
+        problem.cost,
+        integrality=problem.integral,
+        bounds=Bounds(0.0, 1.0),
+        constraints=LinearConstraint(matrix, problem.lower, problem.upper),
+        options={"time_limit": float(time_limit_s), "disp": False},
+    )
+    deciders = decisions.deciders
+    if result.x is None:
+        status = "no plan fits in memory" if result.status == 2 else "no solution in time"
+        choice = {
+            n: min(decisions.configs[n], key=lambda c, n=n: decisions.group(n, c).seconds)
+            for n in deciders
+        }
+        return choice, status, math.inf, math.inf
+    choice = {}
+    for n, off, count in zip(deciders, problem.offsets, problem.counts, strict=True):
+        picked = int(np.argmax(result.x[off : off + count]))
+        choice[n] = decisions.configs[n][picked]
+    status = "optimal" if result.status == 0 else "time limit"
+    bound = getattr(result, "mip_dual_bound", None)
+    gap = getattr(result, "mip_gap", None)
+    bound_s = float(bound) / SCALE if bound is not None else math.inf
+    return choice, status, bound_s, float(gap) if gap is not None else math.inf
+
+
+def ilp_strategy(
+    graph: Graph, space: Space, simulator: Simulator, options: IlpOptions | None = None
+) -> Strategy:
+    return ilp(graph, space, simulator, options or IlpOptions()).strategy
