@@ -79,12 +79,6 @@ def _signature(graph: Graph, op: Op) -> tuple:
     )
 
 
-@dataclass(frozen=True)
-class OpCost:
-    seconds: float
-    held: tuple[int, ...]  # bytes per device
-
-
 class AdditiveCost:
     """Costs of ops and edges under configs, memoized by what they depend on."""
 
@@ -104,18 +98,41 @@ class AdditiveCost:
         self._signatures = {
             op.name: interned.setdefault(_signature(graph, op), len(interned)) for op in graph.ops
         }
-        self._op: dict[tuple, OpCost] = {}
+        self._op: dict[tuple, float] = {}
+        self._held: dict[tuple, tuple[int, ...]] = {}
         self._edge: dict[tuple, float] = {}
         self._tile_memo: dict[tuple, Tiles] = {}
         self._region_memo: dict[tuple, Regions] = {}
 
-    def op(self, name: str, config: ParallelConfig) -> OpCost:
+    def op(self, name: str, config: ParallelConfig) -> float:
+        """Seconds of an op under a config."""
         key = (self._signatures[name], config)
         if key not in self._op:
             self._op[key] = self._op_cost(self.ops[name], config)
         return self._op[key]
 
-    def _op_cost(self, op: Op, config: ParallelConfig) -> OpCost:
+    def op_held(self, name: str, config: ParallelConfig) -> tuple[int, ...]:
+        """Bytes per device an op under a config holds to the end of the step."""
+        key = (self._signatures[name], config)
+        if key not in self._held:
+            op, p, sim = self.ops[name], self.partitioner, self.simulator
+            held = [0] * self.machine.size
+            pieces = op_held(
+                self.graph,
+                op,
+                p.tasks(op, config),
+                p.groups(op, config),
+                sim.itemsize,
+                sim.shard_slots,
+                sim.host_objects,
+                sim.rounding_bytes,
+            )
+            for d, n in pieces:
+                held[d] += n
+            self._held[key] = tuple(held)
+        return self._held[key]
+
+    def _op_cost(self, op: Op, config: ParallelConfig) -> float:
         graph, sim, costs = self.graph, self.simulator, self.costs
         p = self.partitioner
         tasks = p.tasks(op, config)
@@ -150,20 +167,7 @@ class AdditiveCost:
                 ring(group.devices, numel)
             for d in group.devices:
                 busy[d] += sim.cost.update(numel, self.machine.devices[d], sim.itemsize)
-        held = [0] * self.machine.size
-        pieces = op_held(
-            graph,
-            op,
-            tasks,
-            groups,
-            sim.itemsize,
-            sim.shard_slots,
-            sim.host_objects,
-            sim.rounding_bytes,
-        )
-        for d, n in pieces:
-            held[d] += n
-        return OpCost(max(busy), tuple(held))
+        return max(busy)
 
     def edge(self, j: int, pconf: ParallelConfig, cconf: ParallelConfig) -> float:
         """Edge ``j`` (``graph_edges`` order) between its ops under these configs."""
@@ -221,7 +225,7 @@ class AdditiveCost:
 
     def strategy(self, strategy: Strategy) -> float:
         """The additive cost of a whole strategy: every op's and every edge's."""
-        total = sum(self.op(n, strategy[n]).seconds for n in self.ops)
+        total = sum(self.op(n, strategy[n]) for n in self.ops)
         for j, (p, c, _) in enumerate(self.edges):
             total += self.edge(j, strategy[p], strategy[c])
         return total
@@ -230,7 +234,7 @@ class AdditiveCost:
         """Bytes per device the ops hold under ``strategy`` (the memory rows' sum)."""
         total = [0] * self.machine.size
         for n in self.ops:
-            for d, b in enumerate(self.op(n, strategy[n]).held):
+            for d, b in enumerate(self.op_held(n, strategy[n])):
                 total[d] += b
         return tuple(total)
 
@@ -285,10 +289,12 @@ def crossing_pieces(t: Tiles, r: Regions) -> tuple[np.ndarray, np.ndarray, np.nd
     ``partition.overlaps``, vectorized; ``tests/search/test_ilp.py`` checks them equal).
     A partial sum's tile comes from its holder on the consumer's device where its group
     has one (no piece crosses), else from its owner (``partition.summed_overlaps``)."""
-    extent = np.minimum(t.hi[:, None, :], r.hi[None, :, :]) - np.maximum(
-        t.lo[:, None, :], r.lo[None, :, :]
-    )
-    volume = np.prod(np.clip(extent, 0, None), axis=2)  # [tile, consumer task]
+    volume = np.ones((len(t.device), len(r.device)), dtype=np.int64)  # [tile, consumer task]
+    for a in range(t.lo.shape[1]):  # axis by axis: no [tile, task, axis] temporaries
+        extent = np.minimum(t.hi[:, a, None], r.hi[None, :, a])
+        extent -= np.maximum(t.lo[:, a, None], r.lo[None, :, a])
+        np.maximum(extent, 0, out=extent)
+        volume *= extent
     i, j = np.nonzero((volume > 0) & ~t.holds[:, r.device])
     return t.device[i], r.device[j], volume[i, j]
 
@@ -384,7 +390,7 @@ class Decisions:
         if name not in self._ranked:
             configs = self.configs[name]
             self._ranked[name] = sorted(
-                (self.model.op(name, c).seconds, k, c) for k, c in enumerate(configs)
+                (self.model.op(name, c), k, c) for k, c in enumerate(configs)
             )
         return self._ranked[name]
 
@@ -395,24 +401,27 @@ class Decisions:
         return Strategy(self.model.machine.size, configs)
 
     @cached_property
-    def internal(self) -> tuple[int, ...]:
-        """Edges within one group (both ends decided by one leader)."""
-        return tuple(
-            j for j, (p, c, _) in enumerate(self.model.edges) if self.leader[p] == self.leader[c]
-        )
+    def _internal(self) -> dict[str, list[int]]:
+        """Per leader, the edges within its group (both ends decided by it)."""
+        found: dict[str, list[int]] = {n: [] for n in self.deciders}
+        for j, (p, c, _) in enumerate(self.model.edges):
+            if self.leader[p] == self.leader[c]:
+                found[self.leader[p]].append(j)
+        return found
 
-    def group(self, leader: str, config: ParallelConfig) -> OpCost:
-        """The group's cost under ``config``: its ops' and its internal edges'."""
+    def group(self, leader: str, config: ParallelConfig) -> float:
+        """The group's seconds under ``config``: its ops' and its internal edges'."""
         induced = self.induced(leader, config)
-        seconds = 0.0
-        held = [0] * self.model.machine.size
-        for name, c in induced.items():
-            cost = self.model.op(name, c)
-            seconds += cost.seconds
-            for d, b in enumerate(cost.held):
-                held[d] += b
-        for j in self.internal:
+        seconds = sum(self.model.op(name, c) for name, c in induced.items())
+        for j in self._internal[leader]:
             p, c, _ = self.model.edges[j]
-            if self.leader[p] == leader:
-                seconds += self.model.edge(j, induced[p], induced[c])
-        return OpCost(seconds, tuple(held))
+            seconds += self.model.edge(j, induced[p], induced[c])
+        return seconds
+
+    def group_held(self, leader: str, config: ParallelConfig) -> tuple[int, ...]:
+        """Bytes per device the group's ops hold under ``config``."""
+        held = [0] * self.model.machine.size
+        for name, c in self.induced(leader, config).items():
+            for d, b in enumerate(self.model.op_held(name, c)):
+                held[d] += b
+        return tuple(held)

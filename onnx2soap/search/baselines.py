@@ -156,6 +156,8 @@ def build(
         if simulator is None:
             raise ValueError("the ILP prices every config with a simulator; give one")
         result = ilp(graph, space, simulator, ilp_options or IlpOptions())
+        if result.strategy is None:  # not built in time: data parallelism stands in
+            return Built(data_parallel(graph, space, devices), result)
         return Built(result.strategy, result)
     return Built(by_rule(rule, graph, space, devices, seed, simulator))
 

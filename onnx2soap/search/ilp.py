@@ -11,8 +11,10 @@ mesh, solved as an integer program (scipy.optimize.milp, HiGHS) under a time lim
 internal edges; ``search/additive.py``), ``R_uv``: the resharding between two groups per
 pair of configs. With ``x`` integral the constraints leave ``y`` one point, the product,
 so ``y`` need not be integer (Alpa's linearization). The memory rows count what the ops
-hold to the end of the step, not kernels' workspace nor receive buffers: the plan is
-then simulated, and may be found not to fit.
+hold to the end of the step, not kernels' workspace nor receive buffers, and are added
+only where the plan found without them overfills a device (pricing every config's
+memory costs as much as the rest); the plan is then simulated, and may still be found
+not to fit. The time limit bounds building and solving together.
 
 A pure function, (graph, space, simulator, options) -> ``IlpResult``: the strategy, the
 objective (its additive cost), HiGHS's bound and gap, and where the time went.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -54,7 +56,7 @@ class IlpOptions:
 
 @dataclass(frozen=True)
 class IlpResult:
-    strategy: Strategy
+    strategy: Strategy | None  # None: not built within the time limit
     objective_s: float  # the strategy's additive cost
     bound_s: float  # HiGHS's lower bound on the optimum (the objective when optimal)
     gap: float  # HiGHS's relative gap between them (0: proven optimal)
@@ -66,15 +68,41 @@ class IlpResult:
     constraints: int
 
 
+class _OutOfTime(Exception):
+    """The time limit passed while the problem was being built."""
+
+
 def ilp(graph: Graph, space: Space, simulator: Simulator, options: IlpOptions) -> IlpResult:
+    """The time limit bounds building and solving together. Memory rows are added only
+    where the plan found without them holds more than a device has (pricing every
+    config's memory costs as much as the rest of the build), and it is solved again."""
     began = time.perf_counter()
+    deadline = began + options.time_limit_s
     model = AdditiveCost(graph, simulator)
     decisions = Decisions(graph, space, model, options.mesh_only, options.merge)
-    problem = _build(decisions)
-    built = time.perf_counter()
-    choice, status, bound, gap = _solve(problem, decisions, options.time_limit_s)
-    solved = time.perf_counter()
-    strategy = decisions.strategy(choice)
+    solve_s = 0.0
+    try:
+        problem = _build(decisions, deadline)
+    except _OutOfTime:
+        spent = time.perf_counter() - began
+        status = f"not built within the time limit ({options.time_limit_s:g} s)"
+        return IlpResult(None, math.inf, math.inf, math.inf, status, spent, 0.0, 0, 0, 0)
+    memory = tuple(d.memory for d in model.machine.devices)
+    for rows in (False, True):
+        if rows:
+            try:
+                problem = _with_memory(problem, decisions, memory, deadline)
+            except _OutOfTime:
+                status = "over memory: its rows not built within the time limit"
+                break
+        started = time.perf_counter()
+        remaining = max(deadline - started, 0.1)
+        choice, status, bound, gap = _solve(problem, decisions, remaining)
+        solve_s += time.perf_counter() - started
+        strategy = decisions.strategy(choice)
+        over = any(h > m for h, m in zip(model.held(strategy), memory, strict=True))
+        if not over or problem.memory_rows:
+            break
     objective = model.strategy(strategy)
     return IlpResult(
         strategy,
@@ -82,8 +110,8 @@ def ilp(graph: Graph, space: Space, simulator: Simulator, options: IlpOptions) -
         bound if math.isfinite(bound) else objective,
         gap,
         status,
-        built - began,
-        solved - built,
+        time.perf_counter() - began - solve_s,
+        solve_s,
         len(decisions.deciders),
         problem.variables,
         problem.constraints,
@@ -101,6 +129,7 @@ class _Problem:
     upper: np.ndarray
     offsets: tuple[int, ...]  # per decider, its first x variable
     counts: tuple[int, ...]
+    memory_rows: bool = False
 
     @property
     def variables(self) -> int:
@@ -111,17 +140,22 @@ class _Problem:
         return len(self.lower)
 
 
-def _build(decisions: Decisions) -> _Problem:
+def _check(deadline: float) -> None:
+    if time.perf_counter() > deadline:
+        raise _OutOfTime
+
+
+def _build(decisions: Decisions, deadline: float) -> _Problem:
     model = decisions.model
     deciders = decisions.deciders
     configs = [decisions.configs[n] for n in deciders]
-    groups = [[decisions.group(n, c) for c in cs] for n, cs in zip(deciders, configs, strict=True)]
     cost: list[float] = []
     offsets, counts = [], []
-    for g in groups:
+    for n, cs in zip(deciders, configs, strict=True):
+        _check(deadline)
         offsets.append(len(cost))
-        counts.append(len(g))
-        cost.extend(x.seconds * SCALE for x in g)
+        counts.append(len(cs))
+        cost.extend(decisions.group(n, c) * SCALE for c in cs)
     where = {n: i for i, n in enumerate(deciders)}
     # Resharding between groups, per pair of deciders (both edge directions summed into
     # one matrix, rows the earlier decider's configs).
@@ -133,6 +167,7 @@ def _build(decisions: Decisions) -> _Problem:
         a, b = min(u, v), max(u, v)
         matrix = pairs.setdefault((a, b), np.zeros((counts[a], counts[b])))
         for i, ca in enumerate(configs[a]):
+            _check(deadline)
             ia = decisions.induced(deciders[a], ca)
             for k, cb in enumerate(configs[b]):
                 ib = decisions.induced(deciders[b], cb)
@@ -174,16 +209,6 @@ def _build(decisions: Decisions) -> _Problem:
             row(np.append(y[i], offsets[a] + i), np.append(np.ones(counts[b]), -1.0), 0.0, 0.0)
         for k in range(counts[b]):  # sum_i y_ik = x_b,k
             row(np.append(y[:, k], offsets[b] + k), np.append(np.ones(counts[a]), -1.0), 0.0, 0.0)
-    machine = model.machine
-    for d in range(machine.size):  # memory
-        variables, coefficients = [], []
-        for g, off in zip(groups, offsets, strict=True):
-            for i, x in enumerate(g):
-                if x.held[d]:
-                    variables.append(off + i)
-                    coefficients.append(float(x.held[d]))
-        if variables and sum(coefficients) > machine.devices[d].memory:
-            row(np.asarray(variables), coefficients, -np.inf, float(machine.devices[d].memory))
     return _Problem(
         np.asarray(cost),
         np.asarray(integral),
@@ -194,6 +219,41 @@ def _build(decisions: Decisions) -> _Problem:
         np.asarray(upper),
         tuple(offsets),
         tuple(counts),
+    )
+
+
+def _with_memory(
+    problem: _Problem, decisions: Decisions, memory: tuple[int, ...], deadline: float
+) -> _Problem:
+    """The problem with a row per device: what the groups' configs hold, at most its
+    memory (only devices some choice could overfill)."""
+    held = []
+    for n in decisions.deciders:
+        _check(deadline)
+        held.append([decisions.group_held(n, c) for c in decisions.configs[n]])
+    rows, cols, vals = [problem.rows], [problem.cols], [problem.values]
+    lower, upper = list(problem.lower), list(problem.upper)
+    for d, limit in enumerate(memory):
+        variables, coefficients = [], []
+        for g, off in zip(held, problem.offsets, strict=True):
+            for i, x in enumerate(g):
+                if x[d]:
+                    variables.append(off + i)
+                    coefficients.append(float(x[d]))
+        if variables and sum(coefficients) > limit:
+            rows.append(np.full(len(variables), len(lower)))
+            cols.append(np.asarray(variables))
+            vals.append(np.asarray(coefficients))
+            lower.append(-np.inf)
+            upper.append(float(limit))
+    return replace(
+        problem,
+        rows=np.concatenate(rows),
+        cols=np.concatenate(cols),
+        values=np.concatenate(vals),
+        lower=np.asarray(lower),
+        upper=np.asarray(upper),
+        memory_rows=True,
     )
 
 
@@ -219,8 +279,7 @@ def _solve(problem: _Problem, decisions: Decisions, time_limit_s: float):
     if result.x is None:
         status = "no plan fits in memory" if result.status == 2 else "no solution in time"
         choice = {
-            n: min(decisions.configs[n], key=lambda c, n=n: decisions.group(n, c).seconds)
-            for n in deciders
+            n: min(decisions.configs[n], key=lambda c, n=n: decisions.group(n, c)) for n in deciders
         }
         return choice, status, math.inf, math.inf
     choice = {}
@@ -232,9 +291,3 @@ def _solve(problem: _Problem, decisions: Decisions, time_limit_s: float):
     gap = getattr(result, "mip_gap", None)
     bound_s = float(bound) / SCALE if bound is not None else math.inf
     return choice, status, bound_s, float(gap) if gap is not None else math.inf
-
-
-def ilp_strategy(
-    graph: Graph, space: Space, simulator: Simulator, options: IlpOptions | None = None
-) -> Strategy:
-    return ilp(graph, space, simulator, options or IlpOptions()).strategy

@@ -86,3 +86,19 @@ def test_candidates_of_a_graph_validate() -> None:
     # (1,2,2) (1,1,4) = 6 x 2; 8: (4,2,1) (4,1,2) (2,4,1) (2,2,2) (2,1,4) (1,4,2) (1,2,4)
     # (1,1,8) = 8 x 1  [c=7 excludes 8 on c; n=4 excludes 8 on n]
     assert len(candidates(space["relu"], 8)) == 8 + 12 + 12 + 8
+
+
+def test_reduction_splits_are_candidates_where_partial_sums_are_allowed(example_onnx) -> None:
+    """A Conv's and a Gemm's contraction (partial sums) are among the moves, a window's
+    kernel positions and the loss's classes are not (no partial sums for them)."""
+    from onnx2soap.importer import load_model
+
+    graph = load_model(example_onnx, 8).graph
+    space = analyze(graph)
+    summed = set()
+    for op in graph.ops:
+        for config in candidates(space[op.name], 4):
+            for d, k in zip(space[op.name], config.degrees, strict=True):
+                if k > 1 and d.kind is DimKind.REDUCTION:
+                    summed.add((op.type, d.name))
+    assert summed == {("Conv", "ci"), ("Gemm", "ci")}
