@@ -20,7 +20,7 @@ from onnx2soap.importer import load_model
 from onnx2soap.options import float_in, int_in
 from onnx2soap.precision import Precision
 from onnx2soap.search.baselines import BASELINES, Rule, build
-from onnx2soap.search.ilp import IlpResult
+from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.mcmc import (
     MAX_BETA,
     MAX_BUDGET_S,
@@ -65,7 +65,7 @@ def register(sub) -> None:
         "--budget",
         type=float_in(0, MAX_BUDGET_S),
         default=30.0,
-        help="search time budget in seconds",
+        help="search time budget in seconds (with --strategy ilp: the solver's time limit)",
     )
     p.add_argument(
         "--max-evals",
@@ -171,7 +171,9 @@ def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
     def evaluate(strategy: Strategy) -> Evaluation:
         return simulator.evaluate(partitioner.partition(strategy))
 
-    built = {rule: build(rule, graph, space, devices, args.seed, simulator)}
+    # --strategy ilp: the solver's time limit is the budget
+    ilp_options = IlpOptions(max(args.budget, 0.1)) if rule is Rule.ILP else None
+    built = {rule: build(rule, graph, space, devices, args.seed, simulator, ilp_options)}
     for r in BASELINES:
         if r not in built:
             built[r] = build(r, graph, space, devices, 0, simulator)

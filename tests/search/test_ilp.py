@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import replace
@@ -179,3 +180,19 @@ def test_crossing_pieces_are_the_partition_maths(
         src, dst, volume = crossing(ops[edge.producer], ptasks, ctasks, edge.operand)
         got = Counter(zip(src.tolist(), dst.tolist(), np.asarray(volume).tolist(), strict=True))
         assert got == want, edge
+
+
+def test_plan_reports_the_ilp_build_solve_and_gap(example_onnx: Path, tmp_path: Path, capsys):
+    from onnx2soap.cli import main as cli
+
+    args = ["plan", str(example_onnx), "--batch", "8", "--machine", "cpu:4", "--strategy"]
+    assert cli([*args, "ilp", "--budget", "20", "-o", str(tmp_path / "i.json"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    ilp_doc = doc["ilp"]
+    assert ilp_doc["status"] == "optimal" and ilp_doc["gap"] <= 1e-9
+    assert ilp_doc["build_s"] > 0 and ilp_doc["solve_s"] > 0
+    assert ilp_doc["bound_s"] <= ilp_doc["objective_s"] * (1 + 1e-9)
+    assert doc["predicted_step_time_s"] == doc["baselines"]["ilp"]
+    assert cli([*args, "megatron", "-o", str(tmp_path / "m.json")]) == 0
+    table = capsys.readouterr().out
+    assert "megatron" in table and "ilp: " in table and "(optimal, gap 0.00%)" in table
