@@ -59,7 +59,7 @@ def test_conv_dims_are_flexflow_table_1(load_graph, source: str) -> None:
             "co": True,
             "h": True,
             "w": True,
-            "ci": False,
+            "ci": True,  # the input channels: partial sums (no groups here)
             "kh": False,
             "kw": False,
         }, op.name
@@ -128,10 +128,11 @@ def test_gemm_dims(load_graph, source: str) -> None:
     space = dims_by_op(graph)
     for op in gemms:
         dims = space[op.name]
-        # Rows are samples, output features index the weight, input features are summed.
+        # Rows are samples, output features index the weight, input features are summed
+        # (split, they are partial sums).
         assert kinds(dims) == {"n": "sample", "co": "parameter", "ci": "reduction"}, op.name
         assert axes(dims) == {"n": 0, "co": 1, "ci": None}
-        assert splittable(dims) == {"n": True, "co": True, "ci": False}
+        assert splittable(dims) == {"n": True, "co": True, "ci": True}  # ci: partial sums
         assert (dims["n"].size, dims["co"].size) == graph.tensors[op.output].shape
         assert dims["n"].size == BATCH
 
@@ -144,7 +145,7 @@ def test_matmul_on_a_sequence_keeps_the_sequence_as_attribute(load_graph, source
     assert kinds(dims) == {"n": "sample", "m": "attribute", "co": "parameter", "ci": "reduction"}
     assert axes(dims) == {"n": 0, "m": 1, "co": 2, "ci": None}
     assert {n: d.size for n, d in dims.items()} == {"n": BATCH, "m": 6, "co": 24, "ci": 16}
-    assert splittable(dims) == {"n": True, "m": True, "co": True, "ci": False}
+    assert splittable(dims) == {"n": True, "m": True, "co": True, "ci": True}  # partial sums
 
 
 @pytest.mark.parametrize("source", MATMUL_SOURCES)
