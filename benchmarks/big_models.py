@@ -5,10 +5,11 @@
 Each model is an MLP of H×H float32 MatMul layers with its weights in ONNX external data
 on a sparse file (``benchmarks/sparse_mlp.py``: no disk, no time to write). Every command
 runs in a process of its own, timed from start to exit, its peak RSS read from the
-kernel (``wait4``'s ``ru_maxrss``). ``floor`` is the same command on a one-layer 64-wide
-model: the interpreter and its imports, which any model pays; ``beyond`` is the peak
-less that floor. ``--cap-gb`` limits each process's address space, so a command that
-would take the machine's memory fails instead (its exit is shown).
+kernel (``benchmarks/peak_rss.py``: the command's own, not its launcher's). ``floor``
+is the same command on a one-layer 64-wide model: the interpreter and its imports, which
+any model pays; ``beyond`` is the peak less that floor. ``--cap-gb`` limits each
+process's address space, so a command that would take the machine's memory fails instead
+(its exit is shown).
 
 ``--train`` adds the executor: a model of random weights trained for two steps under
 ``mpiexec`` by a model-parallel plan over 4 ranks and a data-parallel plan over 2; every
@@ -25,14 +26,11 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
 
 import argparse
 import json
-import os
-import resource
 import shutil
-import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 
+from benchmarks.peak_rss import measure
 from benchmarks.sparse_mlp import Fill, SparseMlp, write_sparse_mlp
 
 # Model sizes in GB (decimal) -> (layers, hidden).
@@ -47,36 +45,6 @@ FLOOR = (1, 64)
 BATCH = 8
 GB = 1e9
 MB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Measured:
-    wall_s: float
-    peak_rss: int  # bytes, of the process itself
-    exit_code: int
-    error: str  # the last line it printed on stderr when it failed
-
-
-def _limit(cap_bytes: int | None):
-    if cap_bytes is None:
-        return None
-    return lambda: resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
-
-
-def measure(argv: list[str], cap_bytes: int | None = None) -> Measured:
-    """Run ``argv`` to its end: wall time, its peak RSS (``ru_maxrss``: KiB on Linux)."""
-    start = time.perf_counter()
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_limit(cap_bytes)
-        )
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - start
-        err.seek(0)
-        lines = err.read().decode(errors="replace").strip().splitlines()
-    error = lines[-1][:160] if proc.returncode and lines else ""
-    return Measured(wall, usage.ru_maxrss * 1024, proc.returncode, error)
 
 
 def _cli(*args: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -186,8 +187,16 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory so far. Linux's ``VmHWM`` is the high-water
+    mark of this address space alone; ``ru_maxrss`` also holds the one ``exec`` replaced
+    (a rank started straight from a big process would report that process's size)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # no procfs: macOS, bytes
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.ndarray] | None:

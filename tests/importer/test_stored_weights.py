@@ -4,7 +4,6 @@ weight reads exactly that box, compared with numpy's own reading of the same byt
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from benchmarks.peak_rss import measure
 from benchmarks.sparse_mlp import Fill, write_sparse_mlp
 from onnx2soap.importer import load_model, weights
 from onnx2soap.importer.weights import ExternalData, StoredTensor
@@ -151,14 +151,6 @@ def test_bad_external_data_is_refused_in_one_line(tmp_path, entries, data, says)
     assert not (tmp_path / "p.json").exists()
 
 
-def _peak_rss(argv: list[str]) -> tuple[int, int, str]:
-    """Exit code, peak RSS in bytes and stderr of a process run to its end."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
-    err = proc.stderr.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
-    return os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, err
-
-
 @pytest.mark.slow
 def test_a_34_gb_model_is_planned_without_reading_its_weights(tmp_path: Path) -> None:
     """32 layers of 16384x16384 float32 on a sparse file: inspect and plan run in a
@@ -184,9 +176,9 @@ def test_a_34_gb_model_is_planned_without_reading_its_weights(tmp_path: Path) ->
         ],
     }
     for name, argv in runs.items():
-        code, peak, err = _peak_rss(argv)
-        assert code == 0, f"{name}: {err}"
-        assert peak < 1 << 30, f"{name}: peak RSS {peak / 2**20:.0f} MB"
+        got = measure(argv, cwd=REPO)  # the command's own peak, not pytest's
+        assert got.exit_code == 0, f"{name}: {got.stderr}"
+        assert got.peak_rss < 1 << 30, f"{name}: peak RSS {got.peak_rss / 2**20:.0f} MB"
     assert plan.is_file()
     loaded = load_model(mlp.model, batch=8)
     assert {t.name: t.shape for t in loaded.weights.values()} == {
