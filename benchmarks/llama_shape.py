@@ -84,14 +84,14 @@ def export_llama_shape(folder: Path, config: str = "llama3-8b", batch: int = 8, 
     )
     program.save(str(model_path), include_initializers=False, keep_initializers_as_inputs=True)
     proto = onnx.load(str(model_path), load_external_data=False)
-    size = _parameters_to_external_data(proto, data_path.name, data_inputs={"input_ids"})
+    size = parameters_to_external_data(proto, data_path.name, data_inputs={"input_ids"})
     with open(data_path, "wb") as f:
         f.truncate(size)
     onnx.save(proto, str(model_path))
     return Exported(model_path, data_path, size)
 
 
-def _parameters_to_external_data(proto: onnx.ModelProto, location: str, data_inputs) -> int:
+def parameters_to_external_data(proto: onnx.ModelProto, location: str, data_inputs) -> int:
     """Graph inputs other than ``data_inputs`` become initializers stored at 64-byte
     aligned offsets of ``location``; the bytes they need in all."""
     offset, kept = 0, []
