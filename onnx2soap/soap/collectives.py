@@ -44,3 +44,31 @@ def ring_bytes_sent(numel: int, members: int, position: int, itemsize: int) -> i
         (chunks[s.send_chunk][1] - chunks[s.send_chunk][0]) * itemsize
         for s in ring_steps(position, members)
     )
+
+
+# ZeRO's halves (soap/zero.py): member ``r`` owns chunk ``r`` (its shard), so the
+# reduce-scatter ends with each member holding the sum of its own chunk, and the
+# all-gather starts from it. ``chunks`` are the shards' runs of the flat buffer (uneven
+# where the rows do not divide); each half is k-1 lock-step steps, the same chunk sizes
+# as the all-reduce's halves, so together they move what one all-reduce moves.
+
+
+def reduce_scatter_steps(position: int, members: int) -> tuple[RingStep, ...]:
+    """Step ``s``: send chunk ``(r - s - 1) mod k``, add the received ``(r - s - 2) mod
+    k``; the last step adds chunk ``r``, which holds then the sum over the ring."""
+    k, r = members, position
+    return tuple(RingStep((r - s - 1) % k, (r - s - 2) % k, True) for s in range(k - 1))
+
+
+def all_gather_steps(position: int, members: int) -> tuple[RingStep, ...]:
+    """Step ``s``: send chunk ``(r - s) mod k`` (first its own), store the received
+    ``(r - s - 1) mod k``."""
+    k, r = members, position
+    return tuple(RingStep((r - s) % k, (r - s - 1) % k, False) for s in range(k - 1))
+
+
+def chunks_bytes_sent(
+    chunks: tuple[Interval, ...], steps: tuple[RingStep, ...], itemsize: int
+) -> int:
+    """Bytes a member sends in ``steps`` over ``chunks``."""
+    return sum((chunks[s.send_chunk][1] - chunks[s.send_chunk][0]) * itemsize for s in steps)

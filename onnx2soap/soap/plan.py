@@ -3,6 +3,7 @@
     {"format": "onnx2soap.plan", "version": 1,
      "model": {"path": str, "sha256": str, "batch": int}, "loss": str, "devices": int,
      "machine": str | null, "precision": "fp32" | "bf16" | "fp16" (absent: fp32),
+     "zero_stage": 1 | 2 (absent: no ZeRO; soap/zero.py),
      "ops": [{"name": str, "degrees": {dim: int}, "devices": [int]}],
      "predicted": {...} | null, "search": {...} | null}
 
@@ -35,6 +36,7 @@ from onnx2soap.precision import Precision
 from onnx2soap.soap.dims import SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.strategy import Strategy, validate
+from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage
 
 FORMAT = "onnx2soap.plan"
 VERSION = 1
@@ -87,6 +89,7 @@ class Plan:
     predicted: Predicted | None = None
     search: SearchInfo | None = None
     precision: Precision = Precision.FP32
+    zero_stage: ZeroStage = ZeroStage.NONE  # written only when set: older plans read alike
 
     def strategy(self, graph: Graph, space: Mapping[str, tuple[SoapDim, ...]]) -> Strategy:
         """The plan as a validated ``Strategy`` for ``graph`` (errors name the op)."""
@@ -162,6 +165,7 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
         "devices": plan.devices,
         "machine": _relative_machine(plan.machine, plan_dir),
         "precision": plan.precision.value,
+        **({"zero_stage": int(plan.zero_stage)} if plan.zero_stage else {}),
         "ops": [
             {"name": o.name, "degrees": dict(o.degrees), "devices": list(o.devices)}
             for o in plan.ops
@@ -417,6 +421,7 @@ def load_plan(path: Path | str) -> Plan:
         predicted=_read_predicted(r, doc),
         search=_read_search(r, doc),
         precision=_read_precision(r, doc),
+        zero_stage=_read_zero_stage(r, doc),
     )
 
 
@@ -428,3 +433,13 @@ def _read_precision(r: _Reader, doc: Mapping) -> Precision:
     if value not in known:
         raise r.fail("precision", f"must be one of {known}, got {json.dumps(value)[:60]}")
     return Precision(value)
+
+
+def _read_zero_stage(r: _Reader, doc: Mapping) -> ZeroStage:
+    value = r.get(doc, "zero_stage", int, "zero_stage", optional=True)
+    if value is None:
+        return ZeroStage.NONE
+    accepted = [int(s) for s in ZERO_STAGES]
+    if value not in accepted:
+        raise r.fail("zero_stage", f"must be one of {accepted} (a ZeRO stage), got {value}")
+    return ZeroStage(value)
