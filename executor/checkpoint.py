@@ -6,7 +6,8 @@
 
 A checkpoint holds, for every weight and state tensor, the Rects the plan splits it into
 (each written once, by the lowest device of its replica group), the optimizer's state
-(one array per Rect and slot) and the step. The data position and the random streams
+(one array per Rect and slot; under ZeRO one per shard, written by its owner) and the
+step. The data position and the random streams
 (Dropout's bits) follow from the step and the seed, which the manifest records with the
 model's and the plan's sha256. A checkpoint appears only whole: all ranks write into a
 temporary folder, and rank 0 renames it into place and then points LATEST at it, so a
@@ -94,17 +95,21 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _owned_arrays(rt: Runtime) -> list[tuple[str, str, Rect, object]]:
-    """(tensor, kind, rect, array) of every Rect this rank writes: those whose replica
-    group has this rank as its lowest device."""
+    """(tensor, kind, rect, array) of every Rect this rank writes: the values of those
+    whose replica group has this rank as its lowest device, and their optimizer state;
+    under ZeRO every member writes the state of its own shard."""
     out = []
     for op in rt.graph.ops:
         for group in rt.pg.groups[op.name]:
-            if group.devices[0] != rt.rank:
-                continue
             key = (group.weight, group.rect)
-            out.append((group.weight, VALUE, group.rect, rt.shards[key]))
+            if rt.rank not in group.devices:
+                continue
+            if group.devices[0] == rt.rank:
+                out.append((group.weight, VALUE, group.rect, rt.shards[key]))
+            if group.devices[0] != rt.rank and key not in rt.zero:
+                continue
             for slot, array in rt.slots.get(key, {}).items():
-                out.append((group.weight, slot, group.rect, array))
+                out.append((group.weight, slot, rt.slot_rect(key), array))
     return out
 
 
@@ -242,8 +247,9 @@ def restore(rt: Runtime, manifest: Manifest, path: Path) -> None:
             values = _assemble(path, by_key.get((tensor, VALUE), []), rect, rt.dtype)
             rt.device.to_device(values, out=shard)
             rt.refresh_compute_copy((tensor, rect))
+            owned = rt.slot_rect((tensor, rect)) if (tensor, rect) in rt.slots else rect
             for slot, array in rt.slots.get((tensor, rect), {}).items():
-                state = _assemble(path, by_key.get((tensor, slot), []), rect, rt.dtype)
+                state = _assemble(path, by_key.get((tensor, slot), []), owned, rt.dtype)
                 rt.device.to_device(state, out=array)
     except OSError as e:
         raise UserError(f"{path}: cannot read the checkpoint ({e.strerror or e})") from e

@@ -24,7 +24,14 @@ from typing import Any
 from mpi4py import MPI
 
 from executor.device import CudaDevice
-from onnx2soap.soap.collectives import ring_chunks, ring_steps
+from onnx2soap.soap.collectives import (
+    all_gather_steps,
+    chunks_bytes_sent,
+    reduce_scatter_steps,
+    ring_chunks,
+    ring_steps,
+)
+from onnx2soap.soap.partition import Interval
 
 
 def ring_bytes(size: int, itemsize: int, members: int, member: int) -> int:
@@ -96,6 +103,39 @@ class NcclTransport:
         )
         self._held.append(array)
         self.bytes_sent += ring_bytes(count, array.itemsize, len(devices), devices.index(self.rank))
+        return self.device.record(stream)
+
+    def reduce_scatter(self, array, devices: tuple[int, ...], chunks: tuple[Interval, ...]):
+        """ZeRO's uneven reduce-scatter: ncclReduceScatter takes equal counts only, so
+        one ncclReduce per shard, rooted at its owner, all in one NCCL group (NCCL runs
+        them together; each member sends about what a ring's half sends)."""
+        stream = self.device.comm_stream()
+        self.device.wait_event(self.device.record(), stream)
+        comm, kind, base = self._groups[devices], self._type(array), array.data.ptr
+        self.nccl.groupStart()
+        for root, (lo, hi) in enumerate(chunks):
+            ptr = base + lo * array.itemsize
+            comm.reduce(ptr, ptr, hi - lo, kind, self.nccl.NCCL_SUM, root, stream.ptr)
+        self.nccl.groupEnd()
+        return self._started(array, devices, chunks, reduce_scatter_steps, stream)
+
+    def all_gather(self, array, devices: tuple[int, ...], chunks: tuple[Interval, ...]):
+        """ZeRO's uneven all-gather: one ncclBroadcast per shard from its owner, in one
+        NCCL group (ncclAllGather takes equal counts only)."""
+        stream = self.device.comm_stream()
+        self.device.wait_event(self.device.record(), stream)
+        comm, kind, base = self._groups[devices], self._type(array), array.data.ptr
+        self.nccl.groupStart()
+        for root, (lo, hi) in enumerate(chunks):
+            ptr = base + lo * array.itemsize
+            comm.broadcast(ptr, ptr, hi - lo, kind, root, stream.ptr)
+        self.nccl.groupEnd()
+        return self._started(array, devices, chunks, all_gather_steps, stream)
+
+    def _started(self, array, devices, chunks, steps, stream):
+        self._held.append(array)
+        member = devices.index(self.rank)
+        self.bytes_sent += chunks_bytes_sent(chunks, steps(member, len(devices)), array.itemsize)
         return self.device.record(stream)
 
     def wait(self, event) -> None:

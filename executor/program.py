@@ -7,8 +7,10 @@ deterministic and nothing can deadlock:
                                     its output tiles to the tasks that read them;
     backward, ops in reverse order: per task: wait for its output-gradient pieces,
                                     compute, send input-gradient pieces to producers;
-                                    then all-reduce the op's weight replica groups;
-    then the SGD update.
+                                    then all-reduce the op's weight replica groups
+                                    (under ZeRO, reduce-scatter the sharded ones);
+    then the update (under ZeRO, each sharded group's all-gather after its update:
+    executor/runtime.py).
 
 An op with statistics (BatchNorm in training mode) computes in two halves in each phase:
 every task assembles its inputs and its partial statistics (``Partial``), each group of
@@ -32,6 +34,7 @@ from enum import Enum
 
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect
+from onnx2soap.soap.zero import ZeroStage, zero_group
 
 
 class Phase(Enum):
@@ -147,8 +150,27 @@ class AllReduce:
     devices: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ReduceScatter:
+    """ZeRO: start summing a sharded replica group's gradient so that each member ends
+    with the sum of its own shard (soap/zero.py)."""
+
+    op: int
+    group: int  # index into PartitionedGraph.groups[op name]
+    devices: tuple[int, ...]
+
+
 Instruction = (
-    Compute | Partial | ReduceStats | SumOutputs | ShareGrad | Send | Recv | Wait | AllReduce
+    Compute
+    | Partial
+    | ReduceStats
+    | SumOutputs
+    | ShareGrad
+    | Send
+    | Recv
+    | Wait
+    | AllReduce
+    | ReduceScatter
 )
 
 
@@ -255,8 +277,11 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
     return order
 
 
-def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
-    """Every instruction of a step, with the device that executes it, in global order."""
+def global_order(
+    pg: PartitionedGraph, zero: ZeroStage = ZeroStage.NONE
+) -> list[tuple[int, Instruction]]:
+    """Every instruction of a step, with the device that executes it, in global order;
+    ``zero``: the plan's ZeRO stage (sharded groups reduce-scatter their gradients)."""
     graph = pg.graph
     fwd, bwd = _transfers(pg)
     pieces = _pieces(pg, fwd)
@@ -285,9 +310,10 @@ def global_order(pg: PartitionedGraph) -> list[tuple[int, Instruction]]:
                 # rest of the backward pass is still ahead (as the simulator schedules it).
                 for g, group in enumerate(pg.groups[op.name]):
                     if group.trainable and len(group.devices) > 1:
-                        order += [(d, AllReduce(i, g, group.devices)) for d in group.devices]
+                        kind = AllReduce if zero_group(group, zero) is None else ReduceScatter
+                        order += [(d, kind(i, g, group.devices)) for d in group.devices]
     return order
 
 
-def compile_program(pg: PartitionedGraph, rank: int) -> Program:
-    return Program(rank, tuple(ins for device, ins in global_order(pg) if device == rank))
+def compile_program(pg: PartitionedGraph, rank: int, zero: ZeroStage = ZeroStage.NONE) -> Program:
+    return Program(rank, tuple(ins for device, ins in global_order(pg, zero) if device == rank))

@@ -54,6 +54,7 @@ from onnx2soap.ops import TaskArgs
 from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect, Task, owners, rect_shape
+from onnx2soap.soap.zero import ZeroGroup, ZeroStage, zero_group
 
 WeightKey = tuple[str, Rect]
 
@@ -83,11 +84,14 @@ class Runtime:
         optimizer: OptimizerConfig | None = None,
         refuse_nonfinite: bool = False,
         precision: Precision = Precision.FP32,
+        zero: ZeroStage = ZeroStage.NONE,
     ) -> None:
         """``weights`` gives the initial values of the weights and of the state tensors:
         arrays, or ``StoredTensor``s, of which only the boxes this rank holds are read.
         ``refuse_nonfinite``: a NaN or infinity in them is a ``UserError``.
-        ``precision``: mixed precision (``executor/precision.py``) on float32 shards."""
+        ``precision``: mixed precision (``executor/precision.py``) on float32 shards.
+        ``zero``: the plan's ZeRO stage (soap/zero.py): the program must be compiled
+        with it."""
         self.pg, self.graph, self.program = pg, pg.graph, program
         self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
         self.device = device or CpuDevice()
@@ -104,6 +108,10 @@ class Runtime:
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
         self.shards: dict[WeightKey, object] = {}
         self.trainable: set[WeightKey] = set()
+        self.zero_stage = zero
+        # ZeRO: the rank's sharded groups; it updates, and keeps optimizer state for,
+        # its own rows of each (``slot_rect``).
+        self.zero: dict[WeightKey, ZeroGroup] = {}
         for op in self.graph.ops:
             for group in pg.groups[op.name]:
                 if self.rank in group.devices:
@@ -111,6 +119,9 @@ class Runtime:
                     self.shards[key] = self._shard(weights[group.weight], key, refuse_nonfinite)
                     if group.trainable:
                         self.trainable.add(key)
+                    sharded = zero_group(group, zero)
+                    if sharded is not None:
+                        self.zero[key] = sharded
         # Updated in this order (the shards' own: graph order), every step.
         self.trainable_order = tuple(k for k in self.shards if k in self.trainable)
         # Mixed precision: the kernels read each trainable weight rounded to the half
@@ -144,9 +155,13 @@ class Runtime:
         # does not wait for the default one), and complete before the first step.
         with self.device.compute():
             self.buffers = _Buffers(self)
-            # The optimizer's state, shaped and sharded like each trainable shard.
+            # The optimizer's state, shaped and sharded like each trainable shard (under
+            # ZeRO like the rank's rows of it).
             self.slots = {
-                key: {name: self.xp.zeros_like(self.shards[key]) for name in self.optimizer.slots}
+                key: {
+                    name: self.xp.zeros(rect_shape(self.slot_rect(key)), dtype=self.dtype)
+                    for name in self.optimizer.slots
+                }
                 for key in self.trainable
             }
         self.device.synchronize()
@@ -165,6 +180,23 @@ class Runtime:
             return host  # read fresh from the file: the rank's own, no second copy
         with self.device.compute():
             return self.device.to_device(host)
+
+    def slot_rect(self, key: WeightKey) -> Rect:
+        """The Rect of a trainable shard this rank updates and keeps optimizer state for:
+        the shard, or under ZeRO the rank's rows of it."""
+        sharded = self.zero.get(key)
+        return key[1] if sharded is None else sharded.shard(self.rank)
+
+    def owned_gradient(self, key: WeightKey):
+        """The summed gradient of ``slot_rect(key)``: the shard's, or under ZeRO-1 the
+        rank's rows of the full-size buffer (its other rows are partly summed), under
+        ZeRO-2 the array ``Step`` kept of them."""
+        grad = self.buffers.gradient(key, self.xp)
+        sharded = self.zero.get(key)
+        if sharded is None or self.zero_stage is ZeroStage.GRADIENTS:
+            return grad
+        lo, hi = sharded.rows(self.rank)
+        return grad[lo:hi]
 
     def dtype_of(self, tensor: str) -> np.dtype:
         """Float tensors in the run's dtype; ids stay int64."""
@@ -218,6 +250,7 @@ class Runtime:
             with self._timed("wait allreduce", "allreduce") if self._tracing else nullcontext():
                 for pending in state.reductions:  # every gradient is summed before the update
                     self.transport.wait(pending)
+                state.finish_scatters()
                 self.transport.end_step()
             loss = state.loss()
         return loss
@@ -225,7 +258,8 @@ class Runtime:
     def nonfinite_gradients(self) -> bool:
         """Whether a weight gradient of this step holds an infinity or NaN."""
         with self.device.compute():
-            finite = [self.xp.isfinite(g).all() for g in self.buffers.grads.values()]
+            grads = [self.owned_gradient(key) for key in list(self.buffers.grads)]
+            finite = [self.xp.isfinite(g).all() for g in grads]
             return not all(bool(f) for f in finite)
 
     def update(self, lr: float, grad_scale: float = 1.0, skip: bool = False) -> None:
@@ -236,19 +270,41 @@ class Runtime:
             if not skip:
                 self.updates += 1
                 tracing = self._tracing
+                gathers = []
                 for key in self.trainable_order:
                     with self._timed(f"update {key[0]}", "update") if tracing else nullcontext():
-                        self._update_shard(key, lr, grad_scale)
+                        gathers += self._update_shard(key, lr, grad_scale)
+                if gathers:
+                    self._gather(gathers)
             self.buffers.grads.clear()  # the gradients live from their backward to here
         self.device.synchronize()
 
-    def _update_shard(self, key: WeightKey, lr: float, grad_scale: float) -> None:
-        grad = self.buffers.gradient(key, self.xp)
+    def _update_shard(self, key: WeightKey, lr: float, grad_scale: float) -> list:
+        """Update the rank's part of a trainable shard; under ZeRO start the all-gather
+        that gives every member the others' updated rows (returned, in flight)."""
+        grad = self.owned_gradient(key)
         if grad_scale != 1.0:
             grad *= grad_scale
-        slots = self.slots[key]
-        apply_update(self.xp, self.optimizer, self.shards[key], grad, slots, lr, self.updates)
-        self.refresh_compute_copy(key)
+        slots, sharded = self.slots[key], self.zero.get(key)
+        if sharded is None:
+            apply_update(self.xp, self.optimizer, self.shards[key], grad, slots, lr, self.updates)
+            self.refresh_compute_copy(key)
+            return []
+        lo, hi = sharded.rows(self.rank)
+        param = self.shards[key][lo:hi]  # a view: the update writes the shard in place
+        apply_update(self.xp, self.optimizer, param, grad, slots, lr, self.updates)
+        devices = sharded.group.devices
+        return [(key, self.transport.all_gather(self.shards[key], devices, sharded.chunks))]
+
+    def _gather(self, gathers: list) -> None:
+        """Complete the step's all-gathers (started in update order, one ring at a time
+        per communicator), then remake the half-format copies of what they wrote."""
+        with self._timed("wait allgather", "allreduce") if self._tracing else nullcontext():
+            for _, pending in gathers:
+                self.transport.wait(pending)
+            self.transport.end_step()
+        for key, _ in gathers:
+            self.refresh_compute_copy(key)
 
     @property
     def _tracing(self) -> bool:

@@ -21,6 +21,7 @@ from executor.program import (
     Partial,
     Phase,
     Recv,
+    ReduceScatter,
     ReduceStats,
     Send,
     ShareGrad,
@@ -31,6 +32,7 @@ from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey
 from onnx2soap.soap.partition import Rect, rect_shape
+from onnx2soap.soap.zero import ZeroStage
 
 WeightKey = tuple[str, Rect]
 
@@ -61,6 +63,7 @@ class Step:
         self.updated: set[WeightKey] = set()  # state shards this step has written
         self.pending: dict[int, object] = {}
         self.reductions: list = []  # weight gradients' all-reduces in flight
+        self.scatters: list = []  # ZeRO: (shard key, reduce-scatter in flight)
         self.losses: list = []
         self.scale = 1.0
         if rt.graph.loss_op is not None:
@@ -80,6 +83,7 @@ class Step:
             Recv: self.recv,
             Wait: self.wait,
             AllReduce: self.allreduce,
+            ReduceScatter: self.reduce_scatter,
         }
 
     def loss(self) -> float:
@@ -337,3 +341,25 @@ class Step:
         group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
         grad = self.buf.gradient((group.weight, group.rect), self.xp)
         self.reductions.append(self.rt.transport.allreduce(grad, ins.devices))
+
+    def reduce_scatter(self, ins: ReduceScatter) -> None:
+        """ZeRO: start summing a sharded group's gradient into each member's rows. The
+        rank first completes the one it started before (the previous op's): at ZeRO-2
+        that drops its full-size gradient, so that a rank holds at most one in flight
+        besides the one its backward kernel makes (the memory model counts the same)."""
+        self.finish_scatters()
+        group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
+        key = (group.weight, group.rect)
+        grad = self.buf.gradient(key, self.xp)
+        chunks = self.rt.zero[key].chunks
+        self.scatters.append((key, self.rt.transport.reduce_scatter(grad, ins.devices, chunks)))
+
+    def finish_scatters(self) -> None:
+        """Complete the reduce-scatters in flight; at ZeRO-2 the step keeps only the
+        rank's rows of each gradient (a copy: a view would keep the whole buffer)."""
+        for key, pending in self.scatters:
+            self.rt.transport.wait(pending)
+            if self.rt.zero_stage is ZeroStage.GRADIENTS:
+                lo, hi = self.rt.zero[key].rows(self.rt.rank)
+                self.buf.grads[key] = self.buf.grads[key][lo:hi].copy()
+        self.scatters.clear()

@@ -38,6 +38,7 @@ from executor.program import (
     Partial,
     Phase,
     Recv,
+    ReduceScatter,
     ReduceStats,
     Send,
     ShareGrad,
@@ -70,6 +71,9 @@ def task_name(pg, ins) -> tuple[str, str]:
         return f"partial sums {graph.ops[ins.op].name} bwd", "allreduce"
     if isinstance(ins, AllReduce):
         return f"allreduce {pg.groups[graph.ops[ins.op].name][ins.group].weight}", "allreduce"
+    if isinstance(ins, ReduceScatter):
+        weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
+        return f"reduce-scatter {weight}", "allreduce"
     t = ins.transfer
     tensor = graph.ops[t.producer[0]].output
     verb = "send" if t.phase is Phase.FORWARD else "grad"

@@ -51,6 +51,7 @@ from onnx2soap.ir import DType, Graph
 from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
 from onnx2soap.soap.partition import rect_shape
+from onnx2soap.soap.zero import check_zero
 
 T = TypeVar("T")
 
@@ -133,6 +134,7 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
     model = load_model(path, plan.batch, import_loss(plan))
     strategy = plan.strategy(model.graph, analyze(model.graph))
     pg = Partitioner(model.graph).partition(strategy)
+    check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(options.plan))
     dtype = np.dtype(options.dtype.value)
     if options.data is not None:
         shuffle = options.seed if options.shuffle else None
@@ -169,7 +171,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
     try:
         return Runtime(
             s.pg,
-            compile_program(s.pg, rank),
+            compile_program(s.pg, rank, s.plan.zero_stage),
             transport,
             {**s.model.weights, **s.model.state},
             np.dtype(options.dtype.value),
@@ -179,6 +181,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
             options.optimizer,
             refuse_nonfinite=not options.allow_nonfinite,
             precision=s.precision,
+            zero=s.plan.zero_stage,
         )
     except UserError as e:
         raise UserError(f"{s.model.path}: {e}") from e

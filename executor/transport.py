@@ -35,7 +35,14 @@ from mpi4py import MPI
 from executor.device import Device
 from executor.doorbell import LONGEST_NAP_S, Doorbell, GroupBell
 from executor.kinds import DeviceKind, TransportKind
-from onnx2soap.soap.collectives import ring_chunks, ring_steps
+from onnx2soap.soap.collectives import (
+    RingStep,
+    all_gather_steps,
+    reduce_scatter_steps,
+    ring_chunks,
+    ring_steps,
+)
+from onnx2soap.soap.partition import Interval
 
 Array = Any  # numpy or cupy
 
@@ -60,6 +67,19 @@ class Transport(Protocol):
 
     def allreduce(self, array: Array, devices: tuple[int, ...]) -> Pending:
         """Start an in-place sum of a contiguous array over ``devices``."""
+
+    def reduce_scatter(
+        self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
+    ) -> Pending:
+        """Start summing a contiguous array over ``devices`` so that member ``i`` (its
+        place in ``devices``) ends with the sum of its flat run ``chunks[i]`` (ZeRO; the
+        rest of its array is left partly summed)."""
+
+    def all_gather(
+        self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
+    ) -> Pending:
+        """Start giving every member of ``devices`` member ``i``'s run ``chunks[i]`` of
+        a contiguous array, in place (ZeRO's updated shards)."""
 
     def wait(self, pending: Pending) -> None:
         """The receive or all-reduce is complete as far as the computation that follows
@@ -142,15 +162,19 @@ class _Ring:
         counter: _Counter,
         device: Device,
         bell: GroupBell | None = None,
+        chunks: tuple[Interval, ...] | None = None,
+        steps: Callable[[int, int], tuple[RingStep, ...]] = ring_steps,
     ) -> None:
         """``flat`` is a numpy array, or device memory under a CUDA-aware MPI (then
         each step waits for the addition before MPI reads the chunk). ``bell``: this
-        rank's doorbell and the world ranks of ``comm``'s members, who are rung."""
+        rank's doorbell and the world ranks of ``comm``'s members, who are rung.
+        ``chunks`` and ``steps``: another schedule over given runs (ZeRO's halves);
+        by default the all-reduce's over balanced chunks."""
         self.comm, self.flat, self.counter = comm, flat, counter
         self.device = device if not isinstance(flat, np.ndarray) else None
         k, r = comm.Get_size(), comm.Get_rank()
-        self.chunks = ring_chunks(flat.size, k)
-        self.steps = list(ring_steps(r, k))
+        self.chunks = ring_chunks(flat.size, k) if chunks is None else chunks
+        self.steps = list(steps(r, k))
         self.right, self.left = (r + 1) % k, (r - 1) % k
         self.bell = bell
         self.scratch: Array | None = None  # made when the ring's turn comes, dropped after
@@ -316,9 +340,24 @@ class MpiTransport:
         return _MpiReceive(self.comm.Irecv(buffer, source=source), source)
 
     def allreduce(self, array: Array, devices: tuple[int, ...]) -> _MpiReduce:
+        return self._ring(array, devices)
+
+    def reduce_scatter(
+        self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
+    ) -> _MpiReduce:
+        return self._ring(array, devices, chunks, reduce_scatter_steps)
+
+    def all_gather(
+        self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
+    ) -> _MpiReduce:
+        return self._ring(array, devices, chunks, all_gather_steps)
+
+    def _ring(self, array: Array, devices: tuple[int, ...], chunks=None, steps=ring_steps):
+        """Start a ring on ``devices``' communicator (staged: on a host copy, copied back
+        whole by ``wait``)."""
         flat = self._host(array).reshape(-1)
         bell = self._group_bells.get(devices)
-        ring = _Ring(self._groups[devices], flat, self._counter, self.device, bell)
+        ring = _Ring(self._groups[devices], flat, self._counter, self.device, bell, chunks, steps)
         self._rings.start(devices, ring)
         return _MpiReduce(ring, array if self.staged else None)
 

@@ -112,11 +112,15 @@ def data_parallel_groups(groups: Iterable[ReplicaGroup]) -> int:
     return sum(1 for g in groups if g.trainable and len(g.devices) > 1)
 
 
-def check_zero(stage: ZeroStage, groups: Iterable[ReplicaGroup], source: str) -> None:
-    """A ZeRO stage needs data parallelism: some weight replicated over devices."""
+def check_zero(
+    stage: ZeroStage, groups: Iterable[ReplicaGroup], source: str, what: str | None = None
+) -> None:
+    """A ZeRO stage needs data parallelism: some weight replicated over devices.
+    ``what`` names the stage where it is not the plan file's field."""
     if stage is not ZeroStage.NONE and not data_parallel_groups(groups):
+        what = what or f"field 'zero_stage': {int(stage)}"
         raise PlanError(
-            f"{source}: field 'zero_stage': {int(stage)} needs data parallelism, but no weight "
-            "of the plan is replicated over more than one device (use a plan with data "
-            "parallelism, or drop zero_stage)"
+            f"{source}: {what} needs data parallelism, but no weight of the plan is "
+            "replicated over more than one device (use a plan with data parallelism, or no "
+            "ZeRO stage)"
         )

@@ -292,6 +292,59 @@ class NcclCommunicator:
 
         self._queue(stream, _Call(f"all-reduce of {count}", post, buffers))
 
+    def reduce(
+        self,
+        sendbuf: int,
+        recvbuf: int,
+        count: int,
+        datatype: int,
+        op: int,
+        root: int,
+        stream: int,
+    ) -> None:
+        """ncclReduce: the sum (or ``op``) of every member's ``sendbuf`` lands in the
+        root's ``recvbuf`` only (in place where the root passes one pointer twice); the
+        other members' ``recvbuf`` is not touched."""
+        comm = self._live()
+        if op not in _OPS:
+            raise NcclError(INVALID_ARGUMENT, f"reduction {op}")
+        self._check_peer(root)
+        alive_in, source = self._memory(sendbuf, count, datatype)
+        buffers = [(alive_in, alive_in().owner)]  # type: ignore[union-attr]
+        target = None
+        if self._rank == root:
+            alive_out, target = self._memory(recvbuf, count, datatype)
+            buffers.append((alive_out, alive_out().owner))  # type: ignore[union-attr]
+
+        def post() -> MPI.Request:
+            if self._rank != root:
+                return comm.Ireduce(source, None, op=_OPS[op], root=root)
+            payload = MPI.IN_PLACE if sendbuf == recvbuf else source
+            return comm.Ireduce(payload, target, op=_OPS[op], root=root)
+
+        self._queue(stream, _Call(f"reduce of {count} to rank {root}", post, buffers))
+
+    def broadcast(
+        self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int
+    ) -> None:
+        """ncclBroadcast: the root's ``sendbuff`` lands in every member's ``recvbuff``
+        (the root's too; in place where it passes one pointer twice)."""
+        comm = self._live()
+        self._check_peer(root)
+        alive_out, target = self._memory(recvbuff, count, datatype)
+        buffers = [(alive_out, alive_out().owner)]  # type: ignore[union-attr]
+        source = target
+        if self._rank == root and sendbuff != recvbuff:
+            alive_in, source = self._memory(sendbuff, count, datatype)
+            buffers.append((alive_in, alive_in().owner))  # type: ignore[union-attr]
+
+        def post() -> MPI.Request:
+            if source is not target:
+                target[...] = source
+            return comm.Ibcast(target, root=root)
+
+        self._queue(stream, _Call(f"broadcast of {count} from rank {root}", post, buffers))
+
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self._ndev:
             raise NcclError(INVALID_ARGUMENT, f"peer {peer} of {self._ndev}")
