@@ -17,6 +17,7 @@ from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import Timeline, simulate
 from onnx2soap.sim.taskgraph import Memo, TaskGraph, build_task_graph
 from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.zero import ZeroStage
 
 __all__ = [
     "CostModel",
@@ -42,14 +43,16 @@ def make_simulator(
     cost: CostModel,
     optimizer_slots: int = 0,
     precision: Precision = Precision.FP32,
+    zero: ZeroStage = ZeroStage.NONE,
 ) -> Simulator:
     """A simulator of training in ``precision``: its costs (``precision_cost``) and its
-    memory both follow it."""
+    memory both follow it; ``zero``: the plan's ZeRO stage (soap/zero.py)."""
     return Simulator(
         machine,
         with_precision(cost, precision),
         optimizer_slots=optimizer_slots,
         precision=precision,
+        zero=zero,
     )
 
 
@@ -66,6 +69,9 @@ class Simulator:
     memo: Memo = field(default_factory=Memo, compare=False, repr=False)
     # Mixed precision: its memory here; its time in the cost model (``make_simulator``).
     precision: Precision = Precision.FP32
+    # ZeRO: sharded groups' rings, updates and memory (soap/zero.py); one stage per
+    # simulator, since its memo keeps durations and memory under it
+    zero: ZeroStage = ZeroStage.NONE
 
     @property
     def shard_slots(self) -> int:
@@ -86,7 +92,9 @@ class Simulator:
         return self.machine.transfers_use_compute
 
     def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
-        return build_task_graph(pg, self.machine, self.cost, self.itemsize, names, self.memo)
+        return build_task_graph(
+            pg, self.machine, self.cost, self.itemsize, names, self.memo, self.zero
+        )
 
     def evaluate(self, pg: PartitionedGraph) -> Evaluation:
         tg = self.task_graph(pg)  # binds the memo to pg's graph
@@ -99,6 +107,8 @@ class Simulator:
             self.shard_slots,
             self.host_objects,
             self.rounding_bytes,
+            self.zero,
+            self.optimizer_slots,
         )
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))
         return Evaluation(timeline.makespan, memory, int(tg.nbytes.sum()), fits)

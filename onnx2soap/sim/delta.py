@@ -68,7 +68,7 @@ class DeltaSimulator:
         self.graph = graph = partitioner.graph
         simulator.memo.bind(graph)
         m = simulator.machine
-        self.costs = Costs(m, simulator.cost, simulator.itemsize, simulator.memo)
+        self.costs = Costs(m, simulator.cost, simulator.itemsize, simulator.memo, simulator.zero)
         self.lay = layout(graph)
         self.builder = SlotBuilder(self.costs, self.lay)
         self.num_resources = m.resources
@@ -152,6 +152,8 @@ class DeltaSimulator:
                 sim.shard_slots,
                 sim.host_objects,
                 sim.rounding_bytes,
+                sim.zero,
+                sim.optimizer_slots,
             )
         return memo[key]
 

@@ -17,6 +17,11 @@ forward, over what it holds before and during one kernel:
   every task's output tile and the gradients of its activation inputs, kept until the
   step ends, and each trainable Rect's gradient: the first backward kernel's fresh
   array, which later ones are summed into, kept until the update;
+- under ZeRO (soap/zero.py), a sharded group's optimizer state is the member's rows
+  only; at stage 2 so is its gradient once the reduce-scatter is done: the full-size
+  gradient counts in its op's backward kernels (their peak) and stays, in flight,
+  through the backward of the ops after it in the backward's order until the rank's
+  next reduce-scatter starts (``executor/step.py`` completes one before the next);
 - on top of that, what a kernel holds while it runs (``OpDef.workspace``: Conv's
   columns, MaxPool's tap copies), in the backward with the fresh gradients of data
   inputs (and of weights already given one) it returns before they are summed or
@@ -49,6 +54,7 @@ from onnx2soap.soap.partition import (
     stat_groups,
     sum_groups,
 )
+from onnx2soap.soap.zero import ZeroStage, zero_group
 
 # Arrays of optimizer state per trainable shard (the executor's ``--optimizer``). The
 # temporaries of momentum's and Adam's updates (a shard's size or two) are not counted.
@@ -85,6 +91,9 @@ class OpMemory:
     grads: Pieces
     forward: Pieces
     backward: Pieces
+    # ZeRO-2: the full-size gradients' bytes beyond the rank's rows, held while their
+    # reduce-scatter is in flight (after the op's backward, until the rank's next one)
+    inflight: Pieces = ()
 
 
 def _width(t, itemsize: int) -> int:
@@ -104,24 +113,38 @@ def _op_bytes(
     slots: int = 0,
     objects: bool = True,
     rounding: int = 0,
+    zero: ZeroStage = ZeroStage.NONE,
+    sharded_slots: int = 0,
 ) -> OpMemory:
     """What one op holds per device, counting every activation input buffer and output
     gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place).
     ``rounding``: bytes per element mixed precision's rounding of a kernel's result
-    holds while it runs (its temporaries), after the kernel's own are gone."""
+    holds while it runs (its temporaries), after the kernel's own are gone. ``zero``:
+    the plan's ZeRO stage; ``sharded_slots`` of the ``slots`` (the optimizer's, not
+    mixed precision's weight copy) are then the member's rows only."""
     held: dict[int, int] = {}
     outputs: dict[int, int] = {}
     grads: dict[int, int] = {}
     forward: dict[int, int] = {}
     backward_: dict[int, int] = {}
+    excess: dict[int, int] = {}  # ZeRO-2: full-size gradients beyond the rank's rows
     backward = graph.differentiable(op.output)
-    shards = {(g.weight, g.rect, d, g.trainable) for g in groups for d in g.devices}
-    for _, rect, d, trainable in shards:
+    shards = {(g.weight, g.rect, d): g for g in groups for d in g.devices}
+    for (_, rect, d), group in shards.items():
         n = rect_volume(rect) * itemsize
-        _add(held, d, (1 + slots) * n if trainable else n)  # + the optimizer's state
-        if trainable:  # its gradient: the first backward kernel's own, until the update
+        if not group.trainable:
             _add(held, d, n)
-            _add(grads, d, n)
+            continue
+        sharded = zero_group(group, zero)
+        own = n if sharded is None else sharded.numel(d) * itemsize
+        _add(held, d, n + (slots - sharded_slots) * n + sharded_slots * own)
+        # Its gradient: the first backward kernel's own, until the update; at ZeRO-2 the
+        # rank's rows of it, once the reduce-scatter is done.
+        grad = own if zero is ZeroStage.GRADIENTS else n
+        _add(held, d, grad)
+        _add(grads, d, grad)
+        if n > grad:
+            _add(excess, d, n - grad)
     adopted: set[tuple] = set()  # (weight, rect, device) whose first gradient is made
     holders = {t for g in sum_groups(op, tasks) for t in g.holders}
     graded = {t.index for t in _graded(op, tasks)} if backward and not op.is_loss else set()
@@ -187,7 +210,11 @@ def _op_bytes(
             n = group.numel * out_width
             for d in group.devices:  # the summed tile, and its shared gradient
                 _add(held, d, 2 * n if backward else n)
-    return OpMemory(*(tuple(x.items()) for x in (held, outputs, grads, forward, backward_)))
+    if backward:  # ZeRO-2: the whole gradient exists from the op's backward kernels on
+        for d, n in excess.items():
+            _add(backward_, d, n)
+    parts = (held, outputs, grads, forward, backward_, excess if backward else {})
+    return OpMemory(*(tuple(x.items()) for x in parts))
 
 
 def op_held(
@@ -310,11 +337,14 @@ def total(held: list[int], ops: list[OpMemory]) -> tuple[int, ...]:
             made[d] += n
             forward[d] = max(forward[d], made[d])
     unmade = list(later)  # no gradient exists when the backward begins
+    pending = [0] * devices  # ZeRO-2: the full gradient of the reduce-scatter in flight
     for m in reversed(ops):
         for d, n in m.grads:  # its own, made by its kernel: part of the kernel's peak
             unmade[d] -= n
         for d, n in m.backward:
-            backward[d] = max(backward[d], n - unmade[d])
+            backward[d] = max(backward[d], n + pending[d] - unmade[d])
+        for d, n in m.inflight:  # its reduce-scatter completes the one before it
+            pending[d] = n
     return tuple(
         h + max(b, f - o - g)
         for h, b, f, o, g in zip(held, backward, forward, made, later, strict=True)
@@ -329,10 +359,13 @@ def peak_memory(
     slots: int = 0,
     objects: bool = True,
     rounding: int = 0,
+    zero: ZeroStage = ZeroStage.NONE,
+    sharded_slots: int = 0,
 ) -> tuple[int, ...]:
-    """``memo`` must belong to one (itemsize, slots, objects, rounding), as a
+    """``memo`` must belong to one (itemsize, slots, objects, rounding, zero), as a
     Simulator's does. ``objects``: count the runtime's Python objects, which share the
-    memory of CPU ranks (a GPU's memory holds arrays only)."""
+    memory of CPU ranks (a GPU's memory holds arrays only). ``zero``, ``sharded_slots``:
+    the plan's ZeRO stage and the optimizer's arrays it shards (``_op_bytes``)."""
     memo = {} if memo is None else memo
     graph = pg.graph
     held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
@@ -349,6 +382,8 @@ def peak_memory(
                 slots,
                 objects,
                 rounding,
+                zero,
+                sharded_slots,
             )
         for d, n in memo[key].held:
             held[d] += n

@@ -48,8 +48,15 @@ from onnx2soap.ir import Graph, Op
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Machine
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
-from onnx2soap.soap.collectives import ring_chunks, ring_steps
+from onnx2soap.soap.collectives import (
+    RingStep,
+    all_gather_steps,
+    reduce_scatter_steps,
+    ring_chunks,
+    ring_steps,
+)
 from onnx2soap.soap.partition import (
+    Interval,
     ReplicaGroup,
     StatGroup,
     SumGroup,
@@ -57,6 +64,7 @@ from onnx2soap.soap.partition import (
     rect_contiguous,
     rect_volume,
 )
+from onnx2soap.soap.zero import ZeroStage, zero_group
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
 
@@ -259,6 +267,7 @@ class Costs:
     cost: CostModel
     itemsize: int
     memo: Memo
+    zero: ZeroStage = ZeroStage.NONE  # the plan's: sharded groups' rings and updates
 
     @cached_property
     def turns(self) -> tuple[int, ...] | None:
@@ -329,9 +338,30 @@ class Costs:
             self.memo.rings[key] = self._ring(devices, numel)
         return self.memo.rings[key]
 
+    def half_ring(
+        self,
+        devices: tuple[int, ...],
+        chunks: tuple[Interval, ...],
+        steps: Callable[[int, int], tuple[RingStep, ...]],
+    ) -> tuple[float, tuple[int, ...], int]:
+        """(seconds, links, bytes) of ZeRO's reduce-scatter or all-gather over the
+        shards' runs ``chunks``: k-1 lock-step steps each, timed like the all-reduce's."""
+        key = (steps.__name__, devices, chunks)
+        if key not in self.memo.rings:
+            self.memo.rings[key] = self._schedule(devices, chunks, steps)
+        return self.memo.rings[key]
+
     def _ring(self, devices: tuple[int, ...], numel: int) -> tuple[float, tuple[int, ...], int]:
+        return self._schedule(devices, ring_chunks(numel, len(devices)), ring_steps)
+
+    def _schedule(
+        self,
+        devices: tuple[int, ...],
+        chunks: tuple[Interval, ...],
+        steps: Callable[[int, int], tuple[RingStep, ...]],
+    ) -> tuple[float, tuple[int, ...], int]:
         k = len(devices)
-        sizes = [(hi - lo) * self.itemsize for lo, hi in ring_chunks(numel, k)]
+        sizes = [(hi - lo) * self.itemsize for lo, hi in chunks]
         hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
         links = tuple(sorted({r for a, b in hops for r in self.link_resources(a, b)}))
         # Per hop, a send's seconds per chunk size (two sizes: the chunks are balanced),
@@ -339,8 +369,8 @@ class Costs:
         times = [{n: self.ring_step_time(a, b, n) for n in set(sizes)} for a, b in hops]
         seconds, nbytes = 0.0, 0
         # The schedule turns with the ring (collectives.py): in every step member i sends
-        # the chunk member 0 sends, plus i.
-        for step in ring_steps(0, k):
+        # the chunk member 0 sends, plus i (in the all-reduce and in ZeRO's halves).
+        for step in steps(0, k):
             c = step.send_chunk
             sent = sizes[c:] + sizes[:c]  # member i's chunk size: sizes[(c + i) % k]
             seconds += max(map(dict.__getitem__, times, sent))
@@ -639,14 +669,24 @@ def weight_segment(
     costs: Costs, slot: int, parts: OpParts, last: tuple[int, Segment], names: bool
 ) -> Segment:
     """A ring all-reduce per trainable replica group over several devices, after the
-    group's backward tasks (``last``: the op's backward, or its forward if it has none)."""
+    group's backward tasks (``last``: the op's backward, or its forward if it has none);
+    under ZeRO a sharded group's reduce-scatter instead. (The executor completes a
+    rank's previous reduce-scatter before it starts the next, which may hold its backward
+    a little; not modelled: a slot depends on its own op's config alone.)"""
     b = _SegmentBuilder(slot, names, costs.turns)
     for group in parts.groups:
         if group.trainable and len(group.devices) > 1:
             ready = [r for refs in _weight_ready(parts, last, group).values() for r in refs]
-            _group_ring(
-                costs, b, group.devices, rect_volume(group.rect), ready, f"allreduce {group.weight}"
+            sharded = zero_group(group, costs.zero)
+            if sharded is None:
+                numel = rect_volume(group.rect)
+                _group_ring(costs, b, group.devices, numel, ready, f"allreduce {group.weight}")
+                continue
+            seconds, links, nbytes = costs.half_ring(
+                group.devices, sharded.chunks, reduce_scatter_steps
             )
+            what = f"reduce-scatter {group.weight}"
+            b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what)
     return b.segment()
 
 
@@ -659,7 +699,8 @@ def update_segment(
     names: bool,
 ) -> Segment:
     """An SGD update per trainable weight shard and device, after its ring (or its own
-    device's backward tasks when the shard has one copy)."""
+    device's backward tasks when the shard has one copy); under ZeRO each member updates
+    its rows, and an all-gather after every member's update gives them to all."""
     b = _SegmentBuilder(slot, names, costs.turns)
     ring = 0
     for group in parts.groups:
@@ -669,10 +710,20 @@ def update_segment(
         if len(group.devices) > 1:
             ready = dict.fromkeys(group.devices, ((rings[0], ring),))
             ring += 1
-        numel = rect_volume(group.rect)
+        sharded = zero_group(group, costs.zero)
+        updates = []
         for d in group.devices:
+            numel = rect_volume(group.rect) if sharded is None else sharded.numel(d)
             seconds = costs.cost.update(numel, costs.machine.devices[d], costs.itemsize)
-            b.add(TaskKind.UPDATE, seconds, (d,), ready[d], 0, f"update {group.weight}")
+            updates.append(
+                b.add(TaskKind.UPDATE, seconds, (d,), ready[d], 0, f"update {group.weight}")
+            )
+        if sharded is not None:
+            seconds, links, nbytes = costs.half_ring(
+                group.devices, sharded.chunks, all_gather_steps
+            )
+            what = f"all-gather {group.weight}"
+            b.add(TaskKind.ALLREDUCE, seconds, links, updates, nbytes, what)
     return b.segment()
 
 
@@ -787,10 +838,12 @@ def build_task_graph(
     itemsize: int = 4,
     names: bool = False,
     memo: Memo | None = None,
+    zero: ZeroStage = ZeroStage.NONE,
 ) -> TaskGraph:
     check_devices(pg, machine)
     memo = memo or Memo()
     memo.bind(pg.graph)
-    builder = SlotBuilder(Costs(machine, cost, itemsize, memo), layout(pg.graph), names)
+    costs = Costs(machine, cost, itemsize, memo, zero)
+    builder = SlotBuilder(costs, layout(pg.graph), names)
     segments, preds = all_segments(builder, pg)
     return flatten(segments, preds, machine.resources, names)
