@@ -44,6 +44,7 @@ from onnx2soap.soap import (
 )
 from onnx2soap.soap import validate as validate_strategy
 from onnx2soap.soap.plan import MAX_DEVICES
+from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, check_zero
 
 
 def register(sub) -> None:
@@ -59,6 +60,13 @@ def register(sub) -> None:
         "--strategy",
         choices=[r.value for r in Rule],
         help="build the plan by this rule instead of searching",
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[int(z) for z in ZERO_STAGES],
+        help="with --strategy zero: 1 shards the optimizer's state across the data-parallel "
+        "replicas, 2 (the default) also the summed gradients",
     )
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
     p.add_argument(
@@ -136,6 +144,8 @@ def _mode(args) -> tuple[Rule | None, bool]:
         raise UserError(
             "--strategy builds a plan by rule; it cannot be combined with --search mcmc"
         )
+    if args.zero_stage is not None and args.strategy != Rule.ZERO.value:
+        raise UserError("--zero-stage goes with --strategy zero (data parallelism with ZeRO)")
     if args.strategy:
         return Rule(args.strategy), False
     if args.search == "none":
@@ -165,11 +175,22 @@ def _search(args, graph, space, simulator: Simulator) -> _Outcome:
     )
 
 
-def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
+def _zero_stage(args, rule: Rule | None) -> ZeroStage:
+    """``--strategy zero``'s stage (2 unless ``--zero-stage`` says 1); else none."""
+    if rule is not Rule.ZERO:
+        return ZeroStage.NONE
+    return ZeroStage(args.zero_stage or ZeroStage.GRADIENTS)
+
+
+def _by_rule(
+    args, rule: Rule, graph, space, simulator: Simulator, zero: Simulator | None = None
+) -> _Outcome:
+    """``zero``: ``--strategy zero``'s simulator (the plan's stage), which prices the
+    chosen plan and a "zero" line among the baselines; the others are plain."""
     partitioner, devices = Partitioner(graph), simulator.machine.size
 
-    def evaluate(strategy: Strategy) -> Evaluation:
-        return simulator.evaluate(partitioner.partition(strategy))
+    def evaluate(strategy: Strategy, by: Simulator = simulator) -> Evaluation:
+        return by.evaluate(partitioner.partition(strategy))
 
     # --strategy ilp: the solver's time limit is the budget
     ilp_options = IlpOptions(max(args.budget, 0.1)) if rule is Rule.ILP else None
@@ -179,13 +200,15 @@ def _by_rule(args, rule: Rule, graph, space, simulator: Simulator) -> _Outcome:
             built[r] = build(r, graph, space, devices, 0, simulator)
     strategy = built[rule].strategy
     validate_strategy(graph, space, strategy)
-    chosen = evaluate(strategy)
+    chosen = evaluate(strategy, zero or simulator)
     if not chosen.fits:
         print(
             f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
             file=sys.stderr,
         )
     baselines = {r.value: evaluate(built[r].strategy) for r in BASELINES}
+    if zero is not None:
+        baselines[Rule.ZERO.value] = chosen
     return _Outcome(strategy, chosen, baselines, None, ilp=built[Rule.ILP].ilp)
 
 
@@ -216,10 +239,16 @@ def run(args: argparse.Namespace) -> int:
     precision = Precision(args.precision)
     slots = OPTIMIZER_SLOTS[args.optimizer]
     simulator = make_simulator(machine, costs.model, slots, precision)
+    zero = _zero_stage(args, rule)
     if searching:
         outcome = _search(args, graph, space, simulator)
     else:
-        outcome = _by_rule(args, rule, graph, space, simulator)
+        zero_simulator = make_simulator(machine, costs.model, slots, precision, zero)
+        outcome = _by_rule(args, rule, graph, space, simulator, zero_simulator if zero else None)
+    if zero:  # a machine of one device replicates nothing: say so before writing
+        pg = Partitioner(graph).partition(outcome.strategy)
+        groups = (g for gs in pg.groups.values() for g in gs)
+        check_zero(zero, groups, str(args.model), f"--strategy zero --zero-stage {int(zero)}")
     chosen = outcome.chosen
     predicted = Predicted(
         step_time_s=chosen.step_time_s,
@@ -239,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         predicted=predicted,
         search=outcome.search,
         precision=precision,
+        zero_stage=zero,
     )
     save_plan(plan, args.output)
     _report(args, plan, machine.name, searching, outcome.time_s, costs, outcome.ilp)

@@ -1,6 +1,8 @@
 """Strategies built by rule, not search: data parallel, model parallel, expert, single
 device, Megatron-LM's tensor parallelism (search/megatron.py), Alpa's intra-operator ILP
-(search/ilp.py), random."""
+(search/ilp.py), random, and ZeRO: data parallelism whose plan shards optimizer state
+(and gradients) across the replicas (soap/zero.py; the stage is the plan file's
+``zero_stage``, which the caller sets: a strategy has no stage)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class Rule(Enum):
     MEGATRON = "megatron"
     ILP = "ilp"
     RANDOM = "random"
+    ZERO = "zero"
 
 
 # Every plan is compared with each of these (a search could have returned any of them);
@@ -170,7 +173,7 @@ def by_rule(
     seed: int = 0,
     simulator: Simulator | None = None,
 ) -> Strategy:
-    if rule is Rule.DATA_PARALLEL:
+    if rule in (Rule.DATA_PARALLEL, Rule.ZERO):  # ZeRO's splits are data parallelism's
         return data_parallel(graph, space, devices)
     if rule is Rule.MODEL_PARALLEL:
         return model_parallel(graph, space, devices)
