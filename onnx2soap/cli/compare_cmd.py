@@ -102,7 +102,8 @@ def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str
     pg = partitioned(args, planned)
     costs = costs.for_graph(pg.graph, machine)
     slots = OPTIMIZER_SLOTS[args.optimizer]
-    simulator = make_simulator(machine, costs.model, slots, planned.plan.precision)
+    plan = planned.plan
+    simulator = make_simulator(machine, costs.model, slots, plan.precision, plan.zero_stage)
     memory = simulator.evaluate(pg).peak_memory_bytes
     tg = simulator.task_graph(pg, names=True)
     return Predicted(tg, simulate(tg), machine), memory, costs.description

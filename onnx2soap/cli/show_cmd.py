@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
     tg = simulator.task_graph(pg, names=True)
     gantt = gantt_chart(tg, simulate(tg), simulator.machine)
     size = picture_size(args)
+    zero = f", {simulator.zero.label}" if simulator.zero else ""
     title = (
-        f"{args.plan}: {len(grid.cells)} tasks of {len(grid.ops)} ops on "
-        f"{grid.devices} devices ({simulator.machine.name}, step {seconds(gantt.makespan)})"
+        f"{args.plan}: {len(grid.cells)} tasks of {len(grid.ops)} ops on {grid.devices} "
+        f"devices ({simulator.machine.name}, step {seconds(gantt.makespan)}{zero})"
     )
     if args.gantt:
         write_atomic(args.output, render_plan(grid, None, size, title).png)
@@ -74,5 +75,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace) -> tuple[PartitionedGraph, Simulator]:
     """The plan partitioned on its model, as ``simulate`` loads it (same checks)."""
     planned = plan_on_machine(args)
-    simulator = make_simulator(planned.machine, RooflineCost(), 0, planned.plan.precision)
+    plan = planned.plan
+    simulator = make_simulator(planned.machine, RooflineCost(), 0, plan.precision, plan.zero_stage)
     return partitioned(args, planned), simulator

@@ -17,6 +17,7 @@ from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
+from onnx2soap.soap.zero import check_zero
 
 
 def register(sub) -> None:
@@ -64,10 +65,12 @@ def plan_on_machine(args: argparse.Namespace) -> PlanOnMachine:
 
 
 def partitioned(args: argparse.Namespace, planned: PlanOnMachine) -> PartitionedGraph:
-    """The plan's strategy on its model."""
+    """The plan's strategy on its model (a ZeRO stage only where something is replicated)."""
     plan = planned.plan
     graph = load_model(planned.model, plan.batch, import_loss(plan)).graph
-    return Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
+    pg = Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
+    check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(args.plan))
+    return pg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     pg = partitioned(args, planned)
     costs = costs.for_graph(pg.graph, machine)
     slots = OPTIMIZER_SLOTS[args.optimizer]
-    simulator = make_simulator(machine, costs.model, slots, planned.plan.precision)
+    plan = planned.plan
+    simulator = make_simulator(machine, costs.model, slots, plan.precision, plan.zero_stage)
     ev = simulator.evaluate(pg)
     if args.trace:
         tg = simulator.task_graph(pg, names=True)
@@ -92,11 +96,14 @@ def run(args: argparse.Namespace) -> int:
             "fits": ev.fits,
             "machine": machine.name,
             "costs": costs.name,
+            "zero_stage": int(plan.zero_stage),
         }
         print(json.dumps(doc))
         return 0
     print(f"{args.plan} on {machine.name}: step time {seconds(ev.step_time_s)}")
     print(f"  costs            {costs.description}")
+    if plan.zero_stage:
+        print(f"  ZeRO             {_zero(plan)}")
     print(f"  moved per step   {ev.bytes_moved} bytes")
     for d, (m, dev) in enumerate(zip(ev.peak_memory_bytes, machine.devices, strict=False)):
         flag = "" if m <= dev.memory else "  EXCEEDS"
@@ -113,3 +120,8 @@ def model_sha256(path) -> str:
         return file_sha256(path)
     except OSError as e:
         raise UserError(f"{path}: cannot read the model file ({e.strerror or e})") from e
+
+
+def _zero(plan: Plan) -> str:
+    shards = "optimizer state and gradients" if plan.zero_stage >= 2 else "optimizer state"
+    return f"stage {int(plan.zero_stage)}: {shards} sharded across data-parallel replicas"
