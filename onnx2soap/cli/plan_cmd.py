@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from onnx2soap.search.mcmc import (
     MAX_SEED,
     Progress,
     SearchOptions,
+    SearchResult,
     mcmc,
 )
 from onnx2soap.sim import Evaluation, Simulator, make_simulator, resolve_machine
@@ -161,6 +163,7 @@ class _Outcome:
     search: SearchInfo | None
     time_s: float = 0.0  # reported, never written: the plan file stays reproducible
     ilp: IlpResult | None = None  # the ILP's build and solve times and gap, reported
+    walk: SearchResult | None = None  # the search's starts and walks, reported
 
 
 def _search(args, graph, space, simulator: Simulator) -> _Outcome:
@@ -171,7 +174,13 @@ def _search(args, graph, space, simulator: Simulator) -> _Outcome:
         sys.stderr.write("\n")
     info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated)
     return _Outcome(
-        result.best, result.evaluation, dict(result.baselines), info, result.time_s, result.ilp
+        result.best,
+        result.evaluation,
+        dict(result.baselines),
+        info,
+        result.time_s,
+        result.ilp,
+        result,
     )
 
 
@@ -271,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         zero_stage=zero,
     )
     save_plan(plan, args.output)
-    _report(args, plan, machine.name, searching, outcome.time_s, costs, outcome.ilp)
+    _report(args, plan, machine.name, searching, outcome.time_s, costs, outcome.ilp, outcome.walk)
     return 0
 
 
@@ -289,6 +298,52 @@ def _ilp_doc(ilp: IlpResult) -> dict:
     }
 
 
+def _finite(seconds: float) -> float | None:
+    """JSON has no infinity: a walk that found nothing that fits is null."""
+    return seconds if math.isfinite(seconds) else None
+
+
+def _walk_doc(result: SearchResult | None) -> dict:
+    """Where the search started and what its walk added: the fastest start that fits
+    (``best_start``), the walk's gain over it (its step time over the plan's: 1.0 when
+    the walk found nothing better), and each distinct start's walk; null by rule."""
+    if result is None:
+        return {"best_start": None, "walk_gain": None, "walks": None}
+    best = result.best_start
+    return {
+        "best_start": None
+        if best is None
+        else {"name": best, "step_time_s": result.starts[best].step_time_s},
+        "walk_gain": result.walk_gain,
+        "walks": [
+            {
+                "start": w.names[0],
+                "also": list(w.names[1:]),
+                "start_step_time_s": w.start_step_time_s,
+                "start_fits": w.start_fits,
+                "best_step_time_s": _finite(w.best_step_time_s),
+                "proposals": w.proposals,
+                "rounds": w.rounds,
+            }
+            for w in result.walks
+        ],
+    }
+
+
+def _walk_line(result: SearchResult) -> str:
+    best = result.best_start
+    if best is None:
+        return "  walk: no start fits in device memory; the plan is the walk's own"
+    start = result.starts[best].step_time_s
+    gain = result.walk_gain or 1.0
+    if gain <= 1.0:
+        return f"  walk: {best} ({seconds(start)}) is the best start; the walk found nothing faster"
+    return (
+        f"  walk: from {best} ({seconds(start)}) to {seconds(result.evaluation.step_time_s)}, "
+        f"{gain:.2f}x in {result.proposals} proposals"
+    )
+
+
 def _report(
     args,
     plan: Plan,
@@ -297,6 +352,7 @@ def _report(
     time_s: float,
     costs: ChosenCosts,
     ilp: IlpResult | None,
+    walk: SearchResult | None = None,
 ) -> None:
     p, s = plan.predicted, plan.search
     baselines = dict(p.baselines)
@@ -311,6 +367,7 @@ def _report(
             "costs": costs.name,
             "precision": plan.precision.value,
             "ilp": _ilp_doc(ilp) if ilp else None,
+            **_walk_doc(walk),
         }
         print(json.dumps(doc))
         return
@@ -332,3 +389,5 @@ def _report(
             f"  ilp: {ilp.decisions} ops decide, {ilp.variables} variables; built in "
             f"{ilp.build_s:.1f}s, solved in {ilp.solve_s:.1f}s ({ilp.status}, gap {ilp.gap:.2%})"
         )
+    if walk:
+        print(_walk_line(walk))

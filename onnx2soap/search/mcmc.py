@@ -3,7 +3,11 @@
 A proposal replaces the config of one op, drawn uniformly, by a candidate drawn uniformly;
 a share of them (``region_share``) gives the same shape of config to the ops within a
 random radius of it as well (``search/regions.py``), since a change to one op alone pays
-for resharding to its unchanged neighbours. Metropolis–Hastings accepts it with probability
+for resharding to its unchanged neighbours; another share (``group_share``) changes a
+group of related ops at once (``search/groups.py``): the op's chain of lightweight
+followers, its siblings (every op of its signature: the same layer elsewhere), the same
+change in every instance of a repeated block, or one instance's configs copied to the
+others. Metropolis–Hastings accepts a proposal with probability
 ``min(1, exp(-beta * (cost(new) - cost(current)) / scale))``, so ``beta`` does not
 depend on the model's units.
 
@@ -12,23 +16,30 @@ baselines (data parallelism, expert, single device, model parallelism, Megatron-
 tensor parallelism, Alpa's intra-operator ILP: ``search/baselines.py``) and data
 parallelism over the first k devices for every divisor k of the device count
 (``data-parallel:k``; devices are numbered node by node, so these are a node or a few).
-A few chains then run interleaved, one proposal each per round, starting from the best of
-those strategies (fastest first, ones that do not fit last): one-op proposals cannot walk
-from 64-way data parallelism to 4-way, every step between them moves whole activations,
-so a model too small for the machine is found by starting near it. ``scale``, the unit of
-``beta``, is the best start's cost, so the temperature fits the costs the chains walk
-among. A chain whose best has not improved for half of its proposals (after a minimum) is
-replaced by one from the best strategy found so far and, every other time, from a random
-strategy. The search stops at the time budget or when the best has not improved for half
-of it; with ``max_evals`` also after that many proposals (each one an evaluation, a
-revisited strategy answered from memory) or when the best has not improved for half of
-them. Everything random comes from the seed, so a search that ends on ``max_evals``
-(before the budget) is reproducible: same seed, same plan.
+One-op proposals cannot walk from 64-way data parallelism to 4-way, every step between
+them moves whole activations, so where the walk starts matters. ``Restarts.HALVING``
+(the default) walks from every distinct start: the first half of the budget runs in
+rounds of successive halving (every start walked by turns, then the half whose walks
+reached the lowest cost, and so on down to one), the second half walks on from the
+last; a chain that stalls (no improvement for half its proposals, after a minimum)
+restarts from the best its start's walk has found. The result reports each start's walk
+(``StartWalk``) and the fastest start, so the walk's gain over it is measured.
+``Restarts.BEST`` is the walk before that (chains from the fastest starts, a stalled
+chain restarted from the best so far or a random strategy), kept to measure against.
+``scale``, the unit of ``beta``, is the best start's cost, so the temperature fits the
+costs the chains walk among.
+
+The search stops at the time budget, with ``max_evals`` also after that many proposals
+(each one an evaluation, a revisited strategy answered from memory; the rounds are then
+counted in proposals, not seconds), or when the best has not improved for half of the
+last round (``Restarts.BEST``: for half the budget). Everything random comes from the
+seed, so a search that ends on ``max_evals`` (before the budget) is reproducible: same
+seed, same plan.
 
 Each chain keeps its current strategy's simulation state, and a proposal is simulated by
-delta simulation from it (``sim/delta.py``): only the slots of the changed op and its
+delta simulation from it (``sim/delta.py``): only the slots of the changed ops and their
 edges are rebuilt and re-timed from the first of them, with the same timeline, memory
-and ``fits`` as a full simulation.
+and ``fits`` as a full simulation, however many ops a proposal changes.
 
 The cost of a strategy is its simulated step time, or infinity when it does not fit in
 device memory, so an infeasible plan is never returned.
@@ -40,12 +51,14 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import BASELINES, Rule, build, narrow_data_parallel
+from onnx2soap.search.groups import GroupMove, GroupMoves
 from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.regions import RegionMoves
 from onnx2soap.sim import Evaluation, Simulator
@@ -56,6 +69,18 @@ MAX_BUDGET_S = 7 * 24 * 3600.0  # a week: beyond it a budget is a typo, not a pl
 MAX_BETA = 1e6  # exp(-beta * x) with x >= 1e-6 is already 0 for every useful beta
 MAX_EVALS = 10**9
 MAX_SEED = 2**63 - 1  # numpy seeds are non-negative
+
+
+class Restarts(Enum):
+    """How the walk spends its budget over the strategies built by rule."""
+
+    # Every distinct start walked, and the budget's first half spent in rounds that
+    # halve them: each round the starts whose walks have reached the lowest cost go on
+    # (successive halving); the last one walks the second half.
+    HALVING = "halving"
+    # The walk before issue 31: ``chains`` chains from the fastest starts, a stalled
+    # chain restarted from the best so far or, every other time, a random strategy.
+    BEST = "best"
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,10 @@ class SearchOptions:
     # The share of proposals that give the new config's shape to the op's neighbourhood
     # too (search/regions.py); the others change the one op.
     region_share: float = 0.25
+    # The share of proposals (after the region moves') that change a group of related
+    # ops at once (search/groups.py): siblings, a repeated block, an op's chain.
+    group_share: float = 0.25
+    restarts: Restarts = Restarts.HALVING
     # The ILP start's solver time limit (search/ilp.py), at most a quarter of the budget
     # (but a second): its time counts in the budget.
     ilp_time_limit_s: float = 10.0
@@ -85,6 +114,9 @@ class SearchOptions:
         _check_int("chains", self.chains, 1, 64)
         _check_int("min_chain_proposals", self.min_chain_proposals, 1, MAX_EVALS)
         _check_range("region_share", self.region_share, 0.0, 1.0, "")
+        _check_range("group_share", self.group_share, 0.0, 1.0, "")
+        if not isinstance(self.restarts, Restarts):
+            raise UserError(f"restarts must be one of {[r.value for r in Restarts]}")
         _check_range("ilp-time-limit", self.ilp_time_limit_s, 1e-3, MAX_BUDGET_S, "seconds")
 
     @property
@@ -120,6 +152,18 @@ class Improvement:
 
 
 @dataclass(frozen=True)
+class StartWalk:
+    """One distinct strategy built by rule and the walk from it (``Restarts.HALVING``)."""
+
+    names: tuple[str, ...]  # the rules that built it, the first the one it is named by
+    start_step_time_s: float
+    start_fits: bool
+    best_step_time_s: float  # the best its walk reached (inf: nothing that fits)
+    proposals: int
+    rounds: int  # the rounds of the halving it was walked in
+
+
+@dataclass(frozen=True)
 class SearchResult:
     best: Strategy
     evaluation: Evaluation
@@ -135,6 +179,16 @@ class SearchResult:
     # the best at the first proposal, then at each improvement
     history: tuple[Improvement, ...] = ()
     ilp: IlpResult | None = None  # the ILP start's account of itself
+    # the fastest start that fits (None: none fits): what the walk is measured against
+    best_start: str | None = None
+    walks: tuple[StartWalk, ...] = ()  # per distinct start, fastest first
+
+    @property
+    def walk_gain(self) -> float | None:
+        """The best start's step time over the search's: what the walk added (1: nothing)."""
+        if self.best_start is None:
+            return None
+        return self.starts[self.best_start].step_time_s / self.evaluation.step_time_s
 
 
 class _Evaluator:
@@ -178,6 +232,7 @@ class _Chain:
     cost: float
     best_cost: float
     state: DeltaState
+    best: Strategy
     evals: int = 0
     last_improvement: int = 0
     active: bool = True
@@ -197,6 +252,7 @@ class _Search:
                 sizes = {d.name: d.size for d in space[name]}
                 raise UserError(f"op '{name}': no config can run it (dim sizes {sizes})")
         self.regions = RegionMoves(graph, space, self.moves)
+        self.groups = GroupMoves(graph, space, self.regions)
         self.best: Strategy | None = None
         self.best_cost = math.inf
 
@@ -218,7 +274,7 @@ class _Search:
         cost = cost_of(ev)
         self.consider(strategy, cost)
         state = state or self.evaluate.state(strategy, base)
-        return _Chain(rng, strategy, cost, cost, state)
+        return _Chain(rng, strategy, cost, cost, state, strategy)
 
     def _accept(self, rng: np.random.Generator, old: float, new: float, scale: float) -> bool:
         if new <= old:
@@ -240,8 +296,14 @@ class _Search:
         moves = self.moves[name]
         config = moves[int(rng.integers(len(moves)))]
         # None: the proposal changes nothing (found without comparing whole strategies).
-        if rng.random() < self.options.region_share:
+        # One draw picks the kind, so a search without group moves draws as before them.
+        kind = rng.random()
+        regions, groups = self.options.region_share, self.options.group_share
+        if kind < regions:
             proposal = self.regions.propose(chain.current, name, config, rng)
+        elif kind < regions + groups and self.groups.groups.related(name):
+            move = GROUP_MOVES[int(rng.integers(len(GROUP_MOVES)))]
+            proposal = self.groups.propose(chain.current, name, config, move, rng)
         elif config != chain.current[name]:
             proposal = chain.current.replace(name, config)
         else:
@@ -253,11 +315,14 @@ class _Search:
                 chain.current, chain.cost = proposal, cost
                 chain.state = state or self.evaluate.state(proposal, chain.state)
             if cost < chain.best_cost:
-                chain.best_cost, chain.last_improvement = cost, chain.evals
+                chain.best_cost, chain.best, chain.last_improvement = cost, proposal, chain.evals
             self.consider(proposal, cost)
         stalled = chain.evals - chain.last_improvement >= chain.evals / 2
         if chain.evals >= self.options.min_chain_proposals and stalled:
             chain.active = False
+
+
+GROUP_MOVES = tuple(GroupMove)
 
 
 def _rule_strategies(
@@ -291,59 +356,26 @@ def mcmc(
         starts[name], state = search.evaluate.with_state(strategy)
         states[strategy] = state or states[strategy]  # a strategy built twice: one state
         search.consider(strategy, cost_of(starts[name]))
-    # The chains start from the fastest distinct strategies built by rule (a stable sort:
-    # ties keep the order above); the search never returns a plan slower than any of them.
-    ranked, seen = [], set()
+    # The distinct strategies built by rule, fastest first (a stable sort: ties keep the
+    # order above), each with the names of the rules that built it; the search never
+    # returns a plan slower than any of them.
+    ranked: dict[Strategy, list[str]] = {}
     for name in sorted(starts, key=lambda n: cost_of(starts[n])):
-        if named[name] not in seen:
-            seen.add(named[name])
-            ranked.append(named[name])
-    chains = []
-    for i in range(options.chains):
-        strategy = ranked[i % len(ranked)]
-        ev = starts[next(n for n, s in named.items() if s == strategy)]
-        rng = np.random.default_rng(seeds.spawn(1)[0])
-        chains.append(_Chain(rng, strategy, cost_of(ev), cost_of(ev), states[strategy]))
-    restarts = 0
-
-    def restart(stalled: _Chain) -> _Chain:
-        """From the best so far and, every other time, from a random strategy."""
-        nonlocal restarts
-        restarts += 1
-        rng = np.random.default_rng(seeds.spawn(1)[0])
-        if restarts % 2 == 0 or search.best is None:
-            return search.start(search.random(rng), rng)
-        return search.start(search.best, rng, stalled.state)
-
+        ranked.setdefault(named[name], []).append(name)
     finite = [cost_of(ev) for ev in starts.values() if math.isfinite(cost_of(ev))]
-    scale = min(finite, default=1.0)
-    best, last_report, proposals = search.best_cost, 0.0, 0
-    looped = time.perf_counter()
-    setup_s = looped - began
-    history = [Improvement(0.0, 0, best)]
-    improved_s, improved_at = setup_s, 0
+    clock = _Clock(search, options, began, progress, scale=min(finite, default=1.0))
+    walks: list[_Walk] = []
     single = all(len(moves) < 2 for moves in search.moves.values())
-    while not single:  # with one strategy in the whole space there is nothing to search
-        now = time.perf_counter()
-        elapsed = now - began
-        # Stop at the budget, or when the best has not improved for half of it.
-        if elapsed >= options.budget_s or elapsed - improved_s >= options.budget_s / 2:
-            break
-        if options.max_evals is not None and (
-            proposals >= options.max_evals or proposals - improved_at >= options.max_evals / 2
-        ):
-            break
-        for i, chain in enumerate(chains):
-            search.propose(chain, scale)
-            proposals += 1
-            if not chain.active:
-                chains[i] = restart(chain)
-        if search.best_cost < best:
-            best, improved_s, improved_at = search.best_cost, elapsed, proposals
-            history.append(Improvement(time.perf_counter() - looped, proposals, best))
-        if progress is not None and elapsed - last_report >= 0.2:
-            last_report = elapsed
-            progress(Progress(elapsed, options.budget_s, search.evaluate.evaluated, best))
+    # with one strategy in the whole space there is nothing to walk
+    if not single and options.restarts is Restarts.HALVING:
+        for strategy, names in ranked.items():
+            rng = np.random.default_rng(seeds.spawn(1)[0])
+            cost = cost_of(starts[names[0]])
+            chain = _Chain(rng, strategy, cost, cost, states[strategy], strategy)
+            walks.append(_Walk(tuple(names), chain, strategy, cost))
+        _walk_halving(search, clock, walks, seeds)
+    elif not single:
+        _walk_best(search, clock, list(ranked), states, seeds)
     if search.best is None or not math.isfinite(search.best_cost):
         raise UserError(
             "no strategy found fits in device memory; use a machine with more memory or "
@@ -351,6 +383,7 @@ def mcmc(
         )
     baselines = {rule.value: starts[rule.value] for rule in BASELINES}
     best_from = next((n for n, s in named.items() if s == search.best), "search")
+    fitting = [names[0] for names in ranked.values() if starts[names[0]].fits]
     return SearchResult(
         best=search.best,
         evaluation=search.evaluate(search.best),
@@ -359,8 +392,183 @@ def mcmc(
         time_s=time.perf_counter() - began,
         starts=starts,
         best_from=best_from,
-        setup_s=setup_s,
-        proposals=proposals,
-        history=tuple(history),
+        setup_s=clock.looped - began,
+        proposals=clock.proposals,
+        history=tuple(clock.history),
         ilp=ilp,
+        best_start=fitting[0] if fitting else None,
+        walks=tuple(w.result(starts) for w in walks),
     )
+
+
+@dataclass
+class _Clock:
+    """The budget as the walk spends it: proposals, seconds, the best and its history."""
+
+    search: _Search
+    options: SearchOptions
+    began: float
+    progress: Callable[[Progress], None] | None
+    scale: float  # the unit of beta: the best start's cost
+    proposals: int = 0
+    looped: float = field(default_factory=time.perf_counter)  # the first proposal's time
+    best: float = math.inf
+    improved_s: float = 0.0  # seconds from ``began`` to the last improvement
+    improved_at: int = 0  # proposals made by then
+    last_report: float = 0.0
+    history: list[Improvement] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.best = self.search.best_cost
+        self.improved_s = self.looped - self.began
+        self.history.append(Improvement(0.0, 0, self.best))
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def used(self) -> float:
+        """The share of the budget spent: of ``max_evals`` where set (so a search that
+        ends on it is reproducible), else of the seconds."""
+        if self.options.max_evals is not None:
+            return self.proposals / self.options.max_evals
+        return self.elapsed() / self.options.budget_s if self.options.budget_s > 0 else 1.0
+
+    def over(self) -> bool:
+        limit = self.options.max_evals
+        return self.elapsed() >= self.options.budget_s or (
+            limit is not None and self.proposals >= limit
+        )
+
+    def stalled(self) -> bool:
+        """The best has not improved for half the budget (seconds, or proposals)."""
+        limit = self.options.max_evals
+        return self.elapsed() - self.improved_s >= self.options.budget_s / 2 or (
+            limit is not None and self.proposals - self.improved_at >= limit / 2
+        )
+
+    def stalled_since(self, began_s: float, began_at: int) -> bool:
+        """The best has not improved for half of what was left of the budget at
+        ``began_s`` seconds and ``began_at`` proposals (a round's start)."""
+        limit, budget = self.options.max_evals, self.options.budget_s
+        since_s, since_at = max(self.improved_s, began_s), max(self.improved_at, began_at)
+        return self.elapsed() - since_s >= (budget - began_s) / 2 or (
+            limit is not None and self.proposals - since_at >= (limit - began_at) / 2
+        )
+
+    def propose(self, chain: _Chain) -> None:
+        self.search.propose(chain, self.scale)
+        self.proposals += 1
+
+    def note(self) -> None:
+        """After a sweep of proposals: the best's history, and progress now and then."""
+        elapsed = self.elapsed()
+        if self.search.best_cost < self.best:
+            self.best, self.improved_s, self.improved_at = (
+                self.search.best_cost,
+                elapsed,
+                self.proposals,
+            )
+            self.history.append(
+                Improvement(time.perf_counter() - self.looped, self.proposals, self.best)
+            )
+        if self.progress is not None and elapsed - self.last_report >= 0.2:
+            self.last_report = elapsed
+            evaluated = self.search.evaluate.evaluated
+            self.progress(Progress(elapsed, self.options.budget_s, evaluated, self.best))
+
+
+@dataclass
+class _Walk:
+    """The walk from one distinct start: one chain, restarted from the walk's best."""
+
+    names: tuple[str, ...]
+    chain: _Chain
+    best: Strategy
+    best_cost: float
+    proposals: int = 0
+    rounds: int = 0
+
+    def result(self, starts: Mapping[str, Evaluation]) -> StartWalk:
+        start = starts[self.names[0]]
+        return StartWalk(
+            self.names,
+            start.step_time_s,
+            start.fits,
+            self.best_cost,
+            self.proposals,
+            self.rounds,
+        )
+
+
+def halving_rounds(starts: int) -> list[int]:
+    """How many starts each round walks: all, then half (rounded up) until one."""
+    counts = [starts]
+    while counts[-1] > 1:
+        counts.append(math.ceil(counts[-1] / 2))
+    return counts
+
+
+def _walk_halving(
+    search: _Search, clock: _Clock, walks: list[_Walk], seeds: np.random.SeedSequence
+) -> None:
+    """Successive halving over the starts: the first half of the budget in equal rounds,
+    each round's share split among the starts it walks by turns (one proposal each), the
+    better half going on to the next (ranked by the best their walks reached); the last
+    start walks the second half. A walk's chain that stalls restarts from the walk's best.
+    The last round also stops when the best has not improved for half of it (the walk
+    before halving stopped after half the budget without one)."""
+    counts = halving_rounds(len(walks))
+    last = len(counts) - 1
+    alive = walks
+    for round_, count in enumerate(counts):
+        alive = sorted(alive, key=lambda w: w.best_cost)[:count]  # stable: ties by start
+        end = 1.0 if round_ == last else (round_ + 1) / (2 * last)
+        for walk in alive:
+            walk.rounds += 1
+        began_s, began_at = clock.elapsed(), clock.proposals
+        while not clock.over() and clock.used() < end:
+            if round_ == last and clock.stalled_since(began_s, began_at):
+                return
+            for walk in alive:
+                if clock.over():  # mid-sweep: max_evals is a bound, not a round number
+                    break
+                clock.propose(walk.chain)
+                walk.proposals += 1
+                if walk.chain.best_cost < walk.best_cost:
+                    walk.best, walk.best_cost = walk.chain.best, walk.chain.best_cost
+                if not walk.chain.active:
+                    rng = np.random.default_rng(seeds.spawn(1)[0])
+                    walk.chain = search.start(walk.best, rng, walk.chain.state)
+            clock.note()
+        if clock.over():
+            return
+
+
+def _walk_best(
+    search: _Search,
+    clock: _Clock,
+    ranked: list[Strategy],
+    states: Mapping[Strategy, DeltaState],
+    seeds: np.random.SeedSequence,
+) -> None:
+    """``Restarts.BEST``: ``chains`` chains from the fastest starts, interleaved; a chain
+    that stalls restarts from the best so far or, every other time, a random strategy;
+    the search stops at the budget or when its best has not improved for half of it."""
+    chains = []
+    for i in range(search.options.chains):
+        strategy = ranked[i % len(ranked)]
+        cost = cost_of(search.evaluate(strategy))
+        rng = np.random.default_rng(seeds.spawn(1)[0])
+        chains.append(_Chain(rng, strategy, cost, cost, states[strategy], strategy))
+    restarts = 0
+    while not clock.over() and not clock.stalled():
+        for i, chain in enumerate(chains):
+            clock.propose(chain)
+            if not chain.active:
+                restarts += 1
+                rng = np.random.default_rng(seeds.spawn(1)[0])
+                if restarts % 2 == 0 or search.best is None:
+                    chains[i] = search.start(search.random(rng), rng)
+                else:
+                    chains[i] = search.start(search.best, rng, chain.state)
+        clock.note()

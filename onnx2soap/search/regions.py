@@ -64,16 +64,28 @@ class RegionMoves:
     ) -> Strategy | None:
         """``strategy`` with ``pivot`` given ``config`` and its region the same shape; None
         when that changes nothing."""
-        shape = config_shape(self.space[pivot], config)
         radius = self.radii[int(rng.integers(len(self.radii)))]
-        configs = {pivot: config}
-        for name in self.region(pivot, radius):
-            same = self.by_shape[name].get(shape)
-            if same:
-                configs[name] = same[int(rng.integers(len(same)))]
+        configs = self.spread(pivot, config, self.region(pivot, radius), rng)
         if all(strategy[name] == c for name, c in configs.items()):
             return None
         return Strategy(strategy.devices, {**strategy.configs, **configs})
+
+    def spread(
+        self,
+        pivot: str,
+        config: ParallelConfig,
+        names: Sequence[str],
+        rng: np.random.Generator,
+    ) -> dict[str, ParallelConfig]:
+        """``pivot``'s new config, and for each of ``names`` a candidate of the same shape
+        (drawn among them), where it has one."""
+        shape = config_shape(self.space[pivot], config)
+        configs = {pivot: config}
+        for name in names:
+            same = self.by_shape[name].get(shape)
+            if same:
+                configs[name] = same[int(rng.integers(len(same)))]
+        return configs
 
     def region(self, pivot: str, radius: int) -> list[str]:
         """The ops within ``radius`` edges of ``pivot`` (not the pivot), nearest first."""
