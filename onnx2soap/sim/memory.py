@@ -91,8 +91,9 @@ class OpMemory:
     grads: Pieces
     forward: Pieces
     backward: Pieces
-    # ZeRO-2: the full-size gradients' bytes beyond the rank's rows, held while their
-    # reduce-scatter is in flight (after the op's backward, until the rank's next one)
+    # ZeRO-2: the full-size gradient's bytes beyond the rank's rows of the op's last
+    # sharded group, held while its reduce-scatter is in flight (after the op's
+    # backward, until the rank's next reduce-scatter)
     inflight: Pieces = ()
 
 
@@ -128,6 +129,7 @@ def _op_bytes(
     forward: dict[int, int] = {}
     backward_: dict[int, int] = {}
     excess: dict[int, int] = {}  # ZeRO-2: full-size gradients beyond the rank's rows
+    last: dict[int, int] = {}  # ZeRO-2: of them, the op's last group's, per device
     backward = graph.differentiable(op.output)
     shards = {(g.weight, g.rect, d): g for g in groups for d in g.devices}
     for (_, rect, d), group in shards.items():
@@ -145,6 +147,9 @@ def _op_bytes(
         _add(grads, d, grad)
         if n > grad:
             _add(excess, d, n - grad)
+            # The rank completes each reduce-scatter as it starts the next (the op's
+            # groups in order): the op's last one stays in flight after it.
+            last[d] = n - grad
     adopted: set[tuple] = set()  # (weight, rect, device) whose first gradient is made
     holders = {t for g in sum_groups(op, tasks) for t in g.holders}
     graded = {t.index for t in _graded(op, tasks)} if backward and not op.is_loss else set()
@@ -213,7 +218,7 @@ def _op_bytes(
     if backward:  # ZeRO-2: the whole gradient exists from the op's backward kernels on
         for d, n in excess.items():
             _add(backward_, d, n)
-    parts = (held, outputs, grads, forward, backward_, excess if backward else {})
+    parts = (held, outputs, grads, forward, backward_, last if backward else {})
     return OpMemory(*(tuple(x.items()) for x in parts))
 
 

@@ -1,0 +1,91 @@
+"""ZeRO in the simulator, against costs computed by hand (the model and machine of
+test_makespan.py: 1 FLOP takes 1 ns, every route is two links of 1 us latency and 1
+byte/us, so b bytes take 2 us + b us).
+
+x [6, 8] -> Gemm(W [8, 4]) -> cross-entropy, data parallel over 3 devices (2 samples
+each). W's 8 rows shard 3, 3, 2: flat runs of 12, 12 and 8 floats (48, 48, 32 bytes).
+Each device computes Gemm forward 2*2*4*8 = 128 ns, the loss 32 ns forward and 64 ns
+backward, Gemm backward 256 ns: 480 ns. Then:
+
+- data parallelism: a ring all-reduce of W's 32 floats (chunks 11, 11, 10): 4 steps of
+  its widest chunk, 4 * (2 + 44) us; every device updates all of W, 2 * 32 ns;
+- ZeRO: a reduce-scatter, 2 steps of the widest shard, 2 * (2 + 48) us; each device
+  updates its rows, 2 * 12 ns at most; after every update an all-gather, 2 * (2 + 48) us.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from onnx2soap.sim import RooflineCost, make_simulator
+from onnx2soap.sim.delta import DeltaSimulator
+from onnx2soap.sim.simulate import simulate
+from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
+from onnx2soap.soap.zero import ZeroStage
+from tests.sim.tiny import round_machine, tiny_graph
+
+NS, US = 1e-9, 1e-6
+ADAM = 2
+
+
+def _setup(tmp_path):
+    graph = tiny_graph(tmp_path, batch=6)
+    space = analyze(graph)
+    configs = {
+        op.name: ParallelConfig(tuple(3 if d.name == "n" else 1 for d in space[op.name]), (0, 1, 2))
+        for op in graph.ops
+    }
+    strategy = Strategy(3, configs)
+    return Partitioner(graph), strategy
+
+
+def _simulator(zero: ZeroStage):
+    return make_simulator(round_machine(3), RooflineCost(), ADAM, zero=zero)
+
+
+def test_data_parallel_step_by_hand(tmp_path) -> None:
+    partitioner, strategy = _setup(tmp_path)
+    ev = _simulator(ZeroStage.NONE).evaluate(partitioner.partition(strategy))
+    assert ev.step_time_s == pytest.approx(480 * NS + 4 * (2 + 44) * US + 64 * NS, rel=1e-9)
+
+
+@pytest.mark.parametrize("stage", [ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS])
+def test_zero_step_by_hand(tmp_path, stage: ZeroStage) -> None:
+    partitioner, strategy = _setup(tmp_path)
+    pg = partitioner.partition(strategy)
+    sim = _simulator(stage)
+    ev = sim.evaluate(pg)
+    ring = 2 * (2 + 48) * US
+    assert ev.step_time_s == pytest.approx(480 * NS + ring + 24 * NS + ring, rel=1e-9)
+    tg = sim.task_graph(pg, names=True)
+    timeline = simulate(tg)
+    named = {}
+    for i, name in enumerate(tg.names):
+        named.setdefault(name, []).append(i)
+    (scatter,) = named["reduce-scatter W"]
+    (gather,) = named["all-gather W"]
+    updates = named["update W"]
+    assert [tg.duration[i] for i in updates] == pytest.approx([24 * NS, 24 * NS, 16 * NS])
+    assert tg.duration[scatter] == pytest.approx(ring) == tg.duration[gather]
+    # the all-gather waits for every member's update; the updates for the reduce-scatter
+    assert timeline.start[gather] == pytest.approx(max(timeline.end[i] for i in updates))
+    assert min(timeline.start[i] for i in updates) == pytest.approx(timeline.end[scatter])
+    # the two halves move what the all-reduce moves: 2 (k - 1) / k of W per member
+    plain = _simulator(ZeroStage.NONE).evaluate(pg)
+    assert ev.bytes_moved == plain.bytes_moved == 2 * 2 * 32 * 4
+    # delta simulation (the search's) gives the full simulation's figures
+    delta = DeltaSimulator(sim, partitioner)
+    assert delta.evaluate(strategy)[0] == ev
+
+
+def test_zero_memory_by_hand(tmp_path) -> None:
+    """W is 32 floats (128 bytes). ZeRO-1 keeps Adam's two moments of a device's rows
+    only: 2 * (128 - 48) bytes less on devices 0 and 1, 2 * (128 - 32) on device 2, and
+    nothing else changes. ZeRO-2 also keeps only the rows of the summed gradient, but the
+    whole gradient exists while the backward makes it, where this model's peak is."""
+    partitioner, strategy = _setup(tmp_path)
+    pg = partitioner.partition(strategy)
+    peaks = {z: _simulator(z).evaluate(pg).peak_memory_bytes for z in ZeroStage}
+    saved = [a - b for a, b in zip(peaks[ZeroStage.NONE], peaks[ZeroStage.OPTIMIZER], strict=True)]
+    assert saved == [2 * 80, 2 * 80, 2 * 96]
+    assert peaks[ZeroStage.GRADIENTS] == peaks[ZeroStage.OPTIMIZER]
