@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from onnx2soap.files import write_atomic
-from onnx2soap.measure.probe_messages import message_costs, ring_step_seconds
+from onnx2soap.measure.probe_messages import ROUNDS, message_costs, ring_step_seconds
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
 
@@ -106,7 +106,16 @@ class LinkFigures:
     busy: float  # of a message's latency, what each end rank spends on it
 
 
-def _links(comm, nap: bool) -> LinkFigures:
+DEFAULT_SECONDS = 0.3
+
+
+def _rounds(seconds: float) -> int:
+    """Rounds of the message and ring figures: ``ROUNDS`` at the default time per
+    measurement, fewer for a quick probe (one at 0.05 s: tests), more for a patient one."""
+    return max(1, round(ROUNDS * seconds / DEFAULT_SECONDS))
+
+
+def _links(comm, nap: bool, rounds: int) -> LinkFigures:
     """``nap``: ranks share cores, and wait as the executor's then do (on doorbells)."""
     from executor.device import CpuDevice
     from executor.doorbell import Doorbell
@@ -123,7 +132,7 @@ def _links(comm, nap: bool) -> LinkFigures:
         bandwidths.append(size / max(large - small, 1e-9))
     if bell is not None:
         bell.close()
-    costs = message_costs(comm, nap)
+    costs = message_costs(comm, nap, rounds)
     if not costs:
         return LinkFigures(5e-6, 4e9, 5e-6)
     return LinkFigures(
@@ -140,7 +149,7 @@ def _shared_cores(comm) -> int:
     return (os.cpu_count() or 1) if oversubscribed(comm) else 0
 
 
-def probe(comm, seconds: float = 0.3) -> str:
+def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     """Measure and return the machine file's YAML (on every rank). Where ranks share
     cores, only one rank per core measures the compute rates (the simulator gives a
     shared core's devices their turns, each at a core's own rate)."""
@@ -154,9 +163,9 @@ def probe(comm, seconds: float = 0.3) -> str:
     mine = _compute_rates(seconds) if measuring else None
     wait_patiently(comm.Ibarrier().Test, nap=bool(cores))
     rates = [r for r in comm.allgather(mine) if r is not None]
-    links = _links(comm, nap=bool(cores))
+    links = _links(comm, nap=bool(cores), rounds=_rounds(seconds))
     links = comm.bcast(links, root=0)
-    ring = comm.bcast(ring_step_seconds(comm, nap=bool(cores)), root=0)
+    ring = comm.bcast(ring_step_seconds(comm, bool(cores), _rounds(seconds)), root=0)
     ranks = comm.Get_size()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
     device = ComputeDevice(
@@ -179,7 +188,12 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(prog="python -m onnx2soap.measure.probe")
     parser.add_argument("-o", "--output", required=True)
-    parser.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=DEFAULT_SECONDS,
+        help=f"time per measurement (message figures: {ROUNDS} rounds at the default)",
+    )
     args = parser.parse_args()
     text = probe(MPI.COMM_WORLD, args.seconds)
     if MPI.COMM_WORLD.Get_rank() == 0:

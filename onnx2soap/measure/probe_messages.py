@@ -200,9 +200,9 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
     )
 
 
-def message_costs(comm, nap: bool) -> list[MessageCost]:
+def message_costs(comm, nap: bool, rounds: int = ROUNDS) -> list[MessageCost]:
     """Per peer of rank 0 (every rank calls this), what a message between rank 0 and
-    that peer costs a step and each of its ends, the medians over ``ROUNDS`` rounds;
+    that peer costs a step and each of its ends, the medians over ``rounds`` rounds;
     empty on one rank."""
     with tempfile.TemporaryDirectory() as folder:
         model = chain_model(Path(folder)) if comm.Get_rank() == 0 else None
@@ -215,7 +215,7 @@ def message_costs(comm, nap: bool) -> list[MessageCost]:
     seconds: list[list[float]] = [[] for _ in peers]
     busy: list[list[float]] = [[] for _ in peers]
     size, graph = comm.Get_size(), model.graph
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         alone = _step_seconds(comm, model, _plan(graph, size, 0), nap)  # one for every peer
         for i, peer in enumerate(peers):
             apart = _step_seconds(comm, model, _plan(graph, size, peer), nap)
@@ -239,9 +239,9 @@ def rings_run(program) -> int:
     )
 
 
-def ring_step_seconds(comm, nap: bool) -> float | None:
+def ring_step_seconds(comm, nap: bool, rounds: int = ROUNDS) -> float | None:
     """What one step of a ring all-reduce over every rank costs a step of the runtime
-    (every rank calls this), the median over ``ROUNDS`` rounds; None on one rank."""
+    (every rank calls this), the median over ``rounds`` rounds; None on one rank."""
     size = comm.Get_size()
     with tempfile.TemporaryDirectory() as folder:
         model = norm_chain_model(Path(folder), size) if comm.Get_rank() == 0 else None
@@ -249,7 +249,7 @@ def ring_step_seconds(comm, nap: bool) -> float | None:
     if size == 1:
         return None
     graph, figures = model.graph, []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         alone = _step_seconds(comm, model, _plan(graph, size, 0), nap)
         spread = _step_seconds(comm, model, _data_parallel(graph, size), nap)
         steps = rings_run(spread.program) * 2 * (size - 1)
