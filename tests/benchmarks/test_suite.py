@@ -1,0 +1,73 @@
+"""benchmarks/suite.py on one small model (written with onnx.helper: no torch) and one
+cell: the tables have their shape, and the search is no slower than any baseline that
+fits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.suite import BASELINE_NAMES, HEADER, Cell, cell_row, check, main
+from benchmarks.suite_models import MODELS
+
+# The issue's suite: FlexFlow's six, Alpa's four and a LLaMA-3-8B shape.
+SUITE = {
+    "alexnet",
+    "inception_v3",
+    "resnet101",
+    "rnntc",
+    "rnnlm",
+    "nmt",
+    "gpt_1.3b",
+    "gpt_2.6b",
+    "moe_2.4b",
+    "wresnet_2b",
+    "llama3_8b",
+}
+
+
+def _columns(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_one_cell(tmp_path: Path) -> None:
+    out = tmp_path / "suite.md"
+    argv = ["--models", "small_mlp", "--presets", "flexflow-p100", "--devices", "8"]
+    argv += ["--budget", "20", "--max-evals", "300", "--work", str(tmp_path), "--out", str(out)]
+    assert main(argv) == 0
+    lines = out.read_text().splitlines()
+    imports, blank, header, rule, row = lines[2], lines[3], lines[4], lines[5], lines[6]
+    assert len(lines) == 7 and blank == ""
+    assert _columns(imports)[0] == "small_mlp" and _columns(imports)[-1] == "ok"
+    assert header == HEADER and set(rule) == {"|", "-"}
+    got = dict(zip(_columns(header), _columns(row), strict=True))
+    assert got["model"] == "small_mlp" and got["devices"] == "8" and got["batch"] == "128"
+    assert float(got["rule/search"].strip("*×")) >= 1.0
+    doc = json.loads((tmp_path / "cells" / "small_mlp@flexflow-p100:8.json").read_text())
+    assert set(BASELINE_NAMES) <= set(doc["starts"])
+    assert check(doc) == []
+    search = doc["search"]["step_s"]
+    fitting = [e["step_s"] for n, e in doc["starts"].items() if e["fits"]]
+    assert fitting and search <= min(fitting)
+    assert 0 < doc["within_1pct_s"] <= doc["search_s"]
+
+
+def test_a_faster_baseline_is_reported() -> None:
+    starts = {n: {"step_s": 2.0, "fits": True, "peak_bytes": 1} for n in BASELINE_NAMES}
+    starts["ilp"] = {"step_s": 0.5, "fits": True, "peak_bytes": 1}
+    starts["expert"] = {"step_s": 0.1, "fits": False, "peak_bytes": 1}  # no reference
+    doc = {"starts": starts, "search": {"step_s": 1.0}}
+    assert check(doc) == ["ilp 0.5 s < search 1 s"]
+
+
+def test_a_cell_where_nothing_fits_has_the_header_s_columns() -> None:
+    doc = {"batch": 64, "import_s": 1.0, "peak_rss": 2e9, "error": "no strategy fits"}
+    row = cell_row(Cell("m", "dgx-h100", 8), doc)
+    assert len(_columns(row)) == len(_columns(HEADER))
+    assert "no strategy fits" in row
+
+
+def test_the_suite_is_the_issue_s() -> None:
+    assert set(MODELS) == SUITE
+    for spec in MODELS.values():
+        assert spec.per_device >= 1 and spec.inputs and spec.note
