@@ -298,11 +298,12 @@ class Runtime:
 
     def _gather(self, gathers: list) -> None:
         """Complete the step's all-gathers (started in update order, one ring at a time
-        per communicator), then remake the half-format copies of what they wrote."""
+        per communicator), then remake the half-format copies of what they wrote. Their
+        arrays are the weights, held anyway; the next step's ``end_step`` retires them
+        (a second ``end_step`` in a step would retire NCCL's backward arrays early)."""
         with self._timed("wait allgather", "allreduce") if self._tracing else nullcontext():
             for _, pending in gathers:
                 self.transport.wait(pending)
-            self.transport.end_step()
         for key, _ in gathers:
             self.refresh_compute_copy(key)
 

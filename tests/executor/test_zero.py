@@ -1,0 +1,204 @@
+"""ZeRO-1 and ZeRO-2 plans (``plan --strategy zero``) train exactly like one device.
+
+The example CNN, data parallel over 3 ranks (its weights' rows do not divide by 3, so
+the shards are uneven), under a real mpiexec, float64: every optimizer, at one stage
+here and the other on GPT-2 (tests/sequences/test_zero.py), gives the one-device losses
+and weights within 1e-10, moving what data parallelism moves; a ZeRO checkpoint
+resumes under a plain data-parallel plan and a plain one under ZeRO, re-sharding the
+optimizer's state, and both continue as the uninterrupted one-device run; bf16 with
+ZeRO-2 and fp16 (loss scaling) with ZeRO-1 train like one device in the same precision
+(within a half-format ulp, as tests/executor/test_precision.py). All runs share one
+mpiexec (``zero_driver.py``). The same on GPUs over NCCL and host-staged rings (the
+stand-in under ``-m gpu``). A stage on a plan that replicates nothing is refused,
+naming the field (a stage other than 1 or 2: tests/soap/test_zero.py,
+tests/cli/test_zero.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from executor.train import train
+from onnx2soap.cli import main as onnx2soap_main
+from onnx2soap.errors import UserError
+from tests.executor.mpi import MPIEXEC, make_plan
+from tests.executor.zero_driver import OPTIMIZERS, Job, options, read_result, write_jobs
+from tests.optional import cupy_or_skip
+
+pytestmark = pytest.mark.mpi
+DRIVER = Path(__file__).with_name("zero_driver.py")
+RANKS, BATCH = 3, 6
+ROOT = Path(__file__).parents[2]
+
+
+def zero_plan(model: Path, plan: Path, ranks: int, batch: int, stage: int) -> Path:
+    argv = ["plan", str(model), "--devices", str(ranks), "--batch", str(batch)]
+    assert (
+        onnx2soap_main([*argv, "--strategy", "zero", "--zero-stage", str(stage), "-o", str(plan)])
+        == 0
+    )
+    return plan
+
+
+def run_jobs(jobs: list[Job], ranks: int, folder: Path, timeout: float = 300) -> None:
+    """All ``jobs`` in one ``mpiexec -n ranks`` (``zero_driver.py``); the run must succeed.
+    The tests' PYTHONPATH is kept (the GPU pass puts the cupy stand-in on it)."""
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    listed = write_jobs(folder / "jobs.json", jobs)
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(DRIVER), str(listed)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def one_device(job: Job):
+    """The job's training on one device (``job.plan`` a one-device plan), in this
+    process; once per training (output, checkpoint and resume aside)."""
+    return _one_device(replace(job, out="", checkpoint=None, resume=None))
+
+
+@functools.cache
+def _one_device(job: Job):
+    result = train(MPI.COMM_SELF, options(job), gather=True)
+    return np.array([r.loss for r in result.steps]), result.weights
+
+
+def assert_like(out: Path, losses, weights, rtol: float, atol: float | None = None) -> None:
+    got_losses, got, _ = read_result(out)
+    np.testing.assert_allclose(got_losses, losses, rtol=rtol, atol=0, err_msg=out.name)
+    assert set(got) == set(weights)
+    for name, w in weights.items():
+        tol = rtol * max(float(np.abs(w).max()), 1.0) if atol is None else atol
+        np.testing.assert_allclose(got[name], w, rtol=0 if atol else rtol, atol=tol, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, example_onnx: Path) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("zero")
+    model = folder / "cnn.onnx"
+    shutil.copy(example_onnx, model)
+    out = {"model": model, "folder": folder}
+    make_plan(model, folder / "one.json", 1, BATCH, "data-parallel")
+    make_plan(model, folder / "dp.json", RANKS, BATCH, "data-parallel")
+    for stage in (1, 2):
+        out[f"zero{stage}"] = zero_plan(model, folder / f"zero{stage}.json", RANKS, BATCH, stage)
+    out |= {name: folder / f"{name}.json" for name in ("one", "dp")}
+    return out
+
+
+# Each optimizer at one stage here and at the other on GPT-2 (tests/sequences/test_zero.py):
+# together every (stage, optimizer) pair.
+STAGES = {"sgd": 1, "momentum": 1, "adamw": 1, "nesterov": 2, "adam": 2}
+
+
+@pytest.fixture(scope="module")
+def trained(plans) -> dict[str, tuple[Job, Path]]:
+    """Every job run once on 3 ranks: (the job, its result file), by name."""
+    folder = plans["folder"]
+    jobs: dict[str, Job] = {}
+    for name, stage in STAGES.items():
+        plan = str(plans[f"zero{stage}"])
+        jobs[f"zero{stage}-{name}"] = Job(plan, str(folder / f"z{stage}-{name}.npz"), name)
+    # Checkpoints across plans: two Adam steps under one, the third under the other.
+    for first, then in (("zero2", "dp"), ("dp", "zero1")):
+        ckpt = str(folder / f"ckpt-{first}")
+        jobs[f"{first}-saves"] = Job(
+            str(plans[first]), str(folder / f"{first}-saves.npz"), "adam", 2, checkpoint=ckpt
+        )
+        jobs[f"{then}-resumes-{first}"] = Job(
+            str(plans[then]), str(folder / f"{then}-resumes.npz"), "adam", 3, resume=ckpt
+        )
+    for stage, precision in ((2, "bf16"), (1, "fp16")):
+        plan = str(plans[f"zero{stage}"])
+        out = str(folder / f"z{stage}-{precision}.npz")
+        # Momentum: Adam's normalized steps turn a half-format ulp of difference in a
+        # gradient (summed in another order over ranks, ZeRO or not) into a step of lr.
+        jobs[f"zero{stage}-{precision}"] = Job(
+            plan, out, "momentum", dtype="float32", precision=precision
+        )
+    run_jobs(list(jobs.values()), RANKS, folder)
+    return {name: (job, Path(job.out)) for name, job in jobs.items()}
+
+
+def test_every_optimizer_is_trained_here_and_on_gpt2() -> None:
+    assert set(STAGES) == set(OPTIMIZERS) and set(STAGES.values()) == {1, 2}
+
+
+@pytest.mark.parametrize(("optimizer", "stage"), sorted(STAGES.items()))
+def test_zero_trains_like_one_device(plans, trained, stage: int, optimizer: str) -> None:
+    job, out = trained[f"zero{stage}-{optimizer}"]
+    losses, weights = one_device(replace(job, plan=str(plans["one"])))
+    assert_like(out, losses, weights, rtol=1e-10)
+
+
+@pytest.mark.parametrize(("first", "then"), [("zero2", "dp"), ("dp", "zero1")])
+def test_a_checkpoint_resumes_under_the_other_plan(plans, trained, first: str, then: str):
+    """Adam's moments re-sharded: the third step continues the one-device run."""
+    job, out = trained[f"{then}-resumes-{first}"]
+    losses, weights = one_device(replace(job, plan=str(plans["one"]), resume=None))
+    assert_like(out, losses[2:], weights, rtol=1e-10)
+    manifest = next(Path(trained[f"{first}-saves"][0].checkpoint).glob("step-*/manifest.json"))
+    entries = json.loads(manifest.read_text())["entries"]
+    moments = [e for e in entries if e["kind"] == "exp_avg"]
+    values = [e for e in entries if e["kind"] == "value"]
+    # ZeRO's state is written per shard, each by its owner: more entries than weights
+    assert (len(moments) > len(values)) == (first == "zero2"), (len(moments), len(values))
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(2, "bf16"), (1, "fp16")])
+def test_mixed_precision_with_zero_trains_like_one_device(plans, trained, stage, precision):
+    job, out = trained[f"zero{stage}-{precision}"]
+    losses, weights = one_device(replace(job, plan=str(plans["one"])))
+    assert_like(out, losses, weights, rtol=2e-3, atol=2e-3)
+
+
+def test_zero_moves_the_all_reduces_bytes(trained) -> None:
+    """A reduce-scatter and an all-gather per sharded group move what one all-reduce
+    moves (the same two Adam steps, data parallel and ZeRO-2)."""
+    sent = {name: read_result(trained[f"{name}-saves"][1])[2] for name in ("dp", "zero2")}
+    assert sent["zero2"].sum() == sent["dp"].sum() > 0
+
+
+def test_zero_without_data_parallelism_is_refused(plans) -> None:
+    """Where the plan replicates no weight (here one device) the executor refuses the
+    stage, naming the plan and its field (every rank agrees: one line, exit 2, as for
+    any refused plan: tests/executor/test_refusals.py)."""
+    plan = plans["folder"] / "one-zero.json"
+    plan.write_text(json.dumps({**json.loads(plans["one"].read_text()), "zero_stage": 1}))
+    with pytest.raises(UserError, match=r"one-zero.json: field 'zero_stage': 1 needs data para"):
+        train(MPI.COMM_SELF, options(Job(str(plan), "")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("transport", "gpus"), [("nccl", RANKS), ("mpi-host", 1)])
+def test_zero_on_gpus_trains_like_one_device(plans, tmp_path: Path, monkeypatch, transport, gpus):
+    """``--device cuda``: NCCL's grouped reduces and broadcasts (a GPU per rank), and
+    ranks sharing one GPU over host-staged rings; both stages, Adam and momentum."""
+    cp = cupy_or_skip()
+    if cp.cuda.runtime.getDeviceCount() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    if gpus == 1:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU, on a real machine too
+    jobs = [
+        Job(str(plans[f"zero{stage}"]), str(tmp_path / f"z{stage}.npz"), optimizer)
+        for stage, optimizer in ((2, "adam"), (1, "momentum"))
+    ]
+    run_jobs([replace(j, device="cuda", transport=transport) for j in jobs], RANKS, tmp_path)
+    for job in jobs:
+        losses, weights = one_device(replace(job, plan=str(plans["one"])))
+        assert_like(Path(job.out), losses, weights, rtol=1e-10)
