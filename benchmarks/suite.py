@@ -102,8 +102,9 @@ def run_cell(
     options = SearchOptions(budget, seed, max_evals=evals)
     try:
         result = mcmc(graph, space, simulator, options)
-    except UserError as e:  # nothing fits: the row says so
-        doc["error"] = str(e)
+    except UserError as e:  # nothing fits: the row says so, with what DP would need
+        dp = _dp_peak(graph, space, simulator)
+        doc["error"] = f"{str(e).split(';')[0]} (data parallel: {dp})"
         return doc
     final = result.evaluation.step_time_s
     within = next(h for h in result.history if h.step_time_s <= final * 1.01)
@@ -121,6 +122,16 @@ def run_cell(
         doc["ilp"] = {"status": result.ilp.status, "build_s": result.ilp.build_s}
         doc["ilp"]["solve_s"] = result.ilp.solve_s
     return doc
+
+
+def _dp_peak(graph, space, simulator) -> str:
+    """Data parallelism's largest device memory, in GiB."""
+    from onnx2soap.search.baselines import data_parallel
+    from onnx2soap.soap import Partitioner
+
+    strategy = data_parallel(graph, space, simulator.machine.size)
+    ev = simulator.evaluate(Partitioner(graph).partition(strategy))
+    return f"{max(ev.peak_memory_bytes) / 2**30:.1f} GiB a device"
 
 
 def _cell_main(argv: list[str]) -> int:

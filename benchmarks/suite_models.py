@@ -3,7 +3,7 @@
 FlexFlow (SysML 2019) §8: AlexNet, Inception-v3, ResNet-101 (torchvision's own classes),
 RNNTC, RNNLM and NMT (LSTMs of 40 unrolled steps). Alpa (OSDI 2022) Table 4: GPT-3
 (1.3B and 2.6B shapes: Hugging Face's GPT-2 classes at those widths), GShard MoE (2.4B)
-and Wide-ResNet (2B). And a LLaMA-3-8B shape (transformers' LlamaForCausalLM).
+and Wide-ResNet (its 2B row's widths). And a LLaMA-3-8B shape (transformers' Llama).
 
 Each model is built on torch's meta device (shapes without storage), exported by the
 dynamo exporter (``optimize=False``: weights stay as the model has them) with a symbolic
@@ -85,9 +85,9 @@ def build_alexnet() -> nn.Module:
 
 
 def build_inception_v3() -> nn.Module:
+    _torchvision()
     from torchvision.models.inception import Inception3
 
-    _torchvision()
     return Inception3(num_classes=1000, aux_logits=False, init_weights=False)
 
 
@@ -172,9 +172,9 @@ SEQ = 1024  # Alpa's GPT and MoE: 1,024 tokens
 def _gpt(hidden: int, layers: int, heads: int, vocabulary: int = 51_200) -> nn.Module:
     """Hugging Face's GPT-2 at Alpa's GPT-3 widths (its LM head tied to the embedding, as
     Megatron's), eager attention, no cache: ids [B, T] -> logits [B, T, V]."""
+    _torchvision()  # first: transformers imports torchvision when it is installed
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    _torchvision()  # transformers imports torchvision when it is installed
     config = GPT2Config(
         vocab_size=vocabulary,
         n_positions=SEQ,
@@ -343,9 +343,9 @@ LLAMA_SEQ = 2048
 
 
 def build_llama3_8b() -> nn.Module:
+    _torchvision()  # before transformers, as above
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _torchvision()
     cfg = LlamaConfig(**LLAMA_CONFIGS["llama3-8b"], max_position_embeddings=LLAMA_SEQ)
     cfg.tie_word_embeddings = False
     cfg._attn_implementation = "eager"
@@ -366,11 +366,19 @@ MODELS: dict[str, SuiteModel] = {
             _FF,
             build_inception_v3,
             (Input("input", (3, 299, 299)),),
-            64,
+            32,
             Precision.FP32,
-            "299x299, no aux head, 64 a GPU",
+            "299x299, no aux head; 32 a GPU (at FlexFlow's 64 no plan fits 16 GiB)",
         ),
-        SuiteModel("resnet101", _FF, build_resnet101, _IMAGE, 64, Precision.FP32, "64 a GPU"),
+        SuiteModel(
+            "resnet101",
+            _FF,
+            build_resnet101,
+            _IMAGE,
+            16,
+            Precision.FP32,
+            "16 a GPU (data parallel at FlexFlow's 64 needs 34 GiB a GPU, at 32 17 GiB)",
+        ),
         SuiteModel(
             "rnntc",
             _FF,
@@ -426,13 +434,14 @@ MODELS: dict[str, SuiteModel] = {
             "h 1024, 16 layers (8 MoE), 32 experts, top-2, 1024 tokens; 1 sequence a GPU",
         ),
         SuiteModel(
-            "wresnet_2b",
+            "wide_resnet",
             _ALPA,
             build_wide_resnet,
             _IMAGE,
             8,
             Precision.FP16,
-            "ResNet-50 layout, 448 base channels, width 2; 8 images a GPU",
+            "Table 4's 2B row's widths (448 base, width 2) on torchvision's bottlenecks: "
+            "3.3 G parameters as built; 8 images a GPU",
         ),
         SuiteModel(
             "llama3_8b",

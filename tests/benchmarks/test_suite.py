@@ -21,7 +21,7 @@ SUITE = {
     "gpt_1.3b",
     "gpt_2.6b",
     "moe_2.4b",
-    "wresnet_2b",
+    "wide_resnet",
     "llama3_8b",
 }
 
