@@ -1,9 +1,9 @@
 """ZeRO-1 and ZeRO-2 plans (``plan --strategy zero``) train exactly like one device.
 
 The example CNN, data parallel over 3 ranks (its weights' rows do not divide by 3, so
-the shards are uneven), under a real mpiexec, float64: every optimizer, at one stage
-here and the other on GPT-2 (tests/sequences/test_zero.py), gives the one-device losses
-and weights within 1e-10, moving what data parallelism moves; a ZeRO checkpoint
+the shards are uneven), under a real mpiexec, float64: every optimizer at both stages
+gives the one-device losses and weights within 1e-10 (GPT-2 too:
+tests/sequences/test_zero.py), moving what data parallelism moves; a ZeRO checkpoint
 resumes under a plain data-parallel plan and a plain one under ZeRO, re-sharding the
 optimizer's state, and both continue as the uninterrupted one-device run; bf16 with
 ZeRO-2 and fp16 (loss scaling) with ZeRO-1 train like one device in the same precision
@@ -30,9 +30,12 @@ import pytest
 from mpi4py import MPI
 
 from executor.train import train
-from onnx2soap.cli import main as onnx2soap_main
 from onnx2soap.errors import UserError
-from tests.executor.mpi import MPIEXEC, make_plan
+from onnx2soap.importer import file_sha256, load_model
+from onnx2soap.search.baselines import data_parallel
+from onnx2soap.soap import Plan, analyze, plan_ops, save_plan
+from onnx2soap.soap.zero import ZeroStage
+from tests.executor.mpi import MPIEXEC
 from tests.executor.zero_driver import OPTIMIZERS, Job, options, read_result, write_jobs
 from tests.optional import cupy_or_skip
 
@@ -40,14 +43,22 @@ pytestmark = pytest.mark.mpi
 DRIVER = Path(__file__).with_name("zero_driver.py")
 RANKS, BATCH = 3, 6
 ROOT = Path(__file__).parents[2]
+# A weight whose gradient is zero in exact arithmetic (GPT's key bias: softmax ignores a
+# constant added to every score of a query) gets rounding noise of about 1e-17, which
+# no two summation orders agree on; Adam turns it into steps of lr * noise / eps, about
+# 5e-11 at lr 0.05 and eps 1e-8 (plain data parallelism the same).
+ADAM_NOISE = 1e-9
 
 
 def zero_plan(model: Path, plan: Path, ranks: int, batch: int, stage: int) -> Path:
-    argv = ["plan", str(model), "--devices", str(ranks), "--batch", str(batch)]
-    assert (
-        onnx2soap_main([*argv, "--strategy", "zero", "--zero-stage", str(stage), "-o", str(plan)])
-        == 0
-    )
+    """Data parallelism over ``ranks`` with ZeRO ``stage`` (0: none), written as
+    ``plan --strategy zero`` writes it (tests/cli/test_zero.py) without pricing every
+    baseline (the ILP's solve included) for it."""
+    graph = load_model(model, batch).graph
+    space = analyze(graph)
+    ops = plan_ops(data_parallel(graph, space, ranks), graph, space)
+    doc = Plan(model, file_sha256(model), batch, graph.loss, ranks, ops)
+    save_plan(replace(doc, zero_stage=ZeroStage(stage)), plan)
     return plan
 
 
@@ -79,12 +90,18 @@ def _one_device(job: Job):
 
 
 def assert_like(out: Path, losses, weights, rtol: float, atol: float | None = None) -> None:
+    """Losses within ``rtol``; weights within ``atol``, else within ``rtol`` of their
+    size (as tests/executor/mpi.py's ``assert_same_training``), never below ``ADAM_NOISE``
+    for a run with Adam (``Job.out`` names the optimizer)."""
     got_losses, got, _ = read_result(out)
     np.testing.assert_allclose(got_losses, losses, rtol=rtol, atol=0, err_msg=out.name)
     assert set(got) == set(weights)
+    noise = ADAM_NOISE if "adam" in out.name else 0.0
     for name, w in weights.items():
         tol = rtol * max(float(np.abs(w).max()), 1.0) if atol is None else atol
-        np.testing.assert_allclose(got[name], w, rtol=0 if atol else rtol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(
+            got[name], w, rtol=0 if atol else rtol, atol=max(tol, noise), err_msg=name
+        )
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +110,16 @@ def plans(tmp_path_factory, example_onnx: Path) -> dict[str, Path]:
     model = folder / "cnn.onnx"
     shutil.copy(example_onnx, model)
     out = {"model": model, "folder": folder}
-    make_plan(model, folder / "one.json", 1, BATCH, "data-parallel")
-    make_plan(model, folder / "dp.json", RANKS, BATCH, "data-parallel")
+    zero_plan(model, folder / "one.json", 1, BATCH, 0)
+    zero_plan(model, folder / "dp.json", RANKS, BATCH, 0)
     for stage in (1, 2):
         out[f"zero{stage}"] = zero_plan(model, folder / f"zero{stage}.json", RANKS, BATCH, stage)
     out |= {name: folder / f"{name}.json" for name in ("one", "dp")}
     return out
 
 
-# Each optimizer at one stage here and at the other on GPT-2 (tests/sequences/test_zero.py):
-# together every (stage, optimizer) pair.
-STAGES = {"sgd": 1, "momentum": 1, "adamw": 1, "nesterov": 2, "adam": 2}
+# Every optimizer at both stages (GPT-2 in tests/sequences/test_zero.py: one at each).
+STAGES = {name: (1, 2) for name in OPTIMIZERS}
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +127,10 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
     """Every job run once on 3 ranks: (the job, its result file), by name."""
     folder = plans["folder"]
     jobs: dict[str, Job] = {}
-    for name, stage in STAGES.items():
-        plan = str(plans[f"zero{stage}"])
-        jobs[f"zero{stage}-{name}"] = Job(plan, str(folder / f"z{stage}-{name}.npz"), name)
+    for name, stages in STAGES.items():
+        for stage in stages:
+            plan = str(plans[f"zero{stage}"])
+            jobs[f"zero{stage}-{name}"] = Job(plan, str(folder / f"z{stage}-{name}.npz"), name)
     # Checkpoints across plans: two Adam steps under one, the third under the other.
     for first, then in (("zero2", "dp"), ("dp", "zero1")):
         ckpt = str(folder / f"ckpt-{first}")
@@ -135,11 +152,8 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
     return {name: (job, Path(job.out)) for name, job in jobs.items()}
 
 
-def test_every_optimizer_is_trained_here_and_on_gpt2() -> None:
-    assert set(STAGES) == set(OPTIMIZERS) and set(STAGES.values()) == {1, 2}
-
-
-@pytest.mark.parametrize(("optimizer", "stage"), sorted(STAGES.items()))
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_zero_trains_like_one_device(plans, trained, stage: int, optimizer: str) -> None:
     job, out = trained[f"zero{stage}-{optimizer}"]
     losses, weights = one_device(replace(job, plan=str(plans["one"])))

@@ -1,0 +1,83 @@
+"""ZeRO's memory, measured: per-rank peak RSS of real mpiexec runs against the memory model.
+
+An MLP of eight 1024x1024 float32 layers (32 MB of weights on a sparse file) trained
+with Adam on 4 ranks: data parallel holds on every rank the weights, their gradients
+and Adam's two moments (128 MB); ZeRO-1 a quarter of the moments, ZeRO-2 a quarter of
+the gradients too (one full gradient in flight at a time). Each rank's peak RSS less an
+idle executor's (the idle rank of a single-device plan: interpreter, libraries, graph,
+plan) is the simulated peak within 20 %, and ZeRO-2's is at most 0.7x data
+parallelism's, measured and simulated (issue 32).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.sparse_mlp import write_sparse_mlp
+from onnx2soap.importer import load_model
+from onnx2soap.sim import RooflineCost, make_simulator, resolve_machine
+from onnx2soap.sim.memory import OPTIMIZER_SLOTS
+from onnx2soap.soap import Partitioner, analyze, load_plan
+from tests.executor.mpi import MPIEXEC
+from tests.executor.test_zero import zero_plan
+
+pytestmark = pytest.mark.mpi
+LAYERS, HIDDEN, BATCH, RANKS = 8, 1024, 8, 4
+ADAM = OPTIMIZER_SLOTS["adam"]
+
+
+def _simulated(plan: Path) -> list[int]:
+    """The plan's peaks as ``plan --optimizer adam --devices N`` predicts them."""
+    loaded = load_plan(plan)
+    graph = load_model(loaded.model_path, loaded.batch).graph
+    pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
+    machine = resolve_machine(f"cpu:{loaded.devices}")
+    simulator = make_simulator(machine, RooflineCost(), ADAM, zero=loaded.zero_stage)
+    return list(simulator.evaluate(pg).peak_memory_bytes)
+
+
+def _run(plan: Path, ranks: int) -> tuple[list[int], list[int]]:
+    """Measured peak RSS per rank (the run's summary) and the plan's simulated peaks."""
+    command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "executor", "run"]
+    command += [str(plan), "--steps", "1", "--optimizer", "adam", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (summary,) = [json.loads(x)["summary"] for x in done.stdout.splitlines() if "summary" in x]
+    return summary["peak_rss_bytes"], _simulated(plan)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = tmp_path_factory.mktemp("zero_memory")
+    mlp = write_sparse_mlp(folder, LAYERS, HIDDEN)
+    # The idle rank of a one-device plan on 2 ranks (data parallelism over 1 of 2).
+    idle = zero_plan(mlp.model, folder / "idle.json", 1, BATCH, 0)
+    doc = json.loads(idle.read_text())
+    idle.write_text(json.dumps({**doc, "devices": 2}))
+    runs = {"idle": _run(idle, 2)}
+    for name, stage in (("dp", 0), ("zero1", 1), ("zero2", 2)):
+        runs[name] = _run(zero_plan(mlp.model, folder / f"{name}.json", RANKS, BATCH, stage), RANKS)
+    return runs
+
+
+def test_measured_peaks_are_the_memory_models_within_20_percent(measured) -> None:
+    idle = measured["idle"][0][1]
+    for name in ("dp", "zero1", "zero2"):
+        peaks, simulated = measured[name]
+        for rank, (peak, predicted) in enumerate(zip(peaks, simulated, strict=True)):
+            error = abs(peak - idle - predicted) / predicted
+            assert error <= 0.2, f"{name}, rank {rank}: {peak - idle} vs {predicted}"
+
+
+def test_zero_with_adam_takes_at_most_70_percent_of_data_parallelism(measured) -> None:
+    idle = measured["idle"][0][1]
+    used = {n: max(measured[n][0]) - idle for n in ("dp", "zero1", "zero2")}
+    simulated = {n: max(measured[n][1]) for n in used}
+    assert used["zero2"] <= 0.7 * used["dp"], used
+    assert simulated["zero2"] <= 0.7 * simulated["dp"], simulated
+    assert used["zero2"] < used["zero1"] < used["dp"], used  # gradients, then state
