@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ class Row:
     proposals: int
     setup_s: float
     wall_s: float
+    # per distinct start (halving walks): its names, step time and the best its walk
+    # reached (ms; None: nothing that fits), proposals
+    walks: tuple[tuple[str, float, float | None, int], ...] = ()
 
 
 def found_by(result: SearchResult) -> str:
@@ -125,6 +129,15 @@ def run(name: str, graph: Graph, spec: str, walk: str, args) -> Row:
         result.proposals,
         result.setup_s,
         wall,
+        tuple(
+            (
+                "=".join(w.names),
+                w.start_step_time_s * 1e3,
+                w.best_step_time_s * 1e3 if math.isfinite(w.best_step_time_s) else None,
+                w.proposals,
+            )
+            for w in result.walks
+        ),
     )
 
 
