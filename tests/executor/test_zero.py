@@ -7,7 +7,8 @@ tests/sequences/test_zero.py), moving what data parallelism moves; a ZeRO checkp
 resumes under a plain data-parallel plan and a plain one under ZeRO, re-sharding the
 optimizer's state, and both continue as the uninterrupted one-device run; bf16 with
 ZeRO-2 and fp16 (loss scaling) with ZeRO-1 train like one device in the same precision
-(within a half-format ulp, as tests/executor/test_precision.py). All runs share one
+(within a half-format ulp, as tests/executor/test_precision.py); --save-weights and
+--save-model write the trained weights. All runs share one
 mpiexec (``zero_driver.py``). The same on GPUs over NCCL and host-staged rings (the
 stand-in under ``-m gpu``). A stage on a plan that replicates nothing is refused,
 naming the field (a stage other than 1 or 2: tests/soap/test_zero.py,
@@ -26,8 +27,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from mpi4py import MPI
+from onnx import numpy_helper
 
 from executor.train import train
 from onnx2soap.errors import UserError
@@ -80,7 +83,9 @@ def run_jobs(jobs: list[Job], ranks: int, folder: Path, timeout: float = 300) ->
 def one_device(job: Job):
     """The job's training on one device (``job.plan`` a one-device plan), in this
     process; once per training (output, checkpoint and resume aside)."""
-    return _one_device(replace(job, out="", checkpoint=None, resume=None))
+    return _one_device(
+        replace(job, out="", checkpoint=None, resume=None, save_weights=None, save_model=None)
+    )
 
 
 @functools.cache
@@ -131,6 +136,10 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
         for stage in stages:
             plan = str(plans[f"zero{stage}"])
             jobs[f"zero{stage}-{name}"] = Job(plan, str(folder / f"z{stage}-{name}.npz"), name)
+    # The weights written by each shard's owner (every member holds them whole).
+    adam, sgd = jobs["zero2-adam"], jobs["zero1-sgd"]
+    jobs["zero2-adam"] = replace(adam, save_weights=str(folder / "z2-adam-weights.npz"))
+    jobs["zero1-sgd"] = replace(sgd, save_model=str(folder / "z1-sgd-model.onnx"))
     # Checkpoints across plans: two Adam steps under one, the third under the other.
     for first, then in (("zero2", "dp"), ("dp", "zero1")):
         ckpt = str(folder / f"ckpt-{first}")
@@ -179,6 +188,23 @@ def test_mixed_precision_with_zero_trains_like_one_device(plans, trained, stage,
     job, out = trained[f"zero{stage}-{precision}"]
     losses, weights = one_device(replace(job, plan=str(plans["one"])))
     assert_like(out, losses, weights, rtol=2e-3, atol=2e-3)
+
+
+def test_saved_weights_and_model_are_the_trained_ones(trained) -> None:
+    """--save-weights and --save-model of ZeRO runs: the gathered weights, bit for bit
+    (the model in its float32 initializers)."""
+    job, out = trained["zero2-adam"]
+    _, gathered, _ = read_result(out)
+    with np.load(job.save_weights) as saved:
+        assert set(saved.files) == set(gathered)
+        for name, w in gathered.items():
+            np.testing.assert_array_equal(saved[name], w, err_msg=name)
+    job, out = trained["zero1-sgd"]
+    _, gathered, _ = read_result(out)
+    model = onnx.load(job.save_model)
+    initializers = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for name, w in gathered.items():
+        np.testing.assert_array_equal(initializers[name], w.astype(np.float32), err_msg=name)
 
 
 def test_zero_moves_the_all_reduces_bytes(trained) -> None:

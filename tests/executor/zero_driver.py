@@ -50,6 +50,8 @@ class Job:
     transport: str = "auto"
     checkpoint: str | None = None
     resume: str | None = None
+    save_weights: str | None = None  # --save-weights
+    save_model: str | None = None  # --save-model
 
 
 def options(job: Job):
@@ -67,6 +69,8 @@ def options(job: Job):
         transport=TransportKind(job.transport),
         checkpoint=None if job.checkpoint is None else Path(job.checkpoint),
         resume=None if job.resume is None else Path(job.resume),
+        save_weights=None if job.save_weights is None else Path(job.save_weights),
+        save_model=None if job.save_model is None else Path(job.save_model),
     )
 
 
