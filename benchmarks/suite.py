@@ -309,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names
         for preset in args.presets.split(",")
         for d in args.devices.split(",")
+        if d  # --devices "": the import rows alone
     ]
+    if not cells:
+        return 0
     emit(HEADER)
     emit("|" + "---|" * (HEADER.count("|") - 1))
     broken: list[str] = []
