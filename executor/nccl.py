@@ -117,7 +117,10 @@ class NcclTransport:
             ptr = base + lo * array.itemsize
             comm.reduce(ptr, ptr, hi - lo, kind, self.nccl.NCCL_SUM, root, stream.ptr)
         self.nccl.groupEnd()
-        return self._started(array, devices, chunks, reduce_scatter_steps, stream)
+        # Not held to the next step: the step keeps the gradient until it has waited for
+        # this event and then (ZeRO-2) drops it for a copy of its rows; the compute
+        # stream's later kernels, which may reuse its memory, run after the reduces.
+        return self._started(array, devices, chunks, reduce_scatter_steps, stream, hold=False)
 
     def all_gather(self, array, devices: tuple[int, ...], chunks: tuple[Interval, ...]):
         """ZeRO's uneven all-gather: one ncclBroadcast per shard from its owner, in one
@@ -132,8 +135,9 @@ class NcclTransport:
         self.nccl.groupEnd()
         return self._started(array, devices, chunks, all_gather_steps, stream)
 
-    def _started(self, array, devices, chunks, steps, stream):
-        self._held.append(array)
+    def _started(self, array, devices, chunks, steps, stream, hold: bool = True):
+        if hold:
+            self._held.append(array)
         member = devices.index(self.rank)
         self.bytes_sent += chunks_bytes_sent(chunks, steps(member, len(devices)), array.itemsize)
         return self.device.record(stream)

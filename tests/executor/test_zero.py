@@ -36,7 +36,9 @@ from executor.train import train
 from onnx2soap.errors import UserError
 from onnx2soap.importer import file_sha256, load_model
 from onnx2soap.search.baselines import data_parallel
-from onnx2soap.soap import Plan, analyze, plan_ops, save_plan
+from onnx2soap.sim import RooflineCost, make_simulator
+from onnx2soap.sim.presets import cpu
+from onnx2soap.soap import Partitioner, Plan, analyze, load_plan, plan_ops, save_plan
 from onnx2soap.soap.zero import ZeroStage
 from tests.executor.mpi import MPIEXEC
 from tests.executor.zero_driver import OPTIMIZERS, Job, options, read_result, write_jobs
@@ -242,3 +244,41 @@ def test_zero_on_gpus_trains_like_one_device(plans, tmp_path: Path, monkeypatch,
     for job in jobs:
         losses, weights = one_device(replace(job, plan=str(plans["one"])))
         assert_like(Path(job.out), losses, weights, rtol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("stage", "transport"), [(2, "nccl"), (1, "mpi-host")])
+def test_traced_gpu_memory_is_the_models_under_zero(
+    example_onnx: Path, tmp_path: Path, monkeypatch, stage: int, transport: str
+):
+    """A traced step's peak of arrays on each rank's GPU within 10 % of the memory model
+    for GPUs under the plan's stage, Adam's state sharded (as tests/executor/test_gpu.py
+    without ZeRO; the example CNN at batch 32, whose activations outweigh its weights)."""
+    cp = cupy_or_skip()
+    gpus = RANKS if transport == "nccl" else 1
+    if cp.cuda.runtime.getDeviceCount() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    if gpus == 1:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    model = tmp_path / "cnn.onnx"
+    shutil.copy(example_onnx, model)
+    plan = zero_plan(model, tmp_path / "zero.json", RANKS, 32, stage)
+    trace = tmp_path / "measured.json"
+    command = [str(MPIEXEC), "-n", str(RANKS), sys.executable, "-m", "executor", "run"]
+    args = ("--steps", "3", "--device", "cuda", "--transport", transport, "--trace", str(trace))
+    run = subprocess.run(
+        [*command, str(plan), *args, "--optimizer", "adam"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(trace.read_text())["otherData"]["peak_memory_bytes"]
+    loaded = load_plan(plan)
+    graph = load_model(model, loaded.batch).graph
+    pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
+    machine = replace(cpu(RANKS), transfers_use_compute=False)  # a GPU holds arrays only
+    simulator = make_simulator(machine, RooflineCost(), 2, zero=ZeroStage(stage))
+    predicted = simulator.evaluate(pg).peak_memory_bytes
+    for rank, (p, m) in enumerate(zip(predicted, measured, strict=True)):
+        assert abs(p - m) <= 0.10 * m, f"rank {rank}: predicted {p}, measured {m}"
