@@ -66,3 +66,21 @@ def test_bad_zero_options_are_one_line(model, tmp_path: Path, capsys, extra, fra
     assert cli([*argv, *devices, *extra]) == 2
     one_line(capsys, *fragments)
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("stage", "fragments"),
+    [
+        (1, ("mp.json: field 'zero_stage': 1 needs data parallelism",)),
+        (3, ("mp.json: field 'zero_stage': must be one of [1, 2]", "got 3")),
+    ],
+)
+def test_simulate_refuses_a_stage_it_cannot_apply(model, tmp_path: Path, capsys, stage, fragments):
+    """A stage on a plan that replicates no weight (model parallelism), or a stage that
+    is not 1 or 2, in a plan file: one line, exit 2."""
+    plan = tmp_path / "mp.json"
+    doc = _plan(model, plan, "--strategy", "model-parallel")
+    plan.write_text(json.dumps({**doc, "zero_stage": stage}))
+    capsys.readouterr()
+    assert cli(["simulate", str(plan)]) == 2
+    one_line(capsys, *fragments)
