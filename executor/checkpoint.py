@@ -7,11 +7,11 @@
 A checkpoint holds, for every weight and state tensor, the Rects the plan splits it into
 (each written once, by the lowest device of its replica group), the optimizer's state
 (one array per Rect and slot; under ZeRO one per shard, written by its owner) and the
-step. The data position and the random streams
-(Dropout's bits) follow from the step and the seed, which the manifest records with the
-model's and the plan's sha256. A checkpoint appears only whole: all ranks write into a
-temporary folder, and rank 0 renames it into place and then points LATEST at it, so a
-crash at any moment leaves the previous checkpoint as it was.
+step. The data position and the random streams (Dropout's bits) follow from the step and
+the seed, which the manifest records with the model's and the plan's sha256. A checkpoint
+appears only whole: all ranks write into a temporary folder, and rank 0 renames it into
+place and then points LATEST at it, so a crash at any moment leaves the previous
+checkpoint as it was.
 
 Restoring reads, for each Rect a rank holds, the saved Rects that overlap it (memory
 mapped, so a rank reads only what it needs): the same plan gets its shards back bit for
@@ -247,7 +247,7 @@ def restore(rt: Runtime, manifest: Manifest, path: Path) -> None:
             values = _assemble(path, by_key.get((tensor, VALUE), []), rect, rt.dtype)
             rt.device.to_device(values, out=shard)
             rt.refresh_compute_copy((tensor, rect))
-            owned = rt.slot_rect((tensor, rect)) if (tensor, rect) in rt.slots else rect
+            owned = rt.slot_rect((tensor, rect))  # under ZeRO the rank's rows only
             for slot, array in rt.slots.get((tensor, rect), {}).items():
                 state = _assemble(path, by_key.get((tensor, slot), []), owned, rt.dtype)
                 rt.device.to_device(state, out=array)
