@@ -247,7 +247,7 @@ def test_zero_on_gpus_trains_like_one_device(plans, tmp_path: Path, monkeypatch,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("stage", "transport"), [(2, "nccl"), (1, "mpi-host")])
+@pytest.mark.parametrize(("stage", "transport"), [(2, "nccl")])
 def test_traced_gpu_memory_is_the_models_under_zero(
     example_onnx: Path, tmp_path: Path, monkeypatch, stage: int, transport: str
 ):
