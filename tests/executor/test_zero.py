@@ -3,7 +3,8 @@
 The example CNN, data parallel over 3 ranks (its weights' rows do not divide by 3, so
 the shards are uneven), under a real mpiexec, float64: every optimizer at both stages
 gives the one-device losses and weights within 1e-10 (GPT-2 too:
-tests/sequences/test_zero.py), moving what data parallelism moves; a ZeRO checkpoint
+tests/sequences/test_zero.py), moving what data parallelism moves, and so does ZeRO-2
+on a random plan that replicates some weights among its splits; a ZeRO checkpoint
 resumes under a plain data-parallel plan and a plain one under ZeRO, re-sharding the
 optimizer's state, and both continue as the uninterrupted one-device run; bf16 with
 ZeRO-2 and fp16 (loss scaling) with ZeRO-1 train like one device in the same precision
@@ -35,11 +36,11 @@ from onnx import numpy_helper
 from executor.train import train
 from onnx2soap.errors import UserError
 from onnx2soap.importer import file_sha256, load_model
-from onnx2soap.search.baselines import data_parallel
+from onnx2soap.search.baselines import data_parallel, random_strategy
 from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.presets import cpu
 from onnx2soap.soap import Partitioner, Plan, analyze, load_plan, plan_ops, save_plan
-from onnx2soap.soap.zero import ZeroStage
+from onnx2soap.soap.zero import ZeroStage, zero_group
 from tests.executor.mpi import MPIEXEC
 from tests.executor.zero_driver import OPTIMIZERS, Job, options, read_result, write_jobs
 from tests.optional import cupy_or_skip
@@ -122,7 +123,21 @@ def plans(tmp_path_factory, example_onnx: Path) -> dict[str, Path]:
     for stage in (1, 2):
         out[f"zero{stage}"] = zero_plan(model, folder / f"zero{stage}.json", RANKS, BATCH, stage)
     out |= {name: folder / f"{name}.json" for name in ("one", "dp")}
+    out["random"] = _random_zero_plan(model, folder / "random.json")
     return out
+
+
+def _random_zero_plan(model: Path, path: Path, seed: int = 3) -> Path:
+    """ZeRO-2 on a random plan (mixed degrees, several tasks of an op on a device, tiles
+    and gradient pieces crossing ranks between the reduce-scatters) that replicates some
+    weights, as its ops happen to be split."""
+    graph = load_model(model, BATCH).graph
+    space = analyze(graph)
+    strategy = random_strategy(graph, space, RANKS, np.random.default_rng(seed))
+    ops = plan_ops(strategy, graph, space)
+    doc = Plan(model, file_sha256(model), BATCH, graph.loss, RANKS, ops)
+    save_plan(replace(doc, zero_stage=ZeroStage.GRADIENTS), path)
+    return path
 
 
 # Every optimizer at both stages (GPT-2 in tests/sequences/test_zero.py: one at each).
@@ -138,6 +153,7 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
         for stage in stages:
             plan = str(plans[f"zero{stage}"])
             jobs[f"zero{stage}-{name}"] = Job(plan, str(folder / f"z{stage}-{name}.npz"), name)
+    jobs["random-adam"] = Job(str(plans["random"]), str(folder / "random-adam.npz"), "adam")
     # The weights written by each shard's owner (every member holds them whole).
     adam, sgd = jobs["zero2-adam"], jobs["zero1-sgd"]
     jobs["zero2-adam"] = replace(adam, save_weights=str(folder / "z2-adam-weights.npz"))
@@ -167,6 +183,17 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_zero_trains_like_one_device(plans, trained, stage: int, optimizer: str) -> None:
     job, out = trained[f"zero{stage}-{optimizer}"]
+    losses, weights = one_device(replace(job, plan=str(plans["one"])))
+    assert_like(out, losses, weights, rtol=1e-10)
+
+
+def test_zero_on_a_random_plan_trains_like_one_device(plans, trained) -> None:
+    loaded = load_plan(plans["random"])
+    graph = load_model(plans["model"], BATCH).graph
+    pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
+    sharded = [g for gs in pg.groups.values() for g in gs if zero_group(g, loaded.zero_stage)]
+    assert sharded and len(sharded) < sum(len(gs) for gs in pg.groups.values())
+    job, out = trained["random-adam"]
     losses, weights = one_device(replace(job, plan=str(plans["one"])))
     assert_like(out, losses, weights, rtol=1e-10)
 
