@@ -92,7 +92,8 @@ class SearchOptions:
     seed: int = 0
     beta: float = 200.0
     max_evals: int | None = None
-    chains: int = 3  # chains run side by side; a converged chain is replaced by a random one
+    # Restarts.BEST: chains run side by side; a converged chain is replaced by a random one
+    chains: int = 3
     min_chain_proposals: int = 200
     # The share of proposals that give the new config's shape to the op's neighbourhood
     # too (search/regions.py); the others change the one op.
