@@ -26,7 +26,11 @@ forward, over what it holds before and during one kernel:
   columns, MaxPool's tap copies), in the backward with the fresh gradients of data
   inputs (and of weights already given one) it returns before they are summed or
   dropped. The forward peak counts the output tiles of the ops before in graph order;
-  the backward one counts everything.
+  the backward one counts everything;
+- the update, once the step's output tiles and input gradients are gone (its weight
+  gradients still held): the optimizer's temporaries on the largest shard it updates
+  (``UPDATE_TEMPORARIES``: Adam's three arrays of its size, momentum's one; under ZeRO
+  of the rank's rows). A model whose weights outweigh its activations peaks there.
 
 Bytes are what ``tracemalloc`` counts on CPU ranks (``--trace``): numpy's heap
 allocations, and the runtime's own Python objects, which at small batches are a third of
@@ -56,9 +60,13 @@ from onnx2soap.soap.partition import (
 )
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
-# Arrays of optimizer state per trainable shard (the executor's ``--optimizer``). The
-# temporaries of momentum's and Adam's updates (a shard's size or two) are not counted.
+# Arrays of optimizer state per trainable shard (the executor's ``--optimizer``).
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2}
+# Arrays of a shard's size an update holds at once besides the shard, its gradient and
+# its state, by the optimizer's slots (executor/optim.py on numpy): SGD none, momentum's
+# ``lr * step`` one, Adam's ``(lr / c1) * (m / denom)`` with ``denom`` three (weight
+# decay's ``wd * param`` comes before them). Under ZeRO a shard is the rank's rows.
+UPDATE_TEMPORARIES = {0: 0, 1: 1, 2: 3}
 
 Pieces = tuple[tuple[int, int], ...]  # (device, bytes)
 
@@ -88,13 +96,15 @@ class OpMemory:
 
     held: Pieces
     outputs: Pieces
-    grads: Pieces
+    grads: Pieces  # the gradients its backward makes: its weights' and its inputs'
     forward: Pieces
     backward: Pieces
     # ZeRO-2: the full-size gradient's bytes beyond the rank's rows of the op's last
     # sharded group, held while its reduce-scatter is in flight (after the op's
     # backward, until the rank's next reduce-scatter)
     inflight: Pieces = ()
+    weight_grads: Pieces = ()  # of ``grads``, its weights': what the update still holds
+    update: Pieces = ()  # the optimizer's temporaries while it updates the op's largest shard
 
 
 def _width(t, itemsize: int) -> int:
@@ -115,14 +125,15 @@ def _op_bytes(
     objects: bool = True,
     rounding: int = 0,
     zero: ZeroStage = ZeroStage.NONE,
-    sharded_slots: int = 0,
+    optimizer_slots: int = 0,
 ) -> OpMemory:
     """What one op holds per device, counting every activation input buffer and output
     gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place).
     ``rounding``: bytes per element mixed precision's rounding of a kernel's result
     holds while it runs (its temporaries), after the kernel's own are gone. ``zero``:
-    the plan's ZeRO stage; ``sharded_slots`` of the ``slots`` (the optimizer's, not
-    mixed precision's weight copy) are then the member's rows only."""
+    the plan's ZeRO stage; ``optimizer_slots`` of the ``slots`` (the optimizer's, not
+    mixed precision's weight copy) are then the member's rows only, and the update's
+    temporaries (``UPDATE_TEMPORARIES``) follow them."""
     held: dict[int, int] = {}
     outputs: dict[int, int] = {}
     grads: dict[int, int] = {}
@@ -130,6 +141,9 @@ def _op_bytes(
     backward_: dict[int, int] = {}
     excess: dict[int, int] = {}  # ZeRO-2: full-size gradients beyond the rank's rows
     last: dict[int, int] = {}  # ZeRO-2: of them, the op's last group's, per device
+    weight_grads: dict[int, int] = {}
+    update: dict[int, int] = {}
+    temporaries = UPDATE_TEMPORARIES.get(optimizer_slots, 0)
     backward = graph.differentiable(op.output)
     shards = {(g.weight, g.rect, d): g for g in groups for d in g.devices}
     for (_, rect, d), group in shards.items():
@@ -139,12 +153,14 @@ def _op_bytes(
             continue
         sharded = zero_group(group, zero)
         own = n if sharded is None else sharded.numel(d) * itemsize
-        _add(held, d, n + (slots - sharded_slots) * n + sharded_slots * own)
+        _add(held, d, n + (slots - optimizer_slots) * n + optimizer_slots * own)
         # Its gradient: the first backward kernel's own, until the update; at ZeRO-2 the
         # rank's rows of it, once the reduce-scatter is done.
         grad = own if zero is ZeroStage.GRADIENTS else n
         _add(held, d, grad)
         _add(grads, d, grad)
+        _add(weight_grads, d, grad)
+        update[d] = max(update.get(d, 0), temporaries * own)
         if n > grad:
             _add(excess, d, n - grad)
             # The rank completes each reduce-scatter as it starts the next (the op's
@@ -218,7 +234,16 @@ def _op_bytes(
     if backward:  # ZeRO-2: the whole gradient exists from the op's backward kernels on
         for d, n in excess.items():
             _add(backward_, d, n)
-    parts = (held, outputs, grads, forward, backward_, last if backward else {})
+    parts = (
+        held,
+        outputs,
+        grads,
+        forward,
+        backward_,
+        last if backward else {},
+        weight_grads,
+        update,
+    )
     return OpMemory(*(tuple(x.items()) for x in parts))
 
 
@@ -329,13 +354,20 @@ def total(held: list[int], ops: list[OpMemory]) -> tuple[int, ...]:
     it are not yet made: its peak is everything held at the end but those, and the
     kernel's own (resnet18's largest backward kernel, the last block's second Conv, runs
     early: counted over every gradient, model parallelism's rank 1 was predicted 6.25
-    MB against 5.23 measured)."""
+    MB against 5.23 measured). The update runs once the step's output tiles and input
+    gradients are gone, its weight gradients still held: its peak is that and the
+    optimizer's temporaries on the largest shard."""
     devices = len(held)
     made, forward, backward = [0] * devices, [0] * devices, [0] * devices
     later = [0] * devices  # the backward's gradients
+    kept, update = [0] * devices, [0] * devices  # weight gradients, update temporaries
     for m in ops:
         for d, n in m.grads:
             later[d] += n
+        for d, n in m.weight_grads:
+            kept[d] += n
+        for d, n in m.update:
+            update[d] = max(update[d], n)
         for d, n in m.forward:
             forward[d] = max(forward[d], made[d] + n)
         for d, n in m.outputs:
@@ -351,8 +383,10 @@ def total(held: list[int], ops: list[OpMemory]) -> tuple[int, ...]:
         for d, n in m.inflight:  # its reduce-scatter completes the one before it
             pending[d] = n
     return tuple(
-        h + max(b, f - o - g)
-        for h, b, f, o, g in zip(held, backward, forward, made, later, strict=True)
+        h + max(b, f - o - g, u - o - (g - k))
+        for h, b, f, o, g, k, u in zip(
+            held, backward, forward, made, later, kept, update, strict=True
+        )
     )
 
 
@@ -365,11 +399,11 @@ def peak_memory(
     objects: bool = True,
     rounding: int = 0,
     zero: ZeroStage = ZeroStage.NONE,
-    sharded_slots: int = 0,
+    optimizer_slots: int = 0,
 ) -> tuple[int, ...]:
     """``memo`` must belong to one (itemsize, slots, objects, rounding, zero), as a
     Simulator's does. ``objects``: count the runtime's Python objects, which share the
-    memory of CPU ranks (a GPU's memory holds arrays only). ``zero``, ``sharded_slots``:
+    memory of CPU ranks (a GPU's memory holds arrays only). ``zero``, ``optimizer_slots``:
     the plan's ZeRO stage and the optimizer's arrays it shards (``_op_bytes``)."""
     memo = {} if memo is None else memo
     graph = pg.graph
@@ -388,7 +422,7 @@ def peak_memory(
                 objects,
                 rounding,
                 zero,
-                sharded_slots,
+                optimizer_slots,
             )
         for d, n in memo[key].held:
             held[d] += n

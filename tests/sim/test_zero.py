@@ -19,6 +19,7 @@ import pytest
 
 from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.delta import DeltaSimulator
+from onnx2soap.sim.memory import OpMemory, _op_bytes
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
 from onnx2soap.soap.zero import ZeroStage
@@ -79,13 +80,33 @@ def test_zero_step_by_hand(tmp_path, stage: ZeroStage) -> None:
 
 
 def test_zero_memory_by_hand(tmp_path) -> None:
-    """W is 32 floats (128 bytes). ZeRO-1 keeps Adam's two moments of a device's rows
-    only: 2 * (128 - 48) bytes less on devices 0 and 1, 2 * (128 - 32) on device 2, and
-    nothing else changes. ZeRO-2 also keeps only the rows of the summed gradient, but the
-    whole gradient exists while the backward makes it, where this model's peak is."""
+    """W is 32 floats (128 bytes); a device's rows are 48, 48 and 32 bytes. ZeRO-1 keeps
+    Adam's two moments of a device's rows only: 2 * (128 - rows) bytes less held, and its
+    update's three temporaries (memory.UPDATE_TEMPORARIES) are of the rows, not of W.
+    ZeRO-2 also keeps only the rows of the summed gradient once reduced; the whole
+    gradient exists while the backward makes it and while its reduce-scatter runs."""
     partitioner, strategy = _setup(tmp_path)
     pg = partitioner.partition(strategy)
-    peaks = {z: _simulator(z).evaluate(pg).peak_memory_bytes for z in ZeroStage}
-    saved = [a - b for a, b in zip(peaks[ZeroStage.NONE], peaks[ZeroStage.OPTIMIZER], strict=True)]
-    assert saved == [2 * 80, 2 * 80, 2 * 96]
-    assert peaks[ZeroStage.GRADIENTS] == peaks[ZeroStage.OPTIMIZER]
+    gemm = pg.graph.ops[0]
+    assert gemm.type == "Gemm"
+
+    def pieces(zero: ZeroStage) -> OpMemory:
+        tasks, groups = pg.tasks[gemm.name], pg.groups[gemm.name]
+        return _op_bytes(pg.graph, gemm, tasks, groups, 4, ADAM, True, 0, zero, ADAM)
+
+    plain, one, two = (pieces(z) for z in ZeroStage)
+    rows = [48, 48, 32]
+
+    def diff(a, b) -> list[int]:
+        return [dict(a)[d] - dict(b)[d] for d in range(3)]
+
+    assert diff(plain.held, one.held) == [2 * (128 - r) for r in rows]
+    assert diff(one.held, two.held) == [128 - r for r in rows]
+    assert dict(plain.update) == {d: 3 * 128 for d in range(3)}
+    assert dict(one.update) == dict(two.update) == {d: 3 * r for d, r in enumerate(rows)}
+    assert not one.inflight and dict(two.inflight) == {d: 128 - r for d, r in enumerate(rows)}
+    assert diff(two.backward, one.backward) == [128 - r for r in rows]
+    peaks = [_simulator(z).evaluate(pg).peak_memory_bytes for z in ZeroStage]
+    for d in range(3):
+        assert peaks[0][d] - peaks[1][d] >= 2 * (128 - rows[d])
+        assert peaks[2][d] <= peaks[1][d]
