@@ -1,7 +1,7 @@
 """GPT-2 (the tests' two-layer GPT: tied embeddings, dropout 0.1, dynamo export) under
 ZeRO-1 and ZeRO-2 (``plan --strategy zero``) on 3 ranks trains exactly like one device:
 float64, 1e-10, dropout masks included, with Adam at stage 2 and momentum at stage 1
-(every optimizer at both stages: the example CNN, tests/executor/test_zero.py), both
+(the other optimizers: the example CNN, tests/executor/test_zero.py), both
 runs in one mpiexec (tests/executor/zero_driver.py). Its weights' rows (the embedding's
 64, the projections' 16 or 64) shard unevenly over 3 (issue 32)."""
 
