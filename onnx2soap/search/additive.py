@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -61,17 +61,22 @@ def mesh_configs(
 
 
 def _signature(graph: Graph, op: Op) -> tuple:
-    """What an op's costs depend on besides its config: identical layers share them."""
+    """What an op's costs depend on besides its config: identical layers share them. The
+    loop nest names its operands' tensors, which differ from layer to layer: each name
+    becomes its first position among the op's inputs (so ``x * x`` stays apart from
+    ``x * y``)."""
     tensors = [graph.tensors[t] for t in op.inputs]
     try:
         hash(op.attrs)
         attrs = op.attrs
     except TypeError:
         attrs = op.name
+    first = {name: f"#{i}" for i, name in reversed(list(enumerate(op.inputs)))}
+    operands = tuple(replace(o, tensor=first.get(o.tensor, o.tensor)) for o in op.nest.inputs)
     return (
         op.type,
         attrs,
-        op.nest,
+        replace(op.nest, inputs=operands),
         op.is_loss,
         tuple((t.shape, t.dtype, t.role) for t in tensors),
         graph.tensors[op.output].dtype,
