@@ -33,7 +33,7 @@ def _columns(line: str) -> list[str]:
 def test_one_cell(tmp_path: Path) -> None:
     out = tmp_path / "suite.md"
     argv = ["--models", "small_mlp", "--presets", "flexflow-p100", "--devices", "8"]
-    argv += ["--budget", "20", "--max-evals", "300", "--work", str(tmp_path), "--out", str(out)]
+    argv += ["--budget", "10", "--max-evals", "100", "--work", str(tmp_path), "--out", str(out)]
     assert main(argv) == 0
     lines = out.read_text().splitlines()
     imports, blank, header, rule, row = lines[2], lines[3], lines[4], lines[5], lines[6]
