@@ -100,6 +100,7 @@ class _Builder:
         self.ops: list[Op] = []
         self.bound: set[str] = set()  # tensors read by the ops converted so far
         self.loss_types = {d.name for d in registry().onnx_ops() if d.is_loss}
+        self._read: set[str] | None = None  # every name a node or the graph reads, once
         # Where the batch lies in each tensor computed from the data (axis 0 of every
         # graph input), traced through the access maps as ops are converted.
         self.where: dict[str, frozenset[BatchAt]] = {
@@ -172,7 +173,11 @@ class _Builder:
     def _extra_outputs(self, node: onnx.NodeProto, name: str, used: int) -> None:
         """Refuse outputs past the first ``used`` that a node or the graph reads."""
         extra = [o for o in node.output[used:] if o]
-        read = {i for n in self.p.nodes for i in n.input} | set(self.p.graph_outputs)
+        if not extra:
+            return
+        if self._read is None:  # made once: per node it made the import quadratic
+            self._read = {i for n in self.p.nodes for i in n.input} | set(self.p.graph_outputs)
+        read = self._read
         if any(o in read for o in extra):
             raise ModelError(
                 f"{self.p.path}: node '{name}' ({node.op_type}): only its first "
