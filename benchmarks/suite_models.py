@@ -32,6 +32,7 @@ import math
 import time
 import types
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -566,10 +567,14 @@ def fold_weight_shapes(proto: onnx.ModelProto, location: str, size: int) -> int:
     shapes = {v.name: v.type.tensor_type for v in inferred.graph.value_info}
     constant = {n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
     stored = {i.name for i in proto.graph.initializer}
+    # A weight read elsewhere too (GPT-2's embedding, tied to its LM head's Transpose)
+    # stays as it is: a copy in another layout would untie it.
+    readers = Counter(x for n in proto.graph.node for x in set(n.input))
     folded, kept = [], []
     for node in proto.graph.node:
         inputs = [x for x in node.input if x]
         weight_only = inputs and all(x in stored or x in constant for x in inputs)
+        weight_only = weight_only and all(readers[x] == 1 for x in inputs if x in stored)
         out = shapes.get(node.output[0]) if node.output else None
         if (
             node.op_type in SHAPE_OPS

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import onnx
+
 from benchmarks.suite import BASELINE_NAMES, HEADER, Cell, cell_row, check, main
 from benchmarks.suite_models import MODELS
 
@@ -71,3 +73,46 @@ def test_the_suite_is_the_issue_s() -> None:
     assert set(MODELS) == SUITE
     for spec in MODELS.values():
         assert spec.per_device >= 1 and spec.inputs and spec.note
+
+
+def _weight(name: str, dims: tuple[int, ...], offset: int) -> onnx.TensorProto:
+    init = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=dims)
+    init.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", "m.data"), ("offset", offset), ("length", 48)):
+        init.external_data.add(key=key, value=str(value))
+    return init
+
+
+def test_a_weight_is_stored_as_read_unless_another_op_reads_it() -> None:
+    """``W.T`` read by a MatMul becomes a [3, 4] initializer; ``E.T`` stays a Transpose,
+    since a Gather reads ``E`` too (a tied embedding)."""
+    from onnx import TensorProto, helper
+
+    from benchmarks.suite_models import fold_weight_shapes, stored_bytes
+
+    nodes = [
+        helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "Wt"], ["y"]),
+        helper.make_node("Gather", ["E", "ids"], ["e"]),
+        helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+        helper.make_node("MatMul", ["y", "Et"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"]),
+        ],
+        [
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("e", TensorProto.FLOAT, None),
+        ],
+        [_weight("W", (4, 3), 0), _weight("E", (4, 3), 64)],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    size = fold_weight_shapes(proto, "m.data", 112)
+    assert [n.op_type for n in proto.graph.node] == ["MatMul", "Gather", "Transpose", "MatMul"]
+    stored = {i.name: tuple(i.dims) for i in proto.graph.initializer}
+    assert stored == {"E": (4, 3), "Wt": (3, 4)}  # W itself: read by nothing now
+    assert size == 128 + 48 and stored_bytes(proto) == 96
