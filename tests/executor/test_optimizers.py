@@ -19,25 +19,15 @@ from mpi4py import MPI
 from onnx import numpy_helper
 
 from executor.kinds import DeviceKind
-from executor.optim import OptimizerConfig, OptimizerKind, Schedule
+from executor.optim import OptimizerConfig, OptimizerKind
 from executor.train import RunOptions, train
 from onnx2soap.ir import DType
 from tests.executor.mpi import assert_same_training, make_plan, mpirun
+from tests.executor.optimizer_configs import OPTIMIZERS as CONFIGS
 from tests.executor.torch_schedules import torch_scheduler
 from tests.models import MODELS
 
 BATCH, STEPS, LR = 4, 3, 0.05
-CONFIGS = {
-    "sgd": OptimizerConfig(OptimizerKind.SGD, weight_decay=0.01),
-    "momentum": OptimizerConfig(OptimizerKind.MOMENTUM, momentum=0.8, weight_decay=0.01),
-    "nesterov": OptimizerConfig(
-        OptimizerKind.NESTEROV, momentum=0.9, schedule=Schedule.LINEAR, warmup_steps=1
-    ),
-    "adam": OptimizerConfig(OptimizerKind.ADAM, betas=(0.8, 0.95), weight_decay=0.01),
-    "adamw": OptimizerConfig(
-        OptimizerKind.ADAMW, weight_decay=0.1, schedule=Schedule.COSINE, warmup_steps=2
-    ),
-}
 
 
 def _torch_optimizer(torch, params, config: OptimizerConfig):

@@ -19,22 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from executor.kinds import DeviceKind, TransportKind
-from executor.optim import OptimizerConfig, OptimizerKind, Schedule
 from onnx2soap.ir import DType
 from onnx2soap.precision import Precision
-
-# Every optimizer, with weight decay and schedules (as tests/executor/test_optimizers.py).
-OPTIMIZERS = {
-    "sgd": OptimizerConfig(OptimizerKind.SGD, weight_decay=0.01),
-    "momentum": OptimizerConfig(OptimizerKind.MOMENTUM, momentum=0.8, weight_decay=0.01),
-    "nesterov": OptimizerConfig(
-        OptimizerKind.NESTEROV, momentum=0.9, schedule=Schedule.LINEAR, warmup_steps=1
-    ),
-    "adam": OptimizerConfig(OptimizerKind.ADAM, betas=(0.8, 0.95), weight_decay=0.01),
-    "adamw": OptimizerConfig(
-        OptimizerKind.ADAMW, weight_decay=0.1, schedule=Schedule.COSINE, warmup_steps=2
-    ),
-}
+from tests.executor.optimizer_configs import OPTIMIZERS
 
 
 @dataclass(frozen=True)
