@@ -217,7 +217,9 @@ HEADER = (
 
 def cell_row(cell: Cell, doc: dict) -> str:
     head = f"| {cell.model} | {cell.preset} | {cell.devices} | {doc.get('batch', '-')} | "
-    tail = f"{doc.get('import_s', math.nan):.1f} | {doc.get('peak_rss', math.nan) / GB:.1f} |"
+    seconds, peak = doc.get("import_s"), doc.get("peak_rss")
+    tail = f"{'-' if seconds is None else f'{seconds:.1f}'} | "
+    tail += f"{'-' if peak is None else f'{peak / GB:.1f}'} |"
     if "starts" not in doc:
         blanks = " | ".join("" for _ in range(len(BASELINE_NAMES) + 5))
         why = doc.get("error", "failed").replace("|", "/")[:120]
