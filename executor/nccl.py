@@ -109,14 +109,11 @@ class NcclTransport:
         """ZeRO's uneven reduce-scatter: ncclReduceScatter takes equal counts only, so
         one ncclReduce per shard, rooted at its owner, all in one NCCL group (NCCL runs
         them together; each member sends about what a ring's half sends)."""
-        stream = self.device.comm_stream()
-        self.device.wait_event(self.device.record(), stream)
-        comm, kind, base = self._groups[devices], self._type(array), array.data.ptr
-        self.nccl.groupStart()
-        for root, (lo, hi) in enumerate(chunks):
-            ptr = base + lo * array.itemsize
-            comm.reduce(ptr, ptr, hi - lo, kind, self.nccl.NCCL_SUM, root, stream.ptr)
-        self.nccl.groupEnd()
+
+        def reduce(comm, ptr, count, kind, root, stream) -> None:
+            comm.reduce(ptr, ptr, count, kind, self.nccl.NCCL_SUM, root, stream.ptr)
+
+        stream = self._per_shard(array, devices, chunks, reduce)
         # Not held to the next step: the step keeps the gradient until it has waited for
         # this event and then (ZeRO-2) drops it for a copy of its rows; the compute
         # stream's later kernels, which may reuse its memory, run after the reduces.
@@ -125,15 +122,24 @@ class NcclTransport:
     def all_gather(self, array, devices: tuple[int, ...], chunks: tuple[Interval, ...]):
         """ZeRO's uneven all-gather: one ncclBroadcast per shard from its owner, in one
         NCCL group (ncclAllGather takes equal counts only)."""
+
+        def broadcast(comm, ptr, count, kind, root, stream) -> None:
+            comm.broadcast(ptr, ptr, count, kind, root, stream.ptr)
+
+        stream = self._per_shard(array, devices, chunks, broadcast)
+        return self._started(array, devices, chunks, all_gather_steps, stream)
+
+    def _per_shard(self, array, devices, chunks, call):
+        """``call`` once per shard (its run of ``array``, rooted at its owner), in one
+        NCCL group on the communication stream, after the compute stream's work."""
         stream = self.device.comm_stream()
         self.device.wait_event(self.device.record(), stream)
         comm, kind, base = self._groups[devices], self._type(array), array.data.ptr
         self.nccl.groupStart()
         for root, (lo, hi) in enumerate(chunks):
-            ptr = base + lo * array.itemsize
-            comm.broadcast(ptr, ptr, hi - lo, kind, root, stream.ptr)
+            call(comm, base + lo * array.itemsize, hi - lo, kind, root, stream)
         self.nccl.groupEnd()
-        return self._started(array, devices, chunks, all_gather_steps, stream)
+        return stream
 
     def _started(self, array, devices, chunks, steps, stream, hold: bool = True):
         if hold:
