@@ -442,10 +442,7 @@ class _Clock:
 
     def stalled(self) -> bool:
         """The best has not improved for half the budget (seconds, or proposals)."""
-        limit = self.options.max_evals
-        return self.elapsed() - self.improved_s >= self.options.budget_s / 2 or (
-            limit is not None and self.proposals - self.improved_at >= limit / 2
-        )
+        return self.stalled_since(0.0, 0)
 
     def stalled_since(self, began_s: float, began_at: int) -> bool:
         """The best has not improved for half of what was left of the budget at
