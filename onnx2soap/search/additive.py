@@ -324,6 +324,19 @@ def lightweight(graph: Graph, op: Op) -> bool:
     )
 
 
+def followed(graph: Graph) -> dict[str, str]:
+    """Per lightweight op that reads another op's output, the op it follows: the latest
+    such producer in graph order (Alpa: its deepest operand)."""
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    producer = {op.output: op.name for op in graph.ops}
+    follows = {}
+    for op in graph.ops:
+        sources = [producer[t] for t in op.inputs if t in producer]
+        if sources and lightweight(graph, op):
+            follows[op.name] = max(sources, key=index.__getitem__)
+    return follows
+
+
 class Decisions:
     """The ops that decide (the others follow), their configs, and the strategy a choice
     of them induces."""
@@ -341,13 +354,8 @@ class Decisions:
         self.configs = {
             op.name: mesh_configs(space[op.name], devices, mesh_only) for op in graph.ops
         }
-        producer = {op.output: op.name for op in graph.ops}
         # follows[f] = the latest op whose output f reads (Alpa: its deepest operand)
-        self.follows: dict[str, str] = {}
-        for op in graph.ops:
-            sources = [producer[t] for t in op.inputs if t in producer]
-            if merge and sources and lightweight(graph, op):
-                self.follows[op.name] = max(sources, key=model.index.__getitem__)
+        self.follows: dict[str, str] = followed(graph) if merge else {}
         self.leader = {}
         for op in graph.ops:
             name = op.name

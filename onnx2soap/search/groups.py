@@ -44,7 +44,7 @@ from enum import Enum
 import numpy as np
 
 from onnx2soap.ir import Graph, Op
-from onnx2soap.search.additive import lightweight
+from onnx2soap.search.additive import followed
 from onnx2soap.search.regions import RegionMoves
 from onnx2soap.soap import ParallelConfig, SoapDim, Strategy
 
@@ -166,15 +166,12 @@ def tandem_repeats(ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def _chains(graph: Graph) -> dict[str, tuple[str, ...]]:
-    """Per op, the ops that follow it (``additive.Decisions``' rule: a lightweight op
+    """Per op, the ops that follow it (``additive.followed``, the ILP's rule: a lightweight op
     follows its latest producer), transitively, in graph order; only non-empty ones."""
     index = {op.name: i for i, op in enumerate(graph.ops)}
-    producer = {op.output: op.name for op in graph.ops}
     children: dict[str, list[str]] = {}
-    for op in graph.ops:
-        sources = [producer[t] for t in op.inputs if t in producer]
-        if sources and lightweight(graph, op):
-            children.setdefault(max(sources, key=index.__getitem__), []).append(op.name)
+    for follower, leader in followed(graph).items():  # in graph order
+        children.setdefault(leader, []).append(follower)
     chains = {}
     for op in reversed(graph.ops):  # children come later in graph order: theirs are done
         if op.name in children:
