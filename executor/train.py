@@ -131,7 +131,7 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
             f"{path}: sha256 {digest[:12]}… differs from the plan's {plan.model_sha256[:12]}…; "
             "the plan was made for another model file"
         )
-    model = load_model(path, plan.batch, import_loss(plan))
+    model = load_model(path, plan.graph_batch, import_loss(plan))
     strategy = plan.strategy(model.graph, analyze(model.graph))
     pg = Partitioner(model.graph).partition(strategy)
     check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(options.plan))

@@ -67,7 +67,7 @@ def plan_on_machine(args: argparse.Namespace) -> PlanOnMachine:
 def partitioned(args: argparse.Namespace, planned: PlanOnMachine) -> PartitionedGraph:
     """The plan's strategy on its model (a ZeRO stage only where something is replicated)."""
     plan = planned.plan
-    graph = load_model(planned.model, plan.batch, import_loss(plan)).graph
+    graph = load_model(planned.model, plan.graph_batch, import_loss(plan)).graph
     pg = Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
     check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(args.plan))
     return pg

@@ -4,6 +4,9 @@
      "model": {"path": str, "sha256": str, "batch": int}, "loss": str, "devices": int,
      "machine": str | null, "precision": "fp32" | "bf16" | "fp16" (absent: fp32),
      "zero_stage": 1 | 2 (absent: no ZeRO; soap/zero.py),
+     "pipeline": {"schedule": "1f1b" | "gpipe", "microbatches": int,
+                  "stages": [[op name]]} (absent: no pipeline; soap/pipeline.py),
+     "recompute": [op name] (absent: none; ops whose activations the backward recomputes),
      "ops": [{"name": str, "degrees": {dim: int}, "devices": [int]}],
      "predicted": {...} | null, "search": {...} | null}
 
@@ -35,6 +38,7 @@ from onnx2soap.ir import Graph, LossKind
 from onnx2soap.precision import Precision
 from onnx2soap.soap.dims import SoapDim
 from onnx2soap.soap.partition import ParallelConfig
+from onnx2soap.soap.pipeline import SCHEDULES, Pipeline, Schedule, check_pipeline_plan
 from onnx2soap.soap.strategy import Strategy, validate
 from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage
 
@@ -90,9 +94,26 @@ class Plan:
     search: SearchInfo | None = None
     precision: Precision = Precision.FP32
     zero_stage: ZeroStage = ZeroStage.NONE  # written only when set: older plans read alike
+    pipeline: Pipeline | None = None  # likewise
+    recompute: tuple[str, ...] = ()  # likewise
+
+    @property
+    def graph_batch(self) -> int:
+        """The batch of the graph the ops are split on: a microbatch's under a pipeline,
+        the step's otherwise (load the model at this batch)."""
+        return self.pipeline.microbatch_size(self.batch) if self.pipeline else self.batch
 
     def strategy(self, graph: Graph, space: Mapping[str, tuple[SoapDim, ...]]) -> Strategy:
-        """The plan as a validated ``Strategy`` for ``graph`` (errors name the op)."""
+        """The plan as a validated ``Strategy`` for ``graph``, the model at
+        ``graph_batch`` (errors name the op)."""
+        if graph.batch != self.graph_batch:
+            raise PlanError(
+                f"the plan splits the model at batch {self.graph_batch}, got a graph at "
+                f"batch {graph.batch}"
+            )
+        for i, name in enumerate(self.recompute):
+            if name not in space:
+                raise PlanError(f"recompute[{i}]: '{name}' is not an op of the model")
         configs = {}
         for op in self.ops:
             if op.name not in space:
@@ -107,6 +128,8 @@ class Plan:
             configs[op.name] = ParallelConfig(degrees, op.devices)
         strategy = Strategy(self.devices, configs)
         validate(graph, space, strategy)
+        if self.pipeline:
+            check_pipeline_plan(self.pipeline, graph, configs, self.devices)
         return strategy
 
 
@@ -166,6 +189,8 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
         "machine": _relative_machine(plan.machine, plan_dir),
         "precision": plan.precision.value,
         **({"zero_stage": int(plan.zero_stage)} if plan.zero_stage else {}),
+        **({"pipeline": _pipeline_json(plan.pipeline)} if plan.pipeline else {}),
+        **({"recompute": list(plan.recompute)} if plan.recompute else {}),
         "ops": [
             {"name": o.name, "degrees": dict(o.degrees), "devices": list(o.devices)}
             for o in plan.ops
@@ -191,6 +216,14 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
             "evaluated": s.evaluated,
         }
     return doc
+
+
+def _pipeline_json(pipeline: Pipeline) -> dict:
+    return {
+        "schedule": pipeline.schedule.value,
+        "microbatches": pipeline.microbatches,
+        "stages": [list(ops) for ops in pipeline.stages],
+    }
 
 
 def save_plan(plan: Plan, path: Path | str) -> None:
@@ -410,10 +443,11 @@ def load_plan(path: Path | str) -> Plan:
                 raise r.fail(
                     f"ops[{i}].devices[{j}]", f"device {d} is not one of the plan's {devices}"
                 )
+    batch = r.positive(model, "batch", "model.batch", most=MAX_BATCH)
     return Plan(
         model_path=path.parent / r.path(model, "path", "model.path"),
         model_sha256=sha,
-        batch=r.positive(model, "batch", "model.batch", most=MAX_BATCH),
+        batch=batch,
         loss=LossKind(loss),
         devices=devices,
         ops=ops,
@@ -422,6 +456,8 @@ def load_plan(path: Path | str) -> Plan:
         search=_read_search(r, doc),
         precision=_read_precision(r, doc),
         zero_stage=_read_zero_stage(r, doc),
+        pipeline=_read_pipeline(r, doc, batch, devices, {o.name for o in ops}),
+        recompute=_read_recompute(r, doc, {o.name for o in ops}),
     )
 
 
@@ -443,3 +479,53 @@ def _read_zero_stage(r: _Reader, doc: Mapping) -> ZeroStage:
     if value not in accepted:
         raise r.fail("zero_stage", f"must be one of {accepted} (a ZeRO stage), got {value}")
     return ZeroStage(value)
+
+
+def _read_pipeline(
+    r: _Reader, doc: Mapping, batch: int, devices: int, ops: set[str]
+) -> Pipeline | None:
+    p = r.get(doc, "pipeline", dict, "pipeline", optional=True)
+    if p is None:
+        return None
+    schedule = r.get(p, "schedule", str, "pipeline.schedule")
+    if schedule not in SCHEDULES:
+        raise r.fail("pipeline.schedule", f"must be one of {list(SCHEDULES)}, got {schedule!r}")
+    microbatches = r.positive(p, "microbatches", "pipeline.microbatches", most=batch)
+    if batch % microbatches:
+        raise r.fail(
+            "pipeline.microbatches",
+            f"{microbatches} does not divide the batch of {batch} (use a divisor of {batch})",
+        )
+    stages = r.get(p, "stages", list, "pipeline.stages")
+    if not 1 <= len(stages) <= devices:
+        raise r.fail(
+            "pipeline.stages", f"has {len(stages)} stages; between 1 and {devices} (the devices)"
+        )
+    read = []
+    for s, names in enumerate(stages):
+        where = f"pipeline.stages[{s}]"
+        if not isinstance(names, list) or not names:
+            raise r.fail(where, "must be a non-empty list of op names")
+        for i, name in enumerate(names):
+            if not isinstance(name, str):
+                raise r.fail(f"{where}[{i}]", f"must be an op name, got {json.dumps(name)[:60]}")
+            if name not in ops:
+                raise r.fail(f"{where}[{i}]", f"'{name}' is not one of the plan's ops")
+        read.append(tuple(names))
+    return Pipeline(tuple(read), microbatches, Schedule(schedule))
+
+
+def _read_recompute(r: _Reader, doc: Mapping, ops: set[str]) -> tuple[str, ...]:
+    names = r.get(doc, "recompute", list, "recompute", optional=True)
+    if names is None:
+        return ()
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or name not in ops:
+            raise r.fail(
+                f"recompute[{i}]", f"must name one of the plan's ops, got {json.dumps(name)[:60]}"
+            )
+        if name in seen:
+            raise r.fail(f"recompute[{i}]", f"op '{name}' appears twice")
+        seen.add(name)
+    return tuple(names)
