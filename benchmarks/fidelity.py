@@ -6,8 +6,9 @@
     python -m benchmarks.fidelity --device cuda --models-dir build/fidelity-models
 
 Per machine (``onnx2soap machine probe -n N``: this host's N ranks, then ``onnx2soap
-profile`` per model unless ``--costs roofline``) and model, ten plans: data parallel,
-expert, single device, model parallel, five random seeds and an MCMC search. The plans
+profile`` per model unless ``--costs roofline``) and model, twelve plans: data parallel,
+expert, single device, model parallel, Megatron-LM's tensor parallelism, Alpa's ILP,
+five random seeds and an MCMC search. The plans
 of a model are timed side by side in one mpiexec (``benchmarks/interleave.py``):
 ``--repeats`` rounds of a few steps of each plan, so that the host's slow spells
 (seconds long on this VM) fall on every plan alike. A step's time is rank 0's, up to the
@@ -67,7 +68,7 @@ from onnx2soap.cli.machine_cmd import find_mpiexec
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BATCH = {"cnn": 32, "resnet18": 8, "gpt2": 16, "lstm_lm": 32}
-RULES = ("data-parallel", "expert", "single-device", "model-parallel")
+RULES = ("data-parallel", "expert", "single-device", "model-parallel", "megatron", "ilp")
 RANDOM_SEEDS = (1, 2, 3, 4, 5)
 FIRST_UNTRACED = MEMORY_STEP + TRACED_STEPS  # metrics count steps from 1, as the tracer
 

@@ -90,4 +90,4 @@ def test_one_model_on_two_ranks_end_to_end(tmp_path: Path, monkeypatch, capsys) 
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
         assert len(r["predicted_memory"]) == len(r["measured_memory"]) == 2
         assert min(r["measured_memory"][d] for d in r["working"]) > 0
-    assert "| cnn | cpu:2 | 6 |" in capsys.readouterr().out
+    assert "| cnn | cpu:2 | 8 |" in capsys.readouterr().out
