@@ -358,8 +358,8 @@ def _first_line(e: Exception) -> str:
 
 
 def _evaluate_onnxruntime(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int):
-    """One node run by onnxruntime: the fallback where onnx's reference evaluator fails
-    on valid inputs (GatherElements in onnx 1.23)."""
+    """One node run by onnxruntime: for large constants, and the fallback where onnx's
+    reference evaluator fails on valid inputs (GatherElements in onnx 1.23)."""
     import onnxruntime
 
     inputs = [
@@ -381,6 +381,14 @@ def _evaluate_onnxruntime(node: onnx.NodeProto, feeds: dict[str, np.ndarray], op
 
 
 def _evaluate(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
+    if any(np.asarray(v).nbytes > LARGE_CONSTANT_BYTES for v in feeds.values()):
+        # A large constant (a causal mask at the bound batch: 256 M elements for 64
+        # sequences of 2,048 tokens) runs in onnxruntime's kernels, 10-20x faster than
+        # the reference's Python ones (9 of a LLaMA shape's 13 s of import at batch 64).
+        try:
+            return _evaluate_onnxruntime(node, feeds, opset)
+        except Exception:  # the reference evaluator's error is the clearer one
+            pass
     try:
         evaluator = ReferenceEvaluator(node, opsets={"": opset})
         return [np.asarray(v) for v in evaluator.run(None, feeds)]
