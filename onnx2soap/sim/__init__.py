@@ -12,17 +12,20 @@ from onnx2soap.precision import Precision
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.memory import peak_memory
+from onnx2soap.sim.pipeline_price import PipelineEvaluation, price_pipeline
 from onnx2soap.sim.precision_cost import with_precision
 from onnx2soap.sim.presets import resolve_machine
-from onnx2soap.sim.simulate import Timeline, simulate
-from onnx2soap.sim.taskgraph import Memo, TaskGraph, build_task_graph
+from onnx2soap.sim.simulate import simulate
+from onnx2soap.sim.taskgraph import Costs, Memo, TaskGraph, build_with_slots
 from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.pipeline import Pipeline
 from onnx2soap.soap.zero import ZeroStage
 
 __all__ = [
     "CostModel",
     "Evaluation",
     "Machine",
+    "PipelineEvaluation",
     "RooflineCost",
     "Simulator",
     "make_simulator",
@@ -36,6 +39,8 @@ class Evaluation:
     peak_memory_bytes: tuple[int, ...]
     bytes_moved: int
     fits: bool  # every device's peak memory within its capacity
+    # a pipeline plan's stages: pass times, moves, tails, bubbles, held microbatches
+    pipeline: PipelineEvaluation | None = None
 
 
 def make_simulator(
@@ -44,15 +49,21 @@ def make_simulator(
     optimizer_slots: int = 0,
     precision: Precision = Precision.FP32,
     zero: ZeroStage = ZeroStage.NONE,
+    pipeline: Pipeline | None = None,
+    recompute: tuple[str, ...] | frozenset[str] = (),
 ) -> Simulator:
     """A simulator of training in ``precision``: its costs (``precision_cost``) and its
-    memory both follow it; ``zero``: the plan's ZeRO stage (soap/zero.py)."""
+    memory both follow it; ``zero``: the plan's ZeRO stage (soap/zero.py); ``pipeline``
+    and ``recompute``: the plan's (``pipeline_price.py``; ops whose activations the
+    backward recomputes)."""
     return Simulator(
         machine,
         with_precision(cost, precision),
         optimizer_slots=optimizer_slots,
         precision=precision,
         zero=zero,
+        pipeline=pipeline,
+        recompute=frozenset(recompute),
     )
 
 
@@ -72,6 +83,10 @@ class Simulator:
     # ZeRO: sharded groups' rings, updates and memory (soap/zero.py); one stage per
     # simulator, since its memo keeps durations and memory under it
     zero: ZeroStage = ZeroStage.NONE
+    # A pipeline plan's stages (then ``evaluate`` takes the microbatch's partitioned graph
+    # and prices the whole step); its recomputed ops, pipeline or not. One plan's.
+    pipeline: Pipeline | None = None
+    recompute: frozenset[str] = frozenset()
 
     @property
     def shard_slots(self) -> int:
@@ -91,14 +106,15 @@ class Simulator:
         (whose cores copy messages), not on GPUs."""
         return self.machine.transfers_use_compute
 
+    def costs(self) -> Costs:
+        return Costs(self.machine, self.cost, self.itemsize, self.memo, self.zero, self.recompute)
+
     def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
-        return build_task_graph(
-            pg, self.machine, self.cost, self.itemsize, names, self.memo, self.zero
-        )
+        """One step's task graph; a pipeline plan's: one microbatch's."""
+        return build_with_slots(pg, self.costs(), names)[0]
 
     def evaluate(self, pg: PartitionedGraph) -> Evaluation:
-        tg = self.task_graph(pg)  # binds the memo to pg's graph
-        timeline: Timeline = simulate(tg)
+        tg, lay, slots = build_with_slots(pg, self.costs())  # binds the memo to pg's graph
         memory = peak_memory(
             pg,
             self.machine.size,
@@ -109,6 +125,16 @@ class Simulator:
             self.rounding_bytes,
             self.zero,
             self.optimizer_slots,
+            self.recompute,
         )
+        if self.pipeline is None:
+            step, moved, report = simulate(tg).makespan, int(tg.nbytes.sum()), None
+        else:
+            ops = {
+                op.name: self.memo.memory[(op.name, pg.strategy[op.name])] for op in pg.graph.ops
+            }
+            price = price_pipeline(pg, self.pipeline, tg, lay, slots, memory, ops, self.itemsize)
+            step, moved, memory = price.step_time_s, price.bytes_moved, price.peak_memory_bytes
+            report = price.report
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))
-        return Evaluation(timeline.makespan, memory, int(tg.nbytes.sum()), fits)
+        return Evaluation(step, memory, moved, fits, report)

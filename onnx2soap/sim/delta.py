@@ -68,7 +68,14 @@ class DeltaSimulator:
         self.graph = graph = partitioner.graph
         simulator.memo.bind(graph)
         m = simulator.machine
-        self.costs = Costs(m, simulator.cost, simulator.itemsize, simulator.memo, simulator.zero)
+        self.costs = Costs(
+            m,
+            simulator.cost,
+            simulator.itemsize,
+            simulator.memo,
+            simulator.zero,
+            simulator.recompute,
+        )
         self.lay = layout(graph)
         self.builder = SlotBuilder(self.costs, self.lay)
         self.num_resources = m.resources
@@ -154,6 +161,7 @@ class DeltaSimulator:
                 sim.rounding_bytes,
                 sim.zero,
                 sim.optimizer_slots,
+                op.name in sim.recompute,
             )
         return memo[key]
 

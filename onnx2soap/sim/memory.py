@@ -27,6 +27,10 @@ forward, over what it holds before and during one kernel:
   inputs (and of weights already given one) it returns before they are summed or
   dropped. The forward peak counts the output tiles of the ops before in graph order;
   the backward one counts everything;
+- a recomputed op (the plan's ``recompute``) keeps no output tile from its forward to
+  its backward: the tile counts only while its forward kernel runs and again while its
+  backward reruns the forward and runs (its readers' kernels, next in a chain, are
+  assumed to run with it; a reader far away in graph order is not modelled);
 - the update, once the step's output tiles and input gradients are gone (its weight
   gradients still held): the optimizer's temporaries on the largest shard it updates
   (``UPDATE_TEMPORARIES``: Adam's three arrays of its size, momentum's one; under ZeRO
@@ -126,6 +130,7 @@ def _op_bytes(
     rounding: int = 0,
     zero: ZeroStage = ZeroStage.NONE,
     optimizer_slots: int = 0,
+    recompute: bool = False,
 ) -> OpMemory:
     """What one op holds per device, counting every activation input buffer and output
     gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place).
@@ -133,7 +138,9 @@ def _op_bytes(
     holds while it runs (its temporaries), after the kernel's own are gone. ``zero``:
     the plan's ZeRO stage; ``optimizer_slots`` of the ``slots`` (the optimizer's, not
     mixed precision's weight copy) are then the member's rows only, and the update's
-    temporaries (``UPDATE_TEMPORARIES``) follow them."""
+    temporaries (``UPDATE_TEMPORARIES``) follow them. ``recompute``: the op's output
+    tiles are not held from its forward to its backward, only while its forward kernel
+    runs and again while its backward reruns the forward and runs (``_recomputed_tile``)."""
     held: dict[int, int] = {}
     outputs: dict[int, int] = {}
     grads: dict[int, int] = {}
@@ -145,6 +152,8 @@ def _op_bytes(
     update: dict[int, int] = {}
     temporaries = UPDATE_TEMPORARIES.get(optimizer_slots, 0)
     backward = graph.differentiable(op.output)
+    recompute = recompute and backward  # nothing to recompute for without a backward
+    redone: dict[int, int] = {}  # recomputed tiles per device, live only in its kernels
     shards = {(g.weight, g.rect, d): g for g in groups for d in g.devices}
     for (_, rect, d), group in shards.items():
         n = rect_volume(rect) * itemsize
@@ -196,6 +205,9 @@ def _op_bytes(
         # The tile and its gradient buffer; a holder's partial tile gives way to the sum
         # (the step keeps the summed slot, counted with its group below).
         tile = 0 if t.index in holders else out
+        if recompute:
+            _add(redone, t.device, tile)
+            tile = 0
         _add(outputs, t.device, tile)
         total = tile + (out if t.index in graded else 0)
         dropped = 0  # gradients a backward kernel returns and the runtime sums or drops
@@ -234,6 +246,9 @@ def _op_bytes(
     if backward:  # ZeRO-2: the whole gradient exists from the op's backward kernels on
         for d, n in excess.items():
             _add(backward_, d, n)
+    for d, n in redone.items():  # made by the forward kernel, and again by the backward
+        _add(forward, d, n)
+        _add(backward_, d, n)
     parts = (
         held,
         outputs,
@@ -400,9 +415,11 @@ def peak_memory(
     rounding: int = 0,
     zero: ZeroStage = ZeroStage.NONE,
     optimizer_slots: int = 0,
+    recompute: frozenset[str] = frozenset(),
 ) -> tuple[int, ...]:
-    """``memo`` must belong to one (itemsize, slots, objects, rounding, zero), as a
-    Simulator's does. ``objects``: count the runtime's Python objects, which share the
+    """``memo`` must belong to one (itemsize, slots, objects, rounding, zero,
+    recompute), as a Simulator's does. ``recompute``: the ops whose output tiles the
+    backward recomputes. ``objects``: count the runtime's Python objects, which share the
     memory of CPU ranks (a GPU's memory holds arrays only). ``zero``, ``optimizer_slots``:
     the plan's ZeRO stage and the optimizer's arrays it shards (``_op_bytes``)."""
     memo = {} if memo is None else memo
@@ -423,6 +440,7 @@ def peak_memory(
                 rounding,
                 zero,
                 optimizer_slots,
+                op.name in recompute,
             )
         for d, n in memo[key].held:
             held[d] += n

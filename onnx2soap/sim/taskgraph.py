@@ -272,6 +272,8 @@ class Costs:
     itemsize: int
     memo: Memo
     zero: ZeroStage = ZeroStage.NONE  # the plan's: sharded groups' rings and updates
+    # the plan's recomputed ops: their backward first runs their forward again
+    recompute: frozenset[str] = frozenset()
 
     @cached_property
     def turns(self) -> tuple[int, ...] | None:
@@ -506,15 +508,40 @@ def backward_segment(
     if graph is not None and not graph.differentiable(parts.op.output):
         return EMPTY
     b = _SegmentBuilder(slot, names, costs.turns)
-    _, seconds = costs.durations(parts)
+    forward, seconds = costs.durations(parts)
     after = [((fwd_slot, e),) for e in fwd.ends]
+    redo = _recomputed(b, parts, forward, after) if parts.op.name in costs.recompute else None
+    if redo is not None:
+        after = [(r,) for r in redo]
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.BACKWARD, seconds, after)
     elif parts.sums:  # a split partial dim
         starts, ends = _summed_backward(costs, b, parts, seconds, after)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.BACKWARD, seconds, after)
+    if redo is not None:  # the output gradient arrives before the forward is rerun
+        starts = redo
     return b.segment([x[1] for x in starts], [x[1] for x in ends])
+
+
+def _recomputed(b: _SegmentBuilder, parts: OpParts, seconds, after) -> list[Ref]:
+    """A recomputed op's forward, run again on each task's device just before its
+    backward (once its output gradient is there: the backward reaches it), for the
+    forward's time. Its inputs are at hand (the op's input buffers); a statistics op's
+    rings and a partial sum's ring are not run again (the tile is recomputed from the
+    same statistics and summed parts)."""
+    op = parts.op
+    return [
+        b.add(
+            TaskKind.FORWARD,
+            s,
+            (t.device,),
+            after[t.index],
+            0,
+            lambda t=t: f"recompute {op.name}[{t.index}]",
+        )
+        for t, s in zip(parts.tasks, seconds, strict=True)
+    ]
 
 
 def _width(graph: Graph, tensor: str, itemsize: int) -> int:
@@ -843,11 +870,21 @@ def build_task_graph(
     names: bool = False,
     memo: Memo | None = None,
     zero: ZeroStage = ZeroStage.NONE,
+    recompute: frozenset[str] = frozenset(),
 ) -> TaskGraph:
-    check_devices(pg, machine)
-    memo = memo or Memo()
-    memo.bind(pg.graph)
-    costs = Costs(machine, cost, itemsize, memo, zero)
+    costs = Costs(machine, cost, itemsize, memo or Memo(), zero, recompute)
+    return build_with_slots(pg, costs, names)[0]
+
+
+def build_with_slots(
+    pg: PartitionedGraph, costs: Costs, names: bool = False
+) -> tuple[TaskGraph, Layout, np.ndarray]:
+    """The task graph, the graph's slots and each task's slot (a pipeline's pricing
+    times the slots of each stage and phase apart: ``pipeline_price.py``)."""
+    check_devices(pg, costs.machine)
+    costs.memo.bind(pg.graph)
     builder = SlotBuilder(costs, layout(pg.graph), names)
     segments, preds = all_segments(builder, pg)
-    return flatten(segments, preds, machine.resources, names)
+    tg = flatten(segments, preds, costs.machine.resources, names)
+    sizes = [len(seg.duration) for seg in segments]
+    return tg, builder.lay, np.repeat(np.arange(len(segments)), sizes)
