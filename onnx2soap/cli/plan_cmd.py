@@ -251,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
     zero = _zero_stage(args, rule)
     if searching:
         outcome = _search(args, graph, space, simulator)
+        zero = outcome.walk.zero_stage  # the search's choice: its plan is priced under it
     else:
         zero_simulator = make_simulator(machine, costs.model, slots, precision, zero)
         outcome = _by_rule(args, rule, graph, space, simulator, zero_simulator if zero else None)
@@ -366,6 +367,7 @@ def _report(
             "search_time_s": time_s,
             "costs": costs.name,
             "precision": plan.precision.value,
+            "zero_stage": int(plan.zero_stage),
             "ilp": _ilp_doc(ilp) if ilp else None,
             **_walk_doc(walk),
         }
@@ -377,6 +379,8 @@ def _report(
         how = f"MCMC ({s.evaluated} {noun} simulated in {time_s:.1f}s)"
     print(f"wrote {args.output}: {how} on {machine}")
     print(f"  costs: {costs.description}")
+    if plan.zero_stage:
+        print(f"  ZeRO: stage {int(plan.zero_stage)} (replicated weights' state sharded)")
     print(f"  {'predicted step time':<22}{seconds(p.step_time_s):>12}   plan's speed-up")
     for name, t in baselines.items():
         if name in p.infeasible:

@@ -41,16 +41,20 @@ delta simulation from it (``sim/delta.py``): only the slots of the changed ops a
 edges are rebuilt and re-timed from the first of them, with the same timeline, memory
 and ``fits`` as a full simulation, however many ops a proposal changes.
 
-The cost of a strategy is its simulated step time, or infinity when it does not fit in
-device memory, so an infeasible plan is never returned.
+The walk orders strategies by ``Cost``: every plan that fits in device memory before any
+that does not, those that fit by their simulated step time, those that do not by how
+many bytes they overflow the devices' memory (summed over devices), then by step time.
+So a walk whose starts all overflow (every plan costing infinity, it had been blind)
+moves toward plans that fit, and once it holds one never accepts one that does not;
+an infeasible plan is never returned.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -63,7 +67,9 @@ from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.regions import RegionMoves
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
+from onnx2soap.sim.taskgraph import Memo
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
+from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, data_parallel_groups
 
 MAX_BUDGET_S = 7 * 24 * 3600.0  # a week: beyond it a budget is a typo, not a plan
 MAX_BETA = 1e6  # exp(-beta * x) with x >= 1e-6 is already 0 for every useful beta
@@ -105,6 +111,9 @@ class SearchOptions:
     # The ILP start's solver time limit (search/ilp.py), at most a quarter of the budget
     # (but a second): its time counts in the budget.
     ilp_time_limit_s: float = 10.0
+    # The ZeRO stages the search may give its plan (soap/zero.py): after the walk, its
+    # best and its leading starts are priced under each (``_with_zero``). () : none.
+    zero_stages: tuple[ZeroStage, ...] = ZERO_STAGES
 
     def __post_init__(self) -> None:
         _check_range("budget", self.budget_s, 0.0, MAX_BUDGET_S, "seconds")
@@ -119,6 +128,8 @@ class SearchOptions:
         if not isinstance(self.restarts, Restarts):
             raise UserError(f"restarts must be one of {[r.value for r in Restarts]}")
         _check_range("ilp-time-limit", self.ilp_time_limit_s, 1e-3, MAX_BUDGET_S, "seconds")
+        if any(z not in ZERO_STAGES for z in self.zero_stages):
+            raise UserError(f"zero_stages must be among {[int(z) for z in ZERO_STAGES]}")
 
     @property
     def ilp(self) -> IlpOptions:
@@ -183,6 +194,10 @@ class SearchResult:
     # the fastest start that fits (None: none fits): what the walk is measured against
     best_start: str | None = None
     walks: tuple[StartWalk, ...] = ()  # per distinct start, fastest first
+    # the plan's ZeRO stage (``evaluation`` is under it), and every plan priced under a
+    # stage after the walk: (its name, the stage, its evaluation under it)
+    zero_stage: ZeroStage = ZeroStage.NONE
+    zero_tried: tuple[tuple[str, ZeroStage, Evaluation], ...] = ()
 
     @property
     def walk_gain(self) -> float | None:
@@ -223,15 +238,61 @@ class _Evaluator:
 
 
 def cost_of(ev: Evaluation) -> float:
+    """The step time, or infinity where the plan does not fit in device memory."""
     return ev.step_time_s if ev.fits else math.inf
+
+
+@dataclass(frozen=True, order=True)
+class Cost:
+    """A strategy's place in the walk's order: fitting plans (``overflow`` 0) by step time,
+    before every plan that does not fit; those by their overflow, then by step time."""
+
+    overflow: float  # bytes past the devices' memory, summed over devices; 0: it fits
+    step_time_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.overflow == 0
+
+    @property
+    def seconds(self) -> float:
+        """The step time where it fits, else infinity (``cost_of``)."""
+        return self.step_time_s if self.fits else math.inf
+
+
+NOWHERE = Cost(math.inf, math.inf)  # worse than any strategy: the best before the first
+
+
+def cost_in(ev: Evaluation, memory: Sequence[int]) -> Cost:
+    """``ev``'s cost on devices of ``memory`` bytes each (the simulator's machine)."""
+    if ev.fits:
+        return Cost(0, ev.step_time_s)
+    over = sum(max(p - m, 0) for p, m in zip(ev.peak_memory_bytes, memory, strict=False))
+    return Cost(max(over, 1), ev.step_time_s)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The units of ``beta``: seconds between plans that fit, bytes between plans that do
+    not (the best start's step time, the least overflow of a start)."""
+
+    seconds: float = 1.0
+    bytes: float = 1.0
+
+    @staticmethod
+    def of(costs: Iterable[Cost]) -> Scale:
+        costs = list(costs)
+        times = [c.step_time_s for c in costs if c.fits and c.step_time_s > 0]
+        overflows = [c.overflow for c in costs if not c.fits and math.isfinite(c.overflow)]
+        return Scale(min(times, default=1.0), min(overflows, default=1.0))
 
 
 @dataclass
 class _Chain:
     rng: np.random.Generator
     current: Strategy
-    cost: float
-    best_cost: float
+    cost: Cost
+    best_cost: Cost
     state: DeltaState
     best: Strategy
     evals: int = 0
@@ -243,6 +304,7 @@ class _Search:
     def __init__(self, graph, space, simulator, options: SearchOptions) -> None:
         self.graph, self.space, self.options = graph, space, options
         self.devices = simulator.machine.size
+        self.memory = tuple(d.memory for d in simulator.machine.devices)
         self.evaluate = _Evaluator(graph, simulator)
         self.ops = [op.name for op in graph.ops]
         self.moves: dict[str, tuple[ParallelConfig, ...]] = {
@@ -255,9 +317,12 @@ class _Search:
         self.regions = RegionMoves(graph, space, self.moves)
         self.groups = GroupMoves(graph, space, self.regions)
         self.best: Strategy | None = None
-        self.best_cost = math.inf
+        self.best_cost = NOWHERE
 
-    def consider(self, strategy: Strategy, cost: float) -> None:
+    def cost(self, ev: Evaluation) -> Cost:
+        return cost_in(ev, self.memory)
+
+    def consider(self, strategy: Strategy, cost: Cost) -> None:
         if cost < self.best_cost:
             self.best, self.best_cost = strategy, cost
 
@@ -272,25 +337,32 @@ class _Search:
         self, strategy: Strategy, rng: np.random.Generator, base: DeltaState | None = None
     ) -> _Chain:
         ev, state = self.evaluate.with_state(strategy, base)
-        cost = cost_of(ev)
+        cost = self.cost(ev)
         self.consider(strategy, cost)
         state = state or self.evaluate.state(strategy, base)
         return _Chain(rng, strategy, cost, cost, state, strategy)
 
-    def _accept(self, rng: np.random.Generator, old: float, new: float, scale: float) -> bool:
+    def _accept(self, rng: np.random.Generator, old: Cost, new: Cost, scale: Scale) -> bool:
+        """Metropolis-Hastings in the walk's order: on step time between plans that fit,
+        on overflow between plans that do not (on step time where they overflow alike);
+        a plan that fits is never left for one that does not."""
         if new <= old:
             return True
-        if not math.isfinite(new):
+        if old.fits and not new.fits:
             return False
-        if not math.isfinite(old):
-            return True
+        if new.fits or new.overflow == old.overflow:
+            delta, unit = new.step_time_s - old.step_time_s, scale.seconds
+        else:
+            delta, unit = new.overflow - old.overflow, scale.bytes
+        if not math.isfinite(delta):
+            return False
         # new > old here and beta >= 0, so the exponent is <= 0: exp() cannot overflow
         # (it underflows to 0.0, a rejection). A degenerate scale falls back to 1.
-        scale = scale if math.isfinite(scale) and scale > 0 else 1.0
-        exponent = -self.options.beta * ((new - old) / scale)
+        unit = unit if math.isfinite(unit) and unit > 0 else 1.0
+        exponent = -self.options.beta * (delta / unit)
         return rng.random() < math.exp(max(exponent, -745.0))
 
-    def propose(self, chain: _Chain, scale: float) -> None:
+    def propose(self, chain: _Chain, scale: Scale) -> None:
         rng = chain.rng
         chain.evals += 1
         name = self.ops[int(rng.integers(len(self.ops)))]
@@ -311,7 +383,7 @@ class _Search:
             proposal = None
         if proposal is not None:
             ev, state = self.evaluate.with_state(proposal, chain.state)
-            cost = cost_of(ev)
+            cost = self.cost(ev)
             if self._accept(rng, chain.cost, cost, scale):
                 chain.current, chain.cost = proposal, cost
                 chain.state = state or self.evaluate.state(proposal, chain.state)
@@ -356,38 +428,40 @@ def mcmc(
     for name, strategy in named.items():
         starts[name], state = search.evaluate.with_state(strategy)
         states[strategy] = state or states[strategy]  # a strategy built twice: one state
-        search.consider(strategy, cost_of(starts[name]))
+        search.consider(strategy, search.cost(starts[name]))
     # The distinct strategies built by rule, fastest first (a stable sort: ties keep the
     # order above), each with the names of the rules that built it; the search never
     # returns a plan slower than any of them.
     ranked: dict[Strategy, list[str]] = {}
-    for name in sorted(starts, key=lambda n: cost_of(starts[n])):
+    for name in sorted(starts, key=lambda n: search.cost(starts[n])):
         ranked.setdefault(named[name], []).append(name)
-    finite = [cost_of(ev) for ev in starts.values() if math.isfinite(cost_of(ev))]
-    clock = _Clock(search, options, began, progress, scale=min(finite, default=1.0))
+    scale = Scale.of(search.cost(ev) for ev in starts.values())
+    clock = _Clock(search, options, began, progress, scale=scale)
     walks: list[_Walk] = []
     single = all(len(moves) < 2 for moves in search.moves.values())
     # with one strategy in the whole space there is nothing to walk
     if not single and options.restarts is Restarts.HALVING:
         for strategy, names in ranked.items():
             rng = np.random.default_rng(seeds.spawn(1)[0])
-            cost = cost_of(starts[names[0]])
+            cost = search.cost(starts[names[0]])
             chain = _Chain(rng, strategy, cost, cost, states[strategy], strategy)
             walks.append(_Walk(tuple(names), chain, strategy, cost))
         _walk_halving(search, clock, walks, seeds)
     elif not single:
         _walk_best(search, clock, list(ranked), states, seeds)
-    if search.best is None or not math.isfinite(search.best_cost):
+    finalists = _finalists(search, walks, ranked)
+    zero = _with_zero(search, simulator, finalists, options.zero_stages)
+    if zero.strategy is None or not zero.cost.fits:
         raise UserError(
             "no strategy found fits in device memory; use a machine with more memory or "
             "more devices, or a smaller batch"
         )
     baselines = {rule.value: starts[rule.value] for rule in BASELINES}
-    best_from = next((n for n, s in named.items() if s == search.best), "search")
+    best_from = next((n for n, s in named.items() if s == zero.strategy), "search")
     fitting = [names[0] for names in ranked.values() if starts[names[0]].fits]
     return SearchResult(
-        best=search.best,
-        evaluation=search.evaluate(search.best),
+        best=zero.strategy,
+        evaluation=zero.evaluation,
         baselines=baselines,
         evaluated=search.evaluate.evaluated,
         time_s=time.perf_counter() - began,
@@ -399,7 +473,93 @@ def mcmc(
         ilp=ilp,
         best_start=fitting[0] if fitting else None,
         walks=tuple(w.result(starts) for w in walks),
+        zero_stage=zero.stage,
+        zero_tried=zero.tried,
     )
+
+
+# The plans priced under each ZeRO stage after the walk: its best, then the bests of the
+# walks and the starts, in the walk's order (each a full simulation on a big model).
+ZERO_FINALISTS = 4
+# A ZeRO plan that fits replaces one that fits without ZeRO only if it is this much
+# faster: its gain is the sharded update, and the simulator does not model the compute
+# that a rank's wait for its previous reduce-scatter may hold up (docs/architecture.md).
+ZERO_GAIN = 0.01
+
+
+def _finalists(
+    search: _Search, walks: Sequence[_Walk], ranked: Mapping[Strategy, list[str]]
+) -> dict[Strategy, str]:
+    """The distinct strategies to price under ZeRO, each with its name: the search's
+    best, the walks' bests and the starts, by their cost, ``ZERO_FINALISTS`` of them,
+    and data parallelism (ZeRO's own plan) wherever it ranks."""
+    named: list[tuple[Cost, str, Strategy]] = []
+    if search.best is not None:
+        named.append((search.best_cost, "search", search.best))
+    for walk in walks:
+        named.append((walk.best_cost, f"walk from {walk.names[0]}", walk.best))
+    for strategy, names in ranked.items():
+        named.append((search.cost(search.evaluate(strategy)), names[0], strategy))
+    start = {strategy: names[0] for strategy, names in ranked.items()}
+    chosen: dict[Strategy, str] = {}
+    for _, name, strategy in sorted(named, key=lambda x: x[0]):
+        name = start.get(strategy, name)  # a walk that found nothing better: its start
+        if len(chosen) < ZERO_FINALISTS or name == Rule.DATA_PARALLEL.value:
+            chosen.setdefault(strategy, name)
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Zeroed:
+    """The plan the search returns: its strategy, ZeRO stage, cost and evaluation."""
+
+    strategy: Strategy | None
+    stage: ZeroStage
+    cost: Cost
+    evaluation: Evaluation | None
+    tried: tuple[tuple[str, ZeroStage, Evaluation], ...] = ()
+
+
+def _with_zero(
+    search: _Search,
+    simulator: Simulator,
+    finalists: Mapping[Strategy, str],
+    stages: Sequence[ZeroStage],
+) -> _Zeroed:
+    """The walk's best, or a finalist under a ZeRO stage where that costs less: fits
+    where the walk's best does not, or runs faster (ZeRO trades the all-reduce for a
+    reduce-scatter and an all-gather of the same bytes, and updates a shard). The walk
+    itself prices plans without ZeRO; a stage applies only to plans with a weight
+    replicated over devices (``check_zero``)."""
+    best = search.best
+    plain = search.evaluate(best) if best is not None else None
+    chosen = _Zeroed(best, ZeroStage.NONE, search.best_cost, plain)
+    replicated = [
+        (strategy, name)
+        for strategy, name in finalists.items()
+        if data_parallel_groups(
+            g for gs in search.evaluate.partitioner.partition(strategy).groups.values() for g in gs
+        )
+    ]
+    tried = []
+    zeroed = _Zeroed(None, ZeroStage.NONE, NOWHERE, None)
+    for stage in stages if replicated else ():
+        # a simulator of its own: its memo keeps durations and memory under one stage
+        delta = DeltaSimulator(
+            replace(simulator, zero=stage, memo=Memo()), search.evaluate.partitioner
+        )
+        state = None
+        for strategy, name in replicated:
+            ev, state = delta.evaluate(strategy, state)
+            tried.append((name, stage, ev))
+            cost = search.cost(ev)
+            if cost < zeroed.cost:
+                zeroed = _Zeroed(strategy, stage, cost, ev)
+    if chosen.cost.fits and zeroed.cost.fits:
+        better = zeroed.cost.step_time_s < chosen.cost.step_time_s * (1 - ZERO_GAIN)
+    else:
+        better = zeroed.cost < chosen.cost  # one that fits, else the least overflow
+    return replace(zeroed if better else chosen, tried=tuple(tried))
 
 
 @dataclass
@@ -410,10 +570,10 @@ class _Clock:
     options: SearchOptions
     began: float
     progress: Callable[[Progress], None] | None
-    scale: float  # the unit of beta: the best start's cost
+    scale: Scale  # the units of beta (the starts')
     proposals: int = 0
     looped: float = field(default_factory=time.perf_counter)  # the first proposal's time
-    best: float = math.inf
+    best: Cost = NOWHERE
     improved_s: float = 0.0  # seconds from ``began`` to the last improvement
     improved_at: int = 0  # proposals made by then
     last_report: float = 0.0
@@ -422,7 +582,7 @@ class _Clock:
     def __post_init__(self) -> None:
         self.best = self.search.best_cost
         self.improved_s = self.looped - self.began
-        self.history.append(Improvement(0.0, 0, self.best))
+        self.history.append(Improvement(0.0, 0, self.best.seconds))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.began
@@ -467,12 +627,13 @@ class _Clock:
                 self.proposals,
             )
             self.history.append(
-                Improvement(time.perf_counter() - self.looped, self.proposals, self.best)
+                Improvement(time.perf_counter() - self.looped, self.proposals, self.best.seconds)
             )
         if self.progress is not None and elapsed - self.last_report >= 0.2:
             self.last_report = elapsed
             evaluated = self.search.evaluate.evaluated
-            self.progress(Progress(elapsed, self.options.budget_s, evaluated, self.best))
+            best = self.best.seconds
+            self.progress(Progress(elapsed, self.options.budget_s, evaluated, best))
 
 
 @dataclass
@@ -482,7 +643,7 @@ class _Walk:
     names: tuple[str, ...]
     chain: _Chain
     best: Strategy
-    best_cost: float
+    best_cost: Cost
     proposals: int = 0
     rounds: int = 0
 
@@ -492,7 +653,7 @@ class _Walk:
             self.names,
             start.step_time_s,
             start.fits,
-            self.best_cost,
+            self.best_cost.seconds,
             self.proposals,
             self.rounds,
         )
@@ -555,7 +716,7 @@ def _walk_best(
     chains = []
     for i in range(search.options.chains):
         strategy = ranked[i % len(ranked)]
-        cost = cost_of(search.evaluate(strategy))
+        cost = search.cost(search.evaluate(strategy))
         rng = np.random.default_rng(seeds.spawn(1)[0])
         chains.append(_Chain(rng, strategy, cost, cost, states[strategy], strategy))
     restarts = 0

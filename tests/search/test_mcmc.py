@@ -116,6 +116,7 @@ def test_plan_cli_json(example_onnx: Path, tmp_path: Path, capsys) -> None:
         "search_time_s",
         "costs",
         "precision",
+        "zero_stage",
         "ilp",
         "best_start",
         "walk_gain",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx2soap.ir import Graph
-from onnx2soap.search.mcmc import SearchOptions, _rule_strategies, _Search, cost_of
+from onnx2soap.search.mcmc import Scale, SearchOptions, _rule_strategies, _Search, cost_of
 from onnx2soap.sim import Simulator
 from onnx2soap.soap import Partitioner, SoapDim
 
@@ -67,10 +67,10 @@ def walk_from_random(
         return search.start(search.random(rng), rng)
 
     chains = [random_chain() for _ in range(options.chains)]
-    start = search.best_cost
-    scale = start if math.isfinite(start) else 1.0  # mcmc's: the best start's cost
+    start = search.best_cost.seconds
+    scale = Scale(start if math.isfinite(start) else 1.0)  # mcmc's: the best start's cost
     proposals, restarts = 0, 0
-    while search.best_cost > target * rule_cost and proposals < max_proposals:
+    while search.best_cost.seconds > target * rule_cost and proposals < max_proposals:
         for i, chain in enumerate(chains):
             search.propose(chain, scale)
             proposals += 1
@@ -81,4 +81,4 @@ def walk_from_random(
                     chains[i] = search.start(search.best, rng, chain.state)
                 else:
                     chains[i] = random_chain()
-    return Walk(rule_cost, rule_name, start, search.best_cost, proposals)
+    return Walk(rule_cost, rule_name, start, search.best_cost.seconds, proposals)

@@ -1,0 +1,94 @@
+"""The walk among plans that do not fit: ordered by how far they overflow the devices'
+memory, so a search whose starts all overflow walks toward plans that fit (issue 31,
+part 4: every infeasible plan had cost infinity, and the walk was blind)."""
+
+from __future__ import annotations
+
+import math
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+
+from onnx2soap.errors import UserError
+from onnx2soap.search.exhaustive import exhaustive
+from onnx2soap.search.mcmc import (
+    NOWHERE,
+    Cost,
+    Scale,
+    SearchOptions,
+    _rule_strategies,
+    _Search,
+    cost_in,
+    mcmc,
+)
+from onnx2soap.sim import Evaluation, RooflineCost, Simulator
+from onnx2soap.sim.machine import ComputeDevice
+from onnx2soap.sim.memory import peak_memory
+from onnx2soap.sim.presets import cpu
+from onnx2soap.soap import Partitioner, Strategy, analyze, candidates
+from tests.sim.tiny import tiny_graph
+
+
+def test_a_plan_that_fits_comes_before_every_plan_that_does_not() -> None:
+    fast_over, slow_fit = Cost(1, 1e-6), Cost(0, 1e6)
+    assert slow_fit < fast_over < NOWHERE
+    assert Cost(10, 9.0) < Cost(11, 1.0)  # less overflow first, whatever the time
+    assert Cost(10, 1.0) < Cost(10, 2.0)  # then the time
+    assert slow_fit.fits and not fast_over.fits
+    assert slow_fit.seconds == 1e6 and fast_over.seconds == math.inf
+
+
+def test_overflow_is_the_bytes_past_each_device_s_memory_summed() -> None:
+    over = Evaluation(2.0, (150, 90, 130), 0, fits=False)
+    assert cost_in(over, (100, 100, 100)) == Cost(50 + 30, 2.0)
+    assert cost_in(Evaluation(3.0, (90, 90, 90), 0, fits=True), (100,) * 3) == Cost(0, 3.0)
+
+
+def test_acceptance_never_leaves_a_fit_and_prefers_less_overflow(tmp_path: Path) -> None:
+    graph = tiny_graph(tmp_path)
+    search = _Search(graph, analyze(graph), Simulator(cpu(2), RooflineCost()), SearchOptions())
+    rng = np.random.default_rng(0)
+    scale = Scale(1.0, 100.0)
+    draws = range(200)
+    assert not any(search._accept(rng, Cost(0, 5.0), Cost(1, 0.1), scale) for _ in draws)
+    assert all(search._accept(rng, Cost(500, 0.1), Cost(0, 9.0), scale) for _ in draws)
+    assert all(search._accept(rng, Cost(500, 0.1), Cost(400, 9.0), scale) for _ in draws)
+    # 1 % more overflow of the scale's bytes: exp(-200 * 0.01), as a 1 % slower plan
+    taken = sum(search._accept(rng, Cost(500, 1.0), Cost(501, 1.0), scale) for _ in range(4000))
+    assert abs(taken / 4000 - math.exp(-2.0)) < 0.03
+
+
+def test_the_walk_from_starts_that_all_overflow_reaches_the_plan_that_fits(
+    tmp_path: Path,
+) -> None:
+    graph = tiny_graph(tmp_path, batch=4, hidden=1024, relu=True)  # weight-heavy
+    space = analyze(graph)
+    partitioner = Partitioner(graph)
+    names = [op.name for op in graph.ops]
+    peaks = sorted(
+        max(peak_memory(partitioner.partition(Strategy(4, dict(zip(names, c, strict=True)))), 4))
+        for c in product(*(candidates(space[n], 4) for n in names))
+    )
+    # Two of the 1,232 plans (one up to a swap of devices) fit in the least any needs.
+    limit = peaks[0]
+    assert peaks[1] == limit < peaks[2]
+    device = ComputeDevice("dev", 1e9, 1e10, limit, 1e-6)
+    tight = Simulator(cpu(4, device, 1e9, 1e-6), RooflineCost())
+    named, _ = _rule_strategies(graph, space, tight, SearchOptions())
+    for strategy in named.values():  # no start fits: every one overflows
+        assert max(peak_memory(partitioner.partition(strategy), 4)) > limit
+    optimum = exhaustive(graph, space, tight).evaluation
+    assert optimum.fits and max(optimum.peak_memory_bytes) == limit
+    reached = 0
+    for seed in range(10):  # the same seed, the same walk: max_evals ends it
+        options = SearchOptions(budget_s=60, seed=seed, max_evals=300)
+        try:
+            result = mcmc(graph, space, tight, options)
+        except UserError:  # it found none: never a plan that overflows
+            continue
+        assert result.evaluation.fits
+        assert result.best_start is None  # what it returns is the walk's own
+        reached += result.evaluation.step_time_s == optimum.step_time_s
+    # Blind (every such plan infinity, each proposal accepted) 4 of these 10 reached it.
+    assert reached >= 8

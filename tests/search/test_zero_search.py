@@ -1,0 +1,108 @@
+"""The search chooses ZeRO (issue 31, part 4): after the walk its best and leading starts
+are priced under ZeRO stages 1 and 2, and the plan is the fastest that fits; the stage
+is the plan file's ``zero_stage`` and ``plan --json``'s."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.cli import main as cli
+from onnx2soap.errors import UserError
+from onnx2soap.search.baselines import Rule, by_rule
+from onnx2soap.search.exhaustive import exhaustive
+from onnx2soap.search.mcmc import ZERO_GAIN, SearchOptions, mcmc
+from onnx2soap.sim import RooflineCost, make_simulator
+from onnx2soap.sim.machine import ComputeDevice, Machine, dump_machine
+from onnx2soap.sim.memory import OPTIMIZER_SLOTS
+from onnx2soap.sim.presets import cpu
+from onnx2soap.soap import Partitioner, analyze
+from onnx2soap.soap.zero import ZeroStage
+from tests.sim.tiny import gemm_model
+
+ADAM = OPTIMIZER_SLOTS["adam"]  # two arrays of state per weight: what ZeRO shards
+BATCH = 256  # activations outweigh the weight: data parallelism is the fastest plan
+
+
+def _machine(memory: int) -> Machine:
+    device = ComputeDevice("dev", 1e9, 1e10, memory, 1e-6)
+    return replace(cpu(4, device, 1e8, 1e-6), transfers_use_compute=False)
+
+
+@pytest.fixture
+def case(tmp_path: Path):
+    """x [256, 8] -> Gemm(W [8, 1024]) -> Relu -> cross-entropy on 4 devices, Adam; the
+    memory that data parallelism with ZeRO needs."""
+    from onnx2soap.importer import load_model
+
+    path = gemm_model(tmp_path / "tiny.onnx", hidden=1024, relu=True)
+    graph = load_model(path, batch=BATCH).graph
+    space = analyze(graph)
+    dp = Partitioner(graph).partition(by_rule(Rule.DATA_PARALLEL, graph, space, 4))
+    peaks = {
+        z: max(
+            make_simulator(_machine(1 << 30), RooflineCost(), ADAM, zero=z)
+            .evaluate(dp)
+            .peak_memory_bytes
+        )
+        for z in ZeroStage
+    }
+    assert peaks[ZeroStage.GRADIENTS] < peaks[ZeroStage.NONE]
+    return path, graph, space, peaks
+
+
+def test_a_plan_that_fits_only_with_zero_gets_it(case) -> None:
+    _, graph, space, peaks = case
+    tight = make_simulator(_machine(peaks[ZeroStage.GRADIENTS]), RooflineCost(), ADAM)
+    with pytest.raises(UserError, match="fits"):  # no plan of the space fits without ZeRO
+        exhaustive(graph, space, tight)
+    result = mcmc(graph, space, tight, SearchOptions(budget_s=60, seed=0, max_evals=200))
+    assert result.zero_stage in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS)
+    assert result.best_from == "data-parallel" and result.evaluation.fits
+    # the evaluation is the plan's under its stage, as a simulator of that stage has it
+    by = make_simulator(
+        _machine(peaks[ZeroStage.GRADIENTS]), RooflineCost(), ADAM, zero=result.zero_stage
+    )
+    ev = by.evaluate(Partitioner(graph).partition(result.best))
+    assert ev == result.evaluation
+    assert ("data-parallel", result.zero_stage, ev) in result.zero_tried
+
+
+def test_with_ample_memory_no_zero_unless_it_is_faster(case) -> None:
+    _, graph, space, _ = case
+    ample = make_simulator(_machine(1 << 30), RooflineCost(), ADAM)
+    result = mcmc(graph, space, ample, SearchOptions(budget_s=60, seed=0, max_evals=200))
+    assert result.zero_stage is ZeroStage.NONE
+    assert result.evaluation == ample.evaluate(Partitioner(graph).partition(result.best))
+    # ZeRO was priced, and no plan under it was ZERO_GAIN faster
+    assert {stage for _, stage, _ in result.zero_tried} == {
+        ZeroStage.OPTIMIZER,
+        ZeroStage.GRADIENTS,
+    }
+    fastest = min(ev.step_time_s for _, _, ev in result.zero_tried)
+    assert fastest >= result.evaluation.step_time_s * (1 - ZERO_GAIN)
+    off = mcmc(
+        graph, space, ample, SearchOptions(budget_s=60, seed=0, max_evals=200, zero_stages=())
+    )
+    assert off.zero_tried == () and off.best == result.best
+
+
+def test_plan_writes_and_reports_the_stage_the_search_chose(case, tmp_path: Path, capsys) -> None:
+    path, _, _, peaks = case
+    machine = tmp_path / "tight.yaml"
+    machine.write_text(dump_machine(_machine(peaks[ZeroStage.GRADIENTS])))
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(path), "--machine", str(machine), "--batch", str(BATCH)]
+    argv += ["--optimizer", "adam", "--max-evals", "100", "-o", str(out), "--json"]
+    assert cli(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    saved = json.loads(out.read_text())
+    assert doc["zero_stage"] == saved["zero_stage"] in (1, 2)
+    assert max(saved["predicted"]["peak_memory_bytes"]) <= peaks[ZeroStage.GRADIENTS]
+    assert cli(["simulate", str(out), "--optimizer", "adam", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["zero_stage"] == saved["zero_stage"]
+    assert again["peak_memory_bytes"] == saved["predicted"]["peak_memory_bytes"]
