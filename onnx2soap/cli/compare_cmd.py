@@ -14,11 +14,15 @@ import json
 from onnx2soap.cli.common import seconds
 from onnx2soap.cli.picture_options import MAX_DPI, MIN_DPI, pixels
 from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
-from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
+from onnx2soap.cli.simulate_cmd import (
+    partitioned,
+    plan_on_machine,
+    plan_simulator,
+    refuse_pipeline,
+)
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
 from onnx2soap.options import int_in
-from onnx2soap.sim import make_simulator
 from onnx2soap.sim.compare import (
     Comparison,
     Predicted,
@@ -69,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chart:
         require_matplotlib()
     _check_outputs(args)  # before the work, not after it
+    # a trace's every microbatch against one microbatch's task graph: not done yet
+    refuse_pipeline(plan_on_machine(args), "compare")
     measured = read_measured(args.measured)
     predicted, memory, costs = _simulate(args)
     check_same_plan(predicted, measured, args.measured)
@@ -101,9 +107,7 @@ def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str
     costs = choose_costs(planned.spec, machine, args.costs)
     pg = partitioned(args, planned)
     costs = costs.for_graph(pg.graph, machine)
-    slots = OPTIMIZER_SLOTS[args.optimizer]
-    plan = planned.plan
-    simulator = make_simulator(machine, costs.model, slots, plan.precision, plan.zero_stage)
+    simulator = plan_simulator(planned, costs.model, OPTIMIZER_SLOTS[args.optimizer])
     memory = simulator.evaluate(pg).peak_memory_bytes
     tg = simulator.task_graph(pg, names=True)
     return Predicted(tg, simulate(tg), machine), memory, costs.description

@@ -10,10 +10,19 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from onnx2soap.cli.common import add_model_options, loss_choice, seconds
+from onnx2soap.cli.pipeline_plan import (
+    Piped,
+    add_pipeline_options,
+    check_options,
+    more_baselines,
+    plan_pipeline,
+    recompute_names,
+    shape,
+)
 from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
@@ -70,6 +79,7 @@ def register(sub) -> None:
         help="with --strategy zero: 1 shards the optimizer's state across the data-parallel "
         "replicas, 2 (the default) also the summed gradients",
     )
+    add_pipeline_options(p)
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
     p.add_argument(
         "--budget",
@@ -148,6 +158,7 @@ def _mode(args) -> tuple[Rule | None, bool]:
         )
     if args.zero_stage is not None and args.strategy != Rule.ZERO.value:
         raise UserError("--zero-stage goes with --strategy zero (data parallelism with ZeRO)")
+    check_options(args, searching=not args.strategy and args.search != "none")
     if args.strategy:
         return Rule(args.strategy), False
     if args.search == "none":
@@ -192,10 +203,18 @@ def _zero_stage(args, rule: Rule | None) -> ZeroStage:
 
 
 def _by_rule(
-    args, rule: Rule, graph, space, simulator: Simulator, zero: Simulator | None = None
+    args,
+    rule: Rule,
+    graph,
+    space,
+    simulator: Simulator,
+    chosen_by: Simulator | None = None,
+    piped: Piped | None = None,
 ) -> _Outcome:
-    """``zero``: ``--strategy zero``'s simulator (the plan's stage), which prices the
-    chosen plan and a "zero" line among the baselines; the others are plain."""
+    """``chosen_by``: the chosen plan's simulator where it is not plain (its ZeRO stage,
+    its recomputation), which prices it (and ``--strategy zero``'s "zero" line among the
+    baselines); the baselines are plain. ``piped``: the pipeline rule's plan, built and
+    priced already."""
     partitioner, devices = Partitioner(graph), simulator.machine.size
 
     def evaluate(strategy: Strategy, by: Simulator = simulator) -> Evaluation:
@@ -203,20 +222,27 @@ def _by_rule(
 
     # --strategy ilp: the solver's time limit is the budget
     ilp_options = IlpOptions(max(args.budget, 0.1)) if rule is Rule.ILP else None
-    built = {rule: build(rule, graph, space, devices, args.seed, simulator, ilp_options)}
+    built = (
+        {}
+        if piped
+        else {rule: build(rule, graph, space, devices, args.seed, simulator, ilp_options)}
+    )
     for r in BASELINES:
         if r not in built:
             built[r] = build(r, graph, space, devices, 0, simulator)
-    strategy = built[rule].strategy
-    validate_strategy(graph, space, strategy)
-    chosen = evaluate(strategy, zero or simulator)
+    if piped is None:
+        strategy = built[rule].strategy
+        validate_strategy(graph, space, strategy)
+        chosen = evaluate(strategy, chosen_by or simulator)
+    else:
+        strategy, chosen = piped.strategy, piped.evaluation
     if not chosen.fits:
         print(
             f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
             file=sys.stderr,
         )
     baselines = {r.value: evaluate(built[r].strategy) for r in BASELINES}
-    if zero is not None:
+    if rule is Rule.ZERO:
         baselines[Rule.ZERO.value] = chosen
     return _Outcome(strategy, chosen, baselines, None, ilp=built[Rule.ILP].ilp)
 
@@ -244,17 +270,41 @@ def run(args: argparse.Namespace) -> int:
         )
     space = analyze(graph)
     _check_dims(space)
-    costs = costs.for_graph(graph, machine)
+    chosen_costs, costs = costs, costs.for_graph(graph, machine)
     precision = Precision(args.precision)
     slots = OPTIMIZER_SLOTS[args.optimizer]
     simulator = make_simulator(machine, costs.model, slots, precision)
     zero = _zero_stage(args, rule)
+    recompute, piped = recompute_names(args, graph), None
+    if rule is Rule.PIPELINE:  # refused in one line before any work where it cannot be
+        stages, microbatches, schedule = shape(args, machine, graph)
     if searching:
         outcome = _search(args, graph, space, simulator)
         zero = outcome.walk.zero_stage  # the search's choice: its plan is priced under it
     else:
-        zero_simulator = make_simulator(machine, costs.model, slots, precision, zero)
-        outcome = _by_rule(args, rule, graph, space, simulator, zero_simulator if zero else None)
+        if rule is Rule.PIPELINE:
+            piped = plan_pipeline(
+                args,
+                graph,
+                machine,
+                chosen_costs,
+                slots,
+                precision,
+                stages,
+                microbatches,
+                schedule,
+                args.recompute == "all",
+            )
+        chosen_by = make_simulator(
+            machine, costs.model, slots, precision, zero, recompute=recompute
+        )
+        plain = not zero and not recompute
+        outcome = _by_rule(args, rule, graph, space, simulator, None if plain else chosen_by, piped)
+    if not searching:  # the search's baselines are its starts: a plan beats them all
+        extra = more_baselines(args, graph, space, machine, chosen_costs, slots, precision)
+        if rule is Rule.ZERO:  # the plan's own stage stands for it
+            extra.pop(Rule.ZERO.value, None)
+        outcome = replace(outcome, baselines={**outcome.baselines, **extra})
     if zero:  # a machine of one device replicates nothing: say so before writing
         pg = Partitioner(graph).partition(outcome.strategy)
         groups = (g for gs in pg.groups.values() for g in gs)
@@ -273,12 +323,14 @@ def run(args: argparse.Namespace) -> int:
         batch=graph.batch,
         loss=graph.loss,
         devices=machine.size,
-        ops=plan_ops(outcome.strategy, graph, space),
+        ops=plan_ops(outcome.strategy, *((piped.graph, piped.space) if piped else (graph, space))),
         machine=spec,
         predicted=predicted,
         search=outcome.search,
         precision=precision,
         zero_stage=zero,
+        pipeline=piped.pipeline if piped else None,
+        recompute=piped.recompute if piped else recompute,
     )
     save_plan(plan, args.output)
     _report(args, plan, machine.name, searching, outcome.time_s, costs, outcome.ilp, outcome.walk)
@@ -381,6 +433,15 @@ def _report(
     print(f"  costs: {costs.description}")
     if plan.zero_stage:
         print(f"  ZeRO: stage {int(plan.zero_stage)} (replicated weights' state sharded)")
+    if plan.pipeline:
+        pipe = plan.pipeline
+        sizes = ", ".join(str(len(ops)) for ops in pipe.stages)
+        print(
+            f"  pipeline: {len(pipe.stages)} stages ({sizes} ops), {pipe.microbatches} "
+            f"microbatches of {plan.graph_batch}, {pipe.schedule.value}"
+        )
+    if plan.recompute:
+        print(f"  recompute: {len(plan.recompute)} ops' activations, in the backward")
     print(f"  {'predicted step time':<22}{seconds(p.step_time_s):>12}   plan's speed-up")
     for name, t in baselines.items():
         if name in p.infeasible:

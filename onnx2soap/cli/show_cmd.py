@@ -12,11 +12,11 @@ import argparse
 
 from onnx2soap.cli.common import seconds
 from onnx2soap.cli.picture_options import add_picture_options, picture_size
-from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine
+from onnx2soap.cli.simulate_cmd import partitioned, plan_on_machine, plan_simulator, refuse_pipeline
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
 from onnx2soap.options import int_in
-from onnx2soap.sim import RooflineCost, Simulator, make_simulator
+from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.viz import require_matplotlib
@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     pg, simulator = _load(args)
     space = analyze(pg.graph)
     grid = plan_grid(pg, space, args.max_transfers)
+    if simulator.pipeline is not None:  # the grid alone: no whole-step timeline yet
+        return _pipeline_grid(args, grid, simulator.evaluate(pg).step_time_s, simulator)
     tg = simulator.task_graph(pg, names=True)
     gantt = gantt_chart(tg, simulate(tg), simulator.machine)
     size = picture_size(args)
@@ -75,6 +77,21 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace) -> tuple[PartitionedGraph, Simulator]:
     """The plan partitioned on its model, as ``simulate`` loads it (same checks)."""
     planned = plan_on_machine(args)
-    plan = planned.plan
-    simulator = make_simulator(planned.machine, RooflineCost(), 0, plan.precision, plan.zero_stage)
-    return partitioned(args, planned), simulator
+    if args.gantt:
+        refuse_pipeline(planned, "--gantt")
+    return partitioned(args, planned), plan_simulator(planned, RooflineCost(), 0)
+
+
+def _pipeline_grid(args: argparse.Namespace, grid, step: float, simulator: Simulator) -> int:
+    """A pipeline plan: its grid (one microbatch's split), titled with the step."""
+    from onnx2soap.viz.render import render_plan
+
+    pipe = simulator.pipeline
+    title = (
+        f"{args.plan}: {len(grid.cells)} tasks of {len(grid.ops)} ops on {grid.devices} "
+        f"devices, {len(pipe.stages)} stages x {pipe.microbatches} microbatches "
+        f"({pipe.schedule.value}; {simulator.machine.name}, step {seconds(step)})"
+    )
+    write_atomic(args.output, render_plan(grid, None, picture_size(args), title).png)
+    print(f"{args.output}: plan grid (a pipeline's Gantt chart is not drawn yet)")
+    return 0

@@ -12,7 +12,7 @@ from onnx2soap.cli.profile_cmd import add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_input, check_output
 from onnx2soap.importer import file_sha256, load_model
-from onnx2soap.sim import Machine, make_simulator, resolve_machine
+from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
@@ -73,17 +73,43 @@ def partitioned(args: argparse.Namespace, planned: PlanOnMachine) -> Partitioned
     return pg
 
 
+def plan_simulator(planned: PlanOnMachine, cost, slots: int) -> Simulator:
+    """The plan's simulator: its precision, ZeRO stage, pipeline and recomputation."""
+    plan = planned.plan
+    return make_simulator(
+        planned.machine,
+        cost,
+        slots,
+        plan.precision,
+        plan.zero_stage,
+        plan.pipeline,
+        plan.recompute,
+    )
+
+
+def refuse_pipeline(planned: PlanOnMachine, option: str) -> None:
+    """A pipeline plan's step is timed stage by stage from one microbatch's task graph
+    (sim/pipeline_price.py): no timeline of the whole step to draw or trace yet."""
+    if planned.plan.pipeline:
+        raise UserError(
+            f"{option} cannot show a pipeline plan's step yet (it is timed per stage; "
+            "see simulate --json)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.trace:
         check_output(args.trace)  # before the work, not after it
     planned = plan_on_machine(args)
+    if args.trace:
+        refuse_pipeline(planned, "--trace")
     machine = planned.machine
     costs = choose_costs(planned.spec, machine, args.costs)  # before loading the model
     pg = partitioned(args, planned)
     costs = costs.for_graph(pg.graph, machine)
     slots = OPTIMIZER_SLOTS[args.optimizer]
     plan = planned.plan
-    simulator = make_simulator(machine, costs.model, slots, plan.precision, plan.zero_stage)
+    simulator = plan_simulator(planned, costs.model, slots)
     ev = simulator.evaluate(pg)
     if args.trace:
         tg = simulator.task_graph(pg, names=True)
@@ -97,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
             "machine": machine.name,
             "costs": costs.name,
             "zero_stage": int(plan.zero_stage),
+            "recomputed_ops": len(plan.recompute),
+            "pipeline": _pipeline_doc(ev),
         }
         print(json.dumps(doc))
         return 0
@@ -104,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  costs            {costs.description}")
     if plan.zero_stage:
         print(f"  ZeRO             {_zero(plan)}")
+    if plan.recompute:
+        print(f"  recompute        {len(plan.recompute)} ops' activations, in the backward")
+    for line in _pipeline_lines(plan, ev):
+        print(line)
     print(f"  moved per step   {ev.bytes_moved} bytes")
     for d, (m, dev) in enumerate(zip(ev.peak_memory_bytes, machine.devices, strict=False)):
         flag = "" if m <= dev.memory else "  EXCEEDS"
@@ -125,3 +157,48 @@ def model_sha256(path) -> str:
 def _zero(plan: Plan) -> str:
     shards = "optimizer state and gradients" if plan.zero_stage >= 2 else "optimizer state"
     return f"stage {int(plan.zero_stage)}: {shards} sharded across data-parallel replicas"
+
+
+def _pipeline_doc(ev: Evaluation) -> dict | None:
+    """Per stage: a microbatch's forward and backward, the moves to and from the next
+    stage, the tail (gradient sync and update), the bubble and the microbatches held."""
+    p = ev.pipeline
+    if p is None:
+        return None
+    return {
+        "schedule": p.schedule,
+        "microbatches": p.microbatches,
+        "stages": [
+            {
+                "devices": list(s.devices),
+                "forward_s": s.times.forward_s,
+                "backward_s": s.times.backward_s,
+                "send_forward_s": s.times.send_forward_s,
+                "send_backward_s": s.times.send_backward_s,
+                "tail_s": s.times.tail_s,
+                "bubble": s.bubble,
+                "held_microbatches": s.held,
+            }
+            for s in p.stages
+        ],
+    }
+
+
+def _pipeline_lines(plan: Plan, ev: Evaluation) -> list[str]:
+    p = ev.pipeline
+    if p is None:
+        return []
+    lines = [
+        f"  pipeline         {len(p.stages)} stages, {p.microbatches} microbatches of "
+        f"{plan.graph_batch}, {p.schedule}",
+        "    stage  devices    forward   backward      moves       tail  bubble  held",
+    ]
+    for i, s in enumerate(p.stages):
+        t = s.times
+        devices = f"{s.devices[0]}-{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
+        moves = seconds(t.send_forward_s + t.send_backward_s)
+        lines.append(
+            f"    {i:<5}  {devices:<9}{seconds(t.forward_s):>9}  {seconds(t.backward_s):>9}  "
+            f"{moves:>9}  {seconds(t.tail_s):>9}  {s.bubble:>5.0%}  {s.held:>4}"
+        )
+    return lines

@@ -16,6 +16,7 @@ import numpy as np
 from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.search.ilp import IlpOptions, IlpResult, ilp
 from onnx2soap.search.megatron import megatron, node_size
+from onnx2soap.search.pipeline_rule import staged_strategy
 from onnx2soap.sim import Simulator
 from onnx2soap.soap.dims import DimKind, SoapDim
 from onnx2soap.soap.partition import ParallelConfig
@@ -33,6 +34,7 @@ class Rule(Enum):
     ILP = "ilp"
     RANDOM = "random"
     ZERO = "zero"
+    PIPELINE = "pipeline"  # search/pipeline_rule.py
 
 
 # Every plan is compared with each of these (a search could have returned any of them);
@@ -199,6 +201,8 @@ def by_rule(
         return expert(graph, space, devices)
     if rule is Rule.SINGLE_DEVICE:
         return single_device(graph, space, devices)
+    if rule is Rule.PIPELINE:  # its stages alone; plan --strategy pipeline adds microbatches
+        return staged_strategy(graph, space, simulator)
     if rule in (Rule.MEGATRON, Rule.ILP):
         return build(rule, graph, space, devices, seed, simulator).strategy
     return random_strategy(graph, space, devices, np.random.default_rng(seed))

@@ -33,6 +33,8 @@ def test_plan_by_rule_records_its_prediction(plan: Path, capsys) -> None:
         "model-parallel",
         "megatron",
         "ilp",
+        "zero",  # ZeRO-2 data parallelism
+        "pipeline",  # the pipeline rule's default shape: 2 stages of 2 devices
     }
     assert doc["predicted"]["step_time_s"] == doc["predicted"]["baselines"]["expert"]
     fc = next(o for o in doc["ops"] if o["name"] == "/fc1/Gemm")

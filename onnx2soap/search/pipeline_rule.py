@@ -1,0 +1,176 @@
+"""The ``pipeline`` rule (issue 32): pipeline stages over groups of devices, data
+parallelism inside each stage.
+
+- Devices are cut into ``S`` contiguous groups, as balanced as the count allows. The
+  machine numbers devices node by node, so where ``S`` divides the node count each group
+  is whole nodes: the stages' moves cross the slow links, the rings stay in a node.
+- Ops, contiguous in graph (topological) order, are cut into ``S`` stages balanced by
+  each op's simulated time on its stage (``pipeline_stages.balanced_stages``, exact):
+  the forward and backward of its slowest task under data parallelism over a group
+  (its forward again where it is recomputed).
+- Every op of stage ``s`` is split by samples over group ``s`` (as many of its devices
+  as the microbatch's samples allow), the model being loaded at the microbatch's batch.
+
+``default_shape`` gives the baseline's shape: one stage per node (at least 2), and the
+most microbatches up to 4 per stage whose samples still fill a stage's devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from onnx2soap.errors import UserError
+from onnx2soap.ir import Graph
+from onnx2soap.search.megatron import node_size
+from onnx2soap.search.pipeline_stages import balanced_stages
+from onnx2soap.sim import Simulator
+from onnx2soap.sim.machine import Machine
+from onnx2soap.soap.dims import DimKind, SoapDim
+from onnx2soap.soap.partition import ParallelConfig, chunk
+from onnx2soap.soap.partitioned import Partitioner
+from onnx2soap.soap.pipeline import Pipeline, Schedule
+from onnx2soap.soap.strategy import Strategy
+
+Space = Mapping[str, tuple[SoapDim, ...]]
+# The baseline's microbatches per stage at most (Megatron-LM's advice: M >= 4 S keeps the
+# bubble, (S - 1) / (M + S - 1), under a fifth).
+MICROBATCHES_PER_STAGE = 4
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    strategy: Strategy  # on the graph at the microbatch's batch
+    pipeline: Pipeline
+
+
+def stage_groups(devices: int, stages: int) -> tuple[tuple[int, ...], ...]:
+    """``stages`` contiguous groups of ``0..devices-1``, sizes differing by one at most."""
+    if not 1 <= stages <= devices:
+        raise UserError(f"{stages} pipeline stages on {devices} devices: use 1 to {devices}")
+    bounds = [chunk(devices, stages, s) for s in range(stages)]
+    return tuple(tuple(range(lo, hi)) for lo, hi in bounds)
+
+
+def sample_config(dims: tuple[SoapDim, ...], group: tuple[int, ...]) -> ParallelConfig:
+    """The op split by its first splittable sample dim over as many of ``group``'s
+    devices as it has samples; whole on the group's first device without one."""
+    degrees = [1] * len(dims)
+    for i, d in enumerate(dims):
+        if d.kind is DimKind.SAMPLE and d.splittable:
+            degrees[i] = min(len(group), d.max_degree)
+            break
+    return ParallelConfig(tuple(degrees), group[: math.prod(degrees)])
+
+
+def op_seconds(
+    graph: Graph,
+    space: Space,
+    simulator: Simulator,
+    group: tuple[int, ...],
+    recompute: frozenset[str] = frozenset(),
+) -> list[float]:
+    """Per op (graph order), its slowest task's forward and backward (and its forward
+    again where recomputed) under data parallelism over ``group``: the time it adds to
+    its stage's passes, its tasks running side by side."""
+    partitioner = Partitioner(graph)
+    devices, cost, size = simulator.machine.devices, simulator.cost, simulator.itemsize
+    seconds = []
+    for op in graph.ops:
+        backward = graph.differentiable(op.output)
+        redo = 2 if backward and op.name in recompute else 1
+        slowest = 0.0
+        for t in partitioner.tasks(op, sample_config(space[op.name], group)):
+            device = devices[t.device]
+            took = redo * cost.forward(op, t, device, size)
+            if backward:
+                took += cost.backward(op, t, device, size)
+            slowest = max(slowest, took)
+        seconds.append(slowest)
+    return seconds
+
+
+def pipeline_plan(
+    graph: Graph,
+    space: Space,
+    simulator: Simulator,
+    stages: int,
+    microbatches: int,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    recompute: frozenset[str] = frozenset(),
+) -> PipelinePlan:
+    """The rule's plan on ``graph``, the model at the microbatch's batch."""
+    devices = simulator.machine.size
+    groups = stage_groups(devices, stages)
+    if stages > len(graph.ops):
+        raise UserError(
+            f"{stages} pipeline stages for {len(graph.ops)} ops: use 1 to {len(graph.ops)}"
+        )
+    narrowest = min(groups, key=len)
+    runs = balanced_stages(op_seconds(graph, space, simulator, narrowest, recompute), stages)
+    configs, names = {}, []
+    for group, run in zip(groups, runs, strict=True):
+        ops = [graph.ops[i] for i in run]
+        for op in ops:
+            configs[op.name] = sample_config(space[op.name], group)
+        names.append(tuple(op.name for op in ops))
+    return PipelinePlan(Strategy(devices, configs), Pipeline(tuple(names), microbatches, schedule))
+
+
+def check_shape(devices: int, batch: int, ops: int, stages: int, microbatches: int) -> None:
+    """The rule's refusals, each one line, before any work: more stages than devices or
+    ops, microbatches that do not divide the batch, a microbatch too small to split over
+    a stage's devices."""
+    if not 1 <= stages <= devices:
+        raise UserError(
+            f"--stages {stages}: the machine has {devices} devices (use 1 to {devices})"
+        )
+    if stages > ops:
+        raise UserError(f"--stages {stages}: the model has {ops} ops (use 1 to {ops})")
+    if microbatches < 1 or batch % microbatches:
+        raise UserError(
+            f"--microbatches {microbatches} does not divide the batch of {batch} (use a "
+            f"divisor of {batch})"
+        )
+    width = max(len(g) for g in stage_groups(devices, stages))
+    if batch // microbatches < width:
+        raise UserError(
+            f"--microbatches {microbatches}: a microbatch of {batch // microbatches} samples "
+            f"cannot be split over a stage's {width} devices (use at most "
+            f"{max(1, batch // width)} microbatches, or more stages)"
+        )
+
+
+def default_shape(machine: Machine, batch: int, ops: int) -> tuple[int, int] | None:
+    """The baseline's stages and microbatches: a stage per node (at least 2, at most the
+    devices and the ops) and the most microbatches, up to ``MICROBATCHES_PER_STAGE`` per
+    stage, that divide the batch with samples enough for a stage's devices; None where
+    no pipeline of 2 stages or more is possible."""
+    devices = machine.size
+    stages = min(max(2, devices // node_size(machine)), devices, ops)
+    if stages < 2:
+        return None
+    width = max(len(g) for g in stage_groups(devices, stages))
+    fitting = [
+        m
+        for m in range(1, MICROBATCHES_PER_STAGE * stages + 1)
+        if batch % m == 0 and batch // m >= width
+    ]
+    return (stages, max(fitting)) if fitting else None
+
+
+def full_recompute(graph: Graph) -> tuple[str, ...]:
+    """Megatron-LM's full recomputation: every op but the loss."""
+    loss = graph.loss_op
+    return tuple(op.name for op in graph.ops if loss is None or op.name != loss.name)
+
+
+def staged_strategy(graph: Graph, space: Space, simulator: Simulator | None) -> Strategy:
+    """The rule's stages and devices as a plain strategy (one microbatch, ``graph`` at
+    the step's batch): what ``baselines.by_rule`` builds; ``plan --strategy pipeline``
+    adds the microbatches and the schedule."""
+    if simulator is None:
+        raise ValueError("the pipeline rule balances stages by simulated time; give a simulator")
+    shape = default_shape(simulator.machine, graph.batch, len(graph.ops))
+    return pipeline_plan(graph, space, simulator, shape[0] if shape else 1, 1).strategy

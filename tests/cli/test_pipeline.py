@@ -1,0 +1,149 @@
+"""``plan --strategy pipeline`` and ``--recompute``: the plan file's pipeline, priced by
+``simulate`` (text and --json) and drawn by ``show``; bad input is one line, exit 2,
+before any work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.cli import main as cli
+from onnx2soap.importer import load_model
+from tests.cli.test_io_errors import one_line
+
+BATCH = "8"
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, example_onnx: Path) -> dict[str, Path]:
+    """The example CNN on cpu:4: the rule's default pipeline (2 stages of 2 devices, 4
+    microbatches of 2, 1F1B), GPipe, and data parallelism with full recomputation."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    model = folder / "cnn.onnx"
+    shutil.copy(example_onnx, model)
+    argv = ["plan", str(model), "--batch", BATCH, "--devices", "4", "--strategy"]
+    runs = {
+        "1f1b": ("pipeline",),
+        "gpipe": ("pipeline", "--stages", "2", "--microbatches", "4", "--schedule", "gpipe"),
+        "redo": ("pipeline", "--stages", "2", "--microbatches", "4", "--recompute", "all"),
+        "dp": ("data-parallel",),
+        "dp-redo": ("data-parallel", "--recompute", "all"),
+    }
+    out = {}
+    for name, extra in runs.items():
+        out[name] = folder / f"{name}.json"
+        assert cli([*argv, *extra, "-o", str(out[name])]) == 0
+    return out
+
+
+def _simulate(plan: Path, capsys, *extra: str) -> dict:
+    capsys.readouterr()
+    assert cli(["simulate", str(plan), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_plan_holds_the_pipeline(plans, example_onnx) -> None:
+    doc = json.loads(plans["1f1b"].read_text())
+    pipe = doc["pipeline"]
+    assert doc["model"]["batch"] == 8 and pipe["schedule"] == "1f1b" and pipe["microbatches"] == 4
+    graph = load_model(example_onnx, 2).graph
+    names = [op.name for op in graph.ops]
+    assert [n for stage in pipe["stages"] for n in stage] == names  # contiguous, in order
+    assert len(pipe["stages"]) == 2 and "recompute" not in doc
+    stage_of = {n: s for s, stage in enumerate(pipe["stages"]) for n in stage}
+    for op in doc["ops"]:  # data parallel over its stage's 2 devices, at 2 samples
+        assert op["devices"] == ([0, 1] if stage_of[op["name"]] == 0 else [2, 3])
+    baselines = doc["predicted"]["baselines"]
+    assert {"pipeline", "zero"} <= set(baselines)
+    assert baselines["pipeline"] == doc["predicted"]["step_time_s"]  # the default shape
+
+
+def test_simulate_reports_the_stages(plans, capsys) -> None:
+    saved = json.loads(plans["1f1b"].read_text())["predicted"]
+    doc = _simulate(plans["1f1b"], capsys)
+    assert doc["step_time_s"] == saved["step_time_s"]
+    assert doc["peak_memory_bytes"] == saved["peak_memory_bytes"]
+    pipe = doc["pipeline"]
+    assert pipe["schedule"] == "1f1b" and pipe["microbatches"] == 4
+    assert [s["held_microbatches"] for s in pipe["stages"]] == [2, 1]  # min(S - s, M)
+    assert [s["devices"] for s in pipe["stages"]] == [[0, 1], [2, 3]]
+    for s in pipe["stages"]:
+        assert s["forward_s"] > 0 and s["backward_s"] > s["forward_s"] and 0 < s["bubble"] < 1
+        assert s["tail_s"] >= 0 and s["send_forward_s"] >= 0
+    # the step is at least the slowest stage's M passes and at least the fill and drain
+    slowest = max(s["forward_s"] + s["backward_s"] for s in pipe["stages"])
+    assert doc["step_time_s"] >= 4 * slowest
+    gpipe = _simulate(plans["gpipe"], capsys)
+    assert [s["held_microbatches"] for s in gpipe["pipeline"]["stages"]] == [4, 4]
+    assert max(gpipe["peak_memory_bytes"]) > max(doc["peak_memory_bytes"])
+    assert doc["recomputed_ops"] == 0 and _simulate(plans["dp"], capsys)["pipeline"] is None
+    capsys.readouterr()
+    assert cli(["simulate", str(plans["1f1b"])]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline         2 stages, 4 microbatches of 2, 1f1b" in text
+    assert "bubble" in text and "held" in text
+
+
+def test_recompute_all(plans, capsys, example_onnx) -> None:
+    """Every op but the loss, written to the plan: more time, no more memory."""
+    graph = load_model(example_onnx, 8).graph
+    for plain, redo in (("dp", "dp-redo"), ("1f1b", "redo")):
+        doc = json.loads(plans[redo].read_text())
+        assert doc["recompute"] == [op.name for op in graph.ops if op.name != graph.loss_op.name]
+        a, b = _simulate(plans[plain], capsys), _simulate(plans[redo], capsys)
+        assert b["recomputed_ops"] == len(graph.ops) - 1
+        assert b["step_time_s"] > a["step_time_s"]
+        assert max(b["peak_memory_bytes"]) < max(a["peak_memory_bytes"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (("--strategy", "pipeline", "--stages", "5"), ("--stages 5: the machine has 4 devices",)),
+        (("--strategy", "pipeline", "--microbatches", "3"), ("does not divide the batch of 8",)),
+        (
+            ("--strategy", "pipeline", "--stages", "2", "--microbatches", "8"),
+            ("a microbatch of 1 samples cannot be split over a stage's 2 devices",),
+        ),
+        (("--stages", "2"), ("--stages goes with --strategy pipeline",)),
+        (("--strategy", "expert", "--microbatches", "2"), ("--microbatches goes with --strategy",)),
+        (("--strategy", "zero", "--schedule", "gpipe"), ("--schedule goes with --strategy",)),
+        (("--recompute", "all"), ("--recompute goes with --strategy",)),
+        (("--strategy", "pipeline", "--schedule", "zb"), ("--schedule", "invalid choice")),
+        (("--strategy", "pipeline", "--stages", "0"), ("--stages",)),
+    ],
+)
+def test_bad_pipeline_options_are_one_line(plans, tmp_path, capsys, extra, fragments) -> None:
+    model = plans["1f1b"].parent / "cnn.onnx"
+    argv = ["plan", str(model), "--batch", BATCH, "--devices", "4", "-o", str(tmp_path / "p.json")]
+    assert cli([*argv, *extra]) == 2
+    one_line(capsys, *fragments)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_stages_beyond_the_ops_are_refused(example_onnx, tmp_path, capsys) -> None:
+    ops = len(load_model(example_onnx, 16).graph.ops)
+    argv = ["plan", str(example_onnx), "--batch", "16", "--machine", "cpu:16"]
+    extra = ["--strategy", "pipeline", "--stages", "16", "--microbatches", "1"]
+    assert cli([*argv, *extra, "-o", str(tmp_path / "p.json")]) == 2
+    one_line(capsys, f"--stages 16: the model has {ops} ops")
+
+
+def test_pictures_and_traces_of_a_pipeline(plans, tmp_path, capsys) -> None:
+    """No whole-step timeline of a pipeline yet: --trace, --gantt and compare refuse in
+    one line naming themselves; show draws the grid alone."""
+    plan = str(plans["1f1b"])
+    capsys.readouterr()
+    assert cli(["simulate", plan, "--trace", str(tmp_path / "t.json")]) == 2
+    one_line(capsys, "--trace cannot show a pipeline plan")
+    assert cli(["compare", plan, str(tmp_path / "measured.json")]) == 2
+    one_line(capsys, "compare cannot show a pipeline plan")
+    pytest.importorskip("matplotlib")
+    out, gantt = tmp_path / "p.png", tmp_path / "g.png"
+    assert cli(["show", plan, "-o", str(out), "--gantt", str(gantt)]) == 2
+    one_line(capsys, "--gantt cannot show a pipeline plan")
+    assert cli(["show", plan, "-o", str(out)]) == 0
+    assert out.stat().st_size > 0 and not gantt.exists()
