@@ -7,6 +7,11 @@ labels for a mean loss, and cut like the inputs.
 
 Synthetic data draws every sample from its own stream (seed, step, row), so a rank makes
 its rows alone and gets what one device holding the batch would.
+
+A pipeline's step holds ``microbatches`` microbatches of consecutive samples, each the
+graph's batch: a rank's rows are its span of every microbatch (``Batch.microbatch``), and
+the labels (whole) and a mean loss's divisor are the step's, so the step trains on what
+a plan without a pipeline reads at the same step.
 """
 
 from __future__ import annotations
@@ -33,12 +38,20 @@ def rows_needed(pg: PartitionedGraph, rank: int) -> dict[str, tuple[int, int]]:
     return pg.data_rows(rank)
 
 
-def _scale(graph: Graph, labels: np.ndarray) -> float | None:
-    return loss_scale(graph, labels) if graph.loss_op is not None else None
+def _scale(graph: Graph, labels: np.ndarray, microbatches: int) -> float | None:
+    return loss_scale(graph, labels, microbatches) if graph.loss_op is not None else None
 
 
-def _label_shape(graph: Graph) -> tuple[int, ...]:
-    return graph.tensors[graph.labels].shape
+def _label_shape(graph: Graph, microbatches: int = 1) -> tuple[int, ...]:
+    """The labels' shape in a step of ``microbatches`` (their batch is axis 0)."""
+    shape = graph.tensors[graph.labels].shape
+    return (shape[0] * microbatches, *shape[1:])
+
+
+def step_rows(graph: Graph, span: tuple[int, int], microbatches: int) -> list[int]:
+    """The step's rows of a span of a microbatch's rows, in every microbatch in turn."""
+    lo, hi = span
+    return [m * graph.batch + r for m in range(microbatches) for r in range(lo, hi)]
 
 
 def _classes(graph: Graph) -> int | None:
@@ -77,6 +90,7 @@ class SyntheticData:
     graph: Graph
     seed: int
     dtype: np.dtype
+    microbatches: int = 1  # a pipeline's: a step is this many graph batches
 
     def _sample(self, name: str, step: int, row: int) -> np.ndarray:
         t = self.graph.tensors[name]
@@ -90,18 +104,24 @@ class SyntheticData:
         rng = default_rng([self.seed, step])
         classes = _classes(self.graph)
         if classes is not None:
-            return rng.integers(0, classes, size=_label_shape(self.graph), dtype=np.int64)
-        return rng.standard_normal(_label_shape(self.graph)).astype(self.dtype)
+            shape = _label_shape(self.graph, self.microbatches)
+            return rng.integers(0, classes, size=shape, dtype=np.int64)
+        return rng.standard_normal(_label_shape(self.graph, self.microbatches)).astype(self.dtype)
 
     def batch(self, step: int, rows: Mapping[str, tuple[int, int]] | None = None) -> Batch:
         """The rows ``rows`` names of each input (every row when None)."""
         rows = rows if rows is not None else _all_rows(self.graph)
         inputs = {
-            name: np.stack([self._sample(name, step, r) for r in range(lo, hi)])
-            for name, (lo, hi) in rows.items()
+            name: np.stack(
+                [
+                    self._sample(name, step, r)
+                    for r in step_rows(self.graph, span, self.microbatches)
+                ]
+            )
+            for name, span in rows.items()
             if name in self.graph.inputs
         }
-        return _cut(self.graph, inputs, self._labels(step), step, rows)
+        return _cut(self.graph, inputs, self._labels(step), step, rows, self.microbatches)
 
 
 def _all_rows(graph: Graph) -> dict[str, tuple[int, int]]:
@@ -109,9 +129,13 @@ def _all_rows(graph: Graph) -> dict[str, tuple[int, int]]:
     return {name: (0, graph.batch) for name in names}
 
 
-def _cut(graph: Graph, inputs, labels: np.ndarray, step: int, rows) -> Batch:
+def _cut(graph: Graph, inputs, labels: np.ndarray, step: int, rows, microbatches: int) -> Batch:
     """A batch of the given input rows, with the labels' rows cut from the whole labels
     (which give a mean loss its divisor)."""
-    lo, hi = rows.get(graph.labels, (0, 0))
+    span = rows.get(graph.labels, (0, 0))
     first = {name: lo for name, (lo, _) in rows.items()}
-    return Batch(inputs, labels[lo:hi], step, first, _scale(graph, labels))
+    mine = (
+        labels[step_rows(graph, span, microbatches)] if microbatches > 1 else labels[slice(*span)]
+    )
+    scale = _scale(graph, labels, microbatches)
+    return Batch(inputs, mine, step, first, scale, microbatches)

@@ -23,7 +23,7 @@ import numpy as np
 from numpy.random import default_rng
 
 from executor.batch import Batch
-from executor.data import _classes, _cut, _label_shape, id_bound
+from executor.data import _classes, _cut, _label_shape, id_bound, step_rows
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
 
@@ -38,19 +38,24 @@ class FileData:
     keys: Mapping[str, str]  # the array's name in the file, for messages
     dtype: np.dtype
     shuffle_seed: int | None = None
+    microbatches: int = 1  # a pipeline's: a batch is this many graph batches
 
     @property
     def samples(self) -> int:
         return len(self.arrays[LABELS])
 
     @property
+    def batch_size(self) -> int:
+        return self.graph.batch * self.microbatches
+
+    @property
     def batches_per_epoch(self) -> int:
-        return self.samples // self.graph.batch
+        return self.samples // self.batch_size
 
     def indices(self, step: int) -> np.ndarray:
         """The samples of batch ``step`` (counted from the start of training)."""
         epoch, b = divmod(step, self.batches_per_epoch)
-        size = self.graph.batch
+        size = self.batch_size
         if self.shuffle_seed is None:
             return np.arange(b * size, (b + 1) * size)
         order = default_rng([self.shuffle_seed, epoch]).permutation(self.samples)
@@ -60,11 +65,13 @@ class FileData:
         picked = self.indices(step)
         rows = rows if rows is not None else {n: (0, self.graph.batch) for n in self.arrays}
         inputs = {}
-        for name, (lo, hi) in rows.items():
+        for name, span in rows.items():
             if name in self.graph.inputs:
-                inputs[name] = self._read(name, picked[lo:hi])
+                inputs[name] = self._read(
+                    name, picked[step_rows(self.graph, span, self.microbatches)]
+                )
         labels = self._read(LABELS, picked)
-        return _cut(self.graph, inputs, labels, step, rows)
+        return _cut(self.graph, inputs, labels, step, rows, self.microbatches)
 
     def _read(self, name: str, picked: np.ndarray) -> np.ndarray:
         values = np.asarray(self.arrays[name][_contiguous(picked)])
@@ -166,7 +173,13 @@ def _check_array(path: Path, key: str, array: np.ndarray, want: tuple[int, ...],
         raise UserError(f"{path}: array '{key}' must hold {needs[kind]}, got {array.dtype}")
 
 
-def open_dataset(path: Path, graph: Graph, dtype: np.dtype, shuffle_seed: int | None = None):
+def open_dataset(
+    path: Path,
+    graph: Graph,
+    dtype: np.dtype,
+    shuffle_seed: int | None = None,
+    microbatches: int = 1,
+):
     arrays = _open_arrays(Path(path))
     keys = _names(path, graph, arrays)
     picked = {name: arrays[key] for name, key in keys.items()}
@@ -182,6 +195,7 @@ def open_dataset(path: Path, graph: Graph, dtype: np.dtype, shuffle_seed: int | 
             raise UserError(
                 f"{path}: '{key}' has {len(picked[name])} samples but 'labels' has {samples}"
             )
-    if samples < graph.batch:
-        raise UserError(f"{path}: {samples} samples, fewer than the batch {graph.batch}")
-    return FileData(graph, Path(path), picked, keys, np.dtype(dtype), shuffle_seed)
+    batch = graph.batch * microbatches
+    if samples < batch:
+        raise UserError(f"{path}: {samples} samples, fewer than the batch {batch}")
+    return FileData(graph, Path(path), picked, keys, np.dtype(dtype), shuffle_seed, microbatches)

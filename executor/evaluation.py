@@ -1,7 +1,8 @@
 """``--eval-data``: the evaluation loss (and accuracy for classification) on the plan.
 
 Every full batch of the evaluation file runs the forward phase without training (no
-Dropout, no running-statistics updates). The loss is the mean of the batches' losses.
+Dropout, no running-statistics updates); a pipeline's batch, microbatch by microbatch.
+The loss is the mean of the batches' losses.
 Accuracy needs the whole class axis of each prediction, which the plan may split: the
 logits' tiles are gathered on rank 0, which counts the predictions (argmax over the class
 axis) equal to their labels, ignored labels left out.
@@ -39,14 +40,26 @@ def _assemble(graph, name: str, tiles: list) -> np.ndarray:
     return whole
 
 
-def _correct(rt: Runtime, data: FileData, b: int, logits: np.ndarray) -> tuple[int, int]:
-    labels = np.asarray(data.arrays[LABELS][data.indices(b)])
+def _correct(labels: np.ndarray, rt: Runtime, logits: np.ndarray) -> tuple[int, int]:
     attrs = rt.graph.loss_op.attrs
     predicted = np.moveaxis(logits, attrs.class_axis, -1).argmax(axis=-1)
     counted = np.ones(labels.shape, dtype=bool)
     if attrs.ignore_index is not None:
         counted = labels != attrs.ignore_index
     return int(((predicted == labels) & counted).sum()), int(counted.sum())
+
+
+def _count(rt: Runtime, data: FileData, b: int, name: str, pieces: list) -> tuple[int, int]:
+    """The right predictions and the counted labels of batch ``b``, microbatch by
+    microbatch (consecutive samples: the labels' rows in turn)."""
+    labels = np.asarray(data.arrays[LABELS][data.indices(b)])
+    size = len(labels) // data.microbatches
+    right = counted = 0
+    for m in range(data.microbatches):
+        logits = _assemble(rt.graph, name, [(rect, tile) for k, rect, tile in pieces if k == m])
+        hit, seen = _correct(labels[m * size : (m + 1) * size], rt, logits)
+        right, counted = right + hit, counted + seen
+    return right, counted
 
 
 def evaluate(comm: MPI.Comm, rt: Runtime, data: FileData, rows, step: int) -> EvalRecord:
@@ -61,7 +74,11 @@ def evaluate(comm: MPI.Comm, rt: Runtime, data: FileData, rows, step: int) -> Ev
             batch = data.batch(b, rows)
             partial, tiles = rt.evaluate(batch, {op} if op else set())
             tasks = rt.pg.tasks[op] if op else ()
-            pieces = [(tasks[t].output, tile) for (_, t), tile in tiles.items()]
+            pieces = [
+                (m, tasks[t].output, tile)
+                for m, part in enumerate(tiles)
+                for (_, t), tile in part.items()
+            ]
         except UserError as e:
             error = str(e)
         errors = [e for e in comm.allgather(error) if e]
@@ -71,8 +88,7 @@ def evaluate(comm: MPI.Comm, rt: Runtime, data: FileData, rows, step: int) -> Ev
         if classify:
             gathered = comm.gather(pieces, root=0)
             if comm.Get_rank() == 0:
-                logits = _assemble(rt.graph, name, [p for part in gathered for p in part])
-                hit, seen = _correct(rt, data, b, logits)
+                hit, seen = _count(rt, data, b, name, [p for part in gathered for p in part])
                 right, counted = right + hit, counted + seen
     accuracy = comm.bcast(right / counted if classify and counted else None, root=0)
     return EvalRecord(step, float(np.mean(losses)), accuracy)

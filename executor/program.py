@@ -1,16 +1,26 @@
 """Compile a partitioned graph into each rank's static instruction list.
 
 All ranks derive their lists from one global order, so message matching is
-deterministic and nothing can deadlock:
+deterministic and nothing can deadlock. A step is a sequence of passes (``pass_order``):
+each (stage, microbatch, forward or backward) of a pipeline (soap/pipeline.py), and for
+a plan without one the single pass pair of one stage holding every op and one
+microbatch. Within a pass:
 
-    forward,  ops in graph order:   per task: wait for its input tiles, compute, send
-                                    its output tiles to the tasks that read them;
-    backward, ops in reverse order: per task: wait for its output-gradient pieces,
-                                    compute, send input-gradient pieces to producers;
-                                    then all-reduce the op's weight replica groups
-                                    (under ZeRO, reduce-scatter the sharded ones);
+    forward,  the stage's ops in graph order:   per task: wait for its input tiles,
+                                    compute, send its output tiles to the tasks that
+                                    read them;
+    backward, the stage's ops in reverse order: per task: wait for its output-gradient
+                                    pieces, compute, send input-gradient pieces to
+                                    producers; in the stage's last backward, once every
+                                    microbatch's gradient is accumulated, all-reduce the
+                                    op's weight replica groups (under ZeRO,
+                                    reduce-scatter the sharded ones);
     then the update (under ZeRO, each sharded group's all-gather after its update:
     executor/runtime.py).
+
+The passes follow every stage's ``stage_order`` (GPipe, 1F1B) and the data: a forward of
+microbatch m after the previous stage's forward of m, a backward after the next stage's
+backward of m. Every instruction carries its microbatch.
 
 An op with statistics (BatchNorm in training mode) computes in two halves in each phase:
 every task assembles its inputs and its partial statistics (``Partial``), each group of
@@ -18,22 +28,36 @@ tasks that split the statistics' dims sums them (``ReduceStats``, an all-reduce 
 group's devices), then every task finishes (``Compute``) and sends.
 
 Every transfer is a ``Send`` on its source and a ``Recv`` on its destination at the same
-place in the global order, and a ``Wait`` on the destination before the consumer reads
-it. So each pair of ranks issues its sends and receives in one identical order: messages
-match by that order alone (no tags, which MPI bounds at 32767 and NCCL lacks), and with
-every communication of a rank issued in global order the earliest unfinished one always
-has both ends issued, so nothing can deadlock, even where a transport serializes a
-rank's transfers on one stream (NCCL). An all-reduce waits for members that each reach
-it once everything before it in the order is done.
+place in the global order (in the producer's pass: a stage posts the receive of the
+next microbatch's activations while it computes), and a ``Wait`` on the destination
+before the consumer reads it. So each pair of ranks issues its sends and receives in one
+identical order: messages match by that order alone (no tags, which MPI bounds at 32767
+and NCCL lacks). Nothing can deadlock, whatever the transport: take the earliest
+communication in the global order that has not finished. Everything a participant
+issued before it is earlier in the order, hence finished, so no participant is held up
+before it: a ``Wait`` waits for an earlier receive, a ``Reopen`` (below) for earlier
+work, and a computation for nothing else. So every participant issues it, with
+nothing unfinished ahead of it on any serial queue (MPI's per-pair order, a rank's NCCL
+stream, the host-staged copies), and it finishes; by induction, everything does. An
+all-reduce likewise waits for members that each reach it once everything before it in
+the order is done.
+
+A rank holds a microbatch from its first instruction (often a receive posted early) to
+its last, after which a ``Close`` drops its arrays; its buffers (made once: receive,
+input and gradient buffers) are a slot's, one slot per microbatch the rank holds at
+once (1F1B: at most ``held_at_most`` plus the receives posted ahead; GPipe: every
+microbatch). A microbatch that takes a slot an earlier one of the step used starts with
+a ``Reopen``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect
+from onnx2soap.soap.pipeline import Pass, Pipeline, Schedule, StagePass, stage_order
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
 
@@ -80,6 +104,7 @@ class Compute:
     op: int
     task: int
     pieces: tuple[Piece, ...]  # forward: input tiles; backward: output-gradient pieces
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +116,7 @@ class Partial:
     op: int
     task: int
     pieces: tuple[Piece, ...]
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +125,7 @@ class ReduceStats:
     op: int
     group: int  # index into PartitionedGraph.stats[op name]
     devices: tuple[int, ...]
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +137,7 @@ class SumOutputs:
     op: int
     group: int  # index into PartitionedGraph.sums[op name]
     devices: tuple[int, ...]
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,11 +150,13 @@ class ShareGrad:
     group: int
     devices: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
 class Send:
     transfer: Transfer
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +164,7 @@ class Recv:
     """Post the receive of ``transfer`` (at its ``Send``'s place in the global order)."""
 
     transfer: Transfer
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +172,7 @@ class Wait:
     """The received ``transfer`` must be complete before the next instruction reads it."""
 
     transfer: Transfer
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +180,7 @@ class AllReduce:
     op: int
     group: int  # index into PartitionedGraph.groups[op name]
     devices: tuple[int, ...]
+    microbatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,6 +191,24 @@ class ReduceScatter:
     op: int
     group: int  # index into PartitionedGraph.groups[op name]
     devices: tuple[int, ...]
+    microbatch: int = 0
+
+
+@dataclass(frozen=True)
+class Reopen:
+    """Microbatch ``microbatch`` takes buffers (a slot) that an earlier microbatch of
+    the step used on this rank: on a GPU that one's kernels and transfers must be done
+    before anything writes them (the host waits for the device)."""
+
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class Close:
+    """The rank's last instruction of ``microbatch`` is done: its activations, inputs
+    and gradients are dropped (its slot's buffers go to a later microbatch)."""
+
+    microbatch: int
 
 
 Instruction = (
@@ -171,17 +222,81 @@ Instruction = (
     | Wait
     | AllReduce
     | ReduceScatter
+    | Reopen
+    | Close
 )
 
 
 @dataclass(frozen=True)
 class Program:
+    """One rank's instructions for a step of ``microbatches`` microbatches. ``slot_of``:
+    the set of buffers (slot) each microbatch uses; a slot serves one microbatch at a
+    time, from its first instruction on the rank to its ``Close``."""
+
     rank: int
     instructions: tuple[Instruction, ...]
+    microbatches: int = 1
+    slot_of: tuple[int, ...] = (0,)
+
+    @property
+    def slots(self) -> int:
+        return max(self.slot_of, default=-1) + 1
 
     @property
     def receives(self) -> tuple[Transfer, ...]:
         return tuple(ins.transfer for ins in self.instructions if isinstance(ins, Recv))
+
+
+@dataclass(frozen=True)
+class Stages:
+    """How a step's passes are laid out: each op's stage, the stage count, the
+    microbatches and the schedule. A plan without a pipeline is one stage of every op
+    and one microbatch."""
+
+    stage_of_op: tuple[int, ...]  # by op index
+    count: int = 1
+    microbatches: int = 1
+    schedule: Schedule = Schedule.GPIPE
+
+    @staticmethod
+    def of(pg: PartitionedGraph, pipeline: Pipeline | None) -> Stages:
+        if pipeline is None:
+            return Stages((0,) * len(pg.graph.ops))
+        stage = pipeline.stage_of()
+        return Stages(
+            tuple(stage[op.name] for op in pg.graph.ops),
+            len(pipeline.stages),
+            pipeline.microbatches,
+            pipeline.schedule,
+        )
+
+
+def pass_order(stages: Stages) -> list[tuple[int, StagePass]]:
+    """Every (stage, pass) of a step in one global order: each stage's passes in
+    ``stage_order``'s order, a forward of microbatch m after the previous stage's, a
+    backward after the next stage's (the passes whose data it reads), stages taken in
+    turn, each as far as it can go (the order ``sim.pipeline_schedule`` times them)."""
+    count, m = stages.count, stages.microbatches
+    orders = [stage_order(stages.schedule, s, count, m) for s in range(count)]
+    done: set[tuple[int, StagePass]] = set()
+    cursor, order = [0] * count, []
+
+    def ready(s: int, p: StagePass) -> bool:
+        if p.kind is Pass.FORWARD:
+            return s == 0 or (s - 1, p) in done
+        return s == count - 1 or (s + 1, p) in done
+
+    while len(order) < sum(len(o) for o in orders):
+        progressed = False
+        for s in range(count):
+            while cursor[s] < len(orders[s]) and ready(s, orders[s][cursor[s]]):
+                done.add((s, orders[s][cursor[s]]))
+                order.append((s, orders[s][cursor[s]]))
+                cursor[s] += 1
+                progressed = True
+        if not progressed:  # stage_order's schedules never wait on themselves
+            raise AssertionError(f"the {stages.schedule.value} schedule waits on itself")
+    return order
 
 
 def _transfers(pg: PartitionedGraph) -> tuple[list[Transfer], list[Transfer]]:
@@ -277,12 +392,34 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
     return order
 
 
+def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync: bool) -> list:
+    """One phase of one op for one microbatch; after the backward, where ``sync`` (the
+    stage's last backward), the op's weight-gradient sums."""
+    if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
+        order = _summed_op(pg, phase, i, op, *links)
+    else:
+        order = _plain_op(pg, phase, i, op, *links)
+    if phase is Phase.BACKWARD and sync:
+        # The op's weight gradients are complete: all-reduce them now, while the rest
+        # of the backward pass is still ahead (as the simulator schedules it).
+        for g, group in enumerate(pg.groups[op.name]):
+            if group.trainable and len(group.devices) > 1:
+                kind = AllReduce if zero_group(group, zero) is None else ReduceScatter
+                order += [(d, kind(i, g, group.devices)) for d in group.devices]
+    return order
+
+
 def global_order(
-    pg: PartitionedGraph, zero: ZeroStage = ZeroStage.NONE
+    pg: PartitionedGraph, zero: ZeroStage = ZeroStage.NONE, stages: Stages | None = None
 ) -> list[tuple[int, Instruction]]:
     """Every instruction of a step, with the device that executes it, in global order;
-    ``zero``: the plan's ZeRO stage (sharded groups reduce-scatter their gradients)."""
+    ``zero``: the plan's ZeRO stage (sharded groups reduce-scatter their gradients);
+    ``stages``: the pipeline (None: one stage, one microbatch). Pass by pass in
+    ``pass_order``: a forward runs the stage's ops in graph order, a backward in reverse,
+    each instruction tagged with its microbatch; weight gradients are summed over
+    replicas in the stage's last backward, once the microbatches' are accumulated."""
     graph = pg.graph
+    stages = stages or Stages((0,) * len(graph.ops))
     fwd, bwd = _transfers(pg)
     pieces = _pieces(pg, fwd)
     waits: dict[tuple, list[Transfer]] = {}
@@ -293,27 +430,90 @@ def global_order(
     for t in bwd:
         waits.setdefault((Phase.BACKWARD, *t.producer), []).append(t)
         sends.setdefault((Phase.BACKWARD, *t.consumer), []).append(t)
-
+    links = (waits, sends, pieces)
+    ops = [
+        [(i, op) for i, op in enumerate(graph.ops) if s == stages.stage_of_op[i]]
+        for s in range(stages.count)
+    ]
+    last_backward = [
+        stage_order(stages.schedule, s, stages.count, stages.microbatches)[-1].microbatch
+        for s in range(stages.count)
+    ]
+    # Each (stage, phase)'s instructions are the same for every microbatch but its tag.
+    made: dict[tuple[int, Pass, bool], list[tuple[int, Instruction]]] = {}
     order: list[tuple[int, Instruction]] = []
-    indexed = list(enumerate(graph.ops))
-    for phase, ops in ((Phase.FORWARD, indexed), (Phase.BACKWARD, indexed[::-1])):
-        for i, op in ops:
-            if phase is Phase.BACKWARD and not graph.differentiable(op.output):
-                continue  # nothing flows back through ids or masks computed from them
-            links = (waits, sends, pieces)
-            if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
-                order += _summed_op(pg, phase, i, op, *links)
+    for s, p in pass_order(stages):
+        sync = p.kind is Pass.BACKWARD and p.microbatch == last_backward[s]
+        key = (s, p.kind, sync)
+        if key not in made:
+            made[key] = []
+            if p.kind is Pass.FORWARD:
+                for i, op in ops[s]:
+                    made[key] += _phase_of_op(pg, Phase.FORWARD, i, op, links, zero, False)
             else:
-                order += _plain_op(pg, phase, i, op, *links)
-            if phase is Phase.BACKWARD:
-                # The op's weight gradients are complete: all-reduce them now, while the
-                # rest of the backward pass is still ahead (as the simulator schedules it).
-                for g, group in enumerate(pg.groups[op.name]):
-                    if group.trainable and len(group.devices) > 1:
-                        kind = AllReduce if zero_group(group, zero) is None else ReduceScatter
-                        order += [(d, kind(i, g, group.devices)) for d in group.devices]
+                for i, op in ops[s][::-1]:
+                    if graph.differentiable(op.output):  # nothing flows back through ids
+                        made[key] += _phase_of_op(pg, Phase.BACKWARD, i, op, links, zero, sync)
+        if p.microbatch == 0:
+            order += made[key]
+        else:
+            order += [(d, replace(ins, microbatch=p.microbatch)) for d, ins in made[key]]
     return order
 
 
-def compile_program(pg: PartitionedGraph, rank: int, zero: ZeroStage = ZeroStage.NONE) -> Program:
-    return Program(rank, tuple(ins for device, ins in global_order(pg, zero) if device == rank))
+def _with_lifetimes(rank: int, instructions: list, microbatches: int) -> Program:
+    """The rank's program with each microbatch's ``Close`` after its last instruction
+    and a slot of buffers per microbatch, the lowest free one when its first
+    instruction comes (``Reopen`` first where an earlier microbatch used it): as many
+    slots as microbatches are ever open at once on the rank."""
+    last = {ins.microbatch: k for k, ins in enumerate(instructions)}
+    slot_of = [0] * microbatches
+    free, used, out = [], 0, []
+    opened: set[int] = set()
+    for k, ins in enumerate(instructions):
+        m = ins.microbatch
+        if m not in opened:
+            opened.add(m)
+            if free:
+                slot_of[m] = min(free)
+                free.remove(slot_of[m])
+                out.append(Reopen(m))
+            else:
+                slot_of[m], used = used, used + 1
+        out.append(ins)
+        if last[m] == k:
+            out.append(Close(m))
+            free.append(slot_of[m])
+    return Program(rank, tuple(out), microbatches, tuple(slot_of))
+
+
+def compile_program(
+    pg: PartitionedGraph,
+    rank: int,
+    zero: ZeroStage = ZeroStage.NONE,
+    pipeline: Pipeline | None = None,
+) -> Program:
+    stages = Stages.of(pg, pipeline)
+    mine = [ins for device, ins in global_order(pg, zero, stages) if device == rank]
+    return _with_lifetimes(rank, mine, stages.microbatches)
+
+
+def forward_program(program: Program) -> Program:
+    """The forward phase of a program alone (evaluation, inference): the same global
+    order, so still matched and deadlock-free, with its own microbatch lifetimes."""
+    kept = [
+        ins
+        for ins in program.instructions
+        if not isinstance(ins, Reopen | Close) and phase_of(ins) is Phase.FORWARD
+    ]
+    return _with_lifetimes(program.rank, kept, program.microbatches)
+
+
+def phase_of(ins: Instruction) -> Phase:
+    if isinstance(ins, Compute | Partial | ReduceStats):
+        return ins.phase
+    if isinstance(ins, SumOutputs):
+        return Phase.FORWARD
+    if isinstance(ins, Send | Recv | Wait):
+        return ins.transfer.phase
+    return Phase.BACKWARD  # all-reduces of weight gradients

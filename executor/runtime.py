@@ -38,21 +38,19 @@ from executor.program import (
     Phase,
     Program,
     Recv,
-    ReduceStats,
-    Send,
     ShareGrad,
-    SumOutputs,
     Transfer,
-    Wait,
+    forward_program,
 )
 from executor.step import Step
 from executor.trace import Tracer, task_name
 from executor.transport import Transport
 from onnx2soap.errors import UserError
 from onnx2soap.importer.weights import StoredTensor
-from onnx2soap.ops import TaskArgs
+from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.precision import Precision
-from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap import PartitionedGraph, analyze
+from onnx2soap.soap.dims import DimKind
 from onnx2soap.soap.partition import Rect, Task, owners, rect_shape
 from onnx2soap.soap.zero import ZeroGroup, ZeroStage, zero_group
 
@@ -153,8 +151,17 @@ class Runtime:
         )
         # On a GPU, made on the compute stream that uses them (a non-blocking stream
         # does not wait for the default one), and complete before the first step.
+        self.forward_program = forward_program(program)
+        # A pipeline's microbatches: each random op's sample axis (its draws are those
+        # of its samples in the whole batch: executor/step.py).
+        self.random_axes = random_axes(self.graph) if program.microbatches > 1 else {}
         with self.device.compute():
-            self.buffers = _Buffers(self)
+            # A set of buffers per slot: one per microbatch open at once on the rank
+            # (one without a pipeline); the step's weight gradients are shared.
+            grads: dict[tuple, object] = {}
+            slots = max(program.slots, self.forward_program.slots, 1)
+            self.slot_buffers = tuple(_Buffers(self, grads) for _ in range(slots))
+            self.buffers = self.slot_buffers[0]
             # The optimizer's state, shaped and sharded like each trainable shard (under
             # ZeRO like the rank's rows of it).
             self.slots = {
@@ -168,7 +175,7 @@ class Runtime:
         # The simulator's name of every instruction's task, made once for the trace, in
         # the order each list runs them.
         self._step_names = tuple(task_name(pg, ins) for ins in program.instructions)
-        self._forward_names = tuple(task_name(pg, ins) for ins in self.buffers.forward_program)
+        self._forward_names = tuple(task_name(pg, ins) for ins in self.forward_program.instructions)
 
     def _shard(self, source, key: WeightKey, refuse_nonfinite: bool):
         """The rank's copy of one Rect of a weight or state tensor, on its device."""
@@ -205,33 +212,46 @@ class Runtime:
     def task(self, key: TaskKey) -> Task:
         return self.tasks[key[0]][key[1]]
 
-    def forward(self, batch: Batch) -> dict[tuple[str, int], np.ndarray]:
+    def forward(self, batch: Batch, microbatch: int = 0) -> dict[tuple[str, int], np.ndarray]:
         """Only the forward phase; the output tile (on the host) of every local task that
-        owns one, by (op, task) (a partial sum is no tile)."""
-        return self.evaluate(batch)[1]
+        owns one, by (op, task) (a partial sum is no tile), of microbatch ``microbatch``
+        (a plan without a pipeline has one)."""
+        return self.evaluate(batch)[1][microbatch]
 
     def evaluate(
         self, batch: Batch, ops: set[str] | None = None
-    ) -> tuple[float, dict[tuple[str, int], np.ndarray]]:
+    ) -> tuple[float, tuple[dict[tuple[str, int], np.ndarray], ...]]:
         """The forward phase without training (no Dropout, no statistics updates): the
-        sum of this rank's partial losses, and the owned output tiles (on the host) of
-        ``ops`` (every op when None), by (op, task)."""
-        state = Step(self, batch, training=False)
+        sum of this rank's partial losses, and per microbatch the owned output tiles (on
+        the host) of ``ops`` (every op when None), by (op, task)."""
+        steps = self._steps(batch, self.forward_program, training=False)
         with self.device.compute():
-            self._run(state, self.buffers.forward_program, self._forward_names)
+            self._run(steps, self.forward_program.instructions, self._forward_names)
             self.transport.end_step()
-            loss = state.loss()
+            loss = steps[0].loss()
         self.device.synchronize()  # staged copies finish before their buffers are reused
         names = [op.name for op in self.graph.ops]
         owned = {
             (i, t.index) for i, op in enumerate(self.graph.ops) for t in owners(op, self.tasks[i])
         }
-        tiles = {
-            (names[op], task): self.device.to_host(tile)
-            for (op, task), tile in state.outputs.items()
-            if (op, task) in owned and (ops is None or names[op] in ops)
-        }
+        tiles = tuple(
+            {
+                (names[op], task): self.device.to_host(tile)
+                for (op, task), tile in state.outputs.items()
+                if (op, task) in owned and (ops is None or names[op] in ops)
+            }
+            for state in steps
+        )
         return loss, tiles
+
+    def _steps(self, batch: Batch, program: Program, training: bool, grad_seed: float = 1.0):
+        """One ``Step`` per microbatch, each on its slot's buffers; the first holds what
+        the step shares (losses, gradient sums in flight)."""
+        first = Step(self, batch, training, grad_seed, 0, self.slot_buffers[program.slot_of[0]])
+        return [first] + [
+            Step(self, batch, training, grad_seed, m, self.slot_buffers[program.slot_of[m]], first)
+            for m in range(1, program.microbatches)
+        ]
 
     def step(self, batch: Batch, lr: float) -> float:
         """Run one training step at learning rate ``lr``; returns the sum of this rank's
@@ -241,12 +261,13 @@ class Runtime:
         return loss
 
     def forward_backward(self, batch: Batch, grad_seed: float = 1.0) -> float:
-        """The step's forward and backward, every weight gradient summed over its
-        replica group; the backward starts from ``grad_seed`` (fp16's loss scale). The
-        sum of this rank's partial losses (unscaled)."""
-        state = Step(self, batch, training=True, grad_seed=grad_seed)
+        """The step's forward and backward passes, every weight gradient summed over the
+        microbatches and its replica group; the backward starts from ``grad_seed``
+        (fp16's loss scale). The sum of this rank's partial losses (unscaled)."""
+        steps = self._steps(batch, self.program, training=True, grad_seed=grad_seed)
+        state = steps[0]
         with self.device.compute():
-            self._run(state, self.program.instructions, self._step_names)
+            self._run(steps, self.program.instructions, self._step_names)
             with self._timed("wait allreduce", "allreduce") if self._tracing else nullcontext():
                 for pending in state.reductions:  # every gradient is summed before the update
                     self.transport.wait(pending)
@@ -323,20 +344,20 @@ class Runtime:
             copy[...] = self.shards[key]
             self.rounding(copy)
 
-    def _run(self, state: Step, instructions, names: tuple[tuple[str, str], ...]) -> None:
+    def _run(self, steps: list[Step], instructions, names: tuple[tuple[str, str], ...]) -> None:
         # Local, not on the step: bound methods held by the step would make it a cycle
         # that keeps a step's arrays alive until the garbage collector runs.
-        dispatch = state.dispatch()
+        dispatch = [state.dispatch() for state in steps]
         if self.tracer is None or not self.tracer.active:
             for ins in instructions:
-                dispatch[type(ins)](ins)
+                dispatch[ins.microbatch][type(ins)](ins)
             return
         # Timed inline, not through ``_timed``: a context manager per instruction cost
         # about 2 us of each, which a traced step of 400 instructions noticed.
         clock, synchronize, record = time.perf_counter, self.device.synchronize, self.tracer.record
         for ins, (name, kind) in zip(instructions, names, strict=True):
             start = clock()
-            dispatch[type(ins)](ins)
+            dispatch[ins.microbatch][type(ins)](ins)
             synchronize()
             record(name, kind, start, clock())
 
@@ -350,28 +371,29 @@ class Runtime:
 
 
 class _Buffers:
-    """What a rank's steps reuse: made once, from the program."""
+    """What a rank's steps reuse: made once, from the program; one set per slot (a
+    microbatch open on the rank), the weight gradients (``grads``) shared by all."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, grads: dict) -> None:
         xp = rt.xp
-        self.forward_program = tuple(
-            ins for ins in rt.program.instructions if _phase(ins) is Phase.FORWARD
-        )
         # Each trainable shard's gradient in the step, from its first backward kernel to
-        # the update (``Step._weight_grad``); none between steps.
-        self.grads: dict[tuple, object] = {}
+        # the update (``Step._weight_grad``), summed over the microbatches; none between
+        # steps.
+        self.grads = grads
         self._shapes = {k: v.shape for k, v in rt.shards.items() if k in rt.trainable}
         self._dtype = rt.dtype
+        # Every microbatch runs the same instructions: the first one's tell the buffers.
+        first = [ins for ins in rt.program.instructions if ins.microbatch == 0]
         self.received = {
             t.id: xp.empty(rect_shape(t.rect), dtype=rt.dtype_of(_tensor(rt, t)))
-            for t in rt.program.receives
+            for t in (ins.transfer for ins in first if isinstance(ins, Recv))
         }
         self.inputs: dict[TaskKey, tuple[InputSource, ...]] = {}
         self.grad_outputs: dict[TaskKey, GradSource] = {}
         self.args: dict[TaskKey, TaskArgs] = {}
         self.slots: dict[tuple, object] = {}  # statistics and partial sums, by group
         self.staging: dict[int, object] = {}  # strided tiles to send, by transfer
-        for ins in rt.program.instructions:
+        for ins in first:
             self._prepare(rt, ins)
 
     def gradient(self, key, xp):
@@ -421,11 +443,21 @@ def _fixed_args(rt: Runtime, key: TaskKey, task: Task) -> TaskArgs:
     )
 
 
-def _phase(ins) -> Phase:
-    if isinstance(ins, Compute | Partial | ReduceStats):
-        return ins.phase
-    if isinstance(ins, SumOutputs):
-        return Phase.FORWARD
-    if isinstance(ins, Send | Recv | Wait):
-        return ins.transfer.phase
-    return Phase.BACKWARD  # all-reduces of weight gradients
+def random_axes(graph) -> dict[int, int]:
+    """Op index -> the output axis that holds the samples, for every op that draws
+    random values (its test cases say so) and has one."""
+    random = {
+        i
+        for i, op in enumerate(graph.ops)
+        if any(not c.deterministic for c in definition(op.type).cases)
+    }
+    if not random:
+        return {}
+    space = analyze(graph)
+    axes = {}
+    for i in random:
+        op = graph.ops[i]
+        sample = [d.axis for d in space[op.name] if d.kind is DimKind.SAMPLE and d.axis is not None]
+        if sample:
+            axes[i] = sample[0]
+    return axes

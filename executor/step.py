@@ -2,8 +2,10 @@
 
 ``Step`` runs the instructions ``Runtime`` dispatches to it: it assembles inputs from
 local tiles and received pieces, calls the kernels, moves tiles through the transport,
-sums gradient pieces, reduces statistics and partial sums. Everything it makes lives
-only as long as the step.
+sums gradient pieces, reduces statistics and partial sums. A step of a pipeline has one
+``Step`` per microbatch, on the buffers of the microbatch's slot; what it makes lives
+until the microbatch's ``Close`` (its last instruction on the rank). The step's losses,
+weight gradients and their sums in flight are shared by its microbatches.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from executor.buffers import global_slices, local_slices
 from executor.layout import Alias, Copy, Fixed, GradAlias, Received, Rows, TaskKey
 from executor.program import (
     AllReduce,
+    Close,
     Compute,
     Partial,
     Phase,
     Recv,
     ReduceScatter,
     ReduceStats,
+    Reopen,
     Send,
     ShareGrad,
     SumOutputs,
@@ -46,13 +50,26 @@ def _owns(array, inputs) -> bool:
 class Step:
     """One step on one rank: the arrays it produces, over the buffers made once."""
 
-    def __init__(self, rt, batch: Batch, training: bool, grad_seed: float = 1.0) -> None:
+    def __init__(
+        self,
+        rt,
+        batch: Batch,
+        training: bool,
+        grad_seed: float = 1.0,
+        microbatch: int = 0,
+        buffers=None,
+        first: Step | None = None,
+    ) -> None:
         """``rt`` is the rank's ``Runtime``: its program, buffers, shards and transport.
-        ``grad_seed``: the loss's gradient, where the backward starts (fp16's loss scale)."""
-        self.rt, self.batch, self.training = rt, batch, training
+        ``grad_seed``: the loss's gradient, where the backward starts (fp16's loss scale).
+        ``microbatch``: which of the step's microbatches of ``batch`` this is, on
+        ``buffers`` (its slot's; the runtime's first set when None); ``first``: the
+        step's first microbatch, whose losses and sums in flight this one shares."""
+        self.rt, self.batch, self.training = rt, batch.microbatch(microbatch), training
+        self.microbatch = microbatch
         self.grad_seed = grad_seed
         self.rounding = rt.rounding
-        self.buf = rt.buffers
+        self.buf = buffers if buffers is not None else rt.buffers
         self.xp = rt.xp
         self.outputs: dict[TaskKey, object] = {}
         self.inputs: dict[TaskKey, list] = {}
@@ -60,8 +77,12 @@ class Step:
         self.grad_outputs: dict[TaskKey, object] = {}
         self.partials: dict[tuple[Phase, int, int], object] = {}
         self.totals: dict[tuple[Phase, int, int], object] = {}
-        self.updated: set[WeightKey] = set()  # state shards this step has written
+        self.updated: set[WeightKey] = set()  # state shards this microbatch has written
         self.pending: dict[int, object] = {}
+        if first is not None:
+            self.reductions, self.scatters = first.reductions, first.scatters
+            self.losses, self.scale = first.losses, first.scale
+            return
         self.reductions: list = []  # weight gradients' all-reduces in flight
         self.scatters: list = []  # ZeRO: (shard key, reduce-scatter in flight)
         self.losses: list = []
@@ -69,7 +90,7 @@ class Step:
         if rt.graph.loss_op is not None:
             self.scale = batch.loss_scale
             if self.scale is None:
-                self.scale = loss_scale(rt.graph, batch.labels)
+                self.scale = loss_scale(rt.graph, batch.labels, batch.microbatches)
 
     def dispatch(self) -> dict[type, object]:
         """The method that runs each kind of instruction."""
@@ -84,7 +105,27 @@ class Step:
             Wait: self.wait,
             AllReduce: self.allreduce,
             ReduceScatter: self.reduce_scatter,
+            Reopen: self.reopen,
+            Close: self.close,
         }
+
+    def reopen(self, ins: Reopen) -> None:
+        """This microbatch takes buffers an earlier one of the step used. A strided tile
+        that one sent may still be in flight from its staging buffer (the transport holds
+        it to the step's end): this one stages into new ones. On a GPU the host waits
+        for the device, so that no receive (communication stream) or host copy writes a
+        buffer the earlier microbatch's kernels still read."""
+        self.buf.staging.clear()
+        if self.xp is not np:
+            self.rt.device.synchronize()
+
+    def close(self, ins: Close) -> None:
+        """The microbatch is done on this rank: drop its activations and gradients (an
+        evaluation keeps its outputs, which the runtime returns)."""
+        if self.training:
+            for held in (self.outputs, self.inputs, self.input_grads, self.grad_outputs):
+                held.clear()
+            self.totals.clear()
 
     def loss(self) -> float:
         if not self.losses:
@@ -178,13 +219,26 @@ class Step:
     # -- computing --------------------------------------------------------------------
 
     def _args(self, key: TaskKey) -> TaskArgs:
-        return replace(
+        args = replace(
             self.buf.args[key],
             loss_scale=self.scale,
             random=RandomKey(self.rt.seed, self.batch.step, key[0]) if self.training else None,
             stats=self.totals.get((Phase.FORWARD, *key)),
             grad_stats=self.totals.get((Phase.BACKWARD, *key)),
         )
+        axis = self.rt.random_axes.get(key[0]) if self.microbatch else None
+        if axis is None:
+            return args
+        # A random op numbers its elements in the whole batch's output: microbatch m's
+        # samples follow the m before it along the sample axis, so a sample draws the
+        # bits it draws in a step without microbatches (where the samples are the
+        # axis's outer part: a plain batch axis, or one merged with the heads behind it).
+        size = args.full_shape[axis]
+        origin = list(args.origin)
+        origin[axis] += self.microbatch * size
+        full = list(args.full_shape)
+        full[axis] = size * self.rt.program.microbatches
+        return replace(args, origin=tuple(origin), full_shape=tuple(full))
 
     def compute(self, ins: Compute) -> None:
         if ins.phase is Phase.FORWARD:

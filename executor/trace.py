@@ -34,12 +34,14 @@ from typing import Any
 
 from executor.program import (
     AllReduce,
+    Close,
     Compute,
     Partial,
     Phase,
     Recv,
     ReduceScatter,
     ReduceStats,
+    Reopen,
     Send,
     ShareGrad,
     SumOutputs,
@@ -58,6 +60,8 @@ COMPUTE_KINDS = frozenset({"forward", "backward", "update"})
 def task_name(pg, ins) -> tuple[str, str]:
     """(the simulator's name of the task, its kind) for one instruction."""
     graph = pg.graph
+    if isinstance(ins, Reopen | Close):
+        return f"{type(ins).__name__.lower()} microbatch {ins.microbatch}", "memory"
     if isinstance(ins, Compute | Partial | ReduceStats):
         tag = "fwd" if ins.phase is Phase.FORWARD else "bwd"
         op = graph.ops[ins.op].name

@@ -136,14 +136,16 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
     pg = Partitioner(model.graph).partition(strategy)
     check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(options.plan))
     dtype = np.dtype(options.dtype.value)
+    # A step is the plan's batch: a pipeline's microbatches of the graph's batch each.
+    microbatches = plan.batch // plan.graph_batch
     if options.data is not None:
         shuffle = options.seed if options.shuffle else None
-        data = open_dataset(Path(options.data), model.graph, dtype, shuffle)
+        data = open_dataset(Path(options.data), model.graph, dtype, shuffle, microbatches)
     else:
-        data = SyntheticData(model.graph, options.seed, dtype)
+        data = SyntheticData(model.graph, options.seed, dtype, microbatches)
     eval_data = None
     if options.eval_data is not None:
-        eval_data = open_dataset(Path(options.eval_data), model.graph, dtype)
+        eval_data = open_dataset(Path(options.eval_data), model.graph, dtype, None, microbatches)
     return _Setup(plan, model, pg, data, eval_data, precision_of(plan, options))
 
 
@@ -171,7 +173,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
     try:
         return Runtime(
             s.pg,
-            compile_program(s.pg, rank, s.plan.zero_stage),
+            compile_program(s.pg, rank, s.plan.zero_stage, s.plan.pipeline),
             transport,
             {**s.model.weights, **s.model.state},
             np.dtype(options.dtype.value),
