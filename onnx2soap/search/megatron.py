@@ -19,7 +19,9 @@ cut (its *sharding*: an axis in equal chunks, chunk ``c`` on the node's device o
   chunks it covers (through reshapes that split or merge it, transposes, slices): the
   heads through attention, the columns through GELU;
 - ops with no rule (LayerNorm, the residual adds, the loss) are data parallel over all
-  devices, as are ops whose cut dim does not divide; ops computed from weights alone (a
+  devices, as are ops whose cut dim does not divide; with fewer samples than devices,
+  by samples over the nodes and along the sequence inside each (the loss on each node's
+  first device: ``_data_parallel``); ops computed from weights alone (a
   tied weight's Identity, its Transpose) are cut as their first consumer reads them, on
   the first node.
 
@@ -138,7 +140,7 @@ def _plan(graph: Graph, space: Space, devices: int, tp: int) -> tuple[Strategy, 
         if why is _Why.SIZE:
             broken += 1
         if split is None:
-            configs[op.name] = _data_parallel(dims, devices)
+            configs[op.name] = _data_parallel(dims, devices, tp)
             continue
         configs[op.name] = _config(dims, split, dp, tp)
         if output is not None:
@@ -333,12 +335,39 @@ def _config(dims: Sequence[SoapDim], split: _Split, dp: int, tp: int) -> Paralle
     return ParallelConfig(tuple(degrees), tuple(devices))
 
 
-def _data_parallel(dims: Sequence[SoapDim], devices: int) -> ParallelConfig:
+def _data_parallel(dims: Sequence[SoapDim], devices: int, tp: int = 1) -> ParallelConfig:
+    """Split by samples over every device; where there are fewer samples than devices,
+    by samples over the nodes and inside each along its first other kept dim (the
+    sequence) over the node's ``tp`` devices, as Megatron-LM's sequence parallelism
+    (Korthikanti et al., 2022) cuts the LayerNorms and residual adds; without one (the
+    loss) on the node's first device. Split by samples over all devices they all ran
+    on the first node: a LLaMA-3-8B shape at 8 sequences on 64 H100s held 135 GiB on
+    its devices, 65 GiB on the others', and every node sent it its logits."""
     degrees = [1] * len(dims)
-    for i, d in enumerate(dims):
-        if d.kind is DimKind.SAMPLE and d.splittable:
-            degrees[i] = min(devices, d.max_degree)
-            break
+    sample = next(
+        (i for i, d in enumerate(dims) if d.kind is DimKind.SAMPLE and d.splittable), None
+    )
+    short = sample is not None and dims[sample].max_degree < devices
+    if short and tp > 1:
+        inner = next(
+            (
+                i
+                for i, d in enumerate(dims)
+                if d.kind is DimKind.ATTRIBUTE
+                and d.splittable
+                and tp <= d.max_degree
+                and (d.size // tp) % d.granule == 0
+            ),
+            None,
+        )
+        if inner is not None:
+            return _config(dims, _Split(inner, tp), devices // tp, tp)
+        # else (the loss) by samples over the nodes, each node's on its first device,
+        # where the rest of its samples' ops are
+        degrees[sample] = min(devices // tp, dims[sample].max_degree)
+        return ParallelConfig(tuple(degrees), tuple(j * tp for j in range(degrees[sample])))
+    if sample is not None:
+        degrees[sample] = min(devices, dims[sample].max_degree)
     return ParallelConfig(tuple(degrees), tuple(range(math.prod(degrees))))
 
 

@@ -131,3 +131,23 @@ def test_megatron_gpt2_trains_like_one_device(gpt2: Path, tmp_path: Path) -> Non
     strategy = load_plan(plan).strategy(graph, space)
     summed = [op.type for op in graph.ops if Partitioner(graph).partition(strategy).sums[op.name]]
     assert sorted(summed) == ["Gather"] + ["Gemm"] * 4  # the vocabulary, the rows
+
+
+def test_fewer_samples_than_devices_cut_the_ops_without_a_rule_inside_each_node(
+    mlp_onnx: Path,
+) -> None:
+    """2 samples on two nodes of 4: the second Relu (no rule) by samples over the nodes and
+    by its features over each node's devices (sequence parallelism's cut), the loss by
+    samples on each node's first device; by samples alone they ran on devices 0 and 1."""
+    graph = load_model(mlp_onnx, 2).graph
+    space = analyze(graph)
+    strategy = megatron(graph, space, 8, 4)
+    validate(graph, space, strategy)
+    relu2, loss = graph.ops[3].name, graph.ops[5].name
+    assert split(space, graph.ops[3], strategy[relu2]) == {"n": 2, "f": 4}
+    assert sorted(strategy[relu2].devices) == list(range(8))
+    assert split(space, graph.ops[5], strategy[loss]) == {"n": 2}
+    assert strategy[loss].devices == (0, 4)
+    # every device works: the plan's tasks cover all 8
+    used = {d for op in graph.ops for d in strategy[op.name].devices}
+    assert used == set(range(8))
