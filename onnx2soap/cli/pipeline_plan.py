@@ -22,6 +22,7 @@ from onnx2soap.search.baselines import data_parallel
 from onnx2soap.search.pipeline_rule import (
     Space,
     check_shape,
+    default_microbatches,
     default_shape,
     full_recompute,
     pipeline_plan,
@@ -102,12 +103,10 @@ def shape(args: argparse.Namespace, machine: Machine, graph: Graph) -> tuple[int
     """``--stages``, ``--microbatches``, ``--schedule`` or their defaults, checked."""
     default = default_shape(machine, graph.batch, len(graph.ops))
     stages = args.stages or (default[0] if default else 1)
-    microbatches = args.microbatches
-    if microbatches is None:
-        fallback = default if default and default[0] == stages else None
-        microbatches = fallback[1] if fallback else 1
-    check_shape(machine.size, graph.batch, len(graph.ops), stages, microbatches)
-    return stages, microbatches, Schedule(args.schedule or Schedule.ONE_F_ONE_B.value)
+    check_shape(machine.size, graph.batch, len(graph.ops), stages, args.microbatches or 1)
+    microbatches = args.microbatches or default_microbatches(machine.size, graph.batch, stages)
+    check_shape(machine.size, graph.batch, len(graph.ops), stages, microbatches or 1)
+    return stages, microbatches or 1, Schedule(args.schedule or Schedule.ONE_F_ONE_B.value)
 
 
 def plan_pipeline(

@@ -151,13 +151,20 @@ def default_shape(machine: Machine, batch: int, ops: int) -> tuple[int, int] | N
     stages = min(max(2, devices // node_size(machine)), devices, ops)
     if stages < 2:
         return None
+    microbatches = default_microbatches(devices, batch, stages)
+    return None if microbatches is None else (stages, microbatches)
+
+
+def default_microbatches(devices: int, batch: int, stages: int) -> int | None:
+    """The most microbatches, up to ``MICROBATCHES_PER_STAGE`` per stage, that divide
+    the batch with samples enough for a stage's devices; None where none does."""
     width = max(len(g) for g in stage_groups(devices, stages))
     fitting = [
         m
         for m in range(1, MICROBATCHES_PER_STAGE * stages + 1)
         if batch % m == 0 and batch // m >= width
     ]
-    return (stages, max(fitting)) if fitting else None
+    return max(fitting) if fitting else None
 
 
 def full_recompute(graph: Graph) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from onnx2soap.ir import Graph
 from onnx2soap.search.megatron import node_size
 from onnx2soap.search.pipeline_rule import (
     check_shape,
+    default_microbatches,
     default_shape,
     full_recompute,
     pipeline_plan,
@@ -118,6 +119,9 @@ def test_default_shape() -> None:
     assert default_shape(resolve_machine("cpu:4"), 8, 15) == (2, 4)  # one node: 2 stages
     assert default_shape(resolve_machine("cpu:1"), 8, 15) is None  # no second stage
     assert default_shape(resolve_machine("cpu:4"), 1, 15) is None  # no sample for 2 devices
+    # given the stages: 4 stages of one device take up to 16 microbatches of one sample
+    assert default_microbatches(4, 16, 4) == 16 and default_microbatches(4, 12, 2) == 6
+    assert default_microbatches(8, 2, 2) is None  # 4 devices a stage, 2 samples
 
 
 @pytest.mark.parametrize(
