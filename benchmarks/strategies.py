@@ -1,0 +1,157 @@
+"""Strategies by rule side by side, as the simulator predicts them: per model and machine,
+the step time and the largest per-device peak memory of data parallelism, ZeRO-1,
+ZeRO-2, pipelines (GPipe and 1F1B, the pipeline rule's default shape) and Megatron-LM,
+each without and with full recomputation (every op but the loss), and whether it fits.
+
+    python -m benchmarks.strategies [--models gpt_1.3b,llama3_8b,wide_resnet]
+        [--cells alpa-v100:16,dgx-h100:64] [--optimizer adam] [--models-dir DIR]
+
+Models are the suite's (``benchmarks/suite_models.py``), exported beforehand to
+``--models-dir`` (``python -m benchmarks.suite_models -o DIR``; missing ones are
+exported there) at the suite's batch (``per_device`` x devices) and precision, with
+roofline costs of the preset's datasheet. The pipeline is the rule's default shape
+(``search/pipeline_rule.py``: a stage per node, at least 2; the most microbatches up to
+4 a stage whose samples fill a stage's devices).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import datetime
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+DEFAULT_MODELS = "gpt_1.3b,llama3_8b,wide_resnet"
+DEFAULT_CELLS = "alpa-v100:16,dgx-h100:64"
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Row:
+    strategy: str
+    plain: object  # sim.Evaluation
+    recomputed: object
+
+
+def _cells(text: str) -> list[tuple[str, int]]:
+    out = []
+    for cell in text.split(","):
+        preset, devices = cell.split(":")
+        out.append((preset, int(devices)))
+    return out
+
+
+def _model_path(name: str, folder: Path) -> Path:
+    from benchmarks.suite_models import export_model, suite_model
+
+    path = folder / f"{name}.onnx"
+    if not path.exists():
+        export_model(suite_model(name), folder)
+    return path
+
+
+def rows_for(path: Path, name: str, preset: str, devices: int, optimizer: str) -> tuple[int, list]:
+    """(batch, rows) of one model on one machine."""
+    from benchmarks.suite import machine_spec
+    from benchmarks.suite_models import suite_model
+    from onnx2soap.importer import load_model
+    from onnx2soap.search.baselines import data_parallel
+    from onnx2soap.search.megatron import megatron, node_size
+    from onnx2soap.search.pipeline_rule import default_shape, full_recompute, pipeline_plan
+    from onnx2soap.sim import RooflineCost, make_simulator, resolve_machine
+    from onnx2soap.sim.memory import OPTIMIZER_SLOTS
+    from onnx2soap.soap import Partitioner, analyze
+    from onnx2soap.soap.pipeline import Pipeline, Schedule
+    from onnx2soap.soap.zero import ZeroStage
+
+    spec = suite_model(name)
+    machine = resolve_machine(machine_spec(preset, devices))
+    slots, precision = OPTIMIZER_SLOTS[optimizer], spec.precision
+    batch = spec.per_device * devices
+    graph = load_model(path, batch).graph
+    space = analyze(graph)
+    partitioner = Partitioner(graph)
+    everything = full_recompute(graph)
+
+    def both(pg, zero=ZeroStage.NONE, pipeline=None, names=everything):
+        return tuple(
+            make_simulator(
+                machine, RooflineCost(), slots, precision, zero, pipeline, redo
+            ).evaluate(pg)
+            for redo in ((), names)
+        )
+
+    rows = []
+    dp = partitioner.partition(data_parallel(graph, space, devices))
+    rows.append(Row("data parallel", *both(dp)))
+    rows.append(Row("ZeRO-1", *both(dp, ZeroStage.OPTIMIZER)))
+    rows.append(Row("ZeRO-2", *both(dp, ZeroStage.GRADIENTS)))
+    del dp
+    shape = default_shape(machine, batch, len(graph.ops))
+    if shape is not None:
+        stages, microbatches = shape
+        micro = load_model(path, batch // microbatches).graph
+        micro_space = analyze(micro)
+        plain = make_simulator(machine, RooflineCost(), slots, precision)
+        built = pipeline_plan(micro, micro_space, plain, stages, microbatches)
+        pg = Partitioner(micro).partition(built.strategy)
+        for schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+            pipe = Pipeline(built.pipeline.stages, microbatches, schedule)
+            label = f"pipeline {schedule.value} {stages}x{microbatches}"
+            rows.append(Row(label, *both(pg, pipeline=pipe, names=full_recompute(micro))))
+    mega = partitioner.partition(megatron(graph, space, devices, node_size(machine)))
+    rows.append(Row("Megatron", *both(mega)))
+    return batch, rows
+
+
+def _cell(ev) -> str:
+    fits = "yes" if ev.fits else "no"
+    return f"{ev.step_time_s * 1e3:,.1f} | {max(ev.peak_memory_bytes) / GIB:,.1f} | {fits}"
+
+
+HEADER = (
+    "| model | machine | batch | strategy | step ms | peak GiB | fits "
+    "| step ms (recompute) | peak GiB (recompute) | fits (recompute) |"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated suite names")
+    parser.add_argument("--cells", default=DEFAULT_CELLS, help="PRESET:DEVICES, comma-separated")
+    parser.add_argument("--optimizer", default="adam", help="its state counts in memory")
+    parser.add_argument("--models-dir", type=Path, default=Path("build/suite/models"))
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.strategies " + " ".join(argv or sys.argv[1:])
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    host = f"{platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, Python "
+    print(f"# {command.strip()}")
+    print(f"# {now}; {host}{platform.python_version()}; optimizer {args.optimizer}")
+    print(HEADER)
+    print("|---" * (HEADER.count("|") - 1) + "|")
+    for name in args.models.split(","):
+        path = _model_path(name, args.models_dir)
+        for preset, devices in _cells(args.cells):
+            began = time.perf_counter()
+            batch, rows = rows_for(path, name, preset, devices, args.optimizer)
+            for row in rows:
+                print(
+                    f"| {name} | {preset}:{devices} | {batch} | {row.strategy} | "
+                    f"{_cell(row.plain)} | {_cell(row.recomputed)} |",
+                    flush=True,
+                )
+            took = time.perf_counter() - began
+            print(f"<!-- {name} on {preset}:{devices}: {took:.0f} s -->", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
