@@ -8,7 +8,7 @@ predicted step next to the search's (issue 31, part 4).
 Models (``benchmarks/suite_models.py``) are exported once, shape-only, into ``--work``
 (kept there: a later run reuses them). Each cell (model, preset, devices) then runs in a
 process of its own, timed from start to exit with its own peak RSS
-(``benchmarks/peak_rss.py``): the import at the cell's batch (``per_device`` × devices),
+(``benchmarks/peak_rss.py``): the import at the cell's batch (``SuiteModel.batch``),
 then ``mcmc`` as ``onnx2soap plan`` runs it (roofline costs of the preset's datasheet,
 the model's precision, SGD), with a fixed seed and ``--budget`` seconds (``--max-evals``
 proposals for a reproducible run). A model first gets a row of its own: its import alone.
@@ -92,7 +92,7 @@ def run_cell(
     from onnx2soap.soap import analyze
 
     began = time.perf_counter()
-    batch = spec.per_device * (devices or IMPORT_DEVICES)
+    batch = spec.batch(devices or IMPORT_DEVICES)
     graph = load_model(model, batch).graph
     space = analyze(graph)
     doc: dict = {"batch": batch, "ops": len(graph.ops), "import_s": time.perf_counter() - began}

@@ -68,6 +68,13 @@ class SuiteModel:
     note: str
     # written without torch (onnx.helper): the folder -> the model's path
     writer: Callable[[Path], Path] | None = None
+    # devices a sample takes where one is too big for a device: the batch is then
+    # per_device x devices / devices_per_sample (at least one sample)
+    devices_per_sample: int = 1
+
+    def batch(self, devices: int) -> int:
+        """The cell's batch on ``devices`` (weak scaling)."""
+        return max(self.per_device * devices // self.devices_per_sample, 1)
 
 
 # --- FlexFlow: CNNs -----------------------------------------------------------------------
@@ -452,7 +459,9 @@ MODELS: dict[str, SuiteModel] = {
             (Input("ids", (LLAMA_SEQ,), True),),
             1,
             Precision.BF16,
-            "LLaMA-3-8B's config, 2048 tokens; 1 sequence a GPU",
+            "LLaMA-3-8B's config, 2048 tokens; 1 sequence a node of 8 GPUs (a sequence's "
+            "activations, 330 GiB as built, fit no fewer than 5 H100s)",
+            devices_per_sample=8,
         ),
     )
 }

@@ -73,6 +73,9 @@ def test_the_suite_is_the_issue_s() -> None:
     assert set(MODELS) == SUITE
     for spec in MODELS.values():
         assert spec.per_device >= 1 and spec.inputs and spec.note
+    # a LLaMA-3-8B sequence a node of 8: 1, 2 and 8 sequences on the suite's 8, 16, 64
+    assert [MODELS["llama3_8b"].batch(d) for d in (8, 16, 64)] == [1, 2, 8]
+    assert [MODELS["gpt_1.3b"].batch(d) for d in (8, 16, 64)] == [8, 16, 64]
 
 
 def _weight(name: str, dims: tuple[int, ...], offset: int) -> onnx.TensorProto:
