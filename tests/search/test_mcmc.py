@@ -241,3 +241,16 @@ def test_the_result_names_its_starts_and_its_history_honestly(example_onnx: Path
     assert costs[-1] == result.evaluation.step_time_s
     assert all(0 < h.proposals <= result.proposals for h in rest)
     assert 0 < result.setup_s <= result.time_s and result.proposals <= 30 + 2
+
+
+def test_the_walk_gets_its_budget_after_the_setup(example_onnx: Path) -> None:
+    """The budget begins at the first proposal: a setup longer than the budget (every
+    start built and simulated, the ILP's solve) had left the walk no time at all."""
+    graph = load_model(example_onnx, batch=64).graph
+    sim = Simulator(preset("flexflow-p100:4"), RooflineCost())  # 16 devices
+    budget = 0.3
+    result = mcmc(graph, analyze(graph), sim, SearchOptions(budget_s=budget, seed=0))
+    assert result.setup_s > budget and result.proposals > 0
+    walked = result.time_s - result.setup_s - result.zero_s
+    # the last round stops on a stall after half of its half of the budget at the least
+    assert budget * 0.7 <= walked <= budget * 1.5
