@@ -461,8 +461,8 @@ def mcmc(
     zero_s = time.perf_counter() - walked
     if zero.strategy is None or not zero.cost.fits:
         raise UserError(
-            "no strategy found fits in device memory; use a machine with more memory or "
-            "more devices, or a smaller batch"
+            f"no strategy found fits in device memory{_closest(zero, named, search)}; use a "
+            "machine with more memory or more devices, or a smaller batch"
         )
     baselines = {rule.value: starts[rule.value] for rule in BASELINES}
     best_from = next((n for n, s in named.items() if s == zero.strategy), "search")
@@ -485,6 +485,21 @@ def mcmc(
         zero_tried=zero.tried,
         zero_s=zero_s,
     )
+
+
+def _closest(zero: _Zeroed, named: Mapping[str, Strategy], search: _Search) -> str:
+    """Where the search came nearest: the plan that overflows least, its fullest device."""
+    if zero.evaluation is None:
+        return ""
+    name = next((n for n, s in named.items() if s == zero.strategy), "the walk's")
+    stage = f" with {zero.stage.label}" if zero.stage else ""
+    peak, memory = max(zero.evaluation.peak_memory_bytes), max(search.memory)
+    return f" (the closest, {name}{stage}, needs {_size(peak)} of {_size(memory)} on a device)"
+
+
+def _size(n: float) -> str:
+    unit = next((u for u in range(4, 0, -1) if n >= 1024**u), 0)
+    return f"{n / 1024**unit:.4g} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
 
 
 # The plans priced under each ZeRO stage after the walk: its best, then the bests of the

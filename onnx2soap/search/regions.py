@@ -51,11 +51,19 @@ class RegionMoves:
         self.space = space
         self.neighbours = _neighbours(graph)
         self.by_shape: dict[str, dict[Shape, list[ParallelConfig]]] = {}
+        # Ops of one signature share their dims and candidates (a transformer's layers):
+        # one table for them all (a LLaMA-3-8B shape's 2,225 ops on 64 devices: 1.5 M
+        # configs shaped, 27 s of the search's setup, for 31 distinct tables). Keyed by
+        # the candidates' identity, which the memo holds on to.
+        memo: dict[tuple, tuple[Sequence[ParallelConfig], dict]] = {}
         for name, configs in moves.items():
-            table: dict[Shape, list[ParallelConfig]] = {}
-            for config in configs:
-                table.setdefault(config_shape(space[name], config), []).append(config)
-            self.by_shape[name] = table
+            key = (space[name], id(configs))
+            if key not in memo:
+                table: dict[Shape, list[ParallelConfig]] = {}
+                for config in configs:
+                    table.setdefault(config_shape(space[name], config), []).append(config)
+                memo[key] = (configs, table)
+            self.by_shape[name] = memo[key][1]
         # Radii 1, 2, 4, ... up to the graph's size: small regions most of the time.
         self.radii = tuple(2**i for i in range(max(1, len(graph.ops)).bit_length()))
 

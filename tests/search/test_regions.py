@@ -127,3 +127,19 @@ def test_a_region_move_that_changes_nothing_is_none(cnn) -> None:
     dp = data_parallel(graph, space, DEVICES)
     for seed in range(5):
         assert regions.propose(dp, CONV1, dp[CONV1], np.random.default_rng(seed)) is None
+
+
+def test_ops_of_one_signature_share_one_table_of_shapes(cnn) -> None:
+    """Built once per distinct (dims, candidates), as for each op alone."""
+    graph, space, regions = cnn
+    names = [op.name for op in graph.ops]
+    for name in names:
+        alone: dict = {}
+        for config in candidates(space[name], DEVICES):
+            alone.setdefault(config_shape(space[name], config), []).append(config)
+        assert regions.by_shape[name] == alone
+    for a in names:
+        for b in names:
+            if space[a] == space[b]:
+                assert regions.by_shape[a] is regions.by_shape[b]
+    assert len({id(regions.by_shape[n]) for n in names}) == len({space[n] for n in names})
