@@ -8,8 +8,10 @@ each without and with full recomputation (every op but the loss), and whether it
 
 Models are the suite's (``benchmarks/suite_models.py``), exported beforehand to
 ``--models-dir`` (``python -m benchmarks.suite_models -o DIR``; missing ones are
-exported there) at the suite's batch (``per_device`` x devices) and precision, with
-roofline costs of the preset's datasheet. The pipeline is the rule's default shape
+exported there) at ``per_device`` x devices samples (weak scaling; not the suite's
+``devices_per_sample``, which gives LLaMA one sequence a node: a pipeline needs samples
+to cut into microbatches, and every strategy here plans the same batch) in the suite's
+precision, with roofline costs of the preset's datasheet. The pipeline is the rule's default shape
 (``search/pipeline_rule.py``: a stage per node, at least 2; the most microbatches up to
 4 a stage whose samples fill a stage's devices).
 """
