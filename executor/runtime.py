@@ -9,7 +9,13 @@ Everything that can be is made once, before the first step (executor/layout.py):
 buffers with their padding, receive buffers, gradient accumulators, statistics slots,
 the kernels' fixed arguments. A step (executor/step.py) then fills those buffers, calls
 the kernels (whose results cupy takes from its memory pool) and moves tiles; on a GPU
-the host waits for nothing but the loss at the end of the step.
+the host waits for nothing but the loss at the end of the step (and, in a pipeline's
+step, for a microbatch's work before a later one reuses its buffers: ``Reopen``).
+
+A pipeline's step runs the rank's stage's passes of ``microbatches`` microbatches, one
+``Step`` each on the buffers of its slot (executor/program.py); the weight gradients
+accumulate over the microbatches and are summed over replicas once, in the stage's last
+backward; the update follows once per step.
 """
 
 from __future__ import annotations
@@ -149,12 +155,12 @@ class Runtime:
             for g in (*pg.stats[op.name], *pg.sums[op.name])
             if len(g.devices) > 1
         )
-        # On a GPU, made on the compute stream that uses them (a non-blocking stream
-        # does not wait for the default one), and complete before the first step.
-        self.forward_program = forward_program(program)
+        self.forward_program = forward_program(program)  # evaluation's
         # A pipeline's microbatches: each random op's sample axis (its draws are those
         # of its samples in the whole batch: executor/step.py).
         self.random_axes = random_axes(self.graph) if program.microbatches > 1 else {}
+        # On a GPU, made on the compute stream that uses them (a non-blocking stream
+        # does not wait for the default one), and complete before the first step.
         with self.device.compute():
             # A set of buffers per slot: one per microbatch open at once on the rank
             # (one without a pipeline); the step's weight gradients are shared.
