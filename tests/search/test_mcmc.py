@@ -15,7 +15,7 @@ from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import BASELINES, Rule, by_rule, narrow_data_parallel
 from onnx2soap.search.exhaustive import exhaustive, space_size
-from onnx2soap.search.mcmc import Progress, SearchOptions, mcmc
+from onnx2soap.search.mcmc import Progress, SearchOptions, _rule_strategies, mcmc
 from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.machine import ComputeDevice
 from onnx2soap.sim.memory import peak_memory
@@ -254,3 +254,17 @@ def test_the_walk_gets_its_budget_after_the_setup(example_onnx: Path) -> None:
     walked = result.time_s - result.setup_s - result.zero_s
     # the last round stops on a stall after half of its half of the budget at the least
     assert budget * 0.7 <= walked <= budget * 1.5
+
+
+def test_starts_simulated_from_each_other_are_simulated_exactly(example_onnx: Path) -> None:
+    """Each start is simulated by delta from the start nearest it (expert from data
+    parallelism): the same evaluation as its own full simulation."""
+    graph = load_model(example_onnx, batch=64).graph
+    space = analyze(graph)
+    sim = Simulator(preset("flexflow-p100:2"), RooflineCost())
+    result = mcmc(graph, space, sim, SearchOptions(budget_s=60, seed=0, max_evals=5))
+    named, _ = _rule_strategies(graph, space, sim, SearchOptions())
+    partitioner = Partitioner(graph)
+    fresh = Simulator(preset("flexflow-p100:2"), RooflineCost())
+    for name, strategy in named.items():
+        assert result.starts[name] == fresh.evaluate(partitioner.partition(strategy)), name
