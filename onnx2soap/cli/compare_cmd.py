@@ -3,7 +3,10 @@
 MEASURED is what ``python -m executor run PLAN --trace MEASURED`` wrote. The plan is
 simulated exactly as ``simulate`` does (same machine and costs choice); per op and phase,
 the predicted and the measured compute time; the step (predicted makespan against the
-median measured step) and every rank's peak memory.
+median measured step) and every rank's peak memory. A pipeline plan: an op's predicted
+time is its microbatches' passes, its update once, the step the schedule's
+(``sim/pipeline_price.py``); ``-o`` (both timelines) is refused, as there is no
+whole-step timeline of a pipeline to show yet.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chart:
         require_matplotlib()
     _check_outputs(args)  # before the work, not after it
-    # a trace's every microbatch against one microbatch's task graph: not done yet
-    refuse_pipeline(plan_on_machine(args), "compare")
+    if args.output:  # one microbatch's timeline next to the measured step: not done yet
+        refuse_pipeline(plan_on_machine(args), "-o")
     measured = read_measured(args.measured)
     predicted, memory, costs = _simulate(args)
     check_same_plan(predicted, measured, args.measured)
@@ -108,9 +111,12 @@ def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str
     pg = partitioned(args, planned)
     costs = costs.for_graph(pg.graph, machine)
     simulator = plan_simulator(planned, costs.model, OPTIMIZER_SLOTS[args.optimizer])
-    memory = simulator.evaluate(pg).peak_memory_bytes
+    ev = simulator.evaluate(pg)
     tg = simulator.task_graph(pg, names=True)
-    return Predicted(tg, simulate(tg), machine), memory, costs.description
+    # a pipeline plan: its microbatches' passes, its step the schedule's
+    step = ev.step_time_s if ev.pipeline else None
+    predicted = Predicted(tg, simulate(tg), machine, simulator.repeats(pg), step)
+    return predicted, ev.peak_memory_bytes, costs.description
 
 
 def _document(c: Comparison, predicted: Predicted, costs: str) -> dict:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from onnx2soap.precision import Precision
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.memory import peak_memory
-from onnx2soap.sim.pipeline_price import PipelineEvaluation, price_pipeline
+from onnx2soap.sim.pipeline_price import PipelineEvaluation, price_pipeline, task_repeats
 from onnx2soap.sim.precision_cost import with_precision
 from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import simulate
@@ -113,6 +115,16 @@ class Simulator:
         """One step's task graph; a pipeline plan's: one microbatch's."""
         return build_with_slots(pg, self.costs(), names)[0]
 
+    def repeats(self, pg: PartitionedGraph) -> np.ndarray | None:
+        """Per task of ``task_graph(pg)``, how many times a step runs it; None without a
+        pipeline (every task once)."""
+        if self.pipeline is None:
+            return None
+        _, lay, slots = build_with_slots(pg, self.costs())
+        stage_of = self.pipeline.stage_of()
+        stage = [stage_of[op.name] for op in pg.graph.ops]
+        return task_repeats(lay, slots, self.pipeline, stage)
+
     def evaluate(self, pg: PartitionedGraph) -> Evaluation:
         tg, lay, slots = build_with_slots(pg, self.costs())  # binds the memo to pg's graph
         memory = peak_memory(
@@ -133,7 +145,9 @@ class Simulator:
             ops = {
                 op.name: self.memo.memory[(op.name, pg.strategy[op.name])] for op in pg.graph.ops
             }
-            price = price_pipeline(pg, self.pipeline, tg, lay, slots, memory, ops, self.itemsize)
+            price = price_pipeline(
+                pg, self.pipeline, tg, lay, slots, memory, ops, self.itemsize, self.host_objects
+            )
             step, moved, memory = price.step_time_s, price.bytes_moved, price.peak_memory_bytes
             report = price.report
         fits = all(m <= d.memory for m, d in zip(memory, self.machine.devices, strict=False))

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_input
 from onnx2soap.sim.machine import Machine
@@ -168,23 +170,35 @@ def _int(value) -> int:
 
 @dataclass(frozen=True)
 class Predicted:
-    """The simulated step's tasks by resource: compute devices, then links."""
+    """The simulated step's tasks by resource: compute devices, then links. A pipeline
+    plan's task graph is one microbatch's: ``repeats`` says per task how many times a
+    step runs it (its microbatches, once for the weights' rings and updates), and
+    ``step_s`` is the schedule's step (``Simulator.evaluate``)."""
 
     tg: TaskGraph
     timeline: Timeline
     machine: Machine
+    repeats: np.ndarray | None = None
+    step_s: float | None = None
+
+    @property
+    def step(self) -> float:
+        return self.timeline.makespan if self.step_s is None else self.step_s
+
+    def seconds(self, i: int) -> float:
+        """Task ``i``'s time in a step: its duration times its runs."""
+        runs = 1 if self.repeats is None else int(self.repeats[i])
+        return float(self.tg.duration[i]) * runs
 
     def compute(self) -> list[tuple[str, str, int, float]]:
-        """(name, kind, device, seconds) of every compute task."""
+        """(name, kind, device, seconds in a step) of every compute task."""
         kinds = {TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE}
         found = []
         for i in range(self.tg.size):
             kind = TaskKind(int(self.tg.kind[i]))
             if kind in kinds:
                 device = int(self.tg.res_idx[self.tg.res_ptr[i]])
-                found.append(
-                    (self.tg.names[i], kind.name.lower(), device, float(self.tg.duration[i]))
-                )
+                found.append((self.tg.names[i], kind.name.lower(), device, self.seconds(i)))
         return found
 
 
@@ -235,7 +249,7 @@ def compare(predicted: Predicted, measured: Measured, memory: Sequence[int]) -> 
     )
     return Comparison(
         tuple(rows),
-        predicted.timeline.makespan,
+        predicted.step,
         tuple(ends[s] for s in steps),
         tuple(memory),
         measured.peak_memory_bytes,
@@ -253,8 +267,8 @@ def predicted_ranks(predicted: Predicted) -> tuple[RankTime, ...]:
         held = compute if TaskKind(int(tg.kind[i])) in computing else messages
         for r in tg.res_idx[tg.res_ptr[i] : tg.res_ptr[i + 1]]:
             if r < devices:
-                held[r] += float(tg.duration[i])
-    step = predicted.timeline.makespan
+                held[r] += predicted.seconds(i)
+    step = predicted.step
     return tuple(
         RankTime(d, compute[d], messages[d], max(step - compute[d] - messages[d], 0.0))
         for d in range(devices)

@@ -109,6 +109,9 @@ class OpMemory:
     inflight: Pieces = ()
     weight_grads: Pieces = ()  # of ``grads``, its weights': what the update still holds
     update: Pieces = ()  # the optimizer's temporaries while it updates the op's largest shard
+    # of ``held``, its weights' share: shards, state, optimizer state, half copies and
+    # weight gradients (what a pipeline's stage holds once, however many microbatches)
+    weights: Pieces = ()
 
 
 def _width(t, itemsize: int) -> int:
@@ -150,6 +153,7 @@ def _op_bytes(
     last: dict[int, int] = {}  # ZeRO-2: of them, the op's last group's, per device
     weight_grads: dict[int, int] = {}
     update: dict[int, int] = {}
+    weights: dict[int, int] = {}
     temporaries = UPDATE_TEMPORARIES.get(optimizer_slots, 0)
     backward = graph.differentiable(op.output)
     recompute = recompute and backward  # nothing to recompute for without a backward
@@ -159,6 +163,7 @@ def _op_bytes(
         n = rect_volume(rect) * itemsize
         if not group.trainable:
             _add(held, d, n)
+            _add(weights, d, n)
             continue
         sharded = zero_group(group, zero)
         own = n if sharded is None else sharded.numel(d) * itemsize
@@ -167,6 +172,7 @@ def _op_bytes(
         # rank's rows of it, once the reduce-scatter is done.
         grad = own if zero is ZeroStage.GRADIENTS else n
         _add(held, d, grad)
+        _add(weights, d, n + (slots - optimizer_slots) * n + optimizer_slots * own + grad)
         _add(grads, d, grad)
         _add(weight_grads, d, grad)
         update[d] = max(update.get(d, 0), temporaries * own)
@@ -258,6 +264,7 @@ def _op_bytes(
         last if backward else {},
         weight_grads,
         update,
+        weights,
     )
     return OpMemory(*(tuple(x.items()) for x in parts))
 

@@ -25,10 +25,13 @@ before any backward begins (true of data parallelism over equal devices).
 
 Memory per device: the plain model's peak of one microbatch's step (weights, gradients,
 optimizer state, ZeRO-aware; one microbatch's activations and everything transient),
-plus the activations of the other microbatches its stage holds at once
-(``held_at_most`` - 1 of them): the output tiles its ops keep from forward to backward
-(none for recomputed ops) and the tiles it receives from earlier stages (a recomputed
-stage's checkpoint).
+plus what each other microbatch its stage holds at once holds (``held_at_most`` - 1 of
+them; the executor gives each a slot of buffers, ``executor/program.py``): everything
+the plain model counts for the step but the weights' share: output tiles (none for
+recomputed ops), activation gradients, input, gradient and receive buffers (a
+recomputed stage's checkpoint among them). The step's data rows count once (one
+microbatch's), and so do the runtime's Python objects per instruction on CPU ranks
+(the program has every microbatch's instructions: under-counted there).
 """
 
 from __future__ import annotations
@@ -38,8 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx2soap.sim.memory import OpMemory
-from onnx2soap.sim.memory import _width as tensor_width
+from onnx2soap.sim.memory import OpMemory, _edge_bytes, readers
 from onnx2soap.sim.pipeline_schedule import PipelineTiming, StageTimes, time_pipeline
 from onnx2soap.sim.taskgraph import Layout, TaskGraph
 from onnx2soap.soap import PartitionedGraph
@@ -130,6 +132,15 @@ def slot_labels(lay: Layout, stage: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return first, second
 
 
+def task_repeats(
+    lay: Layout, slot_of_task: np.ndarray, pipeline: Pipeline, stage: list[int]
+) -> np.ndarray:
+    """Per task of one microbatch's task graph, how many times a step runs it: every
+    microbatch's passes and moves, the tails (weights' rings and updates) once."""
+    first, _ = slot_labels(lay, stage)
+    return np.where(first[slot_of_task] < 0, 1, pipeline.microbatches)
+
+
 def price_time(
     tg: TaskGraph, lay: Layout, slot_of_task: np.ndarray, pipeline: Pipeline, stage: list[int]
 ) -> tuple[tuple[StageTimes, ...], PipelineTiming, int]:
@@ -154,25 +165,27 @@ def price_time(
 def held_activations(
     pg: PartitionedGraph,
     memory: Mapping[str, OpMemory],
-    stage: Mapping[str, int],
     itemsize: int,
     devices: int,
+    objects: bool,
 ) -> list[int]:
-    """Per device, one microbatch's activations kept from its forward to its backward:
-    its ops' output tiles (``OpMemory.outputs``: none for recomputed ops) and the tiles
-    it receives from earlier stages."""
+    """Per device, what one microbatch holds from its first instruction to its last: all
+    the plain model holds for the step (``OpMemory.held`` and the edges' buffers) but the
+    weights' share (``OpMemory.weights``): its output tiles (none for recomputed ops),
+    activation gradients, and the input, gradient and receive buffers of the slot the
+    executor gives each microbatch a rank holds at once (executor/program.py)."""
     held = [0] * devices
     for op in pg.graph.ops:
-        for d, n in memory[op.name].outputs:
+        for d, n in memory[op.name].held:
             held[d] += n
+        for d, n in memory[op.name].weights:
+            held[d] -= n
+    count = readers(pg.edges)
     for edge in pg.edges:
-        if stage[edge.producer] == stage[edge.consumer]:
-            continue
-        width = tensor_width(pg.graph.tensors[edge.tensor], itemsize)
         ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
-        for o in edge.overlaps:
-            if ptasks[o.src_task].device != ctasks[o.dst_task].device:
-                held[ctasks[o.dst_task].device] += o.volume * width
+        sole = count[edge.tensor] == 1
+        for d, n in _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects):
+            held[d] += n
     return held
 
 
@@ -182,14 +195,14 @@ def price_memory(
     plain: tuple[int, ...],
     memory: Mapping[str, OpMemory],
     itemsize: int,
+    objects: bool,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(peak per device, held microbatches per stage): the plain peak of one
-    microbatch's step plus the activations of the other microbatches held at once."""
-    stage_of = pipeline.stage_of()
+    microbatch's step plus what the other microbatches held at once hold."""
     count, m = len(pipeline.stages), pipeline.microbatches
     held = tuple(held_at_most(pipeline.schedule, s, count, m) for s in range(count))
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
-    extra = held_activations(pg, memory, stage_of, itemsize, len(plain))
+    extra = held_activations(pg, memory, itemsize, len(plain), objects)
     peak = list(plain)
     for s, devs in enumerate(stage_devices(pipeline, configs)):
         for d in devs:
@@ -206,13 +219,15 @@ def price_pipeline(
     plain_memory: tuple[int, ...],
     memory: Mapping[str, OpMemory],
     itemsize: int,
+    objects: bool = False,
 ) -> PipelinePrice:
     """The step, bytes moved, per-device peak and per-stage report of a pipeline plan
-    (``memory``: each op's ``OpMemory`` under the plan, by op name)."""
+    (``memory``: each op's ``OpMemory`` under the plan, by op name; ``objects``: the
+    runtime's Python objects count, as ``peak_memory`` counts them)."""
     stage_of = pipeline.stage_of()
     stage = [stage_of[op.name] for op in pg.graph.ops]
     times, timing, moved = price_time(tg, lay, slot_of_task, pipeline, stage)
-    peak, held = price_memory(pg, pipeline, plain_memory, memory, itemsize)
+    peak, held = price_memory(pg, pipeline, plain_memory, memory, itemsize, objects)
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
     stages = tuple(
         StageReport(devs, t, h, bubble)

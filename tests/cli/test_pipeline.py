@@ -133,17 +133,57 @@ def test_stages_beyond_the_ops_are_refused(example_onnx, tmp_path, capsys) -> No
 
 
 def test_pictures_and_traces_of_a_pipeline(plans, tmp_path, capsys) -> None:
-    """No whole-step timeline of a pipeline yet: --trace, --gantt and compare refuse in
-    one line naming themselves; show draws the grid alone."""
+    """No whole-step timeline of a pipeline yet: --trace, --gantt and compare -o refuse
+    in one line naming themselves; show draws the grid alone."""
     plan = str(plans["1f1b"])
     capsys.readouterr()
     assert cli(["simulate", plan, "--trace", str(tmp_path / "t.json")]) == 2
     one_line(capsys, "--trace cannot show a pipeline plan")
-    assert cli(["compare", plan, str(tmp_path / "measured.json")]) == 2
-    one_line(capsys, "compare cannot show a pipeline plan")
+    both = ["-o", str(tmp_path / "both.json")]
+    assert cli(["compare", plan, str(tmp_path / "measured.json"), *both]) == 2
+    one_line(capsys, "-o cannot show a pipeline plan")
     pytest.importorskip("matplotlib")
     out, gantt = tmp_path / "p.png", tmp_path / "g.png"
     assert cli(["show", plan, "-o", str(out), "--gantt", str(gantt)]) == 2
     one_line(capsys, "--gantt cannot show a pipeline plan")
     assert cli(["show", plan, "-o", str(out)]) == 0
     assert out.stat().st_size > 0 and not gantt.exists()
+
+
+@pytest.mark.mpi
+def test_compare_a_pipeline_run(example_onnx, tmp_path, capsys) -> None:
+    """The executor runs the rule's plan on 2 ranks (2 stages, 8 microbatches of 1);
+    compare puts every microbatch's predicted pass next to the measured ones: an op's
+    predicted time is its task's duration in one microbatch's task graph times 8, its
+    update once, and the predicted step the schedule's."""
+    from onnx2soap.sim import RooflineCost, make_simulator, resolve_machine
+    from onnx2soap.soap import Partitioner, analyze, load_plan
+    from tests.executor.mpi import mpirun
+
+    model = tmp_path / "cnn.onnx"
+    shutil.copy(example_onnx, model)
+    plan = tmp_path / "plan.json"
+    argv = ["plan", str(model), "--batch", BATCH, "--devices", "2", "--strategy", "pipeline"]
+    assert cli([*argv, "-o", str(plan)]) == 0
+    trace = tmp_path / "measured.json"
+    run = mpirun(plan, 2, tmp_path, "--steps", "3", "--trace", str(trace))
+    assert run.returncode == 0, run.stderr[-2000:]
+    capsys.readouterr()
+    assert cli(["compare", str(plan), str(trace), "--costs", "roofline", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    loaded = load_plan(plan)
+    graph = load_model(model, loaded.graph_batch).graph
+    pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
+    sim = make_simulator(resolve_machine("cpu:2"), RooflineCost(), pipeline=loaded.pipeline)
+    tg = sim.task_graph(pg, names=True)
+    rows = {(r["op"], r["phase"]): r for r in doc["ops"]}
+    first = graph.ops[0].name
+    one = tg.duration[tg.names.index(f"fwd {first}[0]")]
+    assert rows[(first, "fwd")]["predicted_s"] == pytest.approx(8 * one)
+    assert rows[(first, "fwd")]["measured_s"] > 0
+    update = next(r for r in doc["ops"] if r["phase"] == "update")
+    assert update["predicted_s"] == pytest.approx(
+        tg.duration[tg.names.index(f"update {update['op']}")]
+    )
+    assert doc["step"]["predicted_s"] == sim.evaluate(pg).step_time_s
+    assert len(doc["memory"]["predicted_bytes"]) == 2 == len(doc["memory"]["measured_bytes"])
