@@ -48,6 +48,7 @@ from executor.program import (
     Transfer,
     forward_program,
 )
+from executor.recompute import recompute_plan
 from executor.step import Step
 from executor.trace import Tracer, task_name
 from executor.transport import Transport
@@ -89,13 +90,14 @@ class Runtime:
         refuse_nonfinite: bool = False,
         precision: Precision = Precision.FP32,
         zero: ZeroStage = ZeroStage.NONE,
+        recompute: frozenset[str] = frozenset(),
     ) -> None:
         """``weights`` gives the initial values of the weights and of the state tensors:
         arrays, or ``StoredTensor``s, of which only the boxes this rank holds are read.
         ``refuse_nonfinite``: a NaN or infinity in them is a ``UserError``.
         ``precision``: mixed precision (``executor/precision.py``) on float32 shards.
         ``zero``: the plan's ZeRO stage (soap/zero.py): the program must be compiled
-        with it."""
+        with it. ``recompute``: the plan's recomputed ops (executor/recompute.py)."""
         self.pg, self.graph, self.program = pg, pg.graph, program
         self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
         self.device = device or CpuDevice()
@@ -168,6 +170,7 @@ class Runtime:
             slots = max(program.slots, self.forward_program.slots, 1)
             self.slot_buffers = tuple(_Buffers(self, grads) for _ in range(slots))
             self.buffers = self.slot_buffers[0]
+            self.recompute = recompute_plan(self, recompute) if recompute else None
             # The optimizer's state, shaped and sharded like each trainable shard (under
             # ZeRO like the rank's rows of it).
             self.slots = {

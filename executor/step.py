@@ -32,6 +32,7 @@ from executor.program import (
     SumOutputs,
     Wait,
 )
+from executor.recompute import compute_event, send_event
 from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey
@@ -79,6 +80,8 @@ class Step:
         self.totals: dict[tuple[Phase, int, int], object] = {}
         self.updated: set[WeightKey] = set()  # state shards this microbatch has written
         self.pending: dict[int, object] = {}
+        # The plan's recomputed ops (executor/recompute.py); a forward-only pass keeps all.
+        self.recompute = rt.recompute if training else None
         if first is not None:
             self.reductions, self.scatters = first.reductions, first.scatters
             self.losses, self.scale = first.losses, first.scale
@@ -161,6 +164,8 @@ class Step:
             staging[...] = tile
             tile = staging
         self.rt.transport.send(tile, t.dst)
+        if self.recompute and t.phase is Phase.FORWARD:
+            self._drop(self.recompute.drop_after.get(send_event(t.id), ()))
 
     def _source(self, copy: Copy, forward: bool):
         if copy.transfer is not None:
@@ -256,6 +261,8 @@ class Step:
             self.inputs[key] = self._assemble_inputs(key)
             partial = stats.forward(xp, op.attrs, self.inputs[key], self._args(key))
         else:
+            if self.recompute:
+                self._rematerialize(key)
             grad = self.grad_outputs[key] = self._grad_output(key)
             args = self._args(key)
             partial = stats.backward(xp, op.attrs, self.inputs[key], self.outputs[key], grad, args)
@@ -339,10 +346,14 @@ class Step:
                     self.rt.shards[shard][...] = value
         if op.is_loss:
             self.losses.append(out)
+        if self.recompute:
+            self._drop(self.recompute.drop_after.get(compute_event(key), ()))
 
     def backward(self, ins: Compute) -> None:
         key = (ins.op, ins.task)
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
+        if self.recompute:
+            self._rematerialize(key)
         shared = op.nest.sync_dims or self.rt.pg.sums[op.name]
         grad_out = self.grad_outputs.pop(key) if shared else self._grad_output(key)
         grads = definition(op.type).backward(
@@ -358,6 +369,36 @@ class Step:
             g if role is TensorRole.ACTIVATION else None
             for g, role in zip(grads, self.rt.roles[ins.op], strict=True)
         )
+        if self.recompute and ins.op in self.recompute.ops:
+            self._drop((key,))  # its consumers' backwards are done: they come first
+
+    # -- recomputation (executor/recompute.py) ----------------------------------------------
+
+    def _drop(self, keys) -> None:
+        """Let go of recomputed tiles and of every reference a consumer kept to them."""
+        for key in keys:
+            self.outputs.pop(key, None)
+            for consumer, k in self.recompute.alias_readers.get(key, ()):
+                inputs = self.inputs.get(consumer)
+                if inputs is not None:
+                    inputs[k] = None
+
+    def _rematerialize(self, key: TaskKey) -> None:
+        """Before a task's backward: its inputs and, if recomputed, its output, computed
+        again where they were dropped (their producers' first, recursively)."""
+        inputs = self.inputs[key]
+        for k, buffer in enumerate(inputs):
+            if buffer is None:
+                producer = self.buf.inputs[key][k].producer  # only an Alias is dropped
+                if producer not in self.outputs:
+                    self._rematerialize(producer)
+                inputs[k] = self.outputs[producer]
+        if key[0] in self.recompute.ops and key not in self.outputs:
+            op = self.rt.graph.ops[key[0]]
+            out = definition(op.type).forward(self.xp, op.attrs, inputs, self._args(key))
+            if _owns(out, inputs):  # rounded as the forward rounded it
+                self.rounding(out)
+            self.outputs[key] = out
 
     def _rounded(self, grad, key: TaskKey):
         """A kernel's gradient in the half format: rounded in place where the kernel made

@@ -184,6 +184,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
             refuse_nonfinite=not options.allow_nonfinite,
             precision=s.precision,
             zero=s.plan.zero_stage,
+            recompute=frozenset(s.plan.recompute),
         )
     except UserError as e:
         raise UserError(f"{s.model.path}: {e}") from e
