@@ -16,6 +16,7 @@ import pytest
 from mpi4py import MPI
 
 from executor.train import RunOptions, train
+from onnx2soap.cli import main as onnx2soap_main
 from onnx2soap.ir import DType
 from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
 from tests.optional import cupy_or_skip
@@ -101,3 +102,24 @@ def test_ranks_sharing_a_gpu_recompute_like_one_device(plans, tmp_path: Path, mo
     args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--device", "cuda")
     run = mpirun(recomputed, 2, tmp_path, *args, "--transport", "mpi-host")
     assert_same_training(run, losses, weights, rtol=1e-10)
+
+
+def _plan_cli(model: Path, out: Path, devices: int, *extra: str) -> Path:
+    args = ["plan", str(model), "--devices", str(devices), "--batch", str(BATCH["bnnet"])]
+    assert onnx2soap_main([*args, *extra, "--quiet", "-o", str(out)]) == 0
+    return out
+
+
+@pytest.mark.mpi
+def test_a_recomputing_pipeline_trains_like_one_device(export_model, tmp_path: Path) -> None:
+    """``plan --strategy pipeline --recompute all``: 2 stages of 2 data-parallel ranks,
+    1F1B over 2 microbatches, each microbatch's tiles made again in its backward, as one
+    device running the same microbatches (BatchNorm's statistics are a microbatch's)."""
+    model = export_model("bnnet")
+    piped = ("--strategy", "pipeline", "--microbatches", "2")
+    one = _plan_cli(model, tmp_path / "one.json", 1, *piped, "--stages", "1")
+    losses, weights = reference(one, STEPS, DType.FLOAT64, LR)
+    plan = _plan_cli(model, tmp_path / "p.json", 4, *piped, "--stages", "2", "--recompute", "all")
+    assert json.loads(plan.read_text())["recompute"]
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    assert_same_training(mpirun(plan, 4, tmp_path, *args), losses, weights, rtol=1e-10)
