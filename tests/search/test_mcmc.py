@@ -256,9 +256,8 @@ def test_the_walk_gets_its_budget_after_the_setup(example_onnx: Path) -> None:
     assert budget * 0.7 <= walked <= budget * 1.5
 
 
-def test_starts_simulated_from_each_other_are_simulated_exactly(example_onnx: Path) -> None:
-    """Each start is simulated by delta from the start nearest it (expert from data
-    parallelism): the same evaluation as its own full simulation."""
+def test_starts_are_simulated_exactly(example_onnx: Path) -> None:
+    """Every start's evaluation is its own full simulation's, on a simulator of its own."""
     graph = load_model(example_onnx, batch=64).graph
     space = analyze(graph)
     sim = Simulator(preset("flexflow-p100:2"), RooflineCost())
