@@ -1,12 +1,18 @@
-"""Peak memory of GPipe and 1F1B: each rank's peak RSS and step time, measured.
+"""Peak memory of GPipe and 1F1B, with and without recomputation: each rank's peak RSS
+measured next to the simulator's peak, and the step.
 
 A GPT-2-shaped decoder (``gpt_onnx.py``: weights on a sparse file, so the weights are
-small next to a long sequence's activations) cut into two pipeline stages (equal op
-counts, one rank each), trained by the executor under mpiexec with each schedule. Under
-GPipe a stage holds every microbatch's activations before its first backward; under 1F1B
-stage ``s`` of ``S`` holds at most ``S - s`` (``soap.pipeline.held_at_most``), so the
-first stage's peak is the lower one. Each rank's peak is Linux's ``VmHWM`` from the
-executor's summary (``--json``); the step time is the summary's mean after the first.
+small next to a long sequence's activations) planned by ``plan --strategy pipeline``
+into two stages of one rank each, then trained by the executor under mpiexec with each
+schedule, without and with ``--recompute all``. Under GPipe a stage holds every
+microbatch's activations before its first backward; under 1F1B stage ``s`` of ``S``
+holds at most ``S - s`` (``soap.pipeline.held_at_most``), so the first stage's peak is
+the lower one; recomputation keeps no op's output from forward to backward. Each
+rank's peak is Linux's ``VmHWM`` from the executor's summary (``--json``), printed as it
+is and less an idle executor's (rank 1 of a single-device plan on two ranks: the
+interpreter, libraries, graph and plan), which is what the memory model counts; the
+step time is the summary's mean after the first, next to the simulator's (``cpu:2``
+preset, roofline costs: its order, not its scale, is the point).
 
     python benchmarks/pipeline_memory.py [--tokens 512] [--microbatches 8] ...
 """
@@ -20,58 +26,89 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import datetime
 import json
+import platform
 import subprocess
 import tempfile
 from dataclasses import dataclass
 
 from benchmarks.gpt_onnx import GptShape, write_gpt
+from onnx2soap.cli.machine_cmd import find_mpiexec
 from onnx2soap.soap.pipeline import Schedule, held_at_most
-from tests.executor.mpi import MPIEXEC
-from tests.executor.pipeline_driver import pipeline_plan
 
 STAGES = 2
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class Case:
+    schedule: Schedule | None  # None: a single-device plan (the idle rank's baseline)
+    recompute: bool = False
+
+    @property
+    def label(self) -> str:
+        name = self.schedule.value if self.schedule else "single device"
+        return f"{name} + recompute" if self.recompute else name
 
 
 @dataclass(frozen=True)
 class Row:
-    schedule: Schedule
+    case: Case
     rank: int
     held: int  # microbatches' activations the stage holds at most
+    predicted_mb: float
     peak_mb: float
     step_ms: float
+    predicted_step_ms: float
 
 
-def run_schedule(model: Path, folder: Path, schedule: Schedule, args) -> list[Row]:
-    plan = pipeline_plan(
-        model,
-        folder / f"{schedule.value}.json",
-        args.batch,
-        STAGES,
-        args.microbatches,
-        schedule,
-    )
-    command = [str(MPIEXEC), "-n", str(STAGES), sys.executable, "-m", "executor", "run"]
-    options = ["--steps", str(args.steps), "--json", "--device", "cpu", "--lr", "0.001"]
+def _plan(model: Path, folder: Path, case: Case, args) -> tuple[Path, dict]:
+    plan = folder / f"{case.label.replace(' ', '_')}.json"
+    rule = ["--strategy", "single-device"]
+    if case.schedule is not None:
+        rule = ["--strategy", "pipeline", "--stages", str(STAGES)]
+        rule += ["--microbatches", str(args.microbatches), "--schedule", case.schedule.value]
+        rule += ["--recompute", "all" if case.recompute else "none"]
+    command = [sys.executable, "-m", "onnx2soap", "plan", str(model), "--batch", str(args.batch)]
+    command += ["--machine", f"cpu:{STAGES}", *rule, "--quiet", "-o", str(plan)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"{case.label}: planning failed:\n{done.stderr[-2000:]}")
+    return plan, json.loads(plan.read_text())["predicted"]
+
+
+def _run(plan: Path, steps: int) -> dict:
+    command = [str(find_mpiexec()), "-n", str(STAGES), sys.executable, "-m", "executor", "run"]
+    options = ["--steps", str(steps), "--json", "--device", "cpu", "--lr", "0.001"]
     done = subprocess.run(
         [*command, str(plan), *options], capture_output=True, text=True, timeout=1800
     )
     if done.returncode != 0:
-        raise SystemExit(f"{schedule.value}: the run failed:\n{done.stderr[-2000:]}")
-    summary = next(
+        raise SystemExit(f"{plan.stem}: the run failed:\n{done.stderr[-2000:]}")
+    return next(
         json.loads(line)["summary"] for line in done.stdout.splitlines() if '"summary"' in line
     )
-    step_ms = summary["mean_step_time_s"] * 1e3
-    return [
-        Row(
-            schedule,
-            rank,
-            held_at_most(schedule, rank, STAGES, args.microbatches),
-            b / 2**20,
-            step_ms,
+
+
+def run_case(model: Path, folder: Path, case: Case, args) -> list[Row]:
+    plan, predicted = _plan(model, folder, case, args)
+    summary = _run(plan, args.steps)
+    rows = []
+    for rank, peak in enumerate(summary["peak_rss_bytes"]):
+        held = held_at_most(case.schedule, rank, STAGES, args.microbatches) if case.schedule else 1
+        rows.append(
+            Row(
+                case,
+                rank,
+                held,
+                predicted["peak_memory_bytes"][rank] / MB,
+                peak / MB,
+                summary["mean_step_time_s"] * 1e3,
+                predicted["step_time_s"] * 1e3,
+            )
         )
-        for rank, b in enumerate(summary["peak_rss_bytes"])
-    ]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,19 +123,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     shape = GptShape(args.layers, args.width, args.heads, args.vocabulary, args.tokens)
+    cases = [Case(s, r) for s in Schedule for r in (False, True)]
+    began = datetime.datetime.now(datetime.UTC)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = write_gpt(folder, shape)
-        rows = [row for s in Schedule for row in run_schedule(model, folder, s, args)]
+        idle = run_case(model, folder, Case(None), args)[1].peak_mb
+        rows = [row for case in cases for row in run_case(model, folder, case, args)]
     print(
-        f"GPT ({args.layers} layers, width {args.width}, {args.tokens} tokens, vocabulary "
-        f"{args.vocabulary}), batch {args.batch} in {args.microbatches} microbatches, "
-        f"{STAGES} stages of one rank, float32, CPU"
+        f"{began:%Y-%m-%d %H:%MZ}, {platform.node()}: GPT ({args.layers} layers, width "
+        f"{args.width}, {args.tokens} tokens, vocabulary {args.vocabulary}), batch "
+        f"{args.batch} in {args.microbatches} microbatches, {STAGES} stages of one rank, "
+        f"float32, CPU; an idle executor's peak RSS {idle:.0f} MB"
     )
-    print("| schedule | rank (stage) | microbatches held | peak RSS MB | step ms |")
-    print("|---|---|---|---|---|")
+    print(
+        "| schedule | rank (stage) | microbatches held | simulated peak MB | measured peak "
+        "RSS MB | measured less idle MB | step ms (simulated) |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.schedule.value} | {r.rank} | {r.held} | {r.peak_mb:.0f} | {r.step_ms:.0f} |")
+        print(
+            f"| {r.case.label} | {r.rank} | {r.held} | {r.predicted_mb:.0f} | {r.peak_mb:.0f} "
+            f"| {r.peak_mb - idle:.0f} | {r.step_ms:.0f} ({r.predicted_step_ms:.0f}) |"
+        )
     return 0
 
 
