@@ -72,7 +72,8 @@ from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.sim.taskgraph import Memo
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
-from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, data_parallel_groups
+from onnx2soap.soap.partition import rect_volume
+from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, data_parallel_groups, zero_group
 
 MAX_BUDGET_S = 7 * 24 * 3600.0  # a week: beyond it a budget is a typo, not a plan
 MAX_BETA = 1e6  # exp(-beta * x) with x >= 1e-6 is already 0 for every useful beta
@@ -546,6 +547,25 @@ class _Zeroed:
     tried: tuple[tuple[str, ZeroStage, Evaluation], ...] = ()
 
 
+def _could_fit(search: _Search, strategy: Strategy, stage: ZeroStage, simulator: Simulator) -> bool:
+    """Whether ``stage`` could bring ``strategy`` within every device's memory: what it
+    shards (the optimizer's state, at stage 2 the gradient: the rows of every replicated
+    trainable Rect but the device's own) bounds what it saves. False where it shards
+    nothing (``check_zero``)."""
+    pg = search.evaluate.partitioner.partition(strategy)
+    groups = [g for gs in pg.groups.values() for g in gs]
+    if stage is ZeroStage.NONE or not data_parallel_groups(groups):
+        return False
+    arrays = simulator.optimizer_slots + (1 if stage is ZeroStage.GRADIENTS else 0)
+    saved = [0] * len(search.memory)
+    for group in groups:
+        sharded = zero_group(group, stage)
+        for d in group.devices if sharded is not None else ():
+            saved[d] += arrays * simulator.itemsize * (rect_volume(group.rect) - sharded.numel(d))
+    peaks = search.evaluate(strategy).peak_memory_bytes
+    return all(p - s <= m for p, s, m in zip(peaks, saved, search.memory, strict=False))
+
+
 def _with_zero(
     search: _Search,
     simulator: Simulator,
@@ -563,12 +583,14 @@ def _with_zero(
     best = search.best
     plain = search.evaluate(best) if best is not None else None
     chosen = _Zeroed(best, ZeroStage.NONE, search.best_cost, plain)
+    # Where the walk's best fits, ZeRO can only make it faster: that plan alone is priced.
+    # Else only plans that ZeRO could bring within memory: a full simulation each.
+    if chosen.cost.fits:
+        finalists = {best: finalists.get(best, "search")}
     replicated = [
         (strategy, name)
         for strategy, name in finalists.items()
-        if data_parallel_groups(
-            g for gs in search.evaluate.partitioner.partition(strategy).groups.values() for g in gs
-        )
+        if _could_fit(search, strategy, max(stages, default=ZeroStage.NONE), simulator)
     ]
     if not replicated or not stages:
         return chosen

@@ -14,7 +14,7 @@ from onnx2soap.cli import main as cli
 from onnx2soap.errors import UserError
 from onnx2soap.search.baselines import Rule, by_rule
 from onnx2soap.search.exhaustive import exhaustive
-from onnx2soap.search.mcmc import ZERO_GAIN, SearchOptions, mcmc
+from onnx2soap.search.mcmc import ZERO_GAIN, SearchOptions, _could_fit, _Search, mcmc
 from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.machine import ComputeDevice, Machine, dump_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
@@ -106,3 +106,24 @@ def test_plan_writes_and_reports_the_stage_the_search_chose(case, tmp_path: Path
     again = json.loads(capsys.readouterr().out)
     assert again["zero_stage"] == saved["zero_stage"]
     assert again["peak_memory_bytes"] == saved["predicted"]["peak_memory_bytes"]
+
+
+def test_only_plans_that_zero_could_bring_within_memory_are_priced(case) -> None:
+    """What ZeRO-2 shards with Adam (two arrays of state and the gradient, all but the
+    device's quarter of W's rows) bounds what it saves."""
+    _, graph, space, peaks = case
+    dp = by_rule(Rule.DATA_PARALLEL, graph, space, 4)
+    weight = 8 * 1024 * 4  # W [8, 1024] in float32
+    saved = 3 * weight * 3 // 4
+    for memory, could in (
+        (peaks[ZeroStage.GRADIENTS], True),
+        (peaks[ZeroStage.NONE] - saved, True),
+        (peaks[ZeroStage.NONE] - saved - 1, False),
+    ):
+        sim = make_simulator(_machine(memory), RooflineCost(), ADAM)
+        search = _Search(graph, space, sim, SearchOptions())
+        assert _could_fit(search, dp, ZeroStage.GRADIENTS, sim) is could, memory
+        # stage 1 shards only the state: a third less
+        assert _could_fit(search, dp, ZeroStage.OPTIMIZER, sim) is (
+            memory >= peaks[ZeroStage.NONE] - 2 * weight * 3 // 4
+        )
