@@ -26,10 +26,11 @@ before any backward begins (true of data parallelism over equal devices).
 Memory per device: the plain model's peak of one microbatch's step (weights, gradients,
 optimizer state, ZeRO-aware; one microbatch's activations and everything transient),
 plus what each other microbatch its stage holds at once holds (``held_at_most`` - 1 of
-them; the executor gives each a slot of buffers, ``executor/program.py``): everything
-the plain model counts for the step but the weights' share: output tiles (none for
-recomputed ops), activation gradients, input, gradient and receive buffers (a
-recomputed stage's checkpoint among them). The step's data rows count once (one
+them, between their forward and backward; the executor gives each a slot of buffers,
+``executor/program.py``): everything the plain model counts for the step but the
+weights' share and the activation gradients not yet made: output tiles (none for
+recomputed ops), input, gradient and receive buffers (a recomputed stage's checkpoint
+among them). The step's data rows count once (one
 microbatch's), and so do the runtime's Python objects per instruction on CPU ranks
 (the program has every microbatch's instructions: under-counted there).
 """
@@ -169,17 +170,18 @@ def held_activations(
     devices: int,
     objects: bool,
 ) -> list[int]:
-    """Per device, what one microbatch holds from its first instruction to its last: all
+    """Per device, what one microbatch holds between its forward and its backward: all
     the plain model holds for the step (``OpMemory.held`` and the edges' buffers) but the
-    weights' share (``OpMemory.weights``): its output tiles (none for recomputed ops),
-    activation gradients, and the input, gradient and receive buffers of the slot the
-    executor gives each microbatch a rank holds at once (executor/program.py)."""
+    weights' share (``OpMemory.weights``) and the activations' gradients its backward
+    has yet to make: its output tiles (none for recomputed ops) and the input, gradient
+    and receive buffers of the slot the executor gives each microbatch a rank holds at
+    once (executor/program.py)."""
     held = [0] * devices
     for op in pg.graph.ops:
-        for d, n in memory[op.name].held:
-            held[d] += n
-        for d, n in memory[op.name].weights:
-            held[d] -= n
+        m = memory[op.name]
+        for pieces, sign in ((m.held, 1), (m.weights, -1), (m.grads, -1), (m.weight_grads, 1)):
+            for d, n in pieces:
+                held[d] += sign * n
     count = readers(pg.edges)
     for edge in pg.edges:
         ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]

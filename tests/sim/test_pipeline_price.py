@@ -108,12 +108,14 @@ def test_moves_between_stages_by_hand(tmp_path) -> None:
 
 def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
     """With M = 4 > S = 2, stage 0 holds 2 microbatches under 1F1B and 4 under GPipe,
-    stage 1 holds 1 against 4. A microbatch holds all the step holds but the weights'
-    share (W, its gradient): on device 0, g1's tile [2, 2] and its gradient buffer (16
-    bytes each) and x's input buffer [2, 8] (64): 96 bytes; on device 1, g2's input y
-    (16, received in place) and its gradient (16), g2's tile [2, 4] and its gradient
-    buffer (32 each), the loss's labels buffer [2] (int64, 16) and its scalar (4); the
-    loss reads g2's tile and writes its gradient in place: 116 bytes."""
+    stage 1 holds 1 against 4. A microbatch between its forward and its backward holds
+    all the step holds but the weights' share (W, its gradient) and the activation
+    gradients its backward has yet to make. On device 0: g1's tile [2, 2] (16 bytes),
+    its output-gradient buffer (16: the receive buffer of its one piece) and x's input
+    buffer [2, 8] (64): 96 bytes. On device 1: y's input buffer (16: the receive buffer
+    of its one piece), g2's tile [2, 4] (32, which the loss reads in place; its gradient
+    buffer is the loss's input gradient, not yet made), the labels [2] (int64, 16) and
+    the loss's scalar (4): 68 bytes."""
     pg, stages = _two_stages(_graph(tmp_path))
     peaks = {}
     for schedule in Schedule:
@@ -121,7 +123,7 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
         sim = make_simulator(round_machine(2), RooflineCost(), pipeline=pipeline)
         peaks[schedule] = sim.evaluate(pg).peak_memory_bytes
     gpipe, one = peaks[Schedule.GPIPE], peaks[Schedule.ONE_F_ONE_B]
-    assert gpipe[0] - one[0] == 2 * 96 and gpipe[1] - one[1] == 3 * 116
+    assert gpipe[0] - one[0] == 2 * 96 and gpipe[1] - one[1] == 3 * 68
     # 1F1B's last stage holds one microbatch: the plain step's peak of one microbatch
     plain = make_simulator(round_machine(2), RooflineCost()).evaluate(pg).peak_memory_bytes
     assert one[1] == plain[1] and one[0] == plain[0] + 96
