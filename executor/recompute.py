@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from executor.layout import Alias, Assembled, TaskKey
 from executor.program import Compute, Phase, Send, phase_of
+from onnx2soap.soap.recompute import recomputes
 
 # What a forward instruction is known by: ("compute", op, task) or ("send", transfer id).
 Event = tuple
@@ -48,12 +49,9 @@ class RecomputePlan:
 
 
 def recomputed_ops(rt, names: frozenset[str]) -> frozenset[int]:
-    """The indices of the named ops the executor recomputes: not the loss, nor an op
-    whose output is a partial sum."""
+    """The indices of the named ops the rank recomputes (``soap/recompute.py``)."""
     return frozenset(
-        i
-        for i, op in enumerate(rt.graph.ops)
-        if op.name in names and not op.is_loss and not rt.pg.sums[op.name]
+        i for i, op in enumerate(rt.graph.ops) if recomputes(op, rt.pg.sums[op.name], names)
     )
 
 

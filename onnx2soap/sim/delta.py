@@ -38,6 +38,7 @@ from onnx2soap.sim.taskgraph import (
 )
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
 from onnx2soap.soap.partition import stat_groups, sum_groups
+from onnx2soap.soap.recompute import recomputes
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class DeltaSimulator:
                 sim.rounding_bytes,
                 sim.zero,
                 sim.optimizer_slots,
-                op.name in sim.recompute,
+                recomputes(op, parts.sums, sim.recompute),
             )
         return memo[key]
 

@@ -62,6 +62,7 @@ from onnx2soap.soap.partition import (
     stat_groups,
     sum_groups,
 )
+from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
 # Arrays of optimizer state per trainable shard (the executor's ``--optimizer``).
@@ -447,7 +448,7 @@ def peak_memory(
                 rounding,
                 zero,
                 optimizer_slots,
-                op.name in recompute,
+                recomputes(op, pg.sums[op.name], recompute),
             )
         for d, n in memo[key].held:
             held[d] += n

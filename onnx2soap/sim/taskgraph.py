@@ -64,6 +64,7 @@ from onnx2soap.soap.partition import (
     rect_contiguous,
     rect_volume,
 )
+from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
@@ -510,7 +511,8 @@ def backward_segment(
     b = _SegmentBuilder(slot, names, costs.turns)
     forward, seconds = costs.durations(parts)
     after = [((fwd_slot, e),) for e in fwd.ends]
-    redo = _recomputed(b, parts, forward, after) if parts.op.name in costs.recompute else None
+    recomputed = recomputes(parts.op, parts.sums, costs.recompute)
+    redo = _recomputed(b, parts, forward, after) if recomputed else None
     if redo is not None:
         after = [(r,) for r in redo]
     if parts.op.nest.sync_dims:

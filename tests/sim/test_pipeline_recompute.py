@@ -17,6 +17,7 @@ from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.delta import DeltaSimulator
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
+from onnx2soap.soap.dims import DimKind
 from onnx2soap.soap.pipeline import Pipeline, Schedule
 from tests.sim.test_pipeline_price import B, F, _graph, _two_stages
 from tests.sim.tiny import round_machine, tiny_graph
@@ -92,3 +93,33 @@ def test_a_recomputed_stage_pays_its_forward_in_its_backward(tmp_path) -> None:
     # unchanged (stage 1 holds one microbatch under 1F1B: nothing else to save)
     assert plain.peak_memory_bytes[0] - ev.peak_memory_bytes[0] == 16
     assert plain.peak_memory_bytes[1] == ev.peak_memory_bytes[1]
+
+
+def test_the_loss_and_a_partial_sum_are_kept_whatever_the_plan_says(tmp_path) -> None:
+    """As the executor (executor/recompute.py, soap/recompute.py): the loss is a scalar,
+    and gemm split over 2 devices on its reduction dim outputs a partial sum whose sum
+    would take its all-reduce again. Named in ``recompute``, neither changes the step,
+    its memory or its tasks."""
+    graph = tiny_graph(tmp_path, batch=4, relu=True)
+    space = analyze(graph)
+    configs = {}
+    for op in graph.ops:
+        degrees = tuple(
+            2 if d.kind is DimKind.REDUCTION and op.name == "gemm" else 1 for d in space[op.name]
+        )
+        configs[op.name] = ParallelConfig(degrees, (0, 1) if 2 in degrees else (0,))
+    pg = Partitioner(graph).partition(Strategy(2, configs))
+    assert pg.sums["gemm"]
+    loss = graph.loss_op.name
+
+    def evaluated(*recompute: str):
+        sim = make_simulator(round_machine(2), RooflineCost(), recompute=recompute)
+        return sim.evaluate(pg), sim.task_graph(pg, names=True).names
+
+    plain, names = evaluated()
+    kept, kept_names = evaluated("gemm", loss)
+    assert kept == plain and kept_names == names
+    _, redone_names = evaluated("gemm", "relu", loss)
+    assert "recompute relu[0]" in redone_names and not any(
+        n.startswith(("recompute gemm", f"recompute {loss}")) for n in redone_names
+    )
