@@ -26,7 +26,7 @@ from onnx2soap.sim import Evaluation, RooflineCost, Simulator
 from onnx2soap.sim.machine import ComputeDevice
 from onnx2soap.sim.memory import peak_memory
 from onnx2soap.sim.presets import cpu
-from onnx2soap.soap import Partitioner, Strategy, analyze, candidates
+from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze, candidates
 from tests.sim.tiny import tiny_graph
 
 
@@ -92,3 +92,25 @@ def test_the_walk_from_starts_that_all_overflow_reaches_the_plan_that_fits(
         reached += result.evaluation.step_time_s == optimum.step_time_s
     # Blind (every such plan infinity, each proposal accepted) 4 of these 10 reached it.
     assert reached >= 8
+
+
+def test_a_plan_that_overflows_is_changed_where_it_overflows(tmp_path: Path) -> None:
+    """Half the pivots of a chain whose plan overflows are ops on its fullest device."""
+    graph = tiny_graph(tmp_path, batch=4, hidden=1024, relu=True)
+    space = analyze(graph)
+    names = [op.name for op in graph.ops]  # gemm, relu, loss
+    one = {
+        n: ParallelConfig((1,) * len(space[n]), (d,)) for n, d in zip(names, (2, 1, 1), strict=True)
+    }
+    strategy = Strategy(4, one)
+    peaks = peak_memory(Partitioner(graph).partition(strategy), 4)
+    assert max(peaks) == peaks[2]  # the weight's device: W, its gradient, the input
+    device = ComputeDevice("dev", 1e9, 1e10, peaks[1] + 1, 1e-6)  # device 2 overflows alone
+    search = _Search(
+        graph, space, Simulator(cpu(4, device, 1e9, 1e-6), RooflineCost()), SearchOptions()
+    )
+    chain = search.start(strategy, np.random.default_rng(0))
+    assert not chain.cost.fits and search.fullest_ops(chain) == (names[0],)
+    drawn = [search.pivot(chain) for _ in range(3000)]
+    # half of them on device 2's op, the other half uniform over the three
+    assert abs(drawn.count(names[0]) / 3000 - (0.5 + 0.5 / 3)) < 0.03
