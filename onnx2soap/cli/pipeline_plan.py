@@ -27,7 +27,7 @@ from onnx2soap.search.pipeline_rule import (
     full_recompute,
     pipeline_plan,
 )
-from onnx2soap.sim import Evaluation, Machine, make_simulator
+from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator
 from onnx2soap.soap import Partitioner, Strategy, analyze
 from onnx2soap.soap import validate as validate_strategy
 from onnx2soap.soap.pipeline import SCHEDULES, Pipeline, Schedule, check_pipeline_plan
@@ -59,8 +59,12 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "--recompute",
         choices=list(RECOMPUTE),
         default="none",
-        help="all: the backward recomputes every op's activations but the loss's (Megatron's "
-        "full recomputation): less memory, one more forward per step",
+        help="all: keep a checkpoint per repeated block (the ops whose outputs cross a "
+        "transformer layer's or a ResNet block's boundary, as Megatron-LM's full "
+        "recomputation keeps each layer's input), or without repeated blocks about sqrt(n) "
+        "ops evenly spaced by simulated time (Chen et al. 2016), and recompute every other "
+        "op but the loss: each segment's activations are made again during its backward. "
+        "Less memory, one more forward per step",
     )
 
 
@@ -83,8 +87,11 @@ def check_options(args: argparse.Namespace, searching: bool) -> None:
         )
 
 
-def recompute_names(args: argparse.Namespace, graph: Graph) -> tuple[str, ...]:
-    return full_recompute(graph) if args.recompute == "all" else ()
+def recompute_names(
+    args: argparse.Namespace, graph: Graph, space: Space, simulator: Simulator
+) -> tuple[str, ...]:
+    """The ops the plan recomputes: ``pipeline_rule.full_recompute`` under ``all``."""
+    return full_recompute(graph, space, simulator) if args.recompute == "all" else ()
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,8 @@ def plan_pipeline(
     micro = load_model(args.model, graph.batch // microbatches, loss_choice(args.loss)).graph
     space = analyze(micro)
     model = costs.for_graph(micro, machine).model
-    names = full_recompute(micro) if recompute else ()
     plain = make_simulator(machine, model, slots, precision)
+    names = full_recompute(micro, space, plain) if recompute else ()
     built = pipeline_plan(micro, space, plain, stages, microbatches, schedule, frozenset(names))
     validate_strategy(micro, space, built.strategy)
     check_pipeline_plan(built.pipeline, micro, built.strategy.configs, machine.size)

@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     slots = OPTIMIZER_SLOTS[args.optimizer]
     simulator = make_simulator(machine, costs.model, slots, precision)
     zero = _zero_stage(args, rule)
-    recompute, piped = recompute_names(args, graph), None
+    recompute, piped = recompute_names(args, graph, space, simulator), None
     if rule is Rule.PIPELINE:  # refused in one line before any work where it cannot be
         stages, microbatches, schedule = shape(args, machine, graph)
     if searching:

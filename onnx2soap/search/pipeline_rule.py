@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
+from onnx2soap.search.groups import Block, find_groups
 from onnx2soap.search.megatron import node_size
 from onnx2soap.search.pipeline_stages import balanced_stages
 from onnx2soap.sim import Simulator
 from onnx2soap.sim.machine import Machine
-from onnx2soap.soap.dims import DimKind, SoapDim
+from onnx2soap.soap.dims import DimKind, SoapDim, analyze
 from onnx2soap.soap.partition import ParallelConfig, chunk
 from onnx2soap.soap.partitioned import Partitioner
 from onnx2soap.soap.pipeline import Pipeline, Schedule
@@ -167,10 +168,77 @@ def default_microbatches(devices: int, batch: int, stages: int) -> int | None:
     return max(fitting) if fitting else None
 
 
-def full_recompute(graph: Graph) -> tuple[str, ...]:
-    """Megatron-LM's full recomputation: every op but the loss."""
+def full_recompute(
+    graph: Graph, space: Space | None = None, simulator: Simulator | None = None
+) -> tuple[str, ...]:
+    """``--recompute all``: every op but the loss and the checkpoints (``checkpoints``),
+    in graph order. The executor rematerializes a segment between checkpoints at its
+    first backward need and holds each tile until its own backward, so only one
+    segment's activations are live at the backward's peak (with no checkpoint, the
+    first backward would make the whole forward again)."""
     loss = graph.loss_op
-    return tuple(op.name for op in graph.ops if loss is None or op.name != loss.name)
+    kept = set(checkpoints(graph, space or analyze(graph), simulator))
+    return tuple(
+        op.name
+        for op in graph.ops
+        if op.name not in kept and (loss is None or op.name != loss.name)
+    )
+
+
+def checkpoints(graph: Graph, space: Space, simulator: Simulator | None = None) -> tuple[str, ...]:
+    """The ops ``--recompute all`` keeps, in graph order. Where the model repeats
+    blocks (``groups.find_groups``: transformer layers, a ResNet stage's blocks), the
+    ops whose outputs cross a block instance's boundary (its input and output, as
+    Megatron-LM's full recomputation keeps each layer's input): a layer's inside is
+    recomputed during that layer's backward. Else about sqrt(n) ops evenly spaced by
+    simulated time (Chen et al. 2016; by op count without a simulator)."""
+    blocks = find_groups(graph, space).blocks
+    if blocks:
+        return _block_boundaries(graph, blocks)
+    ops = [op for op in graph.ops if op.name != getattr(graph.loss_op, "name", None)]
+    if simulator is None:
+        seconds = [1.0] * len(ops)
+    else:
+        group = (0,)  # one device: only the ops' relative times matter
+        every = op_seconds(graph, space, simulator, group)
+        by_name = {op.name: t for op, t in zip(graph.ops, every, strict=True)}
+        seconds = [by_name[op.name] for op in ops]
+    return _evenly_spaced([op.name for op in ops], seconds)
+
+
+def _block_boundaries(graph: Graph, blocks: tuple[Block, ...]) -> tuple[str, ...]:
+    """The ops read across a block instance's boundary: by an op of another instance or
+    of none, or, outside every block, by an op inside one."""
+    where: dict[str, tuple[int, int]] = {}
+    for b, block in enumerate(blocks):
+        for k, names in enumerate(block.instances):
+            for name in names:
+                where[name] = (b, k)
+    producer = {op.output: op.name for op in graph.ops}
+    kept = set()
+    for op in graph.ops:
+        for tensor in op.inputs:
+            p = producer.get(tensor)
+            if p is not None and where.get(p) != where.get(op.name):
+                kept.add(p)
+    return tuple(op.name for op in graph.ops if op.name in kept)
+
+
+def _evenly_spaced(names: list[str], seconds: list[float]) -> tuple[str, ...]:
+    """About sqrt(n) of ``names``: the ops at which the running time first reaches each
+    of ``k`` evenly spaced fractions of the total (k = round(sqrt(n)), k + 1 segments)."""
+    k = round(math.sqrt(len(names)))
+    total = sum(seconds)
+    if k == 0 or total <= 0:
+        return ()
+    chosen, running, j = [], 0.0, 1
+    for name, t in zip(names, seconds, strict=True):
+        running += t
+        if j <= k and running >= j * total / (k + 1):
+            chosen.append(name)
+            while j <= k and running >= j * total / (k + 1):
+                j += 1
+    return tuple(chosen)
 
 
 def staged_strategy(graph: Graph, space: Space, simulator: Simulator | None) -> Strategy:
