@@ -73,9 +73,9 @@ def evaluate(comm: MPI.Comm, rt: Runtime, data: FileData, rows, step: int) -> Ev
         try:
             batch = data.batch(b, rows)
             partial, tiles = rt.evaluate(batch, {op} if op else set())
-            tasks = rt.pg.tasks[op] if op else ()
+            index = next((i for i, o in enumerate(rt.graph.ops) if o.name == op), -1)
             pieces = [
-                (m, tasks[t].output, tile)
+                (m, rt.output_rect((index, t)), tile)
                 for m, part in enumerate(tiles)
                 for (_, t), tile in part.items()
             ]

@@ -130,14 +130,14 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
         # producer's whole tile (a part of it would be a strided view).
         if mine[0].transfer is not None:
             return Received(mine[0].transfer)
-        if _whole(mine[0].rect, rt.task(mine[0].peer).output):
+        if _whole(mine[0].rect, rt.output_rect(mine[0].peer)):
             return Alias(mine[0].peer)
     copies = tuple(
         Copy(
             local_slices(p.rect, region.buffer),
             p.peer,
             k,
-            local_slices(p.rect, rt.task(p.peer).output),
+            local_slices(p.rect, rt.output_rect(p.peer)),
             p.transfer,
         )
         for p in mine
@@ -149,9 +149,11 @@ def _cut_constant(rt, name: str, region: Region):
     return slice_from_full(rt.xp, rt.constants[name], region)
 
 
-def grad_source(rt, task: Task, pieces: tuple[Piece, ...]) -> GradSource:
-    """How a local task's output gradient is gathered from its consumers' pieces."""
-    if len(pieces) == 1 and _whole(pieces[0].rect, task.output):
+def grad_source(rt, key: TaskKey, pieces: tuple[Piece, ...]) -> GradSource:
+    """How a local task's output gradient is gathered from its consumers' pieces (over
+    the rect its output spans: a reduce-scattering sum's holder, its chunk)."""
+    output = rt.output_rect(key)
+    if len(pieces) == 1 and _whole(pieces[0].rect, output):
         p = pieces[0]
         if p.transfer is not None:
             return Received(p.transfer)
@@ -159,7 +161,7 @@ def grad_source(rt, task: Task, pieces: tuple[Piece, ...]) -> GradSource:
             return GradAlias(p.peer, p.operand)
     copies = tuple(
         Copy(
-            local_slices(p.rect, task.output),
+            local_slices(p.rect, output),
             p.peer,
             p.operand,
             local_slices(p.rect, rt.task(p.peer).inputs[p.operand].buffer),
@@ -167,4 +169,4 @@ def grad_source(rt, task: Task, pieces: tuple[Piece, ...]) -> GradSource:
         )
         for p in pieces
     )
-    return GradSum(rt.xp.zeros(rect_shape(task.output), dtype=rt.dtype), copies)
+    return GradSum(rt.xp.zeros(rect_shape(output), dtype=rt.dtype), copies)

@@ -58,7 +58,7 @@ from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.soap.dims import DimKind
-from onnx2soap.soap.partition import Rect, Task, owners, rect_shape
+from onnx2soap.soap.partition import Rect, Task, held_rects, owners, rect_shape
 from onnx2soap.soap.zero import ZeroGroup, ZeroStage, zero_group
 
 WeightKey = tuple[str, Rect]
@@ -111,6 +111,12 @@ class Runtime:
         self.matmul_dtype = self.xp.float16 if half else None
         self.updates = 0  # optimizer steps taken (Adam's bias correction counts them)
         self.tasks = [pg.tasks[op.name] for op in self.graph.ops]
+        # A reduce-scattering sum's holders hold a chunk of their tile, not all of it.
+        self.held: dict[TaskKey, Rect] = {
+            (i, t): rect
+            for i, op in enumerate(self.graph.ops)
+            for t, rect in held_rects(pg.sums[op.name]).items()
+        }
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
         self.shards: dict[WeightKey, object] = {}
         self.trainable: set[WeightKey] = set()
@@ -221,6 +227,12 @@ class Runtime:
     def task(self, key: TaskKey) -> Task:
         return self.tasks[key[0]][key[1]]
 
+    def output_rect(self, key: TaskKey) -> Rect:
+        """The rect a task's output array spans: its tile, or the chunk of it a
+        reduce-scattering sum's holder ends with."""
+        held = self.held.get(key)
+        return self.task(key).output if held is None else held
+
     def forward(self, batch: Batch, microbatch: int = 0) -> dict[tuple[str, int], np.ndarray]:
         """Only the forward phase; the output tile (on the host) of every local task that
         owns one, by (op, task) (a partial sum is no tile), of microbatch ``microbatch``
@@ -242,7 +254,7 @@ class Runtime:
         names = [op.name for op in self.graph.ops]
         owned = {
             (i, t.index) for i, op in enumerate(self.graph.ops) for t in owners(op, self.tasks[i])
-        }
+        } | set(self.held)  # every chunk of a reduce-scattered sum: each holder has one
         tiles = tuple(
             {
                 (names[op], task): self.device.to_host(tile)
@@ -426,11 +438,11 @@ class _Buffers:
                     input_source(rt, key, task, k, pieces) for k in range(len(op.inputs))
                 )
             elif assembles and not (op.is_loss or rt.pg.sums[op.name]):
-                self.grad_outputs[key] = grad_source(rt, task, ins.pieces)
+                self.grad_outputs[key] = grad_source(rt, key, ins.pieces)
         elif isinstance(ins, ShareGrad):
             group = rt.pg.sums[rt.graph.ops[ins.op].name][ins.group]
             key = (ins.op, group.holder(rt.rank))
-            self.grad_outputs[key] = grad_source(rt, rt.task(key), ins.pieces)
+            self.grad_outputs[key] = grad_source(rt, key, ins.pieces)
 
 
 def _tensor(rt: Runtime, t: Transfer) -> str:

@@ -36,7 +36,7 @@ from executor.recompute import compute_event, send_event
 from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey
-from onnx2soap.soap.partition import Rect, rect_shape
+from onnx2soap.soap.partition import Rect, SumGroup, rect_shape
 from onnx2soap.soap.zero import ZeroStage
 
 WeightKey = tuple[str, Rect]
@@ -151,7 +151,7 @@ class Step:
         t = ins.transfer
         if t.phase is Phase.FORWARD:
             whole = self.outputs[t.producer]
-            origin = self.rt.task(t.producer).output
+            origin = self.rt.output_rect(t.producer)
         else:
             whole = self.input_grads[t.consumer][t.operand]
             origin = self.rt.task(t.consumer).inputs[t.operand].buffer
@@ -281,8 +281,12 @@ class Step:
         return slots
 
     def sum_outputs(self, ins: SumOutputs) -> None:
-        """The group's partial tiles summed; this rank's holder's output becomes the sum."""
+        """The group's partial tiles summed; this rank's holder's output becomes the sum,
+        or where the group reduce-scatters, its chunk of the sum."""
         group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
+        if group.scatter is not None:
+            self._scatter_outputs(ins, group)
+            return
         mine = self._local(ins.op, group.tasks)
         first = self.outputs[(ins.op, mine[0])]
         total = self._slots(("sum", ins.op, ins.group), first.shape)
@@ -293,16 +297,60 @@ class Step:
         self.rounding(total)  # the op's output, as one task's would be
         self.outputs[(ins.op, group.holder(self.rt.rank))] = total
 
+    def _scatter_outputs(self, ins: SumOutputs, group: SumGroup) -> None:
+        """Reduce-scatter: the local partial tiles summed into a buffer of the step's
+        (the tile with the scatter's axis first, where each chunk is one run), the ring
+        leaves this rank's chunk summed, and the holder keeps a copy of it alone (the
+        full-size buffer goes at once: a member holds 1/k of the sum)."""
+        xp, axis = self.xp, group.scatter.axis
+        mine = self._local(ins.op, group.tasks)
+        moved = xp.moveaxis(self.outputs[(ins.op, mine[0])], axis, 0)
+        # Summed in place where the kernel made the partial tile afresh and the layout
+        # is already the ring's; else into a copy (never into an input of the kernel).
+        fresh = self._owned_output(ins.op, mine[0]) and moved.flags.c_contiguous
+        total = moved if fresh else moved.copy()
+        for t in mine[1:]:
+            total += xp.moveaxis(self.outputs[(ins.op, t)], axis, 0)
+        runs = group.scatter.runs(group.tile)
+        self.rt.transport.wait(self.rt.transport.reduce_scatter(total, group.devices, runs))
+        holder = group.holder(self.rt.rank)
+        lo, hi = runs[group.devices.index(self.rt.rank)]
+        chunk = rect_shape(group.held(self.rt.rank))
+        first = (chunk[axis], *chunk[:axis], *chunk[axis + 1 :])
+        part = xp.moveaxis(total.reshape(-1)[lo:hi].reshape(first), 0, axis).copy()
+        self.rounding(part)  # the op's output, as one task's would be
+        self.outputs[(ins.op, holder)] = part
+
+    def _owned_output(self, op: int, task: int) -> bool:
+        out = self.outputs[(op, task)]
+        return _owns(out, self.inputs.get((op, task), ()))
+
     def share_grad(self, ins: ShareGrad) -> None:
         """Every task of the group gets the gradient of its tile: the pieces its holders
-        received, summed over the group."""
+        received, summed over the group (all-reduce); where the group reduce-scattered,
+        each holder's pieces cover its chunk alone, and an all-gather of the chunks
+        gives every member the whole tile's gradient."""
         group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
         mine = self._local(ins.op, group.tasks)
         holder = (ins.op, group.holder(self.rt.rank))
-        grad = self._slots(("share", ins.op, ins.group), rect_shape(self.rt.task(holder).output))
-        grad += self._grad_output(holder)
-        if len(group.devices) > 1:
-            self.rt.transport.wait(self.rt.transport.allreduce(grad, group.devices))
+        if group.scatter is None:
+            shape = rect_shape(self.rt.task(holder).output)
+            grad = self._slots(("share", ins.op, ins.group), shape)
+            grad += self._grad_output(holder)
+            if len(group.devices) > 1:
+                self.rt.transport.wait(self.rt.transport.allreduce(grad, group.devices))
+        else:
+            axis = group.scatter.axis
+            tile = rect_shape(group.tile)
+            moved = (tile[axis], *tile[:axis], *tile[axis + 1 :])
+            gathered = self._slots(("share", ins.op, ins.group), moved)
+            runs = group.scatter.runs(group.tile)
+            lo, hi = runs[group.devices.index(self.rt.rank)]
+            own = self.xp.moveaxis(self._grad_output(holder), axis, 0)
+            gathered.reshape(-1)[lo:hi] = own.reshape(-1)
+            pending = self.rt.transport.all_gather(gathered, group.devices, runs)
+            self.rt.transport.wait(pending)
+            grad = self.xp.moveaxis(gathered, 0, axis)  # a view: kernels never write it
         for t in mine:
             self.grad_outputs[(ins.op, t)] = grad
 

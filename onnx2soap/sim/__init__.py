@@ -13,7 +13,7 @@ import numpy as np
 from onnx2soap.precision import Precision
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
-from onnx2soap.sim.memory import peak_memory
+from onnx2soap.sim.memory import memory_key, peak_memory
 from onnx2soap.sim.pipeline_price import PipelineEvaluation, price_pipeline, task_repeats
 from onnx2soap.sim.precision_cost import with_precision
 from onnx2soap.sim.presets import resolve_machine
@@ -142,8 +142,10 @@ class Simulator:
         if self.pipeline is None:
             step, moved, report = simulate(tg).makespan, int(tg.nbytes.sum()), None
         else:
+            memo = self.memo.memory
             ops = {
-                op.name: self.memo.memory[(op.name, pg.strategy[op.name])] for op in pg.graph.ops
+                op.name: memo[memory_key(op.name, pg.strategy[op.name], pg.sums[op.name])]
+                for op in pg.graph.ops
             }
             price = price_pipeline(
                 pg, self.pipeline, tg, lay, slots, memory, ops, self.itemsize, self.host_objects

@@ -24,7 +24,15 @@ import numpy as np
 
 from onnx2soap.ir import TensorRole
 from onnx2soap.sim import Evaluation, Simulator
-from onnx2soap.sim.memory import OpMemory, Pieces, _batch_bytes, _edge_bytes, _op_bytes, total
+from onnx2soap.sim.memory import (
+    OpMemory,
+    Pieces,
+    _batch_bytes,
+    _edge_bytes,
+    _op_bytes,
+    memory_key,
+    total,
+)
 from onnx2soap.sim.simulate import Timeline, run_task
 from onnx2soap.sim.taskgraph import (
     EMPTY,
@@ -37,7 +45,7 @@ from onnx2soap.sim.taskgraph import (
     layout,
 )
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
-from onnx2soap.soap.partition import stat_groups, sum_groups
+from onnx2soap.soap.partition import SumGroup, stat_groups
 from onnx2soap.soap.recompute import recomputes
 
 
@@ -79,9 +87,18 @@ class DeltaSimulator:
         )
         self.lay = layout(graph)
         self.builder = SlotBuilder(self.costs, self.lay)
+        # Per op, the producers of its inputs with partial sums: whether such a sum
+        # reduce-scatters depends on its readers' configs (``Partitioner.sums``), so a
+        # reader's change rebuilds its producer's slots and edges too.
+        self.summing = [
+            sorted({p for p, c, _ in self.lay.edges if c == i and graph.ops[p].nest.partial_dims})
+            for i in range(len(graph.ops))
+        ]
         self.num_resources = m.resources
         # The slots where a re-run can begin: the first slot each op's change touches.
-        self.entries = sorted({0} | {min(self._touched([i])[1]) for i in range(len(graph.ops))})
+        self.entries = sorted(
+            {0} | {min(self._touched(self._with_sums([i]))[1]) for i in range(len(graph.ops))}
+        )
         self.entry_set = frozenset(self.entries)
         self.op_segments: dict[tuple[int, ParallelConfig], tuple[Segment, ...]] = {}
         self.edge_segments: dict[tuple, tuple[Segment, Segment]] = {}
@@ -99,18 +116,23 @@ class DeltaSimulator:
 
     # -- pieces, memoized by the configs they depend on ---------------------------------
 
-    def parts(self, i: int, config: ParallelConfig) -> OpParts:
-        key = (i, config)
+    def _with_sums(self, changed: list[int]) -> list[int]:
+        """``changed`` and the producers whose sums its ops read (see ``summing``)."""
+        return sorted({*changed, *(p for i in changed for p in self.summing[i])})
+
+    def sums(self, i: int, strategy: Strategy) -> tuple[SumGroup, ...]:
+        op = self.graph.ops[i]
+        return self.partitioner.sums(op, strategy[op.name], strategy)
+
+    def parts(self, i: int, config: ParallelConfig, sums: tuple[SumGroup, ...] = ()) -> OpParts:
+        """The op's parts under ``config``; ``sums``: its sum groups as decided under the
+        strategy (``sums``), where it has any."""
+        key = (i, config, sums)
         if key not in self.parts_memo:
             op, p = self.graph.ops[i], self.partitioner
             tasks = p.tasks(op, config)
             self.parts_memo[key] = OpParts(
-                op,
-                config,
-                tasks,
-                p.groups(op, config),
-                stat_groups(op, tasks),
-                sum_groups(op, tasks),
+                op, config, tasks, p.groups(op, config), stat_groups(op, tasks), sums
             )
         return self.parts_memo[key]
 
@@ -118,14 +140,15 @@ class DeltaSimulator:
         p, c, k = self.lay.edges[j]
         ops = self.graph.ops
         return self.partitioner.edge(
-            ops[p], strategy[ops[p].name], ops[c], strategy[ops[c].name], k
+            ops[p], strategy[ops[p].name], ops[c], strategy[ops[c].name], k, self.sums(p, strategy)
         )
 
-    def _op_slots(self, segments: list, i: int, config: ParallelConfig) -> None:
-        key = (i, config)
+    def _op_slots(self, segments: list, i: int, strategy: Strategy) -> None:
+        config, sums = strategy[self.graph.ops[i].name], self.sums(i, strategy)
+        key = (i, config, sums)
         slots = self.lay.of_op(i)
         if key not in self.op_segments:
-            self.builder.op_slots(segments, i, self.parts(i, config))
+            self.builder.op_slots(segments, i, self.parts(i, config, sums))
             self.op_segments[key] = tuple(segments[s] for s in slots)
         for s, seg in zip(slots, self.op_segments[key], strict=True):
             segments[s] = seg
@@ -134,7 +157,7 @@ class DeltaSimulator:
         p, c, _ = self.lay.edges[j]
         ops = self.graph.ops
         pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
-        key = (j, pconf, cconf)
+        key = (j, pconf, cconf, _scatter(self.sums(p, strategy)))
         slots = (self.lay.edge_forward[j], self.lay.edge_backward[j])
         if key not in self.edge_segments:
             edge = self.edge(j, strategy)
@@ -147,10 +170,11 @@ class DeltaSimulator:
 
     def _op_memory(self, i: int, strategy: Strategy) -> OpMemory:
         op = self.graph.ops[i]
-        key = (op.name, strategy[op.name])
+        sums = self.sums(i, strategy)
+        key = memory_key(op.name, strategy[op.name], sums)
         memo = self.simulator.memo.memory
         if key not in memo:
-            parts, sim = self.parts(i, key[1]), self.simulator
+            parts, sim = self.parts(i, key[1], sums), self.simulator
             memo[key] = _op_bytes(
                 self.graph,
                 op,
@@ -163,6 +187,7 @@ class DeltaSimulator:
                 sim.zero,
                 sim.optimizer_slots,
                 recomputes(op, parts.sums, sim.recompute),
+                sums,
             )
         return memo[key]
 
@@ -170,7 +195,7 @@ class DeltaSimulator:
         p, c, _ = self.lay.edges[j]
         ops = self.graph.ops
         pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
-        key = (j, pconf, cconf)
+        key = (j, pconf, cconf, _scatter(self.sums(p, strategy)))
         if key not in self.edge_memory_memo:
             edge = self.edge(j, strategy)
             ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
@@ -217,9 +242,10 @@ class DeltaSimulator:
         lay = self.lay
         segments = [EMPTY] * lay.size if base is None else list(base.segments)
         preds = [()] * lay.size if base is None else list(base.preds)
+        changed = self._with_sums(changed)
         edges, dirty, targets = self._touched(changed)
         for i in changed:
-            self._op_slots(segments, i, strategy[ops[i].name])
+            self._op_slots(segments, i, strategy)
         for j in edges:
             self._edge_slots(segments, j, strategy)
         for s in dirty:
@@ -365,6 +391,11 @@ def _starts(tg: TaskGraph, end: list[float]) -> list[float]:
         for r in resources:
             free[r] = e
     return start
+
+
+def _scatter(sums: tuple[SumGroup, ...]) -> tuple:
+    """What of a producer's sums its edges depend on: which reduce-scatter, and how."""
+    return tuple(g.scatter for g in sums)
 
 
 def _shift(held: list[int], old, new) -> None:

@@ -54,8 +54,11 @@ from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.ops import definition
 from onnx2soap.soap import Edge, PartitionedGraph
 from onnx2soap.soap.partition import (
+    ParallelConfig,
     ReplicaGroup,
+    SumGroup,
     Task,
+    held_rects,
     rect_contiguous,
     rect_shape,
     rect_volume,
@@ -119,6 +122,13 @@ def _width(t, itemsize: int) -> int:
     return itemsize if t.dtype.is_float else t.dtype.itemsize  # ids and labels: int64
 
 
+def memory_key(name: str, config: ParallelConfig, sums: tuple[SumGroup, ...]) -> tuple:
+    """An op's memory under a config, memoized by it and, where its readers' configs
+    make some of its sums reduce-scatter, by which (``Partitioner.sums``)."""
+    scatter = tuple(g.scatter for g in sums if g.scatter is not None)
+    return (name, config, scatter) if scatter else (name, config)
+
+
 def _add(held: dict[int, int], device: int, n: int) -> None:
     held[device] = held.get(device, 0) + n
 
@@ -135,6 +145,7 @@ def _op_bytes(
     zero: ZeroStage = ZeroStage.NONE,
     optimizer_slots: int = 0,
     recompute: bool = False,
+    sums: tuple[SumGroup, ...] | None = None,
 ) -> OpMemory:
     """What one op holds per device, counting every activation input buffer and output
     gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place).
@@ -144,7 +155,10 @@ def _op_bytes(
     mixed precision's weight copy) are then the member's rows only, and the update's
     temporaries (``UPDATE_TEMPORARIES``) follow them. ``recompute``: the op's output
     tiles are not held from its forward to its backward, only while its forward kernel
-    runs and again while its backward reruns the forward and runs (``_recomputed_tile``)."""
+    runs and again while its backward reruns the forward and runs (``_recomputed_tile``).
+    ``sums``: the op's sum groups as ``Partitioner.sums`` decides them (None: as
+    ``sum_groups`` makes them, all-reduced)."""
+    sums = sum_groups(op, tasks) if sums is None else sums
     held: dict[int, int] = {}
     outputs: dict[int, int] = {}
     grads: dict[int, int] = {}
@@ -183,8 +197,9 @@ def _op_bytes(
             # groups in order): the op's last one stays in flight after it.
             last[d] = n - grad
     adopted: set[tuple] = set()  # (weight, rect, device) whose first gradient is made
-    holders = {t for g in sum_groups(op, tasks) for t in g.holders}
-    graded = {t.index for t in _graded(op, tasks)} if backward and not op.is_loss else set()
+    holders = {t for g in sums for t in g.holders}
+    chunks = held_rects(sums)  # a reduce-scattering holder's output and its gradient
+    graded = {t.index for t in _graded(tasks, sums)} if backward and not op.is_loss else set()
     out_width = _width(graph.tensors[op.output], itemsize)
     workspace = definition(op.type).workspace
     tensors = [graph.tensors[name] for name in op.inputs]
@@ -198,7 +213,7 @@ def _op_bytes(
         _add(held, t.device, per_task)
     shared = stat_groups(op, tasks) if op.nest.sync_dims else ()
     if op.nest.partial_dims:
-        shared += sum_groups(op, tasks)
+        shared += sums
     for group in shared:
         for d in group.devices:
             _add(held, d, phases * instruction)
@@ -216,7 +231,8 @@ def _op_bytes(
             _add(redone, t.device, tile)
             tile = 0
         _add(outputs, t.device, tile)
-        total = tile + (out if t.index in graded else 0)
+        own = rect_volume(chunks[t.index]) * out_width if t.index in chunks else out
+        total = tile + (own if t.index in graded else 0)
         dropped = 0  # gradients a backward kernel returns and the runtime sums or drops
         for tensor, region in zip(tensors, t.inputs, strict=True):
             n = rect_volume(region.buffer)
@@ -245,11 +261,14 @@ def _op_bytes(
         forward[t.device] = max(forward.get(t.device, 0), fw)
         if backward:
             backward_[t.device] = max(backward_.get(t.device, 0), max(bw, widest) + dropped)
-    if op.nest.partial_dims:
-        for group in sum_groups(op, tasks):
-            n = group.numel * out_width
-            for d in group.devices:  # the summed tile, and its shared gradient
-                _add(held, d, 2 * n if backward else n)
+    for group in sums:
+        n = group.numel * out_width
+        for d in group.devices:  # the summed tile (or chunk), and its shared gradient
+            _add(held, d, group.held_numel(d) * out_width + (n if backward else 0))
+            if group.scatter is not None:
+                # The ring's buffer: the local partial tiles summed, until the chunk is
+                # copied out of it (only while the op's sum runs).
+                forward[d] = max(forward.get(d, 0), n)
     if backward:  # ZeRO-2: the whole gradient exists from the op's backward kernels on
         for d, n in excess.items():
             _add(backward_, d, n)
@@ -286,13 +305,12 @@ def op_held(
     return _op_bytes(graph, op, tasks, groups, itemsize, slots, objects, rounding).held
 
 
-def _graded(op: Op, tasks: tuple[Task, ...]) -> tuple[Task, ...]:
+def _graded(tasks: tuple[Task, ...], sums: tuple[SumGroup, ...]) -> tuple[Task, ...]:
     """The tasks that gather an output gradient from their readers' pieces: every task,
     or for an op with partial sums each group's holders (``ShareGrad``)."""
-    groups = sum_groups(op, tasks)
-    if not groups:
+    if not sums:
         return tasks
-    held = {t for g in groups for t in g.holders}
+    held = {t for g in sums for t in g.holders}
     return tuple(t for t in tasks if t.index in held)
 
 
@@ -335,13 +353,14 @@ def _edge_bytes(
             # piece, no padding around it), which the executor then does not make.
             inplace = o.rect == buffer and feeds[o.dst_task] == 1
             _add(held, c.device, 0 if inplace else o.volume * width)
-            _add(held, p.device, 0 if rect_contiguous(o.rect, p.output) else o.volume * width)
+            source = edge.source(p)
+            _add(held, p.device, 0 if rect_contiguous(o.rect, source) else o.volume * width)
             if grad:  # likewise the producer's whole output gradient, if it is one piece
-                inplace = o.rect == p.output and sole and sends[o.src_task] == 1
+                inplace = o.rect == source and sole and sends[o.src_task] == 1
                 _add(held, p.device, 0 if inplace else o.volume * itemsize)
                 _add(held, c.device, 0 if rect_contiguous(o.rect, buffer) else o.volume * itemsize)
             continue
-        whole = o.rect == buffer == p.output
+        whole = o.rect == buffer == edge.source(p)
         if whole and feeds[o.dst_task] == 1:
             _add(held, c.device, -o.volume * width)
         if whole and grad and sole and sends[o.src_task] == 1:
@@ -435,7 +454,7 @@ def peak_memory(
     held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
     parts = []
     for op in graph.ops:
-        key = (op.name, pg.strategy[op.name])
+        key = memory_key(op.name, pg.strategy[op.name], pg.sums[op.name])
         if key not in memo:
             memo[key] = _op_bytes(
                 graph,
@@ -449,6 +468,7 @@ def peak_memory(
                 zero,
                 optimizer_slots,
                 recomputes(op, pg.sums[op.name], recompute),
+                pg.sums[op.name],
             )
         for d, n in memo[key].held:
             held[d] += n

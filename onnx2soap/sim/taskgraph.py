@@ -430,6 +430,18 @@ def _synced_phase(costs, b, parts, kind, seconds, after) -> tuple[list, list]:
     return starts, ends
 
 
+def _sum_ring(costs, b, group: SumGroup, ready, what: str, backward: bool) -> tuple[Ref, ...]:
+    """The group's collective after ``ready``: an all-reduce of the tile, or where the
+    group reduce-scatters (``SumGroup.scatter``) the ring's half over the chunks' runs,
+    the reduce-scatter forward and the all-gather of the chunks' gradients backward."""
+    if group.scatter is None or len(group.devices) < 2:
+        return _group_ring(costs, b, group.devices, group.numel, ready, what)
+    steps = all_gather_steps if backward else reduce_scatter_steps
+    runs = group.scatter.runs(group.tile)
+    seconds, links, nbytes = costs.half_ring(group.devices, runs, steps)
+    return (b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what),)
+
+
 def _summed_forward(costs, b, parts, seconds) -> tuple[list, list]:
     """Forward of an op with partial sums: every task, then per group a ring of the
     partial tiles and a gate (no duration) on each holder: its tile is ready after it."""
@@ -441,9 +453,7 @@ def _summed_forward(costs, b, parts, seconds) -> tuple[list, list]:
     ends = list(starts)
     for group in parts.sums:
         ready = [starts[i] for i in group.tasks]
-        done = _group_ring(
-            costs, b, group.devices, group.numel, ready, f"partial sums {op.name} fwd"
-        )
+        done = _sum_ring(costs, b, group, ready, f"partial sums {op.name} fwd", False)
         for d, holder in zip(group.devices, group.holders, strict=True):
             ends[holder] = b.add(TaskKind.FORWARD, 0.0, (d,), done, 0, f"sum {op.name}")
     return starts, ends
@@ -451,7 +461,8 @@ def _summed_forward(costs, b, parts, seconds) -> tuple[list, list]:
 
 def _summed_backward(costs, b, parts, seconds, after) -> tuple[list, list]:
     """Backward of an op with partial sums: per group each holder receives the gradient
-    pieces of its readers (a gate), a ring sums them, then every task computes."""
+    pieces of its readers (a gate), a ring sums (or gathers) them, then every task
+    computes."""
     op, tasks = parts.op, parts.tasks
     ready_at: dict[int, tuple[Ref, ...]] = {}
     starts: list = [None] * len(tasks)
@@ -461,9 +472,7 @@ def _summed_backward(costs, b, parts, seconds, after) -> tuple[list, list]:
             gate = b.add(TaskKind.BACKWARD, 0.0, (d,), after[holder], 0, f"sum {op.name}")
             starts[holder] = gate
             gates.append(gate)
-        done = _group_ring(
-            costs, b, group.devices, group.numel, gates, f"partial sums {op.name} bwd"
-        )
+        done = _sum_ring(costs, b, group, gates, f"partial sums {op.name} bwd", True)
         ready_at |= dict.fromkeys(group.tasks, done)
     ends = []
     for t, s in zip(tasks, seconds, strict=True):
@@ -607,7 +616,7 @@ def edge_forward_segment(
         nbytes = o.volume * width
         what = f"{edge.tensor} {p.device}->{c.device}"
         if p.device == c.device:
-            whole = o.rect == p.output and o.rect == c.inputs[edge.operand].buffer
+            whole = o.rect == edge.source(p) and o.rect == c.inputs[edge.operand].buffer
             copy = 0.0 if pieces[o.dst_task] == 1 and whole else costs.copy(c.device, nbytes, 2)
             if copy > 0:  # assembled, not read in place
                 produced = b.add(
@@ -615,7 +624,7 @@ def edge_forward_segment(
                 )
             feeds.append((dst.starts[c.index], produced))
             continue
-        if not rect_contiguous(o.rect, p.output):  # staged: the sender copies it first
+        if not rect_contiguous(o.rect, edge.source(p)):  # staged: the sender copies it first
             produced = _copy_after(
                 b, costs, p.device, nbytes, 2, produced, lambda w=what: f"stage {w}"
             )
@@ -659,7 +668,7 @@ def edge_backward_segment(
         nbytes = o.volume * width
         what = f"{edge.tensor} {p.device}->{c.device}"
         if p.device == c.device:
-            whole = o.rect == p.output and o.rect == c.inputs[edge.operand].buffer
+            whole = o.rect == edge.source(p) and o.rect == c.inputs[edge.operand].buffer
             single = readers == 1 and pieces[o.src_task] == 1 and whole
             copy = 0.0 if single else costs.copy(p.device, nbytes, 4)
             if copy > 0:
@@ -683,7 +692,7 @@ def edge_backward_segment(
         )
         # The producer's whole output gradient, received as one piece from its only
         # reader, is read in place; any other piece is summed into a zeroed gradient.
-        if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == p.output):
+        if not (readers == 1 and pieces[o.src_task] == 1 and o.rect == edge.source(p)):
             x = _copy_after(b, costs, p.device, nbytes, 4, x, lambda w=what: f"copy grad {w}")
         x = _in_flight(b, x, free, f"grad {what}")
         feeds.append((dst.starts[p.index], x))

@@ -331,6 +331,26 @@ def stat_groups(op: Op, tasks: Sequence[Task]) -> tuple[StatGroup, ...]:
 
 
 @dataclass(frozen=True)
+class Scatter:
+    """A sum group reduce-scattered rather than all-reduced (``soap/sum_scatter.py``):
+    member ``i`` (in ``SumGroup.devices`` order) ends with the sum of ``chunks[i]`` only,
+    consecutive blocks of the tile along ``axis`` that together cover it. The ring works
+    on the tile laid out with ``axis`` first (C order), where every chunk is one run."""
+
+    axis: int
+    chunks: tuple[Rect, ...]
+
+    def runs(self, tile: Rect) -> tuple[Interval, ...]:
+        """Each chunk's run of the flat tile laid out with ``axis`` first."""
+        rest = rect_volume(tile) // max(1, tile[self.axis][1] - tile[self.axis][0])
+        first = tile[self.axis][0]
+        return tuple(
+            ((c[self.axis][0] - first) * rest, (c[self.axis][1] - first) * rest)
+            for c in self.chunks
+        )
+
+
+@dataclass(frozen=True)
 class SumGroup:
     """Tasks of an op with ``LoopNest.partial_dims`` (a split reduction dim: MatMul's,
     Gemm's and Conv's contraction, an embedding's vocabulary) that write the same output
@@ -342,12 +362,19 @@ class SumGroup:
     row-parallel linear); a consumer elsewhere reads it from ``owner``, the first task.
     In the backward every holder assembles the gradient pieces its readers send it,
     and the same all-reduce sums them, so that every member task gets the whole tile's
-    gradient. ``numel`` is the tile's size."""
+    gradient. ``numel`` is the tile's size.
+
+    With ``scatter`` (where each member's readers need a disjoint part of the tile) the
+    group reduce-scatters instead: each holder holds only its chunk of the sum, every
+    reader reads from the holders of the chunks it overlaps, and in the backward an
+    all-gather of the holders' chunk gradients gives every task the whole tile's."""
 
     tasks: tuple[int, ...]
     devices: tuple[int, ...]
     numel: int
     holders: tuple[int, ...] = ()  # per device of ``devices``, its first member task
+    tile: Rect = ()
+    scatter: Scatter | None = None
 
     @property
     def owner(self) -> int:
@@ -360,10 +387,20 @@ class SumGroup:
                 return t
         return None
 
+    def held(self, device: int) -> Rect:
+        """The part of the tile the holder on ``device`` (a member) ends with."""
+        if self.scatter is None:
+            return self.tile
+        return self.scatter.chunks[self.devices.index(device)]
+
+    def held_numel(self, device: int) -> int:
+        return rect_volume(self.held(device))
+
 
 def sum_groups(op: Op, tasks: Sequence[Task]) -> tuple[SumGroup, ...]:
     """The op's groups of partial tiles; none where the config splits no partial dim:
-    then every task computes its whole tile, as any op's does."""
+    then every task computes its whole tile, as any op's does. All are all-reduced:
+    ``sum_scatter.scattered`` decides, from the readers, which reduce-scatter."""
     if not op.nest.partial_dims:
         return ()
     by_tile: dict[Rect, list[Task]] = {}
@@ -383,9 +420,21 @@ def sum_groups(op: Op, tasks: Sequence[Task]) -> tuple[SumGroup, ...]:
                 devices=devices,
                 numel=rect_volume(tile),
                 holders=tuple(first[d] for d in devices),
+                tile=tile,
             )
         )
     return tuple(groups)
+
+
+def held_rects(groups: Sequence[SumGroup]) -> dict[int, Rect]:
+    """Per task whose output array is not its own tile: the chunk a reduce-scattering
+    group's holder ends with (the rect its array spans)."""
+    held: dict[int, Rect] = {}
+    for g in groups:
+        if g.scatter is not None:
+            for d, h in zip(g.devices, g.holders, strict=True):
+                held[h] = g.held(d)
+    return held
 
 
 def owners(op: Op, tasks: Sequence[Task]) -> tuple[Task, ...]:
@@ -399,19 +448,32 @@ def owners(op: Op, tasks: Sequence[Task]) -> tuple[Task, ...]:
 
 
 def summed_overlaps(
-    op: Op, producers: Sequence[Task], consumers: Sequence[Task], operand: int
+    op: Op,
+    producers: Sequence[Task],
+    consumers: Sequence[Task],
+    operand: int,
+    groups: Sequence[SumGroup] | None = None,
 ) -> tuple[Overlap, ...]:
     """``overlaps`` of a producer's tiles into ``consumers``' regions; for an op with
-    partial sums each piece comes from the holder of the sum on the consumer's device
-    where the tile's group has one (no transfer), else from the tile's owner."""
+    partial sums (``groups``: its sum groups, ``sum_groups``'s when None) each piece comes
+    from the holder of the sum on the consumer's device where the tile's group has one
+    (no transfer), else from the tile's owner; where the group reduce-scatters, from the
+    holders of the chunks the piece overlaps, one piece per chunk."""
     found = overlaps(owners(op, producers), consumers, operand)
-    groups = sum_groups(op, producers)
+    groups = sum_groups(op, producers) if groups is None else groups
     if not groups:
         return found
     group_of = {g.owner: g for g in groups}
     moved = []
     for o in found:
-        holder = group_of[o.src_task].holder(consumers[o.dst_task].device)
+        group = group_of[o.src_task]
+        if group.scatter is not None:
+            for holder, chunk_rect in zip(group.holders, group.scatter.chunks, strict=True):
+                rect = intersect(o.rect, chunk_rect)
+                if rect is not None:
+                    moved.append(replace(o, src_task=holder, rect=rect, volume=rect_volume(rect)))
+            continue
+        holder = group.holder(consumers[o.dst_task].device)
         moved.append(o if holder is None else replace(o, src_task=holder))
     return tuple(moved)
 

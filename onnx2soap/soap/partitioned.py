@@ -11,10 +11,12 @@ from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.soap.partition import (
     Overlap,
     ParallelConfig,
+    Rect,
     ReplicaGroup,
     StatGroup,
     SumGroup,
     Task,
+    held_rects,
     op_tasks,
     replica_groups,
     stat_groups,
@@ -22,6 +24,7 @@ from onnx2soap.soap.partition import (
     summed_overlaps,
 )
 from onnx2soap.soap.strategy import Strategy
+from onnx2soap.soap.sum_scatter import scattered
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,16 @@ class Edge:
     consumer: str
     operand: int
     overlaps: tuple[Overlap, ...]
+    # Producer tasks whose output array is not their tile: a reduce-scattering sum
+    # group's holders, each holding a chunk of it (``partition.held_rects``).
+    held: tuple[tuple[int, Rect], ...] = ()
+
+    def source(self, task: Task) -> Rect:
+        """The rect the producer task's output array spans (its pieces' origin)."""
+        for index, rect in self.held:
+            if index == task.index:
+                return rect
+        return task.output
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,13 @@ class Partitioner:
         self._tasks: dict[tuple[str, ParallelConfig], tuple[Task, ...]] = {}
         self._overlaps: dict[tuple, tuple[Overlap, ...]] = {}
         self._groups: dict[tuple[str, ParallelConfig], tuple[ReplicaGroup, ...]] = {}
+        self._sums: dict[tuple, tuple[SumGroup, ...]] = {}
+        # Per tensor, the ops reading it and as which operand, in graph order.
+        self.readers: dict[str, list[tuple[Op, int]]] = {}
+        for op in graph.ops:
+            for operand, tensor in enumerate(op.inputs):
+                if tensor in self._producer:
+                    self.readers.setdefault(tensor, []).append((op, operand))
 
     def tasks(self, op: Op, config: ParallelConfig) -> tuple[Task, ...]:
         key = (op.name, config)
@@ -98,17 +118,42 @@ class Partitioner:
             self._groups[key] = replica_groups(op, self.tasks(op, config), weights, states)
         return self._groups[key]
 
+    def sums(self, op: Op, config: ParallelConfig, strategy: Strategy) -> tuple[SumGroup, ...]:
+        """The op's sum groups under ``config``, reduce-scattered where its readers'
+        configs in ``strategy`` let them (``sum_scatter``): the decision depends on the
+        op's config and its readers' alone."""
+        if not op.nest.partial_dims:
+            return ()
+        readers = self.readers.get(op.output, [])
+        key = (op.name, config, tuple(strategy[c.name] for c, _ in readers))
+        if key not in self._sums:
+            base = sum_groups(op, self.tasks(op, config))
+            used = [(self.tasks(c, strategy[c.name]), k) for c, k in readers]
+            self._sums[key] = scattered(base, used) if base else ()
+        return self._sums[key]
+
     def edge(
-        self, producer: Op, pconf: ParallelConfig, consumer: Op, cconf: ParallelConfig, operand: int
+        self,
+        producer: Op,
+        pconf: ParallelConfig,
+        consumer: Op,
+        cconf: ParallelConfig,
+        operand: int,
+        sums: tuple[SumGroup, ...] | None = None,
     ) -> Edge:
-        key = (producer.name, pconf, consumer.name, cconf, operand)
+        """``sums``: the producer's sum groups as ``sums`` decides them (where None, as
+        ``partition.sum_groups`` makes them: all-reduced)."""
+        scatter = tuple(g.scatter for g in sums) if sums else ()
+        key = (producer.name, pconf, consumer.name, cconf, operand, scatter)
         if key not in self._overlaps:
             # A partial sum is no tile: the summed tile goes from its holders.
+            ptasks = self.tasks(producer, pconf)
             self._overlaps[key] = summed_overlaps(
-                producer, self.tasks(producer, pconf), self.tasks(consumer, cconf), operand
+                producer, ptasks, self.tasks(consumer, cconf), operand, sums
             )
         tensor = consumer.inputs[operand]
-        return Edge(tensor, producer.name, consumer.name, operand, self._overlaps[key])
+        held = tuple(held_rects(sums).items()) if sums else ()
+        return Edge(tensor, producer.name, consumer.name, operand, self._overlaps[key], held)
 
     def partition(self, strategy: Strategy) -> PartitionedGraph:
         tasks, edges, groups, stats, sums = {}, [], {}, {}, {}
@@ -117,9 +162,12 @@ class Partitioner:
             tasks[op.name] = self.tasks(op, config)
             groups[op.name] = self.groups(op, config)
             stats[op.name] = stat_groups(op, tasks[op.name])
-            sums[op.name] = sum_groups(op, tasks[op.name])
+            sums[op.name] = self.sums(op, config, strategy)
             for operand, tensor in enumerate(op.inputs):
                 producer = self._producer.get(tensor)
                 if producer is not None:
-                    edges.append(self.edge(producer, strategy[producer.name], op, config, operand))
+                    pconf = strategy[producer.name]
+                    edges.append(
+                        self.edge(producer, pconf, op, config, operand, sums[producer.name])
+                    )
         return PartitionedGraph(self.graph, strategy, tasks, tuple(edges), groups, stats, sums)
