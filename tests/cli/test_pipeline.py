@@ -5,6 +5,7 @@ before any work."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -88,13 +89,18 @@ def test_simulate_reports_the_stages(plans, capsys) -> None:
 
 
 def test_recompute_all(plans, capsys, example_onnx) -> None:
-    """Every op but the loss, written to the plan: more time, no more memory."""
+    """The CNN repeats no block: every op but the loss and up to round(sqrt(n))
+    checkpoints of its n other ops (one op that takes more than a segment's time reaches
+    two marks), written to the plan: more time, no more memory."""
     graph = load_model(example_onnx, 8).graph
+    others = [op.name for op in graph.ops if op.name != graph.loss_op.name]
     for plain, redo in (("dp", "dp-redo"), ("1f1b", "redo")):
         doc = json.loads(plans[redo].read_text())
-        assert doc["recompute"] == [op.name for op in graph.ops if op.name != graph.loss_op.name]
+        kept = [name for name in others if name not in doc["recompute"]]
+        assert doc["recompute"] == [name for name in others if name not in kept]
+        assert 1 <= len(kept) <= round(math.sqrt(len(others)))
         a, b = _simulate(plans[plain], capsys), _simulate(plans[redo], capsys)
-        assert b["recomputed_ops"] == len(graph.ops) - 1
+        assert b["recomputed_ops"] == len(others) - len(kept)
         assert b["step_time_s"] > a["step_time_s"]
         assert max(b["peak_memory_bytes"]) < max(a["peak_memory_bytes"])
 
