@@ -1,6 +1,6 @@
 """Pipeline plans (issue 32) train exactly like one device running the same microbatches.
 
-Under a real mpiexec (4 ranks, every run in one of them: ``pipeline_driver.py``),
+Under a real mpiexec (4 ranks, every run in one of them: ``jobs_driver.py``),
 float64, 1e-10: GPT-2 (tests/sequence_models.py: dropout 0.1, its masks those of the
 samples whatever the plan) and the example CNN (BatchNorm in training mode: statistics
 per microbatch, running statistics updated microbatch by microbatch), on 2 stages of 2
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -39,14 +38,13 @@ from onnx2soap.importer import load_model
 from onnx2soap.soap import Partitioner, analyze, load_plan
 from onnx2soap.soap.pipeline import Schedule, held_at_most
 from onnx2soap.soap.zero import ZeroStage
+from tests.executor.jobs_driver import Job, read_result, run, run_jobs
 from tests.executor.mpi import MPIEXEC
-from tests.executor.pipeline_driver import Job, pipeline_plan, read_result, run, write_jobs
+from tests.executor.pipeline_plans import pipeline_plan
 from tests.executor.test_refusals import assert_refused
 from tests.optional import cupy_or_skip, require
 
 pytestmark = pytest.mark.mpi
-DRIVER = Path(__file__).with_name("pipeline_driver.py")
-ROOT = Path(__file__).parents[2]
 RANKS, BATCH = 4, 8
 GPIPE, ONE_F_ONE_B = Schedule.GPIPE, Schedule.ONE_F_ONE_B
 # (model, stages, data-parallel width, microbatches, schedule, optimizer, ZeRO stage).
@@ -61,21 +59,6 @@ CASES = {
     "cnn-4x1-1f1b-momentum": ("cnn", 4, 1, 2, ONE_F_ONE_B, "momentum", 0),
     "cnn-2x2-1f1b-adam-zero2": ("cnn", 2, 2, 4, ONE_F_ONE_B, "adam", 2),
 }
-
-
-def run_jobs(jobs: list[Job], ranks: int, folder: Path, timeout: float = 300) -> None:
-    """All ``jobs`` in one ``mpiexec -n ranks``; the run must succeed. The tests'
-    PYTHONPATH is kept (the GPU pass puts the cupy stand-in on it)."""
-    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    listed = write_jobs(folder / "jobs.json", jobs)
-    done = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(DRIVER), str(listed)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @functools.cache

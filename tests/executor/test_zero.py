@@ -9,7 +9,7 @@ resumes under a plain data-parallel plan and a plain one under ZeRO, re-sharding
 optimizer's state, and both continue as the uninterrupted one-device run; bf16 with
 ZeRO-2 and fp16 (loss scaling) with ZeRO-1 train like one device in the same precision
 (within a half-format ulp, as tests/executor/test_precision.py); --save-weights and
---save-model write the trained weights. All runs share one mpiexec (``zero_driver.py``).
+--save-model write the trained weights. All runs share one mpiexec (``jobs_driver.py``).
 The same on GPUs over NCCL and host-staged rings (the stand-in under ``-m gpu``). A
 stage on a plan that replicates nothing is refused, naming the field (a stage other
 than 1 or 2: tests/soap/test_zero.py, tests/cli/test_zero.py).
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -40,14 +39,13 @@ from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.presets import cpu
 from onnx2soap.soap import Partitioner, Plan, analyze, load_plan, plan_ops, save_plan
 from onnx2soap.soap.zero import ZeroStage, zero_group
+from tests.executor.jobs_driver import Job, options, read_result, run_jobs
 from tests.executor.mpi import MPIEXEC
-from tests.executor.zero_driver import OPTIMIZERS, Job, options, read_result, write_jobs
+from tests.executor.optimizer_configs import OPTIMIZERS
 from tests.optional import cupy_or_skip
 
 pytestmark = pytest.mark.mpi
-DRIVER = Path(__file__).with_name("zero_driver.py")
 RANKS, BATCH = 3, 6
-ROOT = Path(__file__).parents[2]
 # A weight whose gradient is zero in exact arithmetic (GPT's key bias: softmax ignores a
 # constant added to every score of a query) gets rounding noise of about 1e-17, which
 # no two summation orders agree on; Adam turns it into steps of lr * noise / eps, about
@@ -65,21 +63,6 @@ def zero_plan(model: Path, plan: Path, ranks: int, batch: int, stage: int) -> Pa
     doc = Plan(model, file_sha256(model), batch, graph.loss, ranks, ops)
     save_plan(replace(doc, zero_stage=ZeroStage(stage)), plan)
     return plan
-
-
-def run_jobs(jobs: list[Job], ranks: int, folder: Path, timeout: float = 300) -> None:
-    """All ``jobs`` in one ``mpiexec -n ranks`` (``zero_driver.py``); the run must succeed.
-    The tests' PYTHONPATH is kept (the GPU pass puts the cupy stand-in on it)."""
-    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    listed = write_jobs(folder / "jobs.json", jobs)
-    done = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(DRIVER), str(listed)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def one_device(job: Job):
@@ -100,7 +83,8 @@ def assert_like(out: Path, losses, weights, rtol: float, atol: float | None = No
     """Losses within ``rtol``; weights within ``atol``, else within ``rtol`` of their
     size (as tests/executor/mpi.py's ``assert_same_training``), never below ``ADAM_NOISE``
     for a run with Adam (``Job.out`` names the optimizer)."""
-    got_losses, got, _ = read_result(out)
+    result = read_result(out)
+    got_losses, got = result.losses, result.weights
     np.testing.assert_allclose(got_losses, losses, rtol=rtol, atol=0, err_msg=out.name)
     assert set(got) == set(weights)
     noise = ADAM_NOISE if "adam" in out.name else 0.0
@@ -224,13 +208,13 @@ def test_saved_weights_and_model_are_the_trained_ones(trained) -> None:
     """--save-weights and --save-model of ZeRO runs: the gathered weights, bit for bit
     (the model in its float32 initializers)."""
     job, out = trained["zero2-adam"]
-    _, gathered, _ = read_result(out)
+    gathered = read_result(out).weights
     with np.load(job.save_weights) as saved:
         assert set(saved.files) == set(gathered)
         for name, w in gathered.items():
             np.testing.assert_array_equal(saved[name], w, err_msg=name)
     job, out = trained["zero1-sgd"]
-    _, gathered, _ = read_result(out)
+    gathered = read_result(out).weights
     model = onnx.load(job.save_model)
     initializers = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     for name, w in gathered.items():
@@ -240,7 +224,7 @@ def test_saved_weights_and_model_are_the_trained_ones(trained) -> None:
 def test_zero_moves_the_all_reduces_bytes(trained) -> None:
     """A reduce-scatter and an all-gather per sharded group move what one all-reduce
     moves (the same two Adam steps, data parallel and ZeRO-2)."""
-    sent = {name: read_result(trained[f"{name}-saves"][1])[2] for name in ("dp", "zero2")}
+    sent = {name: read_result(trained[f"{name}-saves"][1]).sent for name in ("dp", "zero2")}
     assert sent["zero2"].sum() == sent["dp"].sum() > 0
 
 

@@ -2,7 +2,7 @@
 ZeRO-1 and ZeRO-2 (``plan --strategy zero``) on 3 ranks trains exactly like one device:
 float64, 1e-10, dropout masks included, with Adam at stage 2 and momentum at stage 1
 (the other optimizers: the example CNN, tests/executor/test_zero.py), both
-runs in one mpiexec (tests/executor/zero_driver.py). Its weights' rows (the embedding's
+runs in one mpiexec (tests/executor/jobs_driver.py). Its weights' rows (the embedding's
 64, the projections' 16 or 64) shard unevenly over 3 (issue 32)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.executor.jobs_driver import Job
 from tests.executor.test_zero import assert_like, one_device, run_jobs, zero_plan
-from tests.executor.zero_driver import Job
 
 pytestmark = pytest.mark.mpi
 RANKS, BATCH = 3, 3

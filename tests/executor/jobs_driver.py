@@ -1,20 +1,19 @@
-"""Pipeline plans for the tests, and several training runs in one mpiexec.
+"""Several training runs in one mpiexec: an interpreter's start and its imports are most
+of a small run's time, so every job is the executor's ``train`` called again in the same
+ranks (as benchmarks/interleave.py does). The ZeRO, pipeline and sequence tests share it.
 
-``pipeline_plan`` writes a plan as a pipeline planner would: the ops cut into stages
-contiguous in graph order, each stage data parallel over its own ranks, the model split
-at the microbatch's batch. An interpreter's start and imports are most of a small run's
-time, so every job is the executor's ``train`` called again in the same ranks:
+    mpiexec -n N python tests/executor/jobs_driver.py JOBS.json
 
-    mpiexec -n N python tests/executor/pipeline_driver.py JOBS.json
-
-JOBS.json is a list of ``Job``s (``write_jobs``); rank 0 writes each job's losses,
-evaluation losses, the bytes each rank sent, every rank's peak RSS and the gathered
-weights to its ``out`` .npz (``read_result``).
+JOBS.json is a list of ``Job``s (``write_jobs``; ``run_jobs`` writes it and runs them);
+rank 0 writes each job's losses, evaluation losses, the bytes each rank sent, every
+rank's peak RSS and the gathered weights to its ``out`` .npz (``read_result``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,56 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from executor.kinds import DeviceKind, TransportKind
-from onnx2soap.importer import file_sha256, load_model
 from onnx2soap.ir import DType
-from onnx2soap.search.baselines import data_parallel
-from onnx2soap.soap import Plan, analyze, plan_ops, save_plan
-from onnx2soap.soap.pipeline import Pipeline, Schedule
-from onnx2soap.soap.plan import OpPlan
-from onnx2soap.soap.zero import ZeroStage
+from onnx2soap.precision import Precision
+from tests.executor.mpi import MPIEXEC
 from tests.executor.optimizer_configs import OPTIMIZERS
 
-
-def pipeline_plan(
-    model: Path,
-    path: Path,
-    batch: int,
-    stages: int,
-    microbatches: int,
-    schedule: Schedule = Schedule.ONE_F_ONE_B,
-    width: int = 1,
-    zero: ZeroStage = ZeroStage.NONE,
-) -> Path:
-    """``stages`` stages of ``width`` ranks each (stage s on ranks s*width ...), the ops
-    cut into stages of equal op counts, each stage data parallel over its ranks;
-    ``stages=1, microbatches=1`` writes a plan without a pipeline."""
-    graph = load_model(model, batch // microbatches).graph
-    space = analyze(graph)
-    within = plan_ops(data_parallel(graph, space, width), graph, space)
-    n = len(graph.ops)
-    bounds = [s * n // stages for s in range(stages + 1)]
-    ops, names = [], []
-    for s in range(stages):
-        part = within[bounds[s] : bounds[s + 1]]
-        names.append(tuple(op.name for op in part))
-        ops += [
-            OpPlan(op.name, op.degrees, tuple(d + s * width for d in op.devices)) for op in part
-        ]
-    pipeline = None
-    if stages > 1 or microbatches > 1:
-        pipeline = Pipeline(tuple(names), microbatches, schedule)
-    doc = Plan(
-        model,
-        file_sha256(model),
-        batch,
-        graph.loss,
-        stages * width,
-        tuple(ops),
-        zero_stage=zero,
-        pipeline=pipeline,
-    )
-    save_plan(doc, path)
-    return path
+DRIVER = Path(__file__)
+ROOT = Path(__file__).parents[2]
 
 
 @dataclass(frozen=True)
@@ -82,6 +38,7 @@ class Job:
     steps: int = 3
     lr: float = 0.05
     dtype: str = "float64"
+    precision: str | None = None  # None: the plan's
     device: str = "cpu"
     transport: str = "auto"
     data: str | None = None  # --data (synthetic when None)
@@ -105,6 +62,7 @@ def options(job: Job):
         lr=job.lr,
         dtype=DType(job.dtype),
         optimizer=OPTIMIZERS[job.optimizer],
+        precision=None if job.precision is None else Precision(job.precision),
         device=DeviceKind(job.device),
         transport=TransportKind(job.transport),
         data=path(job.data),
@@ -170,6 +128,21 @@ def main(jobs_file: str) -> int:
                 **{f"w:{k}": v for k, v in got.weights.items()},
             )
     return 0
+
+
+def run_jobs(jobs: list[Job], ranks: int, folder: Path, timeout: float = 300) -> None:
+    """All ``jobs`` in one ``mpiexec -n ranks``; the run must succeed. The tests'
+    PYTHONPATH is kept (the GPU pass puts the cupy stand-in on it)."""
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    listed = write_jobs(folder / "jobs.json", jobs)
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(DRIVER), str(listed)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 if __name__ == "__main__":
