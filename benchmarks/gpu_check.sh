@@ -5,8 +5,9 @@
 #   1. every op's cupy kernels equal numpy's (float64), and the backend on cupy;
 #   2. the executor on the GPU: one rank like the CPU, four ranks sharing the GPU over
 #      mpi-host like one device, nccl with one rank, mpi-cuda run or refused, fp16 and
-#      bf16 mixed precision like the CPU's (fp16 products on tensor cores), ZeRO over
-#      ranks sharing the GPU (host-staged; NCCL's case needs a GPU per rank);
+#      bf16 mixed precision like the CPU's (fp16 products on tensor cores), ZeRO, pipelines
+#      (GPipe, 1F1B: Reopen's waits on a real stream) and recomputation over ranks sharing
+#      the GPU (host-staged; NCCL's cases need a GPU per rank);
 #   3. the step-time table: the executor next to PyTorch eager on the same GPU;
 #   4. four ranks sharing the GPU: measured step next to the simulator's prediction;
 #   5. the per-op kernel table, numpy vs cupy;
@@ -40,10 +41,12 @@ if part 1; then
     tests/conformance/test_backend.py 2>&1 | tail -n 5 | tee "$OUT/gpu_ops.txt"
 fi
 if part 2; then
-  timeout 240 $PY -m pytest -q -p no:cacheprovider -rs tests/executor/test_gpu.py \
+  timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/executor/test_gpu.py \
     tests/cli/test_profile_gpu.py tests/executor/test_precision_gpu.py \
-    "tests/executor/test_zero.py::test_zero_on_gpus_trains_like_one_device" 2>&1 \
-    | tail -n 15 | tee "$OUT/gpu_executor.txt"
+    "tests/executor/test_zero.py::test_zero_on_gpus_trains_like_one_device" \
+    "tests/executor/test_pipeline.py::test_a_pipeline_on_gpus_trains_like_one_device" \
+    "tests/executor/test_recompute.py::test_ranks_sharing_a_gpu_recompute_like_one_device" \
+    2>&1 | tail -n 15 | tee "$OUT/gpu_executor.txt"
 fi
 if part 3; then
   timeout 90 $PY -m benchmarks.step_time --device cuda --steps 20 2>&1 \
