@@ -1,20 +1,21 @@
-"""Peak memory of GPipe and 1F1B, with and without recomputation: each rank's peak RSS
-measured next to the simulator's peak, and the step.
+"""Strategies measured on this host's CPU ranks: each rank's peak RSS next to the
+simulator's peak, and the step next to its prediction, for data parallelism, ZeRO-1/2,
+GPipe and 1F1B pipelines, each with and without full recomputation, Megatron and the
+searched plan (the measured side of ``benchmarks/strategies.py``'s predicted table).
 
-A GPT-2-shaped decoder (``gpt_onnx.py``: weights on a sparse file, so the weights are
-small next to a long sequence's activations) planned by ``plan --strategy pipeline``
-into two stages of one rank each, then trained by the executor under mpiexec with each
-schedule, without and with ``--recompute all``. Under GPipe a stage holds every
+A GPT-2-shaped decoder (``gpt_onnx.py``: weights on a sparse file) planned by ``plan``
+for ``cpu:2`` (two ranks; a pipeline is two stages of one rank) with Adam, whose state
+ZeRO shards, then trained by the executor under mpiexec. Under GPipe a stage holds every
 microbatch's activations before its first backward; under 1F1B stage ``s`` of ``S``
-holds at most ``S - s`` (``soap.pipeline.held_at_most``), so the first stage's peak is
-the lower one; recomputation keeps no op's output from forward to backward. Each
-rank's peak is Linux's ``VmHWM`` from the executor's summary (``--json``), printed as it
-is and less an idle executor's (rank 1 of a single-device plan on two ranks: the
-interpreter, libraries, graph and plan), which is what the memory model counts; the
-step time is the summary's mean after the first, next to the simulator's (``cpu:2``
-preset, roofline costs: its order, not its scale, is the point).
+holds at most ``S - s`` (``soap.pipeline.held_at_most``); recomputation keeps no op's
+output from forward to backward. Each rank's peak is Linux's ``VmHWM`` from the
+executor's summary (``--json``), printed as it is and less an idle executor's (rank 1 of
+a single-device plan on two ranks: the interpreter, libraries, graph and plan), which is
+what the memory model counts; the step time is the summary's mean after the first, next
+to the simulator's (``cpu:2`` preset, roofline costs: its order, not its scale, is the
+point on a host it was not profiled on).
 
-    python benchmarks/pipeline_memory.py [--tokens 512] [--microbatches 8] ...
+    python benchmarks/strategies_measured.py [--tokens 256] [--microbatches 8] ...
 """
 
 from __future__ import annotations
@@ -43,13 +44,32 @@ MB = 2**20
 
 @dataclass(frozen=True)
 class Case:
-    schedule: Schedule | None  # None: a single-device plan (the idle rank's baseline)
-    recompute: bool = False
+    """A plan made by ``plan`` with ``rule`` (its options), trained as it is."""
 
-    @property
-    def label(self) -> str:
-        name = self.schedule.value if self.schedule else "single device"
-        return f"{name} + recompute" if self.recompute else name
+    label: str
+    rule: tuple[str, ...]
+    schedule: Schedule | None = None  # a pipeline's, for the microbatches it holds
+
+
+def cases(microbatches: int) -> list[Case]:
+    def piped(schedule: Schedule, recompute: str) -> Case:
+        rule = ("--strategy", "pipeline", "--stages", str(STAGES))
+        rule += ("--microbatches", str(microbatches), "--schedule", schedule.value)
+        label = schedule.value + (" + recompute" if recompute == "all" else "")
+        return Case(label, (*rule, "--recompute", recompute), schedule)
+
+    return [
+        Case("data parallel", ("--strategy", "data-parallel")),
+        Case("data parallel + recompute", ("--strategy", "data-parallel", "--recompute", "all")),
+        Case("ZeRO-1", ("--strategy", "zero", "--zero-stage", "1")),
+        Case("ZeRO-2", ("--strategy", "zero", "--zero-stage", "2")),
+        *(piped(s, r) for s in Schedule for r in ("none", "all")),
+        Case("Megatron", ("--strategy", "megatron")),
+        Case("searched", ("--max-evals", "300", "--seed", "0")),
+    ]
+
+
+IDLE = Case("single device", ("--strategy", "single-device"))
 
 
 @dataclass(frozen=True)
@@ -65,14 +85,11 @@ class Row:
 
 def _plan(model: Path, folder: Path, case: Case, args) -> tuple[Path, dict]:
     plan = folder / f"{case.label.replace(' ', '_')}.json"
-    rule = ["--strategy", "single-device"]
-    if case.schedule is not None:
-        rule = ["--strategy", "pipeline", "--stages", str(STAGES)]
-        rule += ["--microbatches", str(args.microbatches), "--schedule", case.schedule.value]
-        rule += ["--recompute", "all" if case.recompute else "none"]
     command = [sys.executable, "-m", "onnx2soap", "plan", str(model), "--batch", str(args.batch)]
-    command += ["--machine", f"cpu:{STAGES}", *rule, "--quiet", "-o", str(plan)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    command += ["--machine", f"cpu:{STAGES}", "--optimizer", "adam", *case.rule]
+    done = subprocess.run(
+        [*command, "--quiet", "-o", str(plan)], capture_output=True, text=True, timeout=600
+    )
     if done.returncode != 0:
         raise SystemExit(f"{case.label}: planning failed:\n{done.stderr[-2000:]}")
     return plan, json.loads(plan.read_text())["predicted"]
@@ -81,6 +98,7 @@ def _plan(model: Path, folder: Path, case: Case, args) -> tuple[Path, dict]:
 def _run(plan: Path, steps: int) -> dict:
     command = [str(find_mpiexec()), "-n", str(STAGES), sys.executable, "-m", "executor", "run"]
     options = ["--steps", str(steps), "--json", "--device", "cpu", "--lr", "0.001"]
+    options += ["--optimizer", "adam"]
     done = subprocess.run(
         [*command, str(plan), *options], capture_output=True, text=True, timeout=1800
     )
@@ -96,7 +114,9 @@ def run_case(model: Path, folder: Path, case: Case, args) -> list[Row]:
     summary = _run(plan, args.steps)
     rows = []
     for rank, peak in enumerate(summary["peak_rss_bytes"]):
-        held = held_at_most(case.schedule, rank, STAGES, args.microbatches) if case.schedule else 1
+        held = 1
+        if case.schedule is not None:
+            held = held_at_most(case.schedule, rank, STAGES, args.microbatches)
         rows.append(
             Row(
                 case,
@@ -113,7 +133,7 @@ def run_case(model: Path, folder: Path, case: Case, args) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
@@ -123,21 +143,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     shape = GptShape(args.layers, args.width, args.heads, args.vocabulary, args.tokens)
-    cases = [Case(s, r) for s in Schedule for r in (False, True)]
     began = datetime.datetime.now(datetime.UTC)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = write_gpt(folder, shape)
-        idle = run_case(model, folder, Case(None), args)[1].peak_mb
-        rows = [row for case in cases for row in run_case(model, folder, case, args)]
+        idle = run_case(model, folder, IDLE, args)[1].peak_mb
+        rows = [
+            row for case in cases(args.microbatches) for row in run_case(model, folder, case, args)
+        ]
     print(
         f"{began:%Y-%m-%d %H:%MZ}, {platform.node()}: GPT ({args.layers} layers, width "
         f"{args.width}, {args.tokens} tokens, vocabulary {args.vocabulary}), batch "
-        f"{args.batch} in {args.microbatches} microbatches, {STAGES} stages of one rank, "
-        f"float32, CPU; an idle executor's peak RSS {idle:.0f} MB"
+        f"{args.batch} (pipelines: {args.microbatches} microbatches, {STAGES} stages of one "
+        f"rank), Adam, float32, {STAGES} CPU ranks; an idle executor's peak RSS {idle:.0f} MB"
     )
     print(
-        "| schedule | rank (stage) | microbatches held | simulated peak MB | measured peak "
+        "| plan | rank | microbatches held | simulated peak MB | measured peak "
         "RSS MB | measured less idle MB | step ms (simulated) |"
     )
     print("|---|---|---|---:|---:|---:|---:|")
