@@ -491,7 +491,8 @@ def mcmc(
     elif not single:
         _walk_best(search, clock, list(ranked), states, seeds)
     walked = time.perf_counter()
-    finalists = _finalists(search, walks, ranked)
+    top = max(options.zero_stages, default=ZeroStage.NONE)
+    finalists = _finalists(search, walks, ranked, top, simulator)
     zero = _with_zero(search, simulator, finalists, options.zero_stages)
     zero_s = time.perf_counter() - walked
     if zero.strategy is None or not zero.cost.fits:
@@ -537,8 +538,8 @@ def _size(n: float) -> str:
     return f"{n / 1024**unit:.4g} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
 
 
-# The plans priced under each ZeRO stage after the walk: its best, then the bests of the
-# walks and the starts, in the walk's order (each a full simulation on a big model).
+# At most this many plans priced under ZeRO after the walk, the fastest first (each a
+# full simulation of a big model: a LLaMA-3-8B shape on 64 devices, 3 to 5 s).
 ZERO_FINALISTS = 4
 # A ZeRO plan that fits replaces one that fits without ZeRO only if it is this much
 # faster: its gain is the sharded update, and the simulator does not model the compute
@@ -547,25 +548,37 @@ ZERO_GAIN = 0.01
 
 
 def _finalists(
-    search: _Search, walks: Sequence[_Walk], ranked: Mapping[Strategy, list[str]]
+    search: _Search,
+    walks: Sequence[_Walk],
+    ranked: Mapping[Strategy, list[str]],
+    stage: ZeroStage,
+    simulator: Simulator,
 ) -> dict[Strategy, str]:
-    """The distinct strategies to price under ZeRO, each with its name: the search's
-    best, the walks' bests and the starts, by their cost, ``ZERO_FINALISTS`` of them,
-    and data parallelism (ZeRO's own plan) wherever it ranks."""
-    named: list[tuple[Cost, str, Strategy]] = []
-    if search.best is not None:
-        named.append((search.best_cost, "search", search.best))
+    """The plans worth pricing under ZeRO ``stage``, each with its name: among the
+    starts, the walks' bests and the search's best, those that ZeRO could bring within
+    memory (``_could_fit``) and, where the search's best fits, that are faster than it
+    (data parallelism that just overflows) or are it (ZeRO may speed it up), fastest
+    first, ``ZERO_FINALISTS`` of them and the search's best."""
+    named = {strategy: names[0] for strategy, names in ranked.items()}
     for walk in walks:
-        named.append((walk.best_cost, f"walk from {walk.names[0]}", walk.best))
-    for strategy, names in ranked.items():
-        named.append((search.cost(search.evaluate(strategy)), names[0], strategy))
-    start = {strategy: names[0] for strategy, names in ranked.items()}
-    chosen: dict[Strategy, str] = {}
-    for _, name, strategy in sorted(named, key=lambda x: x[0]):
-        name = start.get(strategy, name)  # a walk that found nothing better: its start
-        if len(chosen) < ZERO_FINALISTS or name == Rule.DATA_PARALLEL.value:
-            chosen.setdefault(strategy, name)
-    return chosen
+        named.setdefault(walk.best, f"walk from {walk.names[0]}")
+    best, cost = search.best, search.best_cost
+    if best is not None:
+        named.setdefault(best, "search")
+
+    def seconds(strategy: Strategy) -> float:
+        return search.evaluate(strategy).step_time_s
+
+    worth = [
+        strategy
+        for strategy in named
+        if (strategy == best or not cost.fits or seconds(strategy) < cost.step_time_s)
+        and _could_fit(search, strategy, stage, simulator)
+    ]
+    chosen = sorted((s for s in worth if s != best), key=seconds)[:ZERO_FINALISTS]
+    if best in worth:
+        chosen.append(best)
+    return {strategy: named[strategy] for strategy in chosen}
 
 
 @dataclass(frozen=True)
@@ -608,22 +621,13 @@ def _with_zero(
     where the walk's best does not, or runs faster (ZeRO trades the all-reduce for a
     reduce-scatter and an all-gather of the same bytes, and updates a shard). The walk
     itself prices plans without ZeRO; a stage applies only to plans with a weight
-    replicated over devices (``check_zero``). Every finalist is priced under the highest
-    stage (the least memory, at the same rings and updates), the one it makes fastest
-    then under the lower ones too, the lowest kept that costs no more: a full simulation
-    of a big model each (a LLaMA-3-8B shape on 64 devices: 3 s)."""
+    replicated over devices (``check_zero``). Every finalist (``_finalists``) is priced
+    under the highest stage (the least memory, at the same rings and updates), the one
+    it makes fastest then under the lower ones too, the lowest kept that costs no more."""
     best = search.best
     plain = search.evaluate(best) if best is not None else None
     chosen = _Zeroed(best, ZeroStage.NONE, search.best_cost, plain)
-    # Where the walk's best fits, ZeRO can only make it faster: that plan alone is priced.
-    # Else only plans that ZeRO could bring within memory: a full simulation each.
-    if chosen.cost.fits:
-        finalists = {best: finalists.get(best, "search")}
-    replicated = [
-        (strategy, name)
-        for strategy, name in finalists.items()
-        if _could_fit(search, strategy, max(stages, default=ZeroStage.NONE), simulator)
-    ]
+    replicated = list(finalists.items())
     if not replicated or not stages:
         return chosen
     tried: list[tuple[str, ZeroStage, Evaluation]] = []

@@ -119,3 +119,15 @@ def test_a_weight_is_stored_as_read_unless_another_op_reads_it() -> None:
     stored = {i.name: tuple(i.dims) for i in proto.graph.initializer}
     assert stored == {"E": (4, 3), "Wt": (3, 4)}  # W itself: read by nothing now
     assert size == 128 + 48 and stored_bytes(proto) == 96
+
+
+def test_a_cell_whose_plan_has_a_zero_stage_says_so() -> None:
+    starts = {
+        n: {"step_s": 2.0, "fits": n == "model-parallel", "peak_bytes": 1} for n in BASELINE_NAMES
+    }
+    doc = {"batch": 8, "import_s": 1.0, "peak_rss": 2e9, "starts": starts, "search_s": 50.0}
+    doc.update(search={"step_s": 0.5}, setup_s=5.0, within_1pct_s=50.0, zero_stage=2)
+    row = cell_row(Cell("m", "dgx-h100", 8), doc)
+    got = dict(zip(_columns(HEADER), _columns(row), strict=True))
+    assert got["search"] == "500 ms (ZeRO-2)" and got["best rule"] == "model-parallel"
+    assert got["rule/search"] == "**4.00×**"
