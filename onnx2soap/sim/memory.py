@@ -28,9 +28,13 @@ forward, over what it holds before and during one kernel:
   dropped. The forward peak counts the output tiles of the ops before in graph order;
   the backward one counts everything;
 - a recomputed op (the plan's ``recompute``) keeps no output tile from its forward to
-  its backward: the tile counts only while its forward kernel runs and again while its
-  backward reruns the forward and runs (its readers' kernels, next in a chain, are
-  assumed to run with it; a reader far away in graph order is not modelled);
+  its backward, as ``executor/recompute.py`` drops it: in the forward the tile lives
+  from its kernel to its last reader's; in the backward from its rematerialization to
+  the end of its own backward. It is rematerialized before the backward of the first
+  op, in the backward's (reverse graph) order, that needs it: itself, a reader that
+  is kept, or (recursively) a recomputed reader's rematerialization; so a segment of
+  recomputed ops between checkpoints is made again whole at its last op's reader's
+  backward and shrinks as its ops' backwards run (``total``: ``consumers``);
 - the update, once the step's output tiles and input gradients are gone (its weight
   gradients still held): the optimizer's temporaries on the largest shard it updates
   (``UPDATE_TEMPORARIES``: Adam's three arrays of its size, momentum's one; under ZeRO
@@ -116,6 +120,7 @@ class OpMemory:
     # of ``held``, its weights' share: shards, state, optimizer state, half copies and
     # weight gradients (what a pipeline's stage holds once, however many microbatches)
     weights: Pieces = ()
+    redone: Pieces = ()  # a recomputed op's output tiles (not in ``outputs`` nor ``held``)
 
 
 def _width(t, itemsize: int) -> int:
@@ -266,15 +271,20 @@ def _op_bytes(
         for d in group.devices:  # the summed tile (or chunk), and its shared gradient
             _add(held, d, group.held_numel(d) * out_width + (n if backward else 0))
             if group.scatter is not None:
-                # The ring's buffer: the local partial tiles summed, until the chunk is
-                # copied out of it (only while the op's sum runs).
-                forward[d] = max(forward.get(d, 0), n)
+                # The ring's buffer, the local partial tiles summed, until the chunk is
+                # copied out of it (only while the op's sum runs): the partial tile
+                # itself, or where the ring's layout is not the tile's, a copy beside it.
+                in_place = group.scatter.in_place(group.tile)
+                forward[d] = max(forward.get(d, 0), n if in_place else 2 * n)
+                if backward and not in_place:
+                    # The tasks read the gathered gradient strided, through a view of
+                    # the ring's layout: a product may copy it while it runs.
+                    _add(backward_, d, n)
     if backward:  # ZeRO-2: the whole gradient exists from the op's backward kernels on
         for d, n in excess.items():
             _add(backward_, d, n)
-    for d, n in redone.items():  # made by the forward kernel, and again by the backward
+    for d, n in redone.items():  # made by the forward kernel (``total`` counts the rest)
         _add(forward, d, n)
-        _add(backward_, d, n)
     parts = (
         held,
         outputs,
@@ -285,6 +295,7 @@ def _op_bytes(
         weight_grads,
         update,
         weights,
+        redone,
     )
     return OpMemory(*(tuple(x.items()) for x in parts))
 
@@ -388,7 +399,34 @@ def readers(edges) -> Counter:
     return Counter(e.tensor for e in edges)
 
 
-def total(held: list[int], ops: list[OpMemory]) -> tuple[int, ...]:
+def consumers_of(graph: Graph) -> tuple[tuple[int, ...], ...]:
+    """Per op (graph order), the ops that read its output: how long a recomputed tile
+    lives (``total``)."""
+    producer = {op.output: i for i, op in enumerate(graph.ops)}
+    readers: list[set[int]] = [set() for _ in graph.ops]
+    for c, op in enumerate(graph.ops):
+        for name in op.inputs:
+            if name in producer:
+                readers[producer[name]].add(c)
+    return tuple(tuple(sorted(r)) for r in readers)
+
+
+def rematerialized_at(ops: list[OpMemory], consumers: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Per op, the op before whose backward the executor makes its recomputed tile again
+    (``executor/step.py``'s ``_rematerialize``): the first, in the backward's (reverse
+    graph) order, of itself, a kept reader and a recomputed reader's own such op (the
+    reader's rematerialization needs its inputs). An op that is kept: itself."""
+    at = list(range(len(ops)))
+    for i in reversed(range(len(ops))):
+        if ops[i].redone:
+            at[i] = max((at[c] for c in consumers[i]), default=i) if consumers else i
+            at[i] = max(at[i], i)
+    return at
+
+
+def total(
+    held: list[int], ops: list[OpMemory], consumers: tuple[tuple[int, ...], ...] = ()
+) -> tuple[int, ...]:
     """The peak per device from what it holds at the end of the step and each op's
     kernels (in graph order): the larger of the backward's peak and the forward's, over
     the output tiles of the ops before and the kernel's own. The backward runs in reverse
@@ -398,12 +436,17 @@ def total(held: list[int], ops: list[OpMemory]) -> tuple[int, ...]:
     early: counted over every gradient, model parallelism's rank 1 was predicted 6.25
     MB against 5.23 measured). The update runs once the step's output tiles and input
     gradients are gone, its weight gradients still held: its peak is that and the
-    optimizer's temporaries on the largest shard."""
+    optimizer's temporaries on the largest shard. A recomputed op's tiles (``redone``)
+    live in the forward until its last reader's kernel (``consumers``: per op, its
+    readers) and in the backward from their rematerialization (``rematerialized_at``)
+    to the end of the op's own backward; without ``consumers``, in its kernels only."""
     devices = len(held)
     made, forward, backward = [0] * devices, [0] * devices, [0] * devices
     later = [0] * devices  # the backward's gradients
     kept, update = [0] * devices, [0] * devices  # weight gradients, update temporaries
-    for m in ops:
+    live = [0] * devices  # recomputed tiles whose readers' forwards are yet to run
+    until: dict[int, list[int]] = {}  # reader's index -> recomputed ops it is the last of
+    for i, m in enumerate(ops):
         for d, n in m.grads:
             later[d] += n
         for d, n in m.weight_grads:
@@ -411,17 +454,37 @@ def total(held: list[int], ops: list[OpMemory]) -> tuple[int, ...]:
         for d, n in m.update:
             update[d] = max(update[d], n)
         for d, n in m.forward:
-            forward[d] = max(forward[d], made[d] + n)
+            forward[d] = max(forward[d], made[d] + live[d] + n)
         for d, n in m.outputs:
             made[d] += n
-            forward[d] = max(forward[d], made[d])
+            forward[d] = max(forward[d], made[d] + live[d])
+        for j in until.pop(i, ()):  # this reader was the tile's last
+            for d, n in ops[j].redone:
+                live[d] -= n
+        last = max(consumers[i], default=i) if consumers and m.redone else i
+        if last > i:
+            until.setdefault(last, []).append(i)
+            for d, n in m.redone:
+                live[d] += n
+    at = rematerialized_at(ops, consumers)
+    made_again: dict[int, list[int]] = {}
+    for i, a in enumerate(at):
+        if ops[i].redone:
+            made_again.setdefault(a, []).append(i)
+    live = [0] * devices  # recomputed tiles made again, their op's backward not yet done
     unmade = list(later)  # no gradient exists when the backward begins
     pending = [0] * devices  # ZeRO-2: the full gradient of the reduce-scatter in flight
-    for m in reversed(ops):
+    for i in reversed(range(len(ops))):
+        m = ops[i]
+        for j in made_again.get(i, ()):
+            for d, n in ops[j].redone:
+                live[d] += n
         for d, n in m.grads:  # its own, made by its kernel: part of the kernel's peak
             unmade[d] -= n
         for d, n in m.backward:
-            backward[d] = max(backward[d], n + pending[d] - unmade[d])
+            backward[d] = max(backward[d], n + live[d] + pending[d] - unmade[d])
+        for d, n in m.redone:  # dropped after its own backward
+            live[d] -= n
         for d, n in m.inflight:  # its reduce-scatter completes the one before it
             pending[d] = n
     return tuple(
@@ -479,4 +542,4 @@ def peak_memory(
         sole = count[edge.tensor] == 1
         for d, n in _edge_bytes(graph, edge, ptasks, ctasks, itemsize, sole, objects):
             held[d] += n
-    return total(held, parts)
+    return total(held, parts, consumers_of(graph))

@@ -340,6 +340,11 @@ class Scatter:
     axis: int
     chunks: tuple[Rect, ...]
 
+    def in_place(self, tile: Rect) -> bool:
+        """Whether the tile's own C order is already the ring's (no axis before ``axis``
+        longer than 1), so that the partial tile is summed where it is, not copied."""
+        return all(hi - lo == 1 for lo, hi in tile[: self.axis])
+
     def runs(self, tile: Rect) -> tuple[Interval, ...]:
         """Each chunk's run of the flat tile laid out with ``axis`` first."""
         rest = rect_volume(tile) // max(1, tile[self.axis][1] - tile[self.axis][0])
