@@ -28,6 +28,7 @@ from onnx2soap.sim.presets import cpu
 from onnx2soap.soap import Partitioner, Strategy, analyze, load_plan
 from tests.executor.mpi import assert_same_training, make_plan, mpirun
 from tests.executor.test_reduction_splits import MEMORY_TOLERANCE, config, save
+from tests.optional import cupy_or_skip
 
 pytestmark = pytest.mark.mpi
 STEPS, LR, BATCH = 3, 0.05, 512
@@ -158,3 +159,22 @@ def test_megatron_gpt2_reduce_scatters_and_trains_like_one_device_with_adam(
     run = mpirun(plan, 4, tmp_path, *args(True))
     assert_same_training(run, *one_device(model, batch, tmp_path, True), rtol=1e-10)
     assert sum(run.bytes_sent) == STEPS * predicted(graph, strategy, 4).bytes_moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("reader", "transport"), [("n", "nccl"), ("f", "mpi-host")])
+def test_reduce_scatter_on_gpus_trains_like_one_device(
+    export_model, tmp_path: Path, reader: str, transport: str
+) -> None:
+    """NCCL (one ncclReduce and one ncclBroadcast per chunk) and host staging: the same
+    sums and gathers over device arrays, 2 ranks with a GPU each or sharing one."""
+    cp = cupy_or_skip()
+    if transport == "nccl" and cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs (NCCL takes one per rank)")
+    model = export_model("mlp")
+    graph = load_model(model, BATCH).graph
+    strategy = mlp(graph, reader)
+    assert all(axis is not None for found in scatters(graph, strategy).values() for axis in found)
+    plan = save(graph, model, BATCH, strategy, tmp_path / "p.json")
+    run = mpirun(plan, 2, tmp_path, *args(True, "--device", "cuda", "--transport", transport))
+    assert_same_training(run, *one_device(model, BATCH, tmp_path, True), rtol=1e-10)
