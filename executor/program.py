@@ -132,7 +132,9 @@ class ReduceStats:
 class SumOutputs:
     """Forward of an op with partial sums: add the group's partial output tiles (an
     all-reduce over its devices); on each member device, the output of the group's
-    holder there (``SumGroup.holders``) becomes the sum."""
+    holder there (``SumGroup.holders``) becomes the sum. Where the group reduce-scatters
+    (``SumGroup.scatter``), a reduce-scatter instead, and the holder's output is its
+    chunk of the sum: readers take their pieces from the chunks' holders."""
 
     op: int
     group: int  # index into PartitionedGraph.sums[op name]
@@ -144,7 +146,8 @@ class SumOutputs:
 class ShareGrad:
     """Backward of an op with partial sums: on each member device the holder assembles
     the gradient pieces its readers sent it (``pieces``), and an all-reduce of them gives
-    every task of the group the whole tile's gradient."""
+    every task of the group the whole tile's gradient; where the forward reduce-scattered,
+    the pieces cover the holder's chunk alone, and an all-gather of the chunks does."""
 
     op: int
     group: int
