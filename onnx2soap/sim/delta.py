@@ -30,6 +30,7 @@ from onnx2soap.sim.memory import (
     _batch_bytes,
     _edge_bytes,
     _op_bytes,
+    consumers_of,
     memory_key,
     total,
 )
@@ -108,6 +109,7 @@ class DeltaSimulator:
         tensors = [graph.ops[p].output for p, _, _ in self.lay.edges]
         self.sole = [tensors.count(t) == 1 for t in tensors]  # a tensor's only reader
         roles = (TensorRole.INPUT, TensorRole.LABELS)
+        self.consumers = consumers_of(graph)  # how long a recomputed tile lives
         self.readers = tuple(
             i
             for i, op in enumerate(graph.ops)
@@ -355,10 +357,9 @@ class DeltaSimulator:
             held[d] += batch[d] - base.batch[d]
         return self._with_peak(state, ops, em, batch, held)
 
-    @staticmethod
-    def _with_peak(state, ops, em, batch, held) -> DeltaState:
+    def _with_peak(self, state, ops, em, batch, held) -> DeltaState:
         # The largest transient is a max over all ops: O(ops), exact, no bookkeeping.
-        peak = total(held, ops)
+        peak = total(held, ops, self.consumers)
         return replace(
             state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held), peak=peak
         )
