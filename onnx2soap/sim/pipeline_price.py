@@ -25,28 +25,44 @@ before any backward begins (true of data parallelism over equal devices).
 
 Memory per device: the plain model's peak of one microbatch's step (weights, gradients,
 optimizer state, ZeRO-aware; one microbatch's activations and everything transient),
-plus what each other microbatch its stage holds at once holds (``held_at_most`` - 1 of
-them, between their forward and backward; the executor gives each a slot of buffers,
-``executor/program.py``): everything the plain model counts for the step but the
-weights' share and the activation gradients not yet made: output tiles (none for
-recomputed ops), input, gradient and receive buffers (a recomputed stage's checkpoint
-among them). The step's data rows count once (one
-microbatch's), and so do the runtime's Python objects per instruction on CPU ranks
-(the program has every microbatch's instructions: under-counted there).
+plus, for each other microbatch its stage holds at once (``held_at_most`` - 1 of them,
+between their forward and backward), its output tiles (none for recomputed ops: a
+recomputed stage holds its checkpoints), and for each other slot of buffers the
+executor makes (``open_at_most`` - 1; ``executor/program.py`` gives a slot to every
+microbatch open at once on the rank, from its first instruction, often a receive
+posted with the previous stage's forward, to its last: under 1F1B the last stage has
+two though it holds one microbatch's activations) the slot's input, gradient and
+receive buffers, made once. The step's data rows count once (one microbatch's), and so
+do the runtime's Python objects per instruction on CPU ranks (the program has every
+microbatch's instructions: under-counted there).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from onnx2soap.sim.memory import OpMemory, _edge_bytes, readers
+from onnx2soap.sim.memory import (
+    OpMemory,
+    _batch_bytes,
+    _edge_bytes,
+    consumers_of,
+    readers,
+    total,
+)
 from onnx2soap.sim.pipeline_schedule import PipelineTiming, StageTimes, time_pipeline
 from onnx2soap.sim.taskgraph import Layout, TaskGraph
 from onnx2soap.soap import PartitionedGraph
-from onnx2soap.soap.pipeline import Pipeline, held_at_most, stage_devices
+from onnx2soap.soap.pipeline import (
+    Pass,
+    Pipeline,
+    Schedule,
+    held_at_most,
+    stage_devices,
+    stage_order,
+)
 
 # Per stage, its classes of slots in the first pass (the second times backward and
 # tail together: its class is the stage's number).
@@ -163,23 +179,73 @@ def price_time(
     return tuple(times), timing, moved
 
 
+def open_at_most(schedule: Schedule, stage: int, stages: int, microbatches: int) -> int:
+    """The most microbatches open at once on ``stage``'s ranks: the slots of buffers the
+    executor makes there (``executor/program.py``'s ``_with_lifetimes``). Passes run in
+    ``pass_order``'s global order (each stage as far as it can go, in turn); a
+    microbatch opens on a stage with its first instruction, the receive of its input
+    posted in the previous stage's forward pass (or its own forward on the first stage),
+    and closes after its backward on the stage (its gradient's receive comes earlier,
+    with the next stage's backward). Stages that only a skip edge links are not seen."""
+    orders = [stage_order(schedule, s, stages, microbatches) for s in range(stages)]
+    cursor, done = [0] * stages, set()
+    opened: set[int] = set()
+    most = 0
+    while any(c < len(o) for c, o in zip(cursor, orders, strict=True)):
+        progressed = False
+        for s in range(stages):
+            while cursor[s] < len(orders[s]):
+                p = orders[s][cursor[s]]
+                before = s - 1 if p.kind is Pass.FORWARD else s + 1
+                if 0 <= before < stages and (before, p) not in done:
+                    break
+                done.add((s, p))
+                cursor[s] += 1
+                progressed = True
+                if p.kind is Pass.FORWARD and s in (stage, stage - 1):
+                    opened.add(p.microbatch)  # the stage's receive, or its own forward
+                    most = max(most, len(opened))
+                elif p.kind is Pass.BACKWARD and s == stage:
+                    opened.discard(p.microbatch)
+        if not progressed:
+            raise AssertionError(f"the {schedule.value} schedule waits on itself")
+    return most
+
+
+@dataclass(frozen=True)
+class Held:
+    """Per device, what one more microbatch the stage holds adds (its ``activations``:
+    output tiles) and what one more slot of buffers adds (``buffers``)."""
+
+    activations: list[int]
+    buffers: list[int]
+
+
 def held_activations(
     pg: PartitionedGraph,
     memory: Mapping[str, OpMemory],
     itemsize: int,
     devices: int,
     objects: bool,
-) -> list[int]:
-    """Per device, what one microbatch holds between its forward and its backward: all
-    the plain model holds for the step (``OpMemory.held`` and the edges' buffers) but the
-    weights' share (``OpMemory.weights``) and the activations' gradients its backward
-    has yet to make: its output tiles (none for recomputed ops) and the input, gradient
-    and receive buffers of the slot the executor gives each microbatch a rank holds at
-    once (executor/program.py)."""
-    held = [0] * devices
+) -> Held:
+    """Per device, what one microbatch holds between its forward and its backward: its
+    output tiles (none for recomputed ops), and what its slot of buffers holds: all the
+    plain model holds for the step (``OpMemory.held`` and the edges' buffers) but the
+    weights' share (``OpMemory.weights``), the activations' gradients its backward has
+    yet to make and the output tiles: the input, gradient and receive buffers
+    (executor/program.py)."""
+    outputs, held = [0] * devices, [0] * devices
     for op in pg.graph.ops:
         m = memory[op.name]
-        for pieces, sign in ((m.held, 1), (m.weights, -1), (m.grads, -1), (m.weight_grads, 1)):
+        for d, n in m.outputs:
+            outputs[d] += n
+        for pieces, sign in (
+            (m.held, 1),
+            (m.weights, -1),
+            (m.grads, -1),
+            (m.weight_grads, 1),
+            (m.outputs, -1),
+        ):
             for d, n in pieces:
                 held[d] += sign * n
     count = readers(pg.edges)
@@ -188,7 +254,40 @@ def held_activations(
         sole = count[edge.tensor] == 1
         for d, n in _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects):
             held[d] += n
-    return held
+    return Held(outputs, held)
+
+
+def later_microbatch(
+    pg: PartitionedGraph,
+    memory: Mapping[str, OpMemory],
+    itemsize: int,
+    devices: int,
+    objects: bool,
+) -> tuple[int, ...]:
+    """Per device, the plain model's peak of a step's microbatch after the first: every
+    weight gradient is made already (the first microbatch's backward made them; later
+    ones are summed into them), so none is left out of its passes as not yet made, and
+    each backward kernel's fresh weight gradient is a temporary, summed, then dropped
+    (``executor/step.py``'s ``_weight_grad``)."""
+    held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
+    ops = []
+    for op in pg.graph.ops:
+        m = memory[op.name]
+        for d, n in m.held:
+            held[d] += n
+        weight = dict(m.weight_grads)
+        grads = tuple((d, n - weight.get(d, 0)) for d, n in m.grads)
+        backward = dict(m.backward)
+        for d, n in weight.items():
+            backward[d] = backward.get(d, 0) + n
+        ops.append(replace(m, grads=grads, backward=tuple(backward.items()), weight_grads=()))
+    count = readers(pg.edges)
+    for edge in pg.edges:
+        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
+        sole = count[edge.tensor] == 1
+        for d, n in _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects):
+            held[d] += n
+    return total(held, ops, consumers_of(pg.graph))
 
 
 def price_memory(
@@ -200,15 +299,21 @@ def price_memory(
     objects: bool,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(peak per device, held microbatches per stage): the plain peak of one
-    microbatch's step plus what the other microbatches held at once hold."""
-    count, m = len(pipeline.stages), pipeline.microbatches
-    held = tuple(held_at_most(pipeline.schedule, s, count, m) for s in range(count))
+    microbatch's step plus the other microbatches' output tiles held at once and the
+    other slots' buffers."""
+    count, m, schedule = len(pipeline.stages), pipeline.microbatches, pipeline.schedule
+    held = tuple(held_at_most(schedule, s, count, m) for s in range(count))
+    slots = tuple(open_at_most(schedule, s, count, m) for s in range(count))
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
     extra = held_activations(pg, memory, itemsize, len(plain), objects)
     peak = list(plain)
+    if m > 1:
+        later = later_microbatch(pg, memory, itemsize, len(plain), objects)
+        peak = [max(a, b) for a, b in zip(plain, later, strict=True)]
     for s, devs in enumerate(stage_devices(pipeline, configs)):
         for d in devs:
-            peak[d] += (held[s] - 1) * extra[d]
+            peak[d] += (held[s] - 1) * extra.activations[d]
+            peak[d] += (slots[s] - 1) * extra.buffers[d]
     return tuple(peak), held
 
 

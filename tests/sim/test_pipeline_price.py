@@ -107,26 +107,81 @@ def test_moves_between_stages_by_hand(tmp_path) -> None:
 
 
 def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
-    """With M = 4 > S = 2, stage 0 holds 2 microbatches under 1F1B and 4 under GPipe,
-    stage 1 holds 1 against 4. A microbatch between its forward and its backward holds
-    all the step holds but the weights' share (W, its gradient) and the activation
-    gradients its backward has yet to make. On device 0: g1's tile [2, 2] (16 bytes),
-    its output-gradient buffer (16: the receive buffer of its one piece) and x's input
-    buffer [2, 8] (64): 96 bytes. On device 1: y's input buffer (16: the receive buffer
-    of its one piece), g2's tile [2, 4] (32, which the loss reads in place; its gradient
-    buffer is the loss's input gradient, not yet made), the labels [2] (int64, 16) and
-    the loss's scalar (4): 68 bytes."""
+    """With M = 4 > S = 2, stage 0 holds 2 microbatches' activations under 1F1B and 4
+    under GPipe, stage 1 holds 1 against 4; the executor makes a slot of buffers per
+    microbatch open at once (``open_at_most``): 2 on each stage under 1F1B (stage 1's
+    next microbatch opens with the receive stage 0's forward posts), 4 under GPipe.
+
+    A held microbatch's activations: on device 0 g1's tile [2, 2] (16 bytes); on device
+    1 g2's tile [2, 4] (32) and the loss's scalar (4): 36. A slot's buffers: on device 0
+    g1's output-gradient buffer (16: the receive buffer of its one piece) and x's input
+    buffer [2, 8] (64): 80; on device 1 y's input buffer (16: the receive buffer of its
+    one piece) and the labels [2] (int64, 16): 32 (g2's gradient buffer is the loss's
+    input gradient, made by its backward).
+
+    A microbatch after the first finds every weight gradient made (the first's backward
+    made them) and its backward kernel's fresh one is summed into it, then dropped: the
+    peak of one microbatch, in the stage's first op's backward, is the plain step's plus
+    that op's weight gradient, W1's 8 * 2 * 4 = 64 bytes, W2's 2 * 4 * 4 = 32."""
     pg, stages = _two_stages(_graph(tmp_path))
+    plain = make_simulator(round_machine(2), RooflineCost()).evaluate(pg).peak_memory_bytes
     peaks = {}
     for schedule in Schedule:
         pipeline = Pipeline(stages, 4, schedule)
         sim = make_simulator(round_machine(2), RooflineCost(), pipeline=pipeline)
         peaks[schedule] = sim.evaluate(pg).peak_memory_bytes
     gpipe, one = peaks[Schedule.GPIPE], peaks[Schedule.ONE_F_ONE_B]
-    assert gpipe[0] - one[0] == 2 * 96 and gpipe[1] - one[1] == 3 * 68
-    # 1F1B's last stage holds one microbatch: the plain step's peak of one microbatch
-    plain = make_simulator(round_machine(2), RooflineCost()).evaluate(pg).peak_memory_bytes
-    assert one[1] == plain[1] and one[0] == plain[0] + 96
+    assert one[0] == plain[0] + 64 + (2 - 1) * (16 + 80)
+    assert one[1] == plain[1] + 32 + (1 - 1) * 36 + (2 - 1) * 32
+    assert gpipe[0] == plain[0] + 64 + (4 - 1) * (16 + 80)
+    assert gpipe[1] == plain[1] + 32 + (4 - 1) * (36 + 32)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages", "microbatches"),
+    [
+        (Schedule.ONE_F_ONE_B, 2, 4),
+        (Schedule.ONE_F_ONE_B, 3, 4),
+        (Schedule.ONE_F_ONE_B, 4, 8),
+        (Schedule.GPIPE, 3, 4),
+    ],
+)
+def test_open_microbatches_are_the_executors_slots(tmp_path, schedule, stages, microbatches):
+    """``open_at_most`` against the executor's own program (``Program.slots``): a chain
+    of Gemms cut into ``stages`` stages of one device each."""
+    from executor.program import compile_program
+    from onnx2soap.sim.pipeline_price import open_at_most
+
+    graph = load_model(chain_of_gemms(tmp_path / "chain.onnx", stages), batch=microbatches).graph
+    space = analyze(graph)
+    names = [op.name for op in graph.ops]
+    stage_of = {name: min(i, stages - 1) for i, name in enumerate(names)}
+    configs = {n: ParallelConfig((1,) * len(space[n]), (stage_of[n],)) for n in names}
+    cut = tuple(tuple(n for n in names if stage_of[n] == s) for s in range(stages))
+    pg = Partitioner(graph).partition(Strategy(stages, configs))
+    pipeline = Pipeline(cut, microbatches, schedule)
+    for s in range(stages):
+        want = compile_program(pg, s, pipeline=pipeline).slots
+        assert open_at_most(schedule, s, stages, microbatches) == want, s
+
+
+def chain_of_gemms(path: Path, count: int) -> Path:
+    """x [B, 4] -> ``count`` Gemms of W [4, 4]: the last one's output the logits."""
+    weights = [numpy_helper.from_array(np.ones((4, 4), np.float32), f"W{i}") for i in range(count)]
+    names = ["x", *(f"h{i}" for i in range(count - 1)), "logits"]
+    nodes = [
+        helper.make_node("Gemm", [names[i], f"W{i}"], [names[i + 1]], name=f"g{i}")
+        for i in range(count)
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", 4])],
+        weights,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
 
 
 def _cnn_data_parallel(example_onnx: Path, devices: int):
