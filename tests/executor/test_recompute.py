@@ -17,7 +17,10 @@ from mpi4py import MPI
 
 from executor.train import RunOptions, train
 from onnx2soap.cli import main as onnx2soap_main
+from onnx2soap.importer import load_model
 from onnx2soap.ir import DType
+from onnx2soap.search.pipeline_rule import full_recompute
+from onnx2soap.soap import load_plan
 from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
 from tests.optional import cupy_or_skip
 
@@ -69,6 +72,23 @@ def test_ranks_train_like_one_device(plans, tmp_path: Path, name: str, ranks: in
     run = mpirun(
         recomputed, ranks, tmp_path, "--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64"
     )
+    assert_same_training(run, losses, weights, rtol=1e-10)
+
+
+@pytest.mark.mpi
+def test_checkpointed_ranks_train_like_one_device(plans, tmp_path: Path) -> None:
+    """``--recompute all``'s list (``pipeline_rule.full_recompute``: checkpoints kept,
+    the segments between them made again at their first backward need) on a random
+    plan of 3 ranks, against one device without recomputation."""
+    plain, _ = plans("bnnet")
+    losses, weights = reference(plain, STEPS, DType.FLOAT64, LR)
+    random, _ = plans("bnnet", 3, "random", 5)
+    graph = load_model(load_plan(random).model_path, BATCH["bnnet"]).graph
+    names = list(full_recompute(graph))
+    assert 0 < len(names) < len(graph.ops) - 1  # some kept besides the loss
+    checkpointed = with_recompute(random, tmp_path / "checkpointed.json", names)
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    run = mpirun(checkpointed, 3, tmp_path, *args)
     assert_same_training(run, losses, weights, rtol=1e-10)
 
 
