@@ -241,7 +241,7 @@ def cell_row(cell: Cell, doc: dict) -> str:
         rule or "-",
         _ms(search) + (f" (ZeRO-{doc['zero_stage']})" if doc.get("zero_stage") else ""),
         ratio,
-        f"{best_start / search:.3f}× (over {first})",
+        f"{best_start / search:.3f}× (over {first})" if fit_starts else "no start fits",
         f"{doc['search_s']:.1f} ({doc['setup_s']:.1f})",
         f"{doc['within_1pct_s']:.1f}",
     ]

@@ -131,3 +131,9 @@ def test_a_cell_whose_plan_has_a_zero_stage_says_so() -> None:
     got = dict(zip(_columns(HEADER), _columns(row), strict=True))
     assert got["search"] == "500 ms (ZeRO-2)" and got["best rule"] == "model-parallel"
     assert got["rule/search"] == "**4.00×**"
+    for ev in starts.values():  # a plan that fits only with ZeRO: no start fits
+        ev["fits"] = False
+    got = dict(
+        zip(_columns(HEADER), _columns(cell_row(Cell("m", "dgx-h100", 8), doc)), strict=True)
+    )
+    assert got["rule/search"] == "no rule fits" and got["walk"] == "no start fits"
