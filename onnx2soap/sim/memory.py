@@ -121,6 +121,9 @@ class OpMemory:
     # weight gradients (what a pipeline's stage holds once, however many microbatches)
     weights: Pieces = ()
     redone: Pieces = ()  # a recomputed op's output tiles (not in ``outputs`` nor ``held``)
+    # of ``held``, the Python objects of its instructions that every microbatch of a
+    # pipeline has its own of (all but the weight gradients' all-reduce)
+    instructions: Pieces = ()
 
 
 def _width(t, itemsize: int) -> int:
@@ -214,14 +217,17 @@ def _op_bytes(
     phases = 2 if backward else 1
     instruction = PER_INSTRUCTION if objects else 0
     per_task = phases * (2 if op.nest.sync_dims else 1) * instruction
+    instructions: dict[int, int] = {}
     for t in tasks:
-        _add(held, t.device, per_task)
+        _add(instructions, t.device, per_task)
     shared = stat_groups(op, tasks) if op.nest.sync_dims else ()
     if op.nest.partial_dims:
         shared += sums
     for group in shared:
         for d in group.devices:
-            _add(held, d, phases * instruction)
+            _add(instructions, d, phases * instruction)
+    for d, n in instructions.items():
+        _add(held, d, n)
     if backward:
         for g in groups:
             if g.trainable and len(g.devices) > 1:
@@ -296,6 +302,7 @@ def _op_bytes(
         update,
         weights,
         redone,
+        instructions,
     )
     return OpMemory(*(tuple(x.items()) for x in parts))
 

@@ -32,9 +32,9 @@ executor makes (``open_at_most`` - 1; ``executor/program.py`` gives a slot to ev
 microbatch open at once on the rank, from its first instruction, often a receive
 posted with the previous stage's forward, to its last: under 1F1B the last stage has
 two though it holds one microbatch's activations) the slot's input, gradient and
-receive buffers, made once. The step's data rows count once (one microbatch's), and so
-do the runtime's Python objects per instruction on CPU ranks (the program has every
-microbatch's instructions: under-counted there).
+receive buffers, made once. The step's data rows count once (one microbatch's); the
+runtime's Python objects per instruction on CPU ranks count for every microbatch (the
+program has every microbatch's instructions), its pieces' once per step.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from onnx2soap.sim.memory import (
+    PER_INSTRUCTION,
     OpMemory,
     _batch_bytes,
     _edge_bytes,
@@ -290,6 +291,30 @@ def later_microbatch(
     return total(held, ops, consumers_of(pg.graph))
 
 
+def microbatch_instructions(
+    pg: PartitionedGraph, memory: Mapping[str, OpMemory], devices: int, objects: bool
+) -> list[int]:
+    """Per device, the Python objects of one microbatch's instructions on CPU ranks
+    (``memory.PER_INSTRUCTION`` each): the program has every microbatch's own (ops'
+    computes, statistics and partial sums, ``OpMemory.instructions``; a crossing piece's
+    Send, Recv and Wait each way), the weight gradients' all-reduces once."""
+    out = [0] * devices
+    if not objects:
+        return out
+    for op in pg.graph.ops:
+        for d, n in memory[op.name].instructions:
+            out[d] += n
+    for edge in pg.edges:
+        grad = pg.graph.differentiable(edge.tensor)
+        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
+        for o in edge.overlaps:
+            p, c = ptasks[o.src_task].device, ctasks[o.dst_task].device
+            if p != c:
+                out[c] += (3 if grad else 2) * PER_INSTRUCTION
+                out[p] += (3 if grad else 1) * PER_INSTRUCTION
+    return out
+
+
 def price_memory(
     pg: PartitionedGraph,
     pipeline: Pipeline,
@@ -307,6 +332,7 @@ def price_memory(
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
     extra = held_activations(pg, memory, itemsize, len(plain), objects)
     peak = list(plain)
+    instructions = microbatch_instructions(pg, memory, len(plain), objects)
     if m > 1:
         later = later_microbatch(pg, memory, itemsize, len(plain), objects)
         peak = [max(a, b) for a, b in zip(plain, later, strict=True)]
@@ -314,6 +340,7 @@ def price_memory(
         for d in devs:
             peak[d] += (held[s] - 1) * extra.activations[d]
             peak[d] += (slots[s] - 1) * extra.buffers[d]
+            peak[d] += (m - 1) * instructions[d]
     return tuple(peak), held
 
 
