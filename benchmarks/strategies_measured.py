@@ -7,8 +7,9 @@ A GPT-2-shaped decoder (``gpt_onnx.py``: weights on a sparse file) planned by ``
 for ``cpu:2`` (two ranks; a pipeline is two stages of one rank) with Adam, whose state
 ZeRO shards, then trained by the executor under mpiexec. Under GPipe a stage holds every
 microbatch's activations before its first backward; under 1F1B stage ``s`` of ``S``
-holds at most ``S - s`` (``soap.pipeline.held_at_most``); recomputation keeps no op's
-output from forward to backward. Each rank's peak is Linux's ``VmHWM`` from the
+holds at most ``S - s`` (``soap.pipeline.held_at_most``); recomputation (``--recompute
+all``) keeps each layer's output as a checkpoint and remakes the layer's inside during
+that layer's backward. Each rank's peak is Linux's ``VmHWM`` from the
 executor's summary (``--json``), printed as it is and less an idle executor's (rank 1 of
 a single-device plan on two ranks: the interpreter, libraries, graph and plan), which is
 what the memory model counts; the step time is the summary's mean after the first, next
