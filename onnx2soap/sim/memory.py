@@ -422,12 +422,13 @@ def rematerialized_at(ops: list[OpMemory], consumers: tuple[tuple[int, ...], ...
     """Per op, the op before whose backward the executor makes its recomputed tile again
     (``executor/step.py``'s ``_rematerialize``): the first, in the backward's (reverse
     graph) order, of itself, a kept reader and a recomputed reader's own such op (the
-    reader's rematerialization needs its inputs). An op that is kept: itself."""
+    reader's rematerialization needs its inputs; a reader without a backward, ids'
+    arithmetic, needs nothing). An op that is kept: itself."""
     at = list(range(len(ops)))
     for i in reversed(range(len(ops))):
-        if ops[i].redone:
-            at[i] = max((at[c] for c in consumers[i]), default=i) if consumers else i
-            at[i] = max(at[i], i)
+        if ops[i].redone and consumers:
+            needs = (at[c] for c in consumers[i] if ops[c].backward or ops[c].redone)
+            at[i] = max(i, *needs)
     return at
 
 
