@@ -41,6 +41,7 @@ from onnx2soap.search.mcmc import (
     SearchResult,
     mcmc,
 )
+from onnx2soap.search.pipeline_choice import Candidate, Choice, Pricing, pipeline_choice
 from onnx2soap.sim import Evaluation, Simulator, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.soap import (
@@ -175,10 +176,12 @@ class _Outcome:
     time_s: float = 0.0  # reported, never written: the plan file stays reproducible
     ilp: IlpResult | None = None  # the ILP's build and solve times and gap, reported
     walk: SearchResult | None = None  # the search's starts and walks, reported
+    choice: Choice | None = None  # the search's pipelines and recomputation, reported
 
 
 def _search(args, graph, space, simulator: Simulator) -> _Outcome:
-    options = SearchOptions(args.budget, args.seed, args.beta, args.max_evals)
+    # a walk whose plans all overflow goes on: a pipeline or recomputation may fit
+    options = SearchOptions(args.budget, args.seed, args.beta, args.max_evals, must_fit=False)
     show = None if args.quiet or args.json or not sys.stderr.isatty() else draw_progress
     result = mcmc(graph, space, simulator, options, show)
     if show:
@@ -193,6 +196,47 @@ def _search(args, graph, space, simulator: Simulator) -> _Outcome:
         result.ilp,
         result,
     )
+
+
+@dataclass(frozen=True)
+class _Searched:
+    """The search's plan after its outer choice: a pipeline's on the microbatch's model."""
+
+    outcome: _Outcome
+    zero: ZeroStage
+    recompute: tuple[str, ...]
+    piped: Piped | None
+
+
+def _outer(
+    args, outcome: _Outcome, graph, space, machine, chosen_costs, costs, pricing
+) -> _Searched:
+    """``pipeline_choice`` after the walk and its ZeRO stage: the plan it chooses, if
+    any, replaces the walk's; its by-rule ``pipeline`` and ``zero`` join the baselines.
+    Nothing that fits at all: the walk's refusal."""
+    walk = outcome.walk
+
+    def load(batch: int):
+        return load_model(args.model, batch, loss_choice(args.loss)).graph
+
+    def cost_of(g):
+        return costs.model if g is graph else chosen_costs.for_graph(g, machine).model
+
+    choice = pipeline_choice(
+        graph, space, load, cost_of, pricing, walk.best, walk.evaluation, walk.zero_stage
+    )
+    c: Candidate | None = choice.chosen
+    if c is None and walk.unfit:
+        raise UserError(walk.unfit)
+    baselines = {**outcome.baselines, **{k: v.evaluation for k, v in choice.baselines.items()}}
+    outcome = replace(outcome, baselines=baselines, choice=choice)
+    if c is None:
+        return _Searched(outcome, walk.zero_stage, (), None)
+    outcome = replace(outcome, strategy=c.strategy, chosen=c.evaluation)
+    if c.pipeline is None:
+        return _Searched(outcome, c.zero_stage, c.recompute, None)
+    piped = Piped(c.strategy, c.pipeline, c.graph, c.space, c.recompute, c.evaluation)
+    return _Searched(outcome, c.zero_stage, c.recompute, piped)
 
 
 def _zero_stage(args, rule: Rule | None) -> ZeroStage:
@@ -280,7 +324,10 @@ def run(args: argparse.Namespace) -> int:
         stages, microbatches, schedule = shape(args, machine, graph)
     if searching:
         outcome = _search(args, graph, space, simulator)
-        zero = outcome.walk.zero_stage  # the search's choice: its plan is priced under it
+        pricing = Pricing(machine, slots, precision)
+        found = _outer(args, outcome, graph, space, machine, chosen_costs, costs, pricing)
+        # the search's choices: its plan is priced under them
+        outcome, zero, recompute, piped = found.outcome, found.zero, found.recompute, found.piped
     else:
         if rule is Rule.PIPELINE:
             piped = plan_pipeline(
@@ -333,7 +380,17 @@ def run(args: argparse.Namespace) -> int:
         recompute=piped.recompute if piped else recompute,
     )
     save_plan(plan, args.output)
-    _report(args, plan, machine.name, searching, outcome.time_s, costs, outcome.ilp, outcome.walk)
+    _report(
+        args,
+        plan,
+        machine.name,
+        searching,
+        outcome.time_s,
+        costs,
+        outcome.ilp,
+        outcome.walk,
+        outcome.choice,
+    )
     return 0
 
 
@@ -383,6 +440,30 @@ def _walk_doc(result: SearchResult | None) -> dict:
     }
 
 
+def _choice_doc(choice: Choice | None) -> dict:
+    """Every pipeline and recomputing plan the search priced after its walk (``stages``
+    0: the walk's own plan recomputing), the one chosen (null: the walk's plan stands)
+    and the seconds it took; null by rule."""
+    if choice is None:
+        return {"pipeline_tried": None, "pipeline_chosen": None, "pipeline_s": None}
+
+    def shape(c: Candidate) -> dict:
+        return {
+            "stages": c.shape.stages,
+            "microbatches": c.shape.microbatches,
+            "schedule": c.shape.schedule.value if c.shape.schedule else None,
+            "recompute": c.shape.recompute,
+            "zero_stage": int(c.zero_stage),
+        }
+
+    tried = [
+        {**shape(c), "step_time_s": c.evaluation.step_time_s, "fits": c.evaluation.fits}
+        for c in choice.tried
+    ]
+    chosen = shape(choice.chosen) if choice.chosen else None
+    return {"pipeline_tried": tried, "pipeline_chosen": chosen, "pipeline_s": choice.time_s}
+
+
 def _walk_line(result: SearchResult) -> str:
     best = result.best_start
     if best is None:
@@ -406,6 +487,7 @@ def _report(
     costs: ChosenCosts,
     ilp: IlpResult | None,
     walk: SearchResult | None = None,
+    choice: Choice | None = None,
 ) -> None:
     p, s = plan.predicted, plan.search
     baselines = dict(p.baselines)
@@ -422,6 +504,7 @@ def _report(
             "zero_stage": int(plan.zero_stage),
             "ilp": _ilp_doc(ilp) if ilp else None,
             **_walk_doc(walk),
+            **_choice_doc(choice),
         }
         print(json.dumps(doc))
         return
@@ -456,3 +539,9 @@ def _report(
         )
     if walk:
         print(_walk_line(walk))
+    if choice:
+        kept = "chosen" if choice.chosen else "none chosen"
+        print(
+            f"  pipelines and recomputation: {len(choice.tried)} plans priced in "
+            f"{choice.time_s:.1f}s, {kept}"
+        )

@@ -118,6 +118,10 @@ class SearchOptions:
     # The ZeRO stages the search may give its plan (soap/zero.py): after the walk, its
     # best and its leading starts are priced under each (``_with_zero``). () : none.
     zero_stages: tuple[ZeroStage, ...] = ZERO_STAGES
+    # False: where no plan found fits, return the one that overflows least (its
+    # ``SearchResult.unfit`` says why) instead of refusing: a caller that goes on to
+    # pipelines and recomputation (pipeline_choice.py) may still find one that fits.
+    must_fit: bool = True
 
     def __post_init__(self) -> None:
         _check_range("budget", self.budget_s, 0.0, MAX_BUDGET_S, "seconds")
@@ -203,6 +207,9 @@ class SearchResult:
     zero_stage: ZeroStage = ZeroStage.NONE
     zero_tried: tuple[tuple[str, ZeroStage, Evaluation], ...] = ()
     zero_s: float = 0.0  # pricing them, after the walk
+    # where ``evaluation`` does not fit (``SearchOptions.must_fit`` False): the refusal
+    # the search would have raised, for the caller to raise if nothing else fits
+    unfit: str | None = None
 
     @property
     def walk_gain(self) -> float | None:
@@ -495,11 +502,14 @@ def mcmc(
     finalists = _finalists(search, walks, ranked, top, simulator)
     zero = _with_zero(search, simulator, finalists, options.zero_stages)
     zero_s = time.perf_counter() - walked
+    unfit = None
     if zero.strategy is None or not zero.cost.fits:
-        raise UserError(
+        unfit = (
             f"no strategy found fits in device memory{_closest(zero, named, search)}; use a "
             "machine with more memory or more devices, or a smaller batch"
         )
+        if options.must_fit or zero.strategy is None:
+            raise UserError(unfit)
     baselines = {rule.value: starts[rule.value] for rule in BASELINES}
     best_from = next((n for n, s in named.items() if s == zero.strategy), "search")
     fitting = [names[0] for names in ranked.values() if starts[names[0]].fits]
@@ -520,6 +530,7 @@ def mcmc(
         zero_stage=zero.stage,
         zero_tried=zero.tried,
         zero_s=zero_s,
+        unfit=unfit,
     )
 
 

@@ -1,0 +1,242 @@
+"""The search's outer choice (issue 32): after the walk and its ZeRO stage, pipelines
+built by the pipeline rule and full recomputation, priced over a small grid.
+
+- Pipelines: ``S`` stages among 2, 4, 8 and the node count (at most the devices and
+  the ops), ``M`` microbatches among the rule's default for ``S`` and the batch's
+  divisors next to it, 1F1B, each without and with the rule's full recomputation;
+  the shapes the rule refuses (``check_shape``) are never offered. GPipe holds every
+  microbatch's activations at once for the same bubble, so it is priced only at the
+  fastest fitting shape, and kept only if it is faster there.
+- Recomputation of the walk's best: where that plan does not fit, it is priced with
+  ``--recompute all``'s list under its own ZeRO stage.
+
+A pipeline or recomputing plan replaces a plain one that fits only where it is
+``GAIN`` faster: the simulator is optimistic about overlap in the pipeline's schedule
+and about recomputation's second forward as it is about ZeRO's (mcmc.ZERO_GAIN). Where
+nothing plain fits, the fastest that fits wins. Each microbatch's model is loaded once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from onnx2soap.errors import UserError
+from onnx2soap.ir import Graph
+from onnx2soap.precision import Precision
+from onnx2soap.search.baselines import data_parallel
+from onnx2soap.search.mcmc import ZERO_GAIN
+from onnx2soap.search.megatron import node_size
+from onnx2soap.search.pipeline_rule import (
+    Space,
+    check_shape,
+    default_microbatches,
+    default_shape,
+    full_recompute,
+    pipeline_plan,
+)
+from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator
+from onnx2soap.sim.costs import CostModel
+from onnx2soap.soap import Partitioner, Strategy, analyze
+from onnx2soap.soap import validate as validate_strategy
+from onnx2soap.soap.pipeline import Pipeline, Schedule, check_pipeline_plan
+from onnx2soap.soap.zero import ZeroStage
+
+GAIN = ZERO_GAIN  # the same margin, for the same reason: the simulator's optimism
+STAGE_COUNTS = (2, 4, 8)  # and the node count
+
+
+@dataclass(frozen=True)
+class Shape:
+    stages: int  # 0: the walk's own plan, not a pipeline
+    microbatches: int
+    schedule: Schedule | None
+    recompute: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan priced by the choice: a pipeline on the microbatch's model, or the walk's
+    best recomputing (``stages`` 0)."""
+
+    shape: Shape
+    strategy: Strategy
+    graph: Graph
+    space: Space
+    pipeline: Pipeline | None
+    recompute: tuple[str, ...]
+    zero_stage: ZeroStage
+    evaluation: Evaluation
+
+
+@dataclass(frozen=True)
+class Choice:
+    chosen: Candidate | None  # None: the walk's plan stands
+    tried: tuple[Candidate, ...]
+    time_s: float
+    # the by-rule baselines plan compares every plan with: ``pipeline`` (the rule's
+    # default shape, 1F1B), ``zero`` (data parallelism under ZeRO-2)
+    baselines: dict[str, Candidate]
+
+
+# the model loaded at a batch (the microbatch's); a graph's cost model (``for_graph``)
+Loader = Callable[[int], Graph]
+Costs = Callable[[Graph], CostModel]
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a plan is priced with: the machine, the optimizer's slots, the precision."""
+
+    machine: Machine
+    slots: int
+    precision: Precision
+
+    def simulator(self, cost: CostModel, **kw) -> Simulator:
+        return make_simulator(self.machine, cost, self.slots, self.precision, **kw)
+
+
+def grid(machine: Machine, batch: int, ops: int) -> list[tuple[int, int]]:
+    """The (stages, microbatches) the choice prices, each one the rule accepts."""
+    devices = machine.size
+    top = min(devices, ops)
+    counts = sorted({s for s in (*STAGE_COUNTS, devices // node_size(machine)) if 2 <= s <= top})
+    divisors = [m for m in range(1, batch + 1) if batch % m == 0]
+    shapes = []
+    for stages in counts:
+        default = default_microbatches(devices, batch, stages)
+        if default is None:
+            continue
+        i = divisors.index(default)
+        for m in divisors[max(0, i - 1) : i + 2]:
+            if _accepted(devices, batch, ops, stages, m):
+                shapes.append((stages, m))
+    return shapes
+
+
+def _accepted(devices: int, batch: int, ops: int, stages: int, microbatches: int) -> bool:
+    try:
+        check_shape(devices, batch, ops, stages, microbatches)
+    except UserError:
+        return False
+    return True
+
+
+def price_pipeline(
+    micro: Graph,
+    space: Space,
+    cost: CostModel,
+    pricing: Pricing,
+    shape: Shape,
+) -> Candidate:
+    """The rule's pipeline of ``shape`` on ``micro`` (the model at the microbatch's
+    batch), checked and priced as ``plan --strategy pipeline`` prices it."""
+    plain = pricing.simulator(cost)
+    names = full_recompute(micro, space, plain) if shape.recompute else ()
+    built = pipeline_plan(
+        micro, space, plain, shape.stages, shape.microbatches, shape.schedule, frozenset(names)
+    )
+    validate_strategy(micro, space, built.strategy)
+    check_pipeline_plan(built.pipeline, micro, built.strategy.configs, pricing.machine.size)
+    priced = pricing.simulator(cost, pipeline=built.pipeline, recompute=names)
+    evaluation = priced.evaluate(Partitioner(micro).partition(built.strategy))
+    return Candidate(
+        shape, built.strategy, micro, space, built.pipeline, names, ZeroStage.NONE, evaluation
+    )
+
+
+def price_recompute(
+    graph: Graph,
+    space: Space,
+    cost: CostModel,
+    pricing: Pricing,
+    strategy: Strategy,
+    zero: ZeroStage,
+) -> Candidate:
+    """The walk's best with ``--recompute all``'s list, under its ZeRO stage."""
+    names = full_recompute(graph, space, pricing.simulator(cost))
+    priced = pricing.simulator(cost, zero=zero, recompute=names)
+    evaluation = priced.evaluate(Partitioner(graph).partition(strategy))
+    shape = Shape(0, 1, None, True)
+    return Candidate(shape, strategy, graph, space, None, names, zero, evaluation)
+
+
+def choose(
+    plain: Evaluation,
+    tried: Sequence[Candidate],
+    baselines: Sequence[Candidate] = (),
+) -> Candidate | None:
+    """The rule: the fastest candidate that fits replaces a plain plan that fits only
+    where it is ``GAIN`` faster; where the plain plan does not fit, the fastest that
+    fits wins. A by-rule baseline that fits and is faster than that still wins, at any
+    gain: the plan is never slower than a baseline it is compared with. None: the plain
+    plan stands (or nothing fits at all)."""
+    fitting = [c for c in tried if c.evaluation.fits]
+    chosen = min(fitting, key=lambda c: c.evaluation.step_time_s) if fitting else None
+    if chosen and plain.fits and chosen.evaluation.step_time_s >= plain.step_time_s * (1 - GAIN):
+        chosen = None
+    floor = chosen.evaluation if chosen else plain
+    for b in baselines:
+        better = b.evaluation.step_time_s < floor.step_time_s or not floor.fits
+        if b.evaluation.fits and better:
+            chosen, floor = b, b.evaluation
+    return chosen
+
+
+def zero_baseline(graph: Graph, space: Space, cost: CostModel, pricing: Pricing) -> Candidate:
+    """Data parallelism under ZeRO-2: ``plan``'s ``zero`` baseline."""
+    strategy = data_parallel(graph, space, pricing.machine.size)
+    priced = pricing.simulator(cost, zero=ZeroStage.GRADIENTS)
+    evaluation = priced.evaluate(Partitioner(graph).partition(strategy))
+    shape = Shape(0, 1, None, False)
+    return Candidate(shape, strategy, graph, space, None, (), ZeroStage.GRADIENTS, evaluation)
+
+
+def pipeline_choice(
+    graph: Graph,
+    space: Space,
+    load: Loader,
+    costs: Costs,
+    pricing: Pricing,
+    best: Strategy,
+    best_evaluation: Evaluation,
+    zero: ZeroStage,
+) -> Choice:
+    """Price the grid's pipelines (each with and without recomputation), GPipe at the
+    fastest fitting shape, and the walk's best recomputing where it does not fit; choose
+    by ``choose``. ``load`` is called once per distinct microbatch size."""
+    began = time.perf_counter()
+    tried: list[Candidate] = []
+    models: dict[int, tuple[Graph, Space, CostModel]] = {}
+    for stages, microbatches in grid(pricing.machine, graph.batch, len(graph.ops)):
+        size = graph.batch // microbatches
+        if size not in models:
+            try:
+                micro = graph if size == graph.batch else load(size)
+            except UserError:  # a model whose batch is fixed: no microbatch to load
+                break
+            models[size] = (micro, analyze(micro), costs(micro))
+        micro, micro_space, cost = models[size]
+        for redo in (False, True):
+            shape = Shape(stages, microbatches, Schedule.ONE_F_ONE_B, redo)
+            tried.append(price_pipeline(micro, micro_space, cost, pricing, shape))
+    fitting = [c for c in tried if c.evaluation.fits]
+    if fitting:  # GPipe: the same bubble, more memory held; priced where it could win
+        top = min(fitting, key=lambda c: c.evaluation.step_time_s)
+        shape = Shape(top.shape.stages, top.shape.microbatches, Schedule.GPIPE, top.shape.recompute)
+        micro, micro_space, cost = models[graph.batch // shape.microbatches]
+        tried.append(price_pipeline(micro, micro_space, cost, pricing, shape))
+    if not best_evaluation.fits:
+        tried.append(price_recompute(graph, space, costs(graph), pricing, best, zero))
+    baselines = {}
+    default = default_shape(pricing.machine, graph.batch, len(graph.ops))
+    if default is not None:
+        rule = Shape(*default, Schedule.ONE_F_ONE_B, False)
+        for c in tried:
+            if c.shape == rule:
+                baselines["pipeline"] = c
+    if pricing.machine.size > 1:
+        baselines["zero"] = zero_baseline(graph, space, costs(graph), pricing)
+    chosen = choose(best_evaluation, tried, list(baselines.values()))
+    return Choice(chosen, tuple(tried), time.perf_counter() - began, baselines)
