@@ -457,7 +457,12 @@ def _choice_doc(choice: Choice | None) -> dict:
         }
 
     tried = [
-        {**shape(c), "step_time_s": c.evaluation.step_time_s, "fits": c.evaluation.fits}
+        {
+            **shape(c),
+            "step_time_s": c.evaluation.step_time_s,
+            "peak_memory_bytes": max(c.evaluation.peak_memory_bytes),
+            "fits": c.evaluation.fits,
+        }
         for c in choice.tried
     ]
     chosen = shape(choice.chosen) if choice.chosen else None
