@@ -98,10 +98,14 @@ class Pricing:
 
 
 def grid(machine: Machine, batch: int, ops: int) -> list[tuple[int, int]]:
-    """The (stages, microbatches) the choice prices, each one the rule accepts."""
+    """The (stages, microbatches) the choice prices, each one the rule accepts, the
+    rule's default shape among them."""
     devices = machine.size
     top = min(devices, ops)
-    counts = sorted({s for s in (*STAGE_COUNTS, devices // node_size(machine)) if 2 <= s <= top})
+    # and the rule's default (a stage per node, capped by the ops): its baseline's shape
+    default = default_shape(machine, batch, ops)
+    named = (*STAGE_COUNTS, devices // node_size(machine), *(default[:1] if default else ()))
+    counts = sorted({s for s in named if 2 <= s <= top})
     divisors = [m for m in range(1, batch + 1) if batch % m == 0]
     shapes = []
     for stages in counts:

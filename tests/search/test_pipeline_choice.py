@@ -1,0 +1,100 @@
+"""The search's outer choice (search/pipeline_choice.py): its grid offers only shapes the
+pipeline rule accepts, the rule's own default among them; its 1 % rule; and its pricing
+equals the rule's plan priced by ``plan --strategy pipeline``'s code path."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from onnx2soap.errors import UserError
+from onnx2soap.importer import load_model
+from onnx2soap.precision import Precision
+from onnx2soap.search.megatron import node_size
+from onnx2soap.search.pipeline_choice import (
+    GAIN,
+    STAGE_COUNTS,
+    Candidate,
+    Pricing,
+    Shape,
+    choose,
+    grid,
+    price_pipeline,
+)
+from onnx2soap.search.pipeline_rule import check_shape, default_shape, pipeline_plan
+from onnx2soap.sim import Evaluation, RooflineCost, make_simulator, resolve_machine
+from onnx2soap.soap import Partitioner, Strategy, analyze
+from onnx2soap.soap.pipeline import Schedule
+from onnx2soap.soap.zero import ZeroStage
+
+MACHINES = ("cpu:4", "flexflow-p100:4", "dgx-h100:2", "cpu:2")
+
+
+def _accepted(devices: int, batch: int, ops: int, stages: int, microbatches: int) -> bool:
+    try:
+        check_shape(devices, batch, ops, stages, microbatches)
+    except UserError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("spec", MACHINES)
+@pytest.mark.parametrize("batch", [1, 6, 8, 64])
+@pytest.mark.parametrize("ops", [3, 40])
+def test_the_grid_offers_only_what_the_rule_accepts(spec: str, batch: int, ops: int) -> None:
+    machine = resolve_machine(spec)
+    devices = machine.size
+    shapes = grid(machine, batch, ops)
+    assert len(shapes) == len(set(shapes))
+    default = default_shape(machine, batch, ops)
+    counts = {*STAGE_COUNTS, devices // node_size(machine), *(default[:1] if default else ())}
+    for stages, microbatches in shapes:
+        assert _accepted(devices, batch, ops, stages, microbatches)
+        assert stages in counts and stages >= 2
+    if default is not None:  # the rule's baseline is always priced
+        assert default in shapes
+    # a stage count the rule accepts with some microbatches is in the grid
+    for stages in counts:
+        if any(_accepted(devices, batch, ops, stages, m) for m in range(1, batch + 1)):
+            assert any(s == stages for s, _ in shapes) or stages < 2
+
+
+def _candidate(step: float, fits: bool) -> Candidate:
+    ev = Evaluation(step, (1,), 0, fits)
+    shape = Shape(2, 2, None, False)
+    return Candidate(shape, Strategy(1, {}), None, {}, None, (), ZeroStage.NONE, ev)  # type: ignore[arg-type]
+
+
+def test_one_percent_rule() -> None:
+    plain = Evaluation(1.0, (1,), 0, True)
+    close, far = _candidate(1 - GAIN / 2, True), _candidate(1 - 2 * GAIN, True)
+    unfit = _candidate(0.5, False)
+    assert choose(plain, [close, unfit]) is None  # under 1 %: the plain plan stands
+    assert choose(plain, [close, far, unfit]) is far
+    over = Evaluation(1.0, (1,), 0, False)
+    slow = _candidate(3.0, True)
+    assert choose(over, [slow, unfit]) is slow  # nothing plain fits: the fastest that fits
+    assert choose(over, [unfit]) is None
+    # a by-rule baseline faster than the plan wins at any gain: never slower than one
+    assert choose(plain, [close], [close]) is close
+    assert choose(plain, [far], [close]) is far
+
+
+def test_pricing_is_the_rules(example_onnx: Path) -> None:
+    """Each grid shape priced by the choice equals the rule's plan priced afresh."""
+    machine = resolve_machine("cpu:4")
+    graph = load_model(example_onnx, 8).graph
+    pricing = Pricing(machine, 1, Precision.FP32)
+    for stages, microbatches in grid(machine, graph.batch, len(graph.ops)):
+        micro = load_model(example_onnx, 8 // microbatches).graph
+        space = analyze(micro)
+        shape = Shape(stages, microbatches, Schedule.ONE_F_ONE_B, False)
+        got = price_pipeline(micro, space, RooflineCost(), pricing, shape)
+        plain = make_simulator(machine, RooflineCost(), 1)
+        built = pipeline_plan(micro, space, plain, stages, microbatches)
+        priced = make_simulator(machine, RooflineCost(), 1, pipeline=built.pipeline)
+        want = priced.evaluate(Partitioner(micro).partition(built.strategy))
+        assert math.isclose(got.evaluation.step_time_s, want.step_time_s, rel_tol=1e-12)
+        assert got.evaluation.peak_memory_bytes == want.peak_memory_bytes
