@@ -122,7 +122,13 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
     A microbatch after the first finds every weight gradient made (the first's backward
     made them) and its backward kernel's fresh one is summed into it, then dropped: the
     peak of one microbatch, in the stage's first op's backward, is the plain step's plus
-    that op's weight gradient, W1's 8 * 2 * 4 = 64 bytes, W2's 2 * 4 * 4 = 32."""
+    that op's weight gradient, W1's 8 * 2 * 4 = 64 bytes, W2's 2 * 4 * 4 = 32.
+
+    A closed microbatch's pieces sent to the other stage stay with the transport to the
+    step's end: y (16 bytes) from device 0, its gradient (16) from device 1. At each
+    backward pass, the other microbatches held and those closed: under 1F1B stage 0's
+    B0..B3 see (1, 0), (1, 1), (1, 2), (0, 3): at most 16 + 2 * 16 = 48 = 3 * 16; stage
+    1's (0, k): 3 * 16 = 48. Under GPipe (3 - k, k): 3 * 16 on device 0, 3 * 36 on 1."""
     pg, stages = _two_stages(_graph(tmp_path))
     plain = make_simulator(round_machine(2), RooflineCost()).evaluate(pg).peak_memory_bytes
     peaks = {}
@@ -131,10 +137,10 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
         sim = make_simulator(round_machine(2), RooflineCost(), pipeline=pipeline)
         peaks[schedule] = sim.evaluate(pg).peak_memory_bytes
     gpipe, one = peaks[Schedule.GPIPE], peaks[Schedule.ONE_F_ONE_B]
-    assert one[0] == plain[0] + 64 + (2 - 1) * (16 + 80)
-    assert one[1] == plain[1] + 32 + (1 - 1) * 36 + (2 - 1) * 32
-    assert gpipe[0] == plain[0] + 64 + (4 - 1) * (16 + 80)
-    assert gpipe[1] == plain[1] + 32 + (4 - 1) * (36 + 32)
+    assert one[0] == plain[0] + 64 + 3 * 16 + (2 - 1) * 80
+    assert one[1] == plain[1] + 32 + 3 * 16 + (2 - 1) * 32
+    assert gpipe[0] == plain[0] + 64 + 3 * 16 + (4 - 1) * 80
+    assert gpipe[1] == plain[1] + 32 + 3 * 36 + (4 - 1) * 32
 
 
 @pytest.mark.parametrize(
