@@ -4,10 +4,10 @@ all``'s checkpoints, on GPT-shaped decoders.
 
 Plans come from ``plan --recompute all`` on ``cpu:2``: a checkpoint per transformer layer
 (its output, and the first layer's input), the rest recomputed, under data parallelism
-and a 1F1B pipeline of two stages of one rank and four microbatches (the executor
+and 1F1B and GPipe pipelines of two stages of one rank and four microbatches (the executor
 rematerializes a layer's inside at its first backward need and holds each tile to its
 own backward; a held microbatch keeps its checkpoints; a slot of buffers per
-microbatch open at once).
+microbatch open at once; the transport holds every sent piece to the step's end).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ PIPELINE = ("--strategy", "pipeline", "--stages", "2", "--microbatches", "4")
 CASES = {
     "data parallel": ("--strategy", "data-parallel"),
     "1f1b": (*PIPELINE, "--schedule", "1f1b"),
+    "gpipe": (*PIPELINE, "--schedule", "gpipe"),
 }
 
 
