@@ -61,6 +61,11 @@ def test_with_ample_memory_the_walk_stands_unless_one_percent_faster(searched, c
     doc, plan = _search(searched["folder"], searched["model"], "cpu:4", "ample", capsys)
     assert doc["pipeline_tried"] and doc["pipeline_s"] >= 0
     fastest = min(t["step_time_s"] for t in _fitting(doc))
+    # GPipe: priced once, at the fastest 1F1B shape that fits
+    gpipe = [t for t in doc["pipeline_tried"] if t["schedule"] == "gpipe"]
+    top = min((t for t in _fitting(doc) if t["schedule"] == "1f1b"), key=lambda t: t["step_time_s"])
+    keys = ("stages", "microbatches", "recompute")
+    assert len(gpipe) == 1 and all(gpipe[0][k] == top[k] for k in keys)
     saved = json.loads(plan.read_text())
     if doc["pipeline_chosen"] is None:  # the walk's plan: nothing tried was 1 % faster
         assert fastest >= doc["predicted_step_time_s"] * 0.99
