@@ -469,8 +469,24 @@ def _choice_doc(choice: Choice | None) -> dict:
     return {"pipeline_tried": tried, "pipeline_chosen": chosen, "pipeline_s": choice.time_s}
 
 
+def _chosen_words(c: Candidate | None) -> str:
+    if c is None:
+        return "the walk's plan stands (none fits and is 1 % faster)"
+    if c.pipeline is not None:
+        redo = f", recomputing {len(c.recompute)} ops" if c.recompute else ""
+        return (
+            f"chosen: {c.shape.stages} stages x {c.shape.microbatches} microbatches, "
+            f"{c.pipeline.schedule.value}{redo}"
+        )
+    if c.recompute:
+        return f"chosen: the walk's plan recomputing {len(c.recompute)} ops"
+    return f"chosen: data parallel under ZeRO-{int(c.zero_stage)} (a baseline, faster)"
+
+
 def _walk_line(result: SearchResult) -> str:
     best = result.best_start
+    if result.unfit:
+        return "  walk: nothing it found fits in device memory"
     if best is None:
         return "  walk: no start fits in device memory; the plan is the walk's own"
     start = result.starts[best].step_time_s
@@ -545,8 +561,7 @@ def _report(
     if walk:
         print(_walk_line(walk))
     if choice:
-        kept = "chosen" if choice.chosen else "none chosen"
         print(
             f"  pipelines and recomputation: {len(choice.tried)} plans priced in "
-            f"{choice.time_s:.1f}s, {kept}"
+            f"{choice.time_s:.1f}s; {_chosen_words(choice.chosen)}"
         )
