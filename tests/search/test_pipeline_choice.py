@@ -98,3 +98,28 @@ def test_pricing_is_the_rules(example_onnx: Path) -> None:
         want = priced.evaluate(Partitioner(micro).partition(built.strategy))
         assert math.isclose(got.evaluation.step_time_s, want.step_time_s, rel_tol=1e-12)
         assert got.evaluation.peak_memory_bytes == want.peak_memory_bytes
+
+
+def test_recomputing_the_walks_plan_is_priced_as_the_rule(example_onnx, tmp_path) -> None:
+    """The walk's best recomputing (here data parallelism) is priced as ``plan
+    --strategy data-parallel --recompute all`` prices it."""
+    import json
+
+    from onnx2soap.cli import main as cli
+    from onnx2soap.search.baselines import data_parallel
+    from onnx2soap.search.pipeline_choice import price_recompute
+
+    machine = resolve_machine("cpu:4")
+    graph = load_model(example_onnx, 8).graph
+    space = analyze(graph)
+    pricing = Pricing(machine, 0, Precision.FP32)  # plan's default optimizer: sgd
+    strategy = data_parallel(graph, space, 4)
+    got = price_recompute(graph, space, RooflineCost(), pricing, strategy, ZeroStage.NONE)
+    out = tmp_path / "dp.json"
+    argv = ["plan", str(example_onnx), "--batch", "8", "--devices", "4"]
+    argv += ["--strategy", "data-parallel", "--recompute", "all", "--costs", "roofline"]
+    assert cli([*argv, "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(doc["recompute"]) == sorted(got.recompute) and got.recompute
+    assert math.isclose(doc["predicted"]["step_time_s"], got.evaluation.step_time_s, rel_tol=1e-9)
+    assert max(doc["predicted"]["peak_memory_bytes"]) == max(got.evaluation.peak_memory_bytes)
