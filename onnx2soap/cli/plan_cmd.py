@@ -198,6 +198,9 @@ def _search(args, graph, space, simulator: Simulator) -> _Outcome:
     )
 
 
+PIPELINE_MIN_S = 10.0
+
+
 @dataclass(frozen=True)
 class _Searched:
     """The search's plan after its outer choice: a pipeline's on the microbatch's model."""
@@ -222,8 +225,10 @@ def _outer(
     def cost_of(g):
         return costs.model if g is graph else chosen_costs.for_graph(g, machine).model
 
+    # the pricing's own bound, beside the walk's budget: half of it, 10 s at least
+    max_s = max(PIPELINE_MIN_S, args.budget / 2)
     choice = pipeline_choice(
-        graph, space, load, cost_of, pricing, walk.best, walk.evaluation, walk.zero_stage
+        graph, space, load, cost_of, pricing, walk.best, walk.evaluation, walk.zero_stage, max_s
     )
     c: Candidate | None = choice.chosen
     if c is None and walk.unfit:
@@ -445,7 +450,12 @@ def _choice_doc(choice: Choice | None) -> dict:
     0: the walk's own plan recomputing), the one chosen (null: the walk's plan stands)
     and the seconds it took; null by rule."""
     if choice is None:
-        return {"pipeline_tried": None, "pipeline_chosen": None, "pipeline_s": None}
+        return {
+            "pipeline_tried": None,
+            "pipeline_chosen": None,
+            "pipeline_s": None,
+            "pipeline_skipped": None,
+        }
 
     def shape(c: Candidate) -> dict:
         return {
@@ -466,7 +476,12 @@ def _choice_doc(choice: Choice | None) -> dict:
         for c in choice.tried
     ]
     chosen = shape(choice.chosen) if choice.chosen else None
-    return {"pipeline_tried": tried, "pipeline_chosen": chosen, "pipeline_s": choice.time_s}
+    return {
+        "pipeline_tried": tried,
+        "pipeline_chosen": chosen,
+        "pipeline_s": choice.time_s,
+        "pipeline_skipped": choice.skipped,
+    }
 
 
 def _chosen_words(c: Candidate | None) -> str:
@@ -565,3 +580,5 @@ def _report(
             f"  pipelines and recomputation: {len(choice.tried)} plans priced in "
             f"{choice.time_s:.1f}s; {_chosen_words(choice.chosen)}"
         )
+        if choice.skipped:
+            print(f"  ({choice.skipped} pipeline shapes left unpriced: time bound)")

@@ -21,6 +21,7 @@ nothing plain fits, the fastest that fits wins. Each microbatch's model is loade
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -81,6 +82,7 @@ class Choice:
     # the by-rule baselines plan compares every plan with: ``pipeline`` (the rule's
     # default shape, 1F1B), ``zero`` (data parallelism under ZeRO-2)
     baselines: dict[str, Candidate]
+    skipped: int = 0  # grid shapes left unpriced, past ``max_s``
 
 
 # the model loaded at a batch (the microbatch's); a graph's cost model (``for_graph``)
@@ -213,15 +215,25 @@ def pipeline_choice(
     best: Strategy,
     best_evaluation: Evaluation,
     zero: ZeroStage,
+    max_s: float = math.inf,
 ) -> Choice:
     """Price the grid's pipelines (1F1B; recomputing where one does not fit without),
     GPipe at the fastest fitting one, and the walk's best recomputing where it does not
-    fit; choose by ``choose``. ``load`` is called once per distinct microbatch size."""
+    fit; choose by ``choose``. ``load`` is called once per distinct microbatch size.
+    ``max_s``: no grid shape is begun after it (the rule's default shape, priced first,
+    always is): a pipeline of a large model on many devices takes seconds to price."""
     began = time.perf_counter()
     tried: list[Candidate] = []
     models: dict[int, tuple[Graph, Space, CostModel]] = {}
     redo_names: dict[int, tuple[str, ...]] = {}  # full_recompute's, per microbatch size
-    for stages, microbatches in grid(pricing.machine, graph.batch, len(graph.ops)):
+    default = default_shape(pricing.machine, graph.batch, len(graph.ops))
+    shapes = grid(pricing.machine, graph.batch, len(graph.ops))
+    shapes.sort(key=lambda sm: sm != default)  # stable: the rest in the grid's order
+    skipped = 0
+    for stages, microbatches in shapes:
+        if tried and time.perf_counter() - began > max_s:
+            skipped += 1
+            continue
         size = graph.batch // microbatches
         if size not in models:
             try:
@@ -250,7 +262,6 @@ def pipeline_choice(
     if not best_evaluation.fits:
         tried.append(price_recompute(graph, space, costs(graph), pricing, best, zero))
     baselines = {}
-    default = default_shape(pricing.machine, graph.batch, len(graph.ops))
     if default is not None:
         rule = Shape(*default, Schedule.ONE_F_ONE_B, False)
         for c in tried:
@@ -259,4 +270,4 @@ def pipeline_choice(
     if pricing.machine.size > 1:
         baselines["zero"] = zero_baseline(graph, space, costs(graph), pricing)
     chosen = choose(best_evaluation, tried, list(baselines.values()))
-    return Choice(chosen, tuple(tried), time.perf_counter() - began, baselines)
+    return Choice(chosen, tuple(tried), time.perf_counter() - began, baselines, skipped)

@@ -123,3 +123,27 @@ def test_recomputing_the_walks_plan_is_priced_as_the_rule(example_onnx, tmp_path
     assert sorted(doc["recompute"]) == sorted(got.recompute) and got.recompute
     assert math.isclose(doc["predicted"]["step_time_s"], got.evaluation.step_time_s, rel_tol=1e-9)
     assert max(doc["predicted"]["peak_memory_bytes"]) == max(got.evaluation.peak_memory_bytes)
+
+
+def test_the_time_bound_prices_the_rules_default_first(example_onnx) -> None:
+    """Past ``max_s`` no grid shape is begun; the rule's default shape (the pipeline
+    baseline) is priced first, so it always is."""
+    from onnx2soap.search.baselines import data_parallel
+    from onnx2soap.search.pipeline_choice import pipeline_choice
+
+    machine = resolve_machine("cpu:4")
+    graph = load_model(example_onnx, 8).graph
+    space = analyze(graph)
+    pricing = Pricing(machine, 0, Precision.FP32)
+    strategy = data_parallel(graph, space, 4)
+    plain = make_simulator(machine, RooflineCost())
+    best = plain.evaluate(Partitioner(graph).partition(strategy))
+    args = (graph, space, lambda b: load_model(example_onnx, b).graph, lambda g: RooflineCost())
+    full = pipeline_choice(*args, pricing, strategy, best, ZeroStage.NONE)
+    bound = pipeline_choice(*args, pricing, strategy, best, ZeroStage.NONE, max_s=0.0)
+    shapes = grid(machine, graph.batch, len(graph.ops))
+    assert full.skipped == 0 and len(shapes) > 1 and bound.skipped == len(shapes) - 1
+    default = default_shape(machine, graph.batch, len(graph.ops))
+    one_f = [c for c in bound.tried if c.shape.schedule is Schedule.ONE_F_ONE_B]
+    assert {(c.shape.stages, c.shape.microbatches) for c in one_f} == {default}
+    assert bound.baselines["pipeline"].evaluation == full.baselines["pipeline"].evaluation
