@@ -447,8 +447,9 @@ def _walk_doc(result: SearchResult | None) -> dict:
 
 def _choice_doc(choice: Choice | None) -> dict:
     """Every pipeline and recomputing plan the search priced after its walk (``stages``
-    0: the walk's own plan recomputing), the one chosen (null: the walk's plan stands)
-    and the seconds it took; null by rule."""
+    0: the walk's own plan recomputing), the one chosen (null: the walk's plan stands;
+    ``stages`` 0 without recomputation: the ``zero`` baseline, faster than the walk's),
+    the seconds it took and the grid shapes its time bound left; null by rule."""
     if choice is None:
         return {
             "pipeline_tried": None,
