@@ -83,7 +83,7 @@ def check_options(args: argparse.Namespace, searching: bool) -> None:
         raise UserError(f"{given[0]} goes with --strategy pipeline (stages and microbatches)")
     if searching and args.recompute != "none":
         raise UserError(
-            "--recompute goes with --strategy (a rule); the search plans without recomputation"
+            "--recompute goes with --strategy (a rule); the search chooses recomputation itself"
         )
 
 
