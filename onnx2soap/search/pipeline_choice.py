@@ -34,11 +34,11 @@ from onnx2soap.search.mcmc import ZERO_GAIN
 from onnx2soap.search.megatron import node_size
 from onnx2soap.search.pipeline_rule import (
     Space,
-    check_shape,
     default_microbatches,
     default_shape,
     full_recompute,
     pipeline_plan,
+    shape_accepted,
 )
 from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator
 from onnx2soap.sim.costs import CostModel
@@ -119,17 +119,9 @@ def grid(machine: Machine, batch: int, ops: int) -> list[tuple[int, int]]:
             continue
         i = divisors.index(usual)
         for m in divisors[max(0, i - 1) : i + 2]:
-            if _accepted(devices, batch, ops, stages, m):
+            if shape_accepted(devices, batch, ops, stages, m):
                 shapes.append((stages, m))
     return shapes
-
-
-def _accepted(devices: int, batch: int, ops: int, stages: int, microbatches: int) -> bool:
-    try:
-        check_shape(devices, batch, ops, stages, microbatches)
-    except UserError:
-        return False
-    return True
 
 
 def price_pipeline(

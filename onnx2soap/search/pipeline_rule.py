@@ -143,6 +143,15 @@ def check_shape(devices: int, batch: int, ops: int, stages: int, microbatches: i
         )
 
 
+def shape_accepted(devices: int, batch: int, ops: int, stages: int, microbatches: int) -> bool:
+    """Whether ``check_shape`` lets the shape through."""
+    try:
+        check_shape(devices, batch, ops, stages, microbatches)
+    except UserError:
+        return False
+    return True
+
+
 def default_shape(machine: Machine, batch: int, ops: int) -> tuple[int, int] | None:
     """The baseline's stages and microbatches: a stage per node (at least 2, at most the
     devices and the ops) and the most microbatches, up to ``MICROBATCHES_PER_STAGE`` per

@@ -400,6 +400,17 @@ def _batch_bytes(pg: PartitionedGraph, device: int, itemsize: int) -> int:
     return held
 
 
+def add_edges(held: list[int], pg: PartitionedGraph, itemsize: int, objects: bool) -> None:
+    """Add to ``held`` (per device) what every edge holds through the step: its receive
+    and assembly buffers, staging copies and their objects (``_edge_bytes``)."""
+    count = readers(pg.edges)
+    for edge in pg.edges:
+        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
+        sole = count[edge.tensor] == 1
+        for d, n in _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects):
+            held[d] += n
+
+
 def readers(edges) -> Counter:
     """How many edges read each tensor: a gradient buffer is read in place only where
     one does."""
@@ -544,10 +555,5 @@ def peak_memory(
         for d, n in memo[key].held:
             held[d] += n
         parts.append(memo[key])
-    count = readers(pg.edges)
-    for edge in pg.edges:
-        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
-        sole = count[edge.tensor] == 1
-        for d, n in _edge_bytes(graph, edge, ptasks, ctasks, itemsize, sole, objects):
-            held[d] += n
+    add_edges(held, pg, itemsize, objects)
     return total(held, parts, consumers_of(graph))

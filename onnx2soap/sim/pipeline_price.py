@@ -48,9 +48,8 @@ from onnx2soap.sim.memory import (
     PER_INSTRUCTION,
     OpMemory,
     _batch_bytes,
-    _edge_bytes,
+    add_edges,
     consumers_of,
-    readers,
     total,
 )
 from onnx2soap.sim.pipeline_schedule import PipelineTiming, StageTimes, time_pipeline
@@ -249,12 +248,7 @@ def held_activations(
         ):
             for d, n in pieces:
                 held[d] += sign * n
-    count = readers(pg.edges)
-    for edge in pg.edges:
-        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
-        sole = count[edge.tensor] == 1
-        for d, n in _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects):
-            held[d] += n
+    add_edges(held, pg, itemsize, objects)
     return Held(outputs, held)
 
 
@@ -282,12 +276,7 @@ def later_microbatch(
         for d, n in weight.items():
             backward[d] = backward.get(d, 0) + n
         ops.append(replace(m, grads=grads, backward=tuple(backward.items()), weight_grads=()))
-    count = readers(pg.edges)
-    for edge in pg.edges:
-        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
-        sole = count[edge.tensor] == 1
-        for d, n in _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects):
-            held[d] += n
+    add_edges(held, pg, itemsize, objects)
     return total(held, ops, consumers_of(pg.graph))
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
 from onnx2soap.precision import Precision
 from onnx2soap.search.megatron import node_size
@@ -23,21 +22,13 @@ from onnx2soap.search.pipeline_choice import (
     grid,
     price_pipeline,
 )
-from onnx2soap.search.pipeline_rule import check_shape, default_shape, pipeline_plan
+from onnx2soap.search.pipeline_rule import default_shape, pipeline_plan, shape_accepted
 from onnx2soap.sim import Evaluation, RooflineCost, make_simulator, resolve_machine
 from onnx2soap.soap import Partitioner, Strategy, analyze
 from onnx2soap.soap.pipeline import Schedule
 from onnx2soap.soap.zero import ZeroStage
 
 MACHINES = ("cpu:4", "flexflow-p100:4", "dgx-h100:2", "cpu:2")
-
-
-def _accepted(devices: int, batch: int, ops: int, stages: int, microbatches: int) -> bool:
-    try:
-        check_shape(devices, batch, ops, stages, microbatches)
-    except UserError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("spec", MACHINES)
@@ -51,13 +42,13 @@ def test_the_grid_offers_only_what_the_rule_accepts(spec: str, batch: int, ops: 
     default = default_shape(machine, batch, ops)
     counts = {*STAGE_COUNTS, devices // node_size(machine), *(default[:1] if default else ())}
     for stages, microbatches in shapes:
-        assert _accepted(devices, batch, ops, stages, microbatches)
+        assert shape_accepted(devices, batch, ops, stages, microbatches)
         assert stages in counts and stages >= 2
     if default is not None:  # the rule's baseline is always priced
         assert default in shapes
     # a stage count the rule accepts with some microbatches is in the grid
     for stages in counts:
-        if any(_accepted(devices, batch, ops, stages, m) for m in range(1, batch + 1)):
+        if any(shape_accepted(devices, batch, ops, stages, m) for m in range(1, batch + 1)):
             assert any(s == stages for s, _ in shapes) or stages < 2
 
 
