@@ -124,6 +124,14 @@ def megatron(graph: Graph, space: Space, devices: int, node: int) -> Strategy:
     return best[1] if best is not None else _plan(graph, space, devices, 1)[0]
 
 
+def megatron_at(graph: Graph, space: Space, devices: int, tp: int) -> Strategy:
+    """Megatron-LM's plan at tensor-parallel degree ``tp`` (dividing ``devices``, each
+    aligned block of ``tp`` devices one node's): what a pipeline stage runs inside."""
+    if devices % tp:
+        raise ValueError(f"tensor-parallel degree {tp} does not divide {devices} devices")
+    return _plan(graph, space, devices, tp)[0]
+
+
 def _plan(graph: Graph, space: Space, devices: int, tp: int) -> tuple[Strategy, int]:
     """The plan at tensor-parallel degree ``tp``, and how many cuts stopped for sizes."""
     dp = devices // tp
