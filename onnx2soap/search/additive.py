@@ -4,11 +4,20 @@ ILP minimizes (search/ilp.py), priced with the simulator's own costs.
 - an op under a config costs the busiest of its devices: its tasks' forward and
   backward (the simulator's cost model), the rings of its partial sums, statistics and
   weight gradients (the simulator's ring times, ``taskgraph.Costs.ring``), the updates
-  of its weight shards;
+  of its weight shards; its partial sums priced all-reduced;
 - an edge under its two configs costs the resharding: every overlap that crosses
   devices (the partition math's, as the executor sends them) at its route's time, summed
   per sending and per receiving device, the busiest of them; twice where a gradient
   flows back the same way;
+- a partial sum reduce-scatters where its readers need disjoint chunks of it
+  (``soap/sum_scatter.py`` decides, from the op's config and its readers'): then its
+  collective is the simulator's reduce-scatter forward and all-gather backward, and each
+  crossing piece comes from its chunk's holder. The op's term keeps the all-reduce (it
+  cannot see its readers); the difference (the collective's *correction*, at most 0,
+  and the pieces' sources) is priced where the readers' configs are known: on the edge
+  where one op reads the sum (Megatron's row-parallel linear and its bias add or
+  residual), else on a *joint* term over the op and all its readers (``Joint``), since
+  the decision then depends on all of their configs at once;
 - an op under a config holds, per device, what the memory model says it holds to the
   end of the step (``memory.op_held``).
 
@@ -38,7 +47,9 @@ from onnx2soap.sim import Simulator
 from onnx2soap.sim.memory import op_held
 from onnx2soap.sim.taskgraph import Costs, OpParts, graph_edges
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
-from onnx2soap.soap.partition import Task, owners, stat_groups, sum_groups
+from onnx2soap.soap.collectives import all_gather_steps, reduce_scatter_steps
+from onnx2soap.soap.partition import Rect, SumGroup, Task, owners, stat_groups, sum_groups
+from onnx2soap.soap.sum_scatter import scattered
 
 Space = Mapping[str, tuple[SoapDim, ...]]
 
@@ -84,8 +95,24 @@ def _signature(graph: Graph, op: Op) -> tuple:
     )
 
 
+@dataclass(frozen=True)
+class Joint:
+    """A summing op read by several ops: whether its sums reduce-scatter depends on all
+    their configs at once (``sum_scatter``), so the collective's correction and every
+    edge from the op are one term over the op's config and its readers'."""
+
+    producer: str
+    readers: tuple[str, ...]  # distinct, in graph order
+    edges: tuple[int, ...]  # ``graph_edges`` indices of the edges from ``producer``
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return (self.producer, *self.readers)
+
+
 class AdditiveCost:
-    """Costs of ops and edges under configs, memoized by what they depend on."""
+    """Costs of ops, edges and joint terms under configs, memoized by what they depend
+    on. A strategy's cost: every op's, every ``pairwise`` edge's, every ``joints``'."""
 
     def __init__(self, graph: Graph, simulator: Simulator) -> None:
         self.graph, self.simulator = graph, simulator
@@ -98,6 +125,7 @@ class AdditiveCost:
         self.edges = tuple(
             (graph.ops[p].name, graph.ops[c].name, k) for p, c, k in graph_edges(graph)
         )
+        self._layout_sums()
         # a number per distinct signature: keys hash fast (a LoopNest hashes deep)
         interned: dict[tuple, int] = {}
         self._signatures = {
@@ -106,11 +134,44 @@ class AdditiveCost:
         self._op: dict[tuple, float] = {}
         self._held: dict[tuple, tuple[int, ...]] = {}
         self._edge: dict[tuple, float] = {}
+        self._joint: dict[tuple, float] = {}
+        self._correction_memo: dict[tuple, float] = {}
+        self._floor: dict[tuple, float] = {}
         self._tile_memo: dict[tuple, Tiles] = {}
         self._region_memo: dict[tuple, Regions] = {}
 
+    def _layout_sums(self) -> None:
+        """Where each summing op's decision is priced: on its edges where one op reads it
+        (the first edge carries the correction), else on a ``Joint``."""
+        outgoing: dict[str, list[int]] = {}
+        for j, (p, _, _) in enumerate(self.edges):
+            outgoing.setdefault(p, []).append(j)
+        joints, carries = [], set()
+        for p, js in outgoing.items():
+            if not self.ops[p].nest.partial_dims:
+                continue
+            readers = tuple(dict.fromkeys(self.edges[j][1] for j in js))
+            if len(readers) > 1:
+                joints.append(Joint(p, readers, tuple(js)))
+            else:
+                carries.add(js[0])
+        self.joints: tuple[Joint, ...] = tuple(joints)
+        in_joints = {j for t in joints for j in t.edges}
+        self.pairwise = tuple(j for j in range(len(self.edges)) if j not in in_joints)
+        self._carries = frozenset(carries)
+        # per edge, the consumer's operands that read the producer's output: a sum's
+        # decision reads them all (x * x reads it twice)
+        self._reads = tuple(
+            tuple(k for k, t in enumerate(self.ops[c].inputs) if t == self.ops[p].output)
+            for p, c, _ in self.edges
+        )
+        self._decides = tuple(
+            bool(self.ops[p].nest.partial_dims) and j not in in_joints
+            for j, (p, _, _) in enumerate(self.edges)
+        )
+
     def op(self, name: str, config: ParallelConfig) -> float:
-        """Seconds of an op under a config."""
+        """Seconds of an op under a config, its partial sums all-reduced."""
         key = (self._signatures[name], config)
         if key not in self._op:
             self._op[key] = self._op_cost(self.ops[name], config)
@@ -137,12 +198,16 @@ class AdditiveCost:
             self._held[key] = tuple(held)
         return self._held[key]
 
-    def _op_cost(self, op: Op, config: ParallelConfig) -> float:
+    def _op_cost(
+        self, op: Op, config: ParallelConfig, sums: tuple[SumGroup, ...] | None = None
+    ) -> float:
+        """``sums``: the op's sum groups as decided (None: all-reduced; (): priced
+        without their collectives, a lower bound)."""
         graph, sim, costs = self.graph, self.simulator, self.costs
         p = self.partitioner
         tasks = p.tasks(op, config)
         groups = p.groups(op, config)
-        sums = sum_groups(op, tasks)
+        sums = sum_groups(op, tasks) if sums is None else sums
         parts = OpParts(op, config, tasks, groups, stat_groups(op, tasks), sums)
         backward = graph.differentiable(op.output)
         forward_s, backward_s = costs.durations(parts)
@@ -161,9 +226,9 @@ class AdditiveCost:
             if backward:
                 ring(group.devices, group.numel[1])
         for group in sums:
-            ring(group.devices, group.numel)
-            if backward:
-                ring(group.devices, group.numel)
+            for seconds in self._sum_rings(group, backward):
+                for d in group.devices:
+                    busy[d] += seconds
         for group in groups:
             if not group.trainable:
                 continue
@@ -174,19 +239,119 @@ class AdditiveCost:
                 busy[d] += sim.cost.update(numel, self.machine.devices[d], sim.itemsize)
         return max(busy)
 
+    def _sum_rings(self, group: SumGroup, backward: bool) -> tuple[float, ...]:
+        """Seconds of a sum group's collective forward (and backward), as the simulator
+        times them (``taskgraph._sum_ring``): the all-reduce of the tile each way, or
+        where it reduce-scatters the ring's halves over the chunks' runs, the
+        reduce-scatter forward and the all-gather of the chunks' gradients backward."""
+        if len(group.devices) < 2:
+            return ()
+        if group.scatter is None:
+            seconds = self.costs.ring(group.devices, group.numel)[0]
+            return (seconds, seconds) if backward else (seconds,)
+        runs = group.scatter.runs(group.tile)
+        halves = (reduce_scatter_steps, all_gather_steps) if backward else (reduce_scatter_steps,)
+        return tuple(self.costs.half_ring(group.devices, runs, h)[0] for h in halves)
+
+    def _sums(
+        self, name: str, config: ParallelConfig, readers: Sequence[tuple[str, ParallelConfig, int]]
+    ) -> tuple[SumGroup, ...]:
+        """The op's sum groups under ``config`` as ``sum_scatter`` decides them from its
+        readers: (consumer, its config, the operand that reads the sum)."""
+        op, p = self.ops[name], self.partitioner
+        base = sum_groups(op, p.tasks(op, config))
+        if not base:
+            return ()
+        return scattered(base, [(p.tasks(self.ops[c], cc), k) for c, cc, k in readers])
+
+    def _correction(self, name: str, config: ParallelConfig, sums: tuple[SumGroup, ...]) -> float:
+        """What the op's term costs less (or more) with ``sums`` than all-reduced."""
+        scatters = tuple(g.scatter for g in sums)
+        if not any(s is not None for s in scatters):
+            return 0.0
+        key = (self._signatures[name], config, scatters)
+        if key not in self._correction_memo:
+            seconds = self._op_cost(self.ops[name], config, sums) - self.op(name, config)
+            self._correction_memo[key] = seconds
+        return self._correction_memo[key]
+
     def edge(self, j: int, pconf: ParallelConfig, cconf: ParallelConfig) -> float:
-        """Edge ``j`` (``graph_edges`` order) between its ops under these configs."""
+        """Edge ``j`` (``graph_edges`` order) between its ops under these configs. Where
+        its consumer is the only op reading a partial sum, the sum is decided here and
+        the producer's first edge carries the collective's correction. An edge of a
+        ``Joint`` is priced with the sums all-reduced, as a guide for the op that follows
+        along it (``Decisions._follow``) only: its ``joint`` term prices it."""
         producer, consumer, operand = self.edges[j]
-        key = (self._signatures[producer], pconf, self._signatures[consumer], cconf, operand)
+        key = (
+            self._signatures[producer],
+            pconf,
+            self._signatures[consumer],
+            cconf,
+            operand,
+            self._reads[j] if self._decides[j] else None,
+            j in self._carries,
+        )
         if key not in self._edge:
-            self._edge[key] = self._edge_cost(producer, pconf, consumer, cconf, operand)
+            self._edge[key] = self._edge_cost(j, pconf, cconf)
         return self._edge[key]
 
-    def _edge_cost(self, producer, pconf, consumer, cconf, operand) -> float:
-        c = self.ops[consumer]
-        tensor = self.graph.tensors[c.inputs[operand]]
+    def _edge_cost(self, j: int, pconf: ParallelConfig, cconf: ParallelConfig) -> float:
+        producer, consumer, _ = self.edges[j]
+        if not self._decides[j]:
+            return self._crossing_s(j, pconf, cconf, None)
+        sums = self._sums(producer, pconf, [(consumer, cconf, k) for k in self._reads[j]])
+        seconds = self._crossing_s(j, pconf, cconf, sums)
+        if j in self._carries:
+            seconds += self._correction(producer, pconf, sums)
+        return seconds
+
+    def edge_floor(self, j: int, pconf: ParallelConfig) -> float:
+        """A lower bound of ``edge(j, pconf, c)`` over every ``c``: 0, or where the edge
+        carries a correction, the most the producer's term can lose: its sums' rings."""
+        if j not in self._carries:
+            return 0.0
+        producer = self.edges[j][0]
+        key = (self._signatures[producer], pconf)
+        if key not in self._floor:
+            bare = self._op_cost(self.ops[producer], pconf, ())
+            self._floor[key] = min(0.0, bare - self.op(producer, pconf))
+        return self._floor[key]
+
+    def joint(self, i: int, configs: Mapping[str, ParallelConfig]) -> float:
+        """Joint term ``i`` (``joints``) under its ops' configs: the collective's
+        correction and every edge from its producer, its sums decided from all its
+        readers."""
+        t = self.joints[i]
+        pconf = configs[t.producer]
+        readers = tuple(
+            (self.edges[j][1], configs[self.edges[j][1]], self.edges[j][2]) for j in t.edges
+        )
+        key = (
+            self._signatures[t.producer],
+            pconf,
+            tuple((self._signatures[c], cc, k) for c, cc, k in readers),
+        )
+        if key not in self._joint:
+            sums = self._sums(t.producer, pconf, readers)
+            seconds = self._correction(t.producer, pconf, sums)
+            for j, (_, cc, _) in zip(t.edges, readers, strict=True):
+                seconds += self._crossing_s(j, pconf, cc, sums)
+            self._joint[key] = seconds
+        return self._joint[key]
+
+    def _crossing_s(
+        self,
+        j: int,
+        pconf: ParallelConfig,
+        cconf: ParallelConfig,
+        sums: tuple[SumGroup, ...] | None,
+    ) -> float:
+        """The resharding of edge ``j``: its crossing pieces at their routes' times, the
+        busiest sender's or receiver's; twice where a gradient flows back."""
+        producer, consumer, operand = self.edges[j]
+        tensor = self.graph.tensors[self.ops[consumer].inputs[operand]]
         src, dst, volume = crossing_pieces(
-            self._tiles(producer, pconf), self._regions(consumer, cconf, operand)
+            self._tiles(producer, pconf, sums), self._regions(consumer, cconf, operand)
         )
         if not len(volume):
             return 0.0
@@ -200,11 +365,13 @@ class AdditiveCost:
         )
         return float(busiest) * (2 if self.graph.differentiable(tensor.name) else 1)
 
-    def _tiles(self, name: str, config: ParallelConfig) -> Tiles:
-        key = (self._signatures[name], config)
+    def _tiles(self, name: str, config: ParallelConfig, sums: tuple[SumGroup, ...] | None) -> Tiles:
+        scatters = None if sums is None else tuple(g.scatter for g in sums)
+        key = (self._signatures[name], config, scatters)
         if key not in self._tile_memo:
             op = self.ops[name]
-            self._tile_memo[key] = tiles(op, self.partitioner.tasks(op, config), self.machine.size)
+            ptasks = self.partitioner.tasks(op, config)
+            self._tile_memo[key] = tiles(op, ptasks, self.machine.size, sums)
         return self._tile_memo[key]
 
     def _regions(self, name: str, config: ParallelConfig, operand: int) -> Regions:
@@ -229,10 +396,14 @@ class AdditiveCost:
         return latency, bandwidth
 
     def strategy(self, strategy: Strategy) -> float:
-        """The additive cost of a whole strategy: every op's and every edge's."""
+        """The additive cost of a whole strategy: every op's, every pairwise edge's and
+        every joint term's."""
         total = sum(self.op(n, strategy[n]) for n in self.ops)
-        for j, (p, c, _) in enumerate(self.edges):
+        for j in self.pairwise:
+            p, c, _ = self.edges[j]
             total += self.edge(j, strategy[p], strategy[c])
+        configs = {n: strategy[n] for n in self.ops}
+        total += sum(self.joint(i, configs) for i in range(len(self.joints)))
         return total
 
     def held(self, strategy: Strategy) -> tuple[int, ...]:
@@ -265,17 +436,40 @@ class Regions:
     device: np.ndarray  # [task]
 
 
-def tiles(producer: Op, ptasks: Sequence[Task], devices: int) -> Tiles:
-    owned = owners(producer, ptasks)
-    groups = {g.owner: g.devices for g in sum_groups(producer, ptasks)}
-    holds = np.zeros((len(owned), devices), dtype=bool)
-    for i, t in enumerate(owned):
-        holds[i, list(groups.get(t.index, (t.device,)))] = True
-    rank = len(owned[0].output) if owned else 0
-    lo = np.array([[lo for lo, _ in t.output] for t in owned], dtype=np.int64)
-    hi = np.array([[hi for _, hi in t.output] for t in owned], dtype=np.int64)
-    device = np.array([t.device for t in owned], dtype=np.int64)
-    return Tiles(lo.reshape(len(owned), rank), hi.reshape(len(owned), rank), device, holds)
+def tiles(
+    producer: Op, ptasks: Sequence[Task], devices: int, sums: Sequence[SumGroup] | None = None
+) -> Tiles:
+    """``sums``: the producer's sum groups as decided (None: ``sum_groups``', all
+    all-reduced). A reduce-scattered group's tile is its chunks, each a tile held by its
+    holder alone (``partition.summed_overlaps``: a piece comes from its chunk's holder)."""
+    sums = sum_groups(producer, ptasks) if sums is None else sums
+    group_of = {g.owner: g for g in sums}
+    rects: list[Rect] = []
+    device: list[int] = []
+    holders: list[tuple[int, ...]] = []
+    for t in owners(producer, ptasks):
+        group = group_of.get(t.index)
+        if group is not None and group.scatter is not None:
+            for d, chunk in zip(group.devices, group.scatter.chunks, strict=True):
+                rects.append(chunk)
+                device.append(d)
+                holders.append((d,))
+        else:
+            rects.append(t.output)
+            device.append(t.device)
+            holders.append(group.devices if group is not None else (t.device,))
+    holds = np.zeros((len(rects), devices), dtype=bool)
+    for i, ds in enumerate(holders):
+        holds[i, list(ds)] = True
+    rank = len(rects[0]) if rects else 0
+    lo = np.array([[lo for lo, _ in r] for r in rects], dtype=np.int64)
+    hi = np.array([[hi for _, hi in r] for r in rects], dtype=np.int64)
+    return Tiles(
+        lo.reshape(len(rects), rank),
+        hi.reshape(len(rects), rank),
+        np.array(device, dtype=np.int64),
+        holds,
+    )
 
 
 def regions(ctasks: Sequence[Task], operand: int) -> Regions:
@@ -293,7 +487,8 @@ def crossing_pieces(t: Tiles, r: Regions) -> tuple[np.ndarray, np.ndarray, np.nd
     pair of a producer's tile and a consumer's region (the same interval arithmetic as
     ``partition.overlaps``, vectorized; ``tests/search/test_ilp.py`` checks them equal).
     A partial sum's tile comes from its holder on the consumer's device where its group
-    has one (no piece crosses), else from its owner (``partition.summed_overlaps``)."""
+    has one (no piece crosses), else from its owner; a reduce-scattered one's pieces from
+    their chunks' holders (``partition.summed_overlaps``; ``tiles`` lays them out)."""
     volume = np.ones((len(t.device), len(r.device)), dtype=np.int64)  # [tile, consumer task]
     for a in range(t.lo.shape[1]):  # axis by axis: no [tile, task, axis] temporaries
         extent = np.minimum(t.hi[:, a, None], r.hi[None, :, a])
@@ -305,11 +500,16 @@ def crossing_pieces(t: Tiles, r: Regions) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def crossing(
-    producer: Op, ptasks: Sequence[Task], ctasks: Sequence[Task], operand: int
+    producer: Op,
+    ptasks: Sequence[Task],
+    ctasks: Sequence[Task],
+    operand: int,
+    sums: Sequence[SumGroup] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``crossing_pieces`` of one edge's tasks."""
+    """``crossing_pieces`` of one edge's tasks; ``sums``: the producer's sum groups as
+    decided (None: all-reduced)."""
     devices = 1 + max(t.device for t in (*ptasks, *ctasks))
-    return crossing_pieces(tiles(producer, ptasks, devices), regions(ctasks, operand))
+    return crossing_pieces(tiles(producer, ptasks, devices, sums), regions(ctasks, operand))
 
 
 def lightweight(graph: Graph, op: Op) -> bool:
@@ -387,11 +587,13 @@ class Decisions:
 
     def _follow(self, name: str, given: ParallelConfig) -> ParallelConfig:
         """The follower's config costing least with the edge from ``given``: tried in
-        order of its own cost, which bounds the sum from below, until none can win."""
+        order of its own cost, which with the edge's floor (below 0 where the edge
+        carries a sum's correction) bounds the sum from below, until none can win."""
         j, model = self._along[name], self.model
+        floor = model.edge_floor(j, given)
         best, best_cost = None, math.inf
         for own, _, c in self._by_cost(name):
-            if own >= best_cost:
+            if own + floor >= best_cost:
                 break
             total = own + model.edge(j, given, c)
             if total < best_cost:
@@ -413,23 +615,46 @@ class Decisions:
             configs.update(self.induced(leader, config))
         return Strategy(self.model.machine.size, configs)
 
+    def leaders(self, ops: Sequence[str]) -> tuple[str, ...]:
+        """The distinct leaders deciding ``ops``, in the order of ``deciders``."""
+        mine = {self.leader[n] for n in ops}
+        return tuple(n for n in self.deciders if n in mine)
+
     @cached_property
-    def _internal(self) -> dict[str, list[int]]:
-        """Per leader, the edges within its group (both ends decided by it)."""
-        found: dict[str, list[int]] = {n: [] for n in self.deciders}
-        for j, (p, c, _) in enumerate(self.model.edges):
+    def _internal(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Per leader, the pairwise edges and the joint terms within its group (every
+        op of them decided by it)."""
+        model = self.model
+        found: dict[str, tuple[list[int], list[int]]] = {n: ([], []) for n in self.deciders}
+        for j in model.pairwise:
+            p, c, _ = model.edges[j]
             if self.leader[p] == self.leader[c]:
-                found[self.leader[p]].append(j)
+                found[self.leader[p]][0].append(j)
+        for i, t in enumerate(model.joints):
+            inside = self.leaders(t.ops)
+            if len(inside) == 1:
+                found[inside[0]][1].append(i)
         return found
 
     def group(self, leader: str, config: ParallelConfig) -> float:
-        """The group's seconds under ``config``: its ops' and its internal edges'."""
+        """The group's seconds under ``config``: its ops', its internal edges' and its
+        internal joint terms'."""
         induced = self.induced(leader, config)
-        seconds = sum(self.model.op(name, c) for name, c in induced.items())
-        for j in self._internal[leader]:
-            p, c, _ = self.model.edges[j]
-            seconds += self.model.edge(j, induced[p], induced[c])
+        model = self.model
+        seconds = sum(model.op(name, c) for name, c in induced.items())
+        edges, joints = self._internal[leader]
+        for j in edges:
+            p, c, _ = model.edges[j]
+            seconds += model.edge(j, induced[p], induced[c])
+        for i in joints:
+            seconds += model.joint(i, induced)
         return seconds
+
+    def configs_of(
+        self, ops: Sequence[str], choice: Mapping[str, ParallelConfig]
+    ) -> dict[str, ParallelConfig]:
+        """The configs of ``ops`` when their leaders take ``choice``."""
+        return {n: self.induced(self.leader[n], choice[self.leader[n]])[n] for n in ops}
 
     def group_held(self, leader: str, config: ParallelConfig) -> tuple[int, ...]:
         """Bytes per device the group's ops hold under ``config``."""

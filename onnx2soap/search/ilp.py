@@ -10,7 +10,11 @@ mesh, solved as an integer program (scipy.optimize.milp, HiGHS) under a time lim
 ``c_v``: the group's additive cost per config (its ops' compute and collectives, its
 internal edges; ``search/additive.py``), ``R_uv``: the resharding between two groups per
 pair of configs. With ``x`` integral the constraints leave ``y`` one point, the product,
-so ``y`` need not be integer (Alpa's linearization). The memory rows count what the ops
+so ``y`` need not be integer (Alpa's linearization). A partial sum read by several ops
+whose groups differ (``additive.Joint``: its readers together decide whether it
+reduce-scatters) is a table over three or more groups' configs, linearized alike: a
+``y`` per combination, its marginal over every group's axis that group's ``x``. The
+memory rows count what the ops
 hold to the end of the step, not kernels' workspace nor receive buffers, and are added
 only where the plan found without them overfills a device (pricing every config's
 memory costs as much as the rest); the plan is then simulated, and may still be found
@@ -146,34 +150,14 @@ def _check(deadline: float) -> None:
 
 
 def _build(decisions: Decisions, deadline: float) -> _Problem:
-    model = decisions.model
     deciders = decisions.deciders
-    configs = [decisions.configs[n] for n in deciders]
     cost: list[float] = []
     offsets, counts = [], []
-    for n, cs in zip(deciders, configs, strict=True):
+    for n in deciders:
         _check(deadline)
         offsets.append(len(cost))
-        counts.append(len(cs))
-        cost.extend(decisions.group(n, c) * SCALE for c in cs)
-    where = {n: i for i, n in enumerate(deciders)}
-    # Resharding between groups, per pair of deciders (both edge directions summed into
-    # one matrix, rows the earlier decider's configs).
-    pairs: dict[tuple[int, int], np.ndarray] = {}
-    for j, (p, c, _) in enumerate(model.edges):
-        u, v = where[decisions.leader[p]], where[decisions.leader[c]]
-        if u == v:
-            continue
-        a, b = min(u, v), max(u, v)
-        matrix = pairs.setdefault((a, b), np.zeros((counts[a], counts[b])))
-        for i, ca in enumerate(configs[a]):
-            _check(deadline)
-            ia = decisions.induced(deciders[a], ca)
-            for k, cb in enumerate(configs[b]):
-                ib = decisions.induced(deciders[b], cb)
-                matrix[i, k] += model.edge(
-                    j, ia[p] if a == u else ib[p], ib[c] if a == u else ia[c]
-                )
+        counts.append(len(decisions.configs[n]))
+        cost.extend(decisions.group(n, c) * SCALE for c in decisions.configs[n])
     rows: list[np.ndarray] = []
     cols: list[np.ndarray] = []
     vals: list[np.ndarray] = []
@@ -191,24 +175,27 @@ def _build(decisions: Decisions, deadline: float) -> _Problem:
 
     for off, n in zip(offsets, counts, strict=True):  # one config each
         row(np.arange(off, off + n), np.ones(n), 1.0, 1.0)
-    for (a, b), matrix in pairs.items():
-        if counts[a] == 1 or counts[b] == 1:
-            # one side fixed: the matrix is a vector on the other's choice
-            if counts[a] == 1:
-                for k in range(counts[b]):
-                    cost[offsets[b] + k] += matrix[0, k] * SCALE
-            else:
-                for i in range(counts[a]):
-                    cost[offsets[a] + i] += matrix[i, 0] * SCALE
+    for leaders, table in _links(decisions, deadline).items():
+        # a decider with one config fixes its axis: the table shrinks to the others'
+        free = [u for u in leaders if counts[u] > 1]
+        table = table.reshape([counts[u] for u in free])
+        if not free:
+            cost[offsets[leaders[0]]] += float(table) * SCALE
             continue
+        if len(free) == 1:
+            for k, seconds in enumerate(table):
+                cost[offsets[free[0]] + k] += seconds * SCALE
+            continue
+        # y: one variable per combination; its marginals are the x's, which leave it
+        # one point, the product, where the x's are integral (Alpa's linearization)
         first = len(cost)
-        cost.extend((matrix * SCALE).ravel().tolist())
-        integral.extend([0] * matrix.size)
-        y = first + np.arange(matrix.size).reshape(matrix.shape)
-        for i in range(counts[a]):  # sum_k y_ik = x_a,i
-            row(np.append(y[i], offsets[a] + i), np.append(np.ones(counts[b]), -1.0), 0.0, 0.0)
-        for k in range(counts[b]):  # sum_i y_ik = x_b,k
-            row(np.append(y[:, k], offsets[b] + k), np.append(np.ones(counts[a]), -1.0), 0.0, 0.0)
+        cost.extend((table * SCALE).ravel().tolist())
+        integral.extend([0] * table.size)
+        y = first + np.arange(table.size).reshape(table.shape)
+        for axis, u in enumerate(free):
+            for k in range(counts[u]):  # sum of y over the others = x_u,k
+                column = np.take(y, k, axis=axis).ravel()
+                row(np.append(column, offsets[u] + k), np.append(np.ones(column.size), -1.0), 0, 0)
     return _Problem(
         np.asarray(cost),
         np.asarray(integral),
@@ -220,6 +207,34 @@ def _build(decisions: Decisions, deadline: float) -> _Problem:
         tuple(offsets),
         tuple(counts),
     )
+
+
+def _links(decisions: Decisions, deadline: float) -> dict[tuple[int, ...], np.ndarray]:
+    """The terms between groups, per set of deciders (their indices, ascending): a table
+    of seconds over their configs, summed over the edges between two groups and the
+    joint terms (a partial sum whose readers decide its collective) spanning them."""
+    model, deciders = decisions.model, decisions.deciders
+    where = {n: i for i, n in enumerate(deciders)}
+    links: dict[tuple[int, ...], np.ndarray] = {}
+
+    def add(ops: tuple[str, ...], price) -> None:
+        leaders = decisions.leaders(ops)
+        if len(leaders) < 2:
+            return  # inside one group: its cost has it
+        key = tuple(where[n] for n in leaders)
+        configs = [decisions.configs[n] for n in leaders]
+        table = links.setdefault(key, np.zeros([len(c) for c in configs]))
+        for combo in np.ndindex(*table.shape):
+            _check(deadline)
+            choice = {n: c[k] for n, c, k in zip(leaders, configs, combo, strict=True)}
+            table[combo] += price(decisions.configs_of(ops, choice))
+
+    for j in model.pairwise:
+        p, c, _ = model.edges[j]
+        add((p, c), lambda conf, j=j, p=p, c=c: model.edge(j, conf[p], conf[c]))
+    for i, t in enumerate(model.joints):
+        add(t.ops, lambda conf, i=i: model.joint(i, conf))
+    return links
 
 
 def _with_memory(

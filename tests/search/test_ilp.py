@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from onnx2soap.importer import load_model
@@ -160,31 +160,38 @@ def test_mesh_configs_use_every_device_or_one(example_onnx: Path) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), devices=st.integers(2, 4))
+@example(seed=0, devices=4).via("two edges whose sums reduce-scatter")
+@example(seed=15, devices=2).via("two edges whose sums reduce-scatter")
 def test_crossing_pieces_are_the_partition_maths(
     example_onnx: Path, seed: int, devices: int
 ) -> None:
-    """Every edge of the example CNN under random configs (partial sums among them):
-    the vectorized pieces that cross devices are exactly the overlaps that do. Not yet
-    where a partial sum is reduce-scattered (2b8f60b: its readers need disjoint chunks,
-    so each piece comes from its chunk's holder): the ILP prices such an edge as if the
-    sum were all-reduced."""
+    """Every edge of the example CNN under random configs (partial sums among them,
+    reduce-scattered ones too, whose pieces come from their chunks' holders): the
+    vectorized pieces that cross devices are exactly the overlaps that do."""
     graph = load_model(example_onnx, 4).graph
     space = analyze(graph)
     strategy = by_rule(Rule.RANDOM, graph, space, devices, seed)
+    assert_crossing_is_the_partition_maths(graph, strategy)
+
+
+def assert_crossing_is_the_partition_maths(graph, strategy) -> int:
+    """Checks every edge's crossing pieces; returns how many edges' sums reduce-scatter."""
     pg = Partitioner(graph).partition(strategy)
     ops = {op.name: op for op in graph.ops}
+    scattering = 0
     for edge in pg.edges:
-        if any(g.scatter is not None for g in pg.sums[edge.producer]):
-            continue
+        sums = pg.sums[edge.producer]
+        scattering += any(g.scatter is not None for g in sums)
         ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
         want = Counter(
             (ptasks[o.src_task].device, ctasks[o.dst_task].device, o.volume)
             for o in edge.overlaps
             if ptasks[o.src_task].device != ctasks[o.dst_task].device
         )
-        src, dst, volume = crossing(ops[edge.producer], ptasks, ctasks, edge.operand)
+        src, dst, volume = crossing(ops[edge.producer], ptasks, ctasks, edge.operand, sums)
         got = Counter(zip(src.tolist(), dst.tolist(), np.asarray(volume).tolist(), strict=True))
         assert got == want, edge
+    return scattering
 
 
 def test_plan_reports_the_ilp_build_solve_and_gap(example_onnx: Path, tmp_path: Path, capsys):
