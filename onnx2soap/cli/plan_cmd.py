@@ -42,6 +42,7 @@ from onnx2soap.search.mcmc import (
     mcmc,
 )
 from onnx2soap.search.pipeline_choice import Candidate, Choice, Pricing, pipeline_choice
+from onnx2soap.search.pipeline_walk import PipelineWalk
 from onnx2soap.sim import Evaluation, Simulator, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.soap import (
@@ -227,8 +228,18 @@ def _outer(
 
     # the pricing's own bound, beside the walk's budget: half of it, 10 s at least
     max_s = max(PIPELINE_MIN_S, args.budget / 2)
+    # the walk inside the best pipeline gets as long again
     choice = pipeline_choice(
-        graph, space, load, cost_of, pricing, walk.best, walk.evaluation, walk.zero_stage, max_s
+        graph,
+        space,
+        load,
+        cost_of,
+        pricing,
+        walk.best,
+        walk.evaluation,
+        walk.zero_stage,
+        max_s,
+        max_s,
     )
     c: Candidate | None = choice.chosen
     if c is None and walk.unfit:
@@ -467,9 +478,12 @@ def _choice_doc(choice: Choice | None) -> dict:
             "zero_stage": int(c.zero_stage),
         }
 
+    walk = choice.walk
+    walked = walk.best if walk and walk.best is not walk.start else None
     tried = [
         {
             **shape(c),
+            "walked": c is walked,  # the walk inside a pipeline's best, not a rule's plan
             "step_time_s": c.evaluation.step_time_s,
             "peak_memory_bytes": max(c.evaluation.peak_memory_bytes),
             "fits": c.evaluation.fits,
@@ -482,7 +496,49 @@ def _choice_doc(choice: Choice | None) -> dict:
         "pipeline_chosen": chosen,
         "pipeline_s": choice.time_s,
         "pipeline_skipped": choice.skipped,
+        "pipeline_walk": _pipeline_walk_doc(choice.walk),
     }
+
+
+def _pipeline_walk_doc(walk: PipelineWalk | None) -> dict | None:
+    """The walk inside the best pipeline priced: the plan it started from and the one it
+    ended at (per stage: its first op's index, its ops, its tensor-parallel degree), the
+    moves it kept, the plans priced, seconds, and whether it ended at a local optimum
+    (false: at its time bound). Null where no pipeline was priced."""
+    if walk is None:
+        return None
+    layout = walk.layout
+    bounds = (*layout.cuts, len(walk.best.graph.ops))
+    return {
+        "start_step_time_s": walk.start.evaluation.step_time_s,
+        "start_fits": walk.start.evaluation.fits,
+        "step_time_s": walk.best.evaluation.step_time_s,
+        "fits": walk.best.evaluation.fits,
+        "stages": [
+            {"first_op": lo, "ops": hi - lo, "tensor_parallel": degree}
+            for lo, hi, degree in zip(bounds, bounds[1:], layout.degrees, strict=False)
+        ],
+        "zero_stage": int(layout.zero),
+        "recompute": layout.recompute,
+        "kept": [
+            {"move": k.move, "step_time_s": k.step_time_s, "overflow_bytes": k.overflow}
+            for k in walk.kept
+        ],
+        "priced": walk.priced,
+        "time_s": walk.time_s,
+        "converged": walk.converged,
+    }
+
+
+def _pipeline_walk_line(walk: PipelineWalk) -> str:
+    degrees = "/".join(str(d) for d in walk.layout.degrees)
+    ended = "a local optimum" if walk.converged else "its time bound"
+    return (
+        f"  walk inside the pipeline: {seconds(walk.start.evaluation.step_time_s)} -> "
+        f"{seconds(walk.best.evaluation.step_time_s)} ({len(walk.kept)} moves kept, "
+        f"{walk.priced} plans priced in {walk.time_s:.1f}s, ended at {ended}); "
+        f"tensor parallel per stage {degrees}, ZeRO-{int(walk.layout.zero)}"
+    )
 
 
 def _chosen_words(c: Candidate | None) -> str:
@@ -583,3 +639,5 @@ def _report(
         )
         if choice.skipped:
             print(f"  ({choice.skipped} pipeline shapes left unpriced: time bound)")
+        if choice.walk:
+            print(_pipeline_walk_line(choice.walk))

@@ -28,9 +28,8 @@ from dataclasses import dataclass, replace
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
-from onnx2soap.precision import Precision
 from onnx2soap.search.baselines import data_parallel
-from onnx2soap.search.mcmc import ZERO_GAIN
+from onnx2soap.search.mcmc import ZERO_GAIN, cost_in
 from onnx2soap.search.megatron import node_size
 from onnx2soap.search.pipeline_rule import (
     Space,
@@ -40,38 +39,17 @@ from onnx2soap.search.pipeline_rule import (
     pipeline_plan,
     shape_accepted,
 )
-from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator
+from onnx2soap.search.pipeline_walk import PipelineWalk, walk_pipeline
+from onnx2soap.search.priced import Candidate, Pricing, Shape
+from onnx2soap.sim import Evaluation, Machine
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Partitioner, Strategy, analyze
 from onnx2soap.soap import validate as validate_strategy
-from onnx2soap.soap.pipeline import Pipeline, Schedule, check_pipeline_plan
+from onnx2soap.soap.pipeline import Schedule, check_pipeline_plan
 from onnx2soap.soap.zero import ZeroStage
 
 GAIN = ZERO_GAIN  # the same margin, for the same reason: the simulator's optimism
 STAGE_COUNTS = (2, 4, 8)  # and the node count
-
-
-@dataclass(frozen=True)
-class Shape:
-    stages: int  # 0: the walk's own plan, not a pipeline
-    microbatches: int
-    schedule: Schedule | None
-    recompute: bool
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A plan priced by the choice: a pipeline on the microbatch's model, or the walk's
-    best recomputing (``stages`` 0)."""
-
-    shape: Shape
-    strategy: Strategy
-    graph: Graph
-    space: Space
-    pipeline: Pipeline | None
-    recompute: tuple[str, ...]
-    zero_stage: ZeroStage
-    evaluation: Evaluation
 
 
 @dataclass(frozen=True)
@@ -83,23 +61,12 @@ class Choice:
     # default shape, 1F1B), ``zero`` (data parallelism under ZeRO-2)
     baselines: dict[str, Candidate]
     skipped: int = 0  # grid shapes left unpriced, past ``max_s``
+    walk: PipelineWalk | None = None  # the walk inside the grid's best pipeline
 
 
 # the model loaded at a batch (the microbatch's); a graph's cost model (``for_graph``)
 Loader = Callable[[int], Graph]
 Costs = Callable[[Graph], CostModel]
-
-
-@dataclass(frozen=True)
-class Pricing:
-    """What a plan is priced with: the machine, the optimizer's slots, the precision."""
-
-    machine: Machine
-    slots: int
-    precision: Precision
-
-    def simulator(self, cost: CostModel, **kw) -> Simulator:
-        return make_simulator(self.machine, cost, self.slots, self.precision, **kw)
 
 
 def grid(machine: Machine, batch: int, ops: int) -> list[tuple[int, int]]:
@@ -208,12 +175,15 @@ def pipeline_choice(
     best_evaluation: Evaluation,
     zero: ZeroStage,
     max_s: float = math.inf,
+    walk_s: float | None = None,
 ) -> Choice:
     """Price the grid's pipelines (1F1B; recomputing where one does not fit without),
     GPipe at the fastest fitting one, and the walk's best recomputing where it does not
     fit; choose by ``choose``. ``load`` is called once per distinct microbatch size.
     ``max_s``: no grid shape is begun after it (the rule's default shape, priced first,
-    always is): a pipeline of a large model on many devices takes seconds to price."""
+    always is): a pipeline of a large model on many devices takes seconds to price.
+    Then the walk inside the best pipeline priced (``pipeline_walk``) for ``walk_s``
+    (``max_s`` where not given); its best joins the plans chosen among."""
     began = time.perf_counter()
     tried: list[Candidate] = []
     models: dict[int, tuple[Graph, Space, CostModel]] = {}
@@ -251,6 +221,9 @@ def pipeline_choice(
         micro, micro_space, cost = models[size]
         names = redo_names.get(size, ())
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names))
+    walked = _walk_best(tried, models, redo_names, pricing, max_s if walk_s is None else walk_s)
+    if walked is not None and walked.best is not walked.start:
+        tried.append(walked.best)
     if not best_evaluation.fits:
         tried.append(price_recompute(graph, space, costs(graph), pricing, best, zero))
     baselines = {}
@@ -262,4 +235,26 @@ def pipeline_choice(
     if pricing.machine.size > 1:
         baselines["zero"] = zero_baseline(graph, space, costs(graph), pricing)
     chosen = choose(best_evaluation, tried, list(baselines.values()))
-    return Choice(chosen, tuple(tried), time.perf_counter() - began, baselines, skipped)
+    took = time.perf_counter() - began
+    return Choice(chosen, tuple(tried), took, baselines, skipped, walked)
+
+
+def _walk_best(
+    tried: Sequence[Candidate],
+    models: dict[int, tuple[Graph, Space, CostModel]],
+    redo_names: dict[int, tuple[str, ...]],
+    pricing: Pricing,
+    walk_s: float,
+) -> PipelineWalk | None:
+    """The walk from the best pipeline priced (fitting by step time, else the least
+    overflow); None where none was."""
+    piped = [c for c in tried if c.pipeline is not None]
+    if not piped:
+        return None
+    memory = tuple(d.memory for d in pricing.machine.devices)
+    start = min(piped, key=lambda c: cost_in(c.evaluation, memory))
+    size = start.graph.batch
+    micro, micro_space, cost = models[size]
+    if size not in redo_names:
+        redo_names[size] = full_recompute(micro, micro_space, pricing.simulator(cost))
+    return walk_pipeline(start, cost, pricing, redo_names[size], walk_s)

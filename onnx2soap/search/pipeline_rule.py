@@ -75,6 +75,18 @@ def op_seconds(
     """Per op (graph order), its slowest task's forward and backward (and its forward
     again where recomputed) under data parallelism over ``group``: the time it adds to
     its stage's passes, its tasks running side by side."""
+    configs = {op.name: sample_config(space[op.name], group) for op in graph.ops}
+    return task_seconds(graph, configs, simulator, recompute)
+
+
+def task_seconds(
+    graph: Graph,
+    configs: Mapping[str, ParallelConfig],
+    simulator: Simulator,
+    recompute: frozenset[str] = frozenset(),
+) -> list[float]:
+    """Per op (graph order), its slowest task's forward and backward (and its forward
+    again where recomputed) under ``configs``."""
     partitioner = Partitioner(graph)
     devices, cost, size = simulator.machine.devices, simulator.cost, simulator.itemsize
     seconds = []
@@ -82,7 +94,7 @@ def op_seconds(
         backward = graph.differentiable(op.output)
         redo = 2 if backward and op.name in recompute else 1
         slowest = 0.0
-        for t in partitioner.tasks(op, sample_config(space[op.name], group)):
+        for t in partitioner.tasks(op, configs[op.name]):
             device = devices[t.device]
             took = redo * cost.forward(op, t, device, size)
             if backward:

@@ -54,3 +54,42 @@ def pipeline_plan(
     )
     save_plan(doc, path)
     return path
+
+
+def walked_plan(
+    model: Path,
+    path: Path,
+    batch: int,
+    microbatches: int,
+    degrees: tuple[int, ...],
+    zero: ZeroStage = ZeroStage.NONE,
+) -> Path:
+    """A plan of the walk inside pipelines (``search/pipeline_walk.py``) on cpu:4: one
+    stage per entry of ``degrees`` over equal groups of the 4 ranks, the rule's balanced
+    cuts, each stage at its tensor-parallel degree (1: data parallel; above: Megatron-LM
+    inside the stage), 1F1B."""
+    from onnx2soap.precision import Precision
+    from onnx2soap.search.pipeline_walk import Layout, StageSpace
+    from onnx2soap.search.priced import Pricing, Shape
+    from onnx2soap.sim import RooflineCost, resolve_machine
+
+    graph = load_model(model, batch // microbatches).graph
+    space = analyze(graph)
+    pricing = Pricing(resolve_machine("cpu:4"), 0, Precision.FP32)
+    shape = Shape(len(degrees), microbatches, Schedule.ONE_F_ONE_B, False)
+    stages = StageSpace(graph, space, pricing, shape)
+    cuts = stages.balanced(1, pricing, RooflineCost(), frozenset())
+    strategy, pipeline = stages.build(Layout(cuts, degrees, zero, False))
+    ops = plan_ops(strategy, graph, space)
+    doc = Plan(
+        model,
+        file_sha256(model),
+        batch,
+        graph.loss,
+        4,
+        tuple(ops),
+        zero_stage=zero,
+        pipeline=pipeline,
+    )
+    save_plan(doc, path)
+    return path

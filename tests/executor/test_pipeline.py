@@ -40,7 +40,7 @@ from onnx2soap.soap.pipeline import Schedule, held_at_most
 from onnx2soap.soap.zero import ZeroStage
 from tests.executor.jobs_driver import Job, read_result, run, run_jobs
 from tests.executor.mpi import MPIEXEC
-from tests.executor.pipeline_plans import pipeline_plan
+from tests.executor.pipeline_plans import pipeline_plan, walked_plan
 from tests.executor.test_refusals import assert_refused
 from tests.optional import cupy_or_skip, require
 
@@ -58,6 +58,13 @@ CASES = {
     "cnn-2x2-gpipe-adam": ("cnn", 2, 2, 4, GPIPE, "adam", 0),
     "cnn-4x1-1f1b-momentum": ("cnn", 4, 1, 2, ONE_F_ONE_B, "momentum", 0),
     "cnn-2x2-1f1b-adam-zero2": ("cnn", 2, 2, 4, ONE_F_ONE_B, "adam", 2),
+}
+# The walk's plans inside pipelines (search/pipeline_walk.py): (model, each stage's
+# tensor-parallel degree over 2 ranks, microbatches, optimizer, ZeRO stage). Megatron-LM
+# inside both stages, and inside one beside a data-parallel one under ZeRO-1.
+WALKED = {
+    "gpt-walked-tp2-tp2-momentum": ("gpt", (2, 2), 4, "momentum", 0),
+    "gpt-walked-tp2-dp2-momentum-zero1": ("gpt", (2, 1), 4, "momentum", 1),
 }
 
 
@@ -131,6 +138,12 @@ def trained(models, eval_data) -> dict[str, tuple[Job, Path]]:
     for name, case in CASES.items():
         plan, one = _plans(models, name, case)
         jobs[name] = (Job(str(plan), str(folder / f"{name}.npz"), case[5]), one)
+    for name, (model, degrees, m, optimizer, zero) in WALKED.items():
+        plan = walked_plan(
+            models[model], folder / f"{name}.json", BATCH, m, degrees, ZeroStage(zero)
+        )
+        one = pipeline_plan(models[model], folder / f"one-{model}-{m}.json", BATCH, 1, m)
+        jobs[name] = (Job(str(plan), str(folder / f"{name}.npz"), optimizer), one)
     # Evaluation and the weights written out, on a CNN run.
     job, one = jobs["cnn-2x2-gpipe-adam"]
     jobs["cnn-2x2-gpipe-adam"] = (
@@ -158,7 +171,7 @@ def trained(models, eval_data) -> dict[str, tuple[Job, Path]]:
     return jobs
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *WALKED])
 def test_a_pipeline_trains_like_one_device(trained, name: str) -> None:
     job, one = trained[name]
     assert_like(read_result(Path(job.out)), reference(job, one))

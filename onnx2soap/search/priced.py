@@ -1,0 +1,50 @@
+"""What the search's outer choice prices: a plan's shape and pricing, and a priced plan
+(``pipeline_choice`` prices the grid, ``pipeline_walk`` walks from its best)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onnx2soap.ir import Graph
+from onnx2soap.precision import Precision
+from onnx2soap.search.pipeline_rule import Space
+from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator
+from onnx2soap.sim.costs import CostModel
+from onnx2soap.soap import Strategy
+from onnx2soap.soap.pipeline import Pipeline, Schedule
+from onnx2soap.soap.zero import ZeroStage
+
+
+@dataclass(frozen=True)
+class Shape:
+    stages: int  # 0: the walk's own plan, not a pipeline
+    microbatches: int
+    schedule: Schedule | None
+    recompute: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan priced by the choice: a pipeline on the microbatch's model, or the walk's
+    best recomputing (``stages`` 0)."""
+
+    shape: Shape
+    strategy: Strategy
+    graph: Graph
+    space: Space
+    pipeline: Pipeline | None
+    recompute: tuple[str, ...]
+    zero_stage: ZeroStage
+    evaluation: Evaluation
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a plan is priced with: the machine, the optimizer's slots, the precision."""
+
+    machine: Machine
+    slots: int
+    precision: Precision
+
+    def simulator(self, cost: CostModel, **kw) -> Simulator:
+        return make_simulator(self.machine, cost, self.slots, self.precision, **kw)
