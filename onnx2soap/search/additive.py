@@ -13,11 +13,13 @@ ILP minimizes (search/ilp.py), priced with the simulator's own costs.
   (``soap/sum_scatter.py`` decides, from the op's config and its readers'): then its
   collective is the simulator's reduce-scatter forward and all-gather backward, and each
   crossing piece comes from its chunk's holder. The op's term keeps the all-reduce (it
-  cannot see its readers); the difference (the collective's *correction*, at most 0,
-  and the pieces' sources) is priced where the readers' configs are known: on the edge
-  where one op reads the sum (Megatron's row-parallel linear and its bias add or
-  residual), else on a *joint* term over the op and all its readers (``Joint``), since
-  the decision then depends on all of their configs at once;
+  cannot see its readers); the difference (the collective's *correction*: a saving
+  where the chunks are even, a loss where one dwarfs the others, since every ring step
+  lasts as long as its largest chunk's send; and the pieces' sources) is priced where
+  the readers' configs are known: on the edge where one op reads the sum (Megatron's
+  row-parallel linear and its bias add or residual), else on a *joint* term over the op
+  and all its readers (``Joint``), since the decision then depends on all of their
+  configs at once;
 - an op under a config holds, per device, what the memory model says it holds to the
   end of the step (``memory.op_held``).
 
