@@ -460,14 +460,18 @@ def _choice_doc(choice: Choice | None) -> dict:
     """Every pipeline and recomputing plan the search priced after its walk (``stages``
     0: the walk's own plan recomputing), the one chosen (null: the walk's plan stands;
     ``stages`` 0 without recomputation: the ``zero`` baseline, faster than the walk's),
-    the seconds it took and the grid shapes its time bound left; null by rule."""
+    the seconds it took and the grid shapes its time bound left, and the walk inside
+    the best pipeline priced (``walked``: its plan, not the rule's); null by rule."""
     if choice is None:
         return {
             "pipeline_tried": None,
             "pipeline_chosen": None,
             "pipeline_s": None,
             "pipeline_skipped": None,
+            "pipeline_walk": None,
         }
+    walk = choice.walk
+    walked = walk.best if walk and walk.best is not walk.start else None
 
     def shape(c: Candidate) -> dict:
         return {
@@ -476,14 +480,12 @@ def _choice_doc(choice: Choice | None) -> dict:
             "schedule": c.shape.schedule.value if c.shape.schedule else None,
             "recompute": c.shape.recompute,
             "zero_stage": int(c.zero_stage),
+            "walked": c is walked,  # the walk inside a pipeline's best, not a rule's plan
         }
 
-    walk = choice.walk
-    walked = walk.best if walk and walk.best is not walk.start else None
     tried = [
         {
             **shape(c),
-            "walked": c is walked,  # the walk inside a pipeline's best, not a rule's plan
             "step_time_s": c.evaluation.step_time_s,
             "peak_memory_bytes": max(c.evaluation.peak_memory_bytes),
             "fits": c.evaluation.fits,

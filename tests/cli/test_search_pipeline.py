@@ -2,7 +2,9 @@
 recomputation. Where no plain plan fits, the search returns one that does, ``validate``
 accepts and ``simulate`` prices as ``plan`` said; the chosen plan is the best of the
 shapes tried, each built and priced again one by one through ``plan --strategy
-pipeline``; with ample memory the walk's plan stands unless one is 1 % faster."""
+pipeline`` (or the walk inside pipelines', no slower); with ample memory the walk's
+plan stands unless one is 1 % faster. The walk inside pipelines starts from the best
+pipeline priced and ends no worse."""
 
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ def test_with_ample_memory_the_walk_stands_unless_one_percent_faster(searched, c
         assert fastest < walked * 0.99
     feasible = [t for n, t in doc["baselines"].items() if n not in doc["infeasible_baselines"]]
     assert {"pipeline", "zero"} <= set(doc["baselines"])
+    _check_the_walk(doc)
     assert doc["predicted_step_time_s"] <= min(feasible)
 
 
@@ -110,8 +113,8 @@ def test_where_no_plain_plan_fits_a_pipeline_or_recomputation_does(searched, cap
     # (the rule accepts each shape: exit 0), and the chosen one is the best that fits
     again = []
     for t in doc["pipeline_tried"]:
-        if t["stages"] == 0:
-            continue  # the walk's best recomputing: not a rule's plan
+        if t["stages"] == 0 or t["walked"]:
+            continue  # the walk's best recomputing, the walk inside pipelines: no rule's
         extra = ["--strategy", "pipeline", "--stages", str(t["stages"])]
         extra += ["--microbatches", str(t["microbatches"]), "--schedule", t["schedule"]]
         extra += ["--recompute", "all" if t["recompute"] else "none"]
@@ -122,7 +125,29 @@ def test_where_no_plain_plan_fits_a_pipeline_or_recomputation_does(searched, cap
         assert peak == t["peak_memory_bytes"] and (peak <= low) == t["fits"]
         again.append((rule["predicted_step_time_s"], peak <= low, t))
     best = min((s, t) for s, ok, t in again if ok) if any(ok for _, ok, _ in again) else None
-    if chosen["stages"] > 0:
+    if chosen["stages"] > 0 and not chosen["walked"]:
         assert best is not None and best[0] == doc["predicted_step_time_s"]
         keys = ("stages", "microbatches", "schedule", "recompute")
         assert all(best[1][k] == chosen[k] for k in keys)
+    elif chosen["walked"]:  # the walk's, from the best rule's pipeline: no slower
+        assert best is None or doc["predicted_step_time_s"] <= best[0]
+    _check_the_walk(doc)
+
+
+def _check_the_walk(doc: dict) -> None:
+    """The walk inside pipelines starts from the best pipeline priced (the fastest that
+    fits, else the least overflow) and ends no worse; its plan is among those tried
+    where it moved."""
+    walk = doc["pipeline_walk"]
+    piped = [t for t in doc["pipeline_tried"] if t["stages"] > 0 and not t["walked"]]
+    fitting = [t for t in piped if t["fits"]]
+    if fitting:
+        assert walk["start_fits"]
+        assert walk["start_step_time_s"] == min(t["step_time_s"] for t in fitting)
+    if walk["start_fits"]:
+        assert walk["fits"] and walk["step_time_s"] <= walk["start_step_time_s"]
+    walked = [t for t in doc["pipeline_tried"] if t["walked"]]
+    assert len(walked) == (1 if walk["kept"] else 0)
+    if walked:
+        assert walked[0]["step_time_s"] == walk["step_time_s"]
+        assert walked[0]["stages"] == len(walk["stages"])
