@@ -240,6 +240,7 @@ def _outer(
         walk.zero_stage,
         max_s,
         max_s,
+        args.seed,
     )
     c: Candidate | None = choice.chosen
     if c is None and walk.unfit:

@@ -176,6 +176,7 @@ def pipeline_choice(
     zero: ZeroStage,
     max_s: float = math.inf,
     walk_s: float | None = None,
+    seed: int = 0,
 ) -> Choice:
     """Price the grid's pipelines (1F1B; recomputing where one does not fit without),
     GPipe at the fastest fitting one, and the walk's best recomputing where it does not
@@ -183,7 +184,8 @@ def pipeline_choice(
     ``max_s``: no grid shape is begun after it (the rule's default shape, priced first,
     always is): a pipeline of a large model on many devices takes seconds to price.
     Then the walk inside the best pipeline priced (``pipeline_walk``) for ``walk_s``
-    (``max_s`` where not given); its best joins the plans chosen among."""
+    (``max_s`` where not given; ``seed``: its random changes'); its best joins the
+    plans chosen among."""
     began = time.perf_counter()
     tried: list[Candidate] = []
     models: dict[int, tuple[Graph, Space, CostModel]] = {}
@@ -221,7 +223,8 @@ def pipeline_choice(
         micro, micro_space, cost = models[size]
         names = redo_names.get(size, ())
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names))
-    walked = _walk_best(tried, models, redo_names, pricing, max_s if walk_s is None else walk_s)
+    walk_s = max_s if walk_s is None else walk_s
+    walked = _walk_best(tried, models, redo_names, pricing, walk_s, seed)
     if walked is not None and walked.best is not walked.start:
         tried.append(walked.best)
     if not best_evaluation.fits:
@@ -245,6 +248,7 @@ def _walk_best(
     redo_names: dict[int, tuple[str, ...]],
     pricing: Pricing,
     walk_s: float,
+    seed: int,
 ) -> PipelineWalk | None:
     """The walk from the best pipeline priced (fitting by step time, else the least
     overflow); None where none was."""
@@ -257,4 +261,4 @@ def _walk_best(
     micro, micro_space, cost = models[size]
     if size not in redo_names:
         redo_names[size] = full_recompute(micro, micro_space, pricing.simulator(cost))
-    return walk_pipeline(start, cost, pricing, redo_names[size], walk_s)
+    return walk_pipeline(start, cost, pricing, redo_names[size], walk_s, seed)

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from onnx2soap.errors import PlanError
 from onnx2soap.ir import Graph
-from onnx2soap.search.groups import find_groups
+from onnx2soap.search.groups import Groups, find_groups
 from onnx2soap.search.mcmc import NOWHERE, Cost, cost_in
 from onnx2soap.search.megatron import megatron_at, node_size
 from onnx2soap.search.pipeline_rule import Space, sample_config, stage_groups, task_seconds
@@ -44,6 +47,7 @@ from onnx2soap.sim import Simulator
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Partitioner, Strategy
 from onnx2soap.soap import validate as validate_strategy
+from onnx2soap.soap.candidates import candidates
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.pipeline import Pipeline, check_pipeline_plan
 from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, check_zero
@@ -61,6 +65,9 @@ class Layout:
     degrees: tuple[int, ...]
     zero: ZeroStage
     recompute: bool
+    # ops whose config is their own, not their stage's degree's (name order); one whose
+    # devices leave its stage (a boundary moved past it) takes its stage's again
+    overrides: tuple[tuple[str, ParallelConfig], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,9 @@ class StageSpace:
         self.groups = stage_groups(pricing.machine.size, shape.stages)
         node = node_size(pricing.machine)
         self.degrees = tuple(_degrees(group, node) for group in self.groups)
-        self.positions = _positions(micro, space)
+        groups = find_groups(micro, space)
+        self.positions = _positions(micro, groups)
+        self.counterparts = groups.counterparts
         self._megatron: dict[tuple[int, int], Strategy] = {}
 
     def configs(self, stage: int, degree: int) -> Callable[[str], ParallelConfig]:
@@ -117,13 +126,42 @@ class StageSpace:
         bounds = (*layout.cuts, self.ops)
         configs: dict[str, ParallelConfig] = {}
         stages = []
+        own = dict(layout.overrides)
         for s, degree in enumerate(layout.degrees):
             config = self.configs(s, degree)
             names = tuple(op.name for op in self.micro.ops[bounds[s] : bounds[s + 1]])
-            configs.update((name, config(name)) for name in names)
+            for name in names:
+                mine = own.get(name)
+                inside = mine is not None and set(mine.devices) <= set(self.groups[s])
+                configs[name] = mine if inside else config(name)
             stages.append(names)
         pipeline = Pipeline(tuple(stages), self.shape.microbatches, self.shape.schedule)
         return Strategy(sum(len(g) for g in self.groups), configs), pipeline
+
+    def propose(self, at: Layout, rng: np.random.Generator) -> Layout:
+        """One op (with its counterparts in the other instances of its repeated block
+        inside its stage, half the time, as the main walk changes a block's ops
+        together) given one of its candidate configs on its stage's devices
+        (``soap.candidates``); an override equal to the stage's own config is dropped."""
+        i = int(rng.integers(self.ops))
+        s = bisect_right(at.cuts, i) - 1
+        group, name = self.groups[s], self.micro.ops[i].name
+        choices = candidates(self.space[name], len(group))
+        c = choices[int(rng.integers(len(choices)))]
+        chosen = ParallelConfig(c.degrees, tuple(group[d] for d in c.devices))
+        bounds = (*at.cuts, self.ops)
+        stage = {op.name for op in self.micro.ops[bounds[s] : bounds[s + 1]]}
+        names = [name]
+        if rng.random() < 0.5:
+            names += [n for n in self.counterparts.get(name, ()) if n in stage]
+        base = self.configs(s, at.degrees[s])
+        own = dict(at.overrides)
+        for n in names:
+            if chosen == base(n):
+                own.pop(n, None)
+            else:
+                own[n] = chosen
+        return replace(at, overrides=tuple(sorted(own.items(), key=lambda kv: kv[0])))
 
     def balanced(self, degree: int, pricing: Pricing, cost: CostModel, redo) -> tuple[int, ...]:
         """The cuts balancing the stages' ops' times with every stage at ``degree``, as
@@ -143,17 +181,13 @@ def _degrees(group: tuple[int, ...], node: int) -> tuple[int, ...]:
     return tuple(t for t in range(1, width + 1) if width % t == 0 and group[0] % t == 0)
 
 
-def _positions(graph: Graph, space: Space) -> tuple[int, ...]:
+def _positions(graph: Graph, groups: Groups) -> tuple[int, ...]:
     """Where a boundary may go: the first op (graph order) of each instance of each
     repeated block (a transformer layer's, where a cut crosses only the residual
     stream), and ``EVEN_POSITIONS`` evenly spaced ops besides (finer where the model
     has few blocks: a cut inside a layer can balance two stages better)."""
     index = {op.name: i for i, op in enumerate(graph.ops)}
-    starts = {
-        min(index[n] for n in names)
-        for block in find_groups(graph, space).blocks
-        for names in block.instances
-    }
+    starts = {min(index[n] for n in names) for block in groups.blocks for names in block.instances}
     n = len(graph.ops)
     k = min(EVEN_POSITIONS, n)
     starts |= {round(i * n / k) for i in range(1, k)}
@@ -283,20 +317,25 @@ def walk_pipeline(
     pricing: Pricing,
     redo_names: tuple[str, ...],
     max_s: float = math.inf,
+    seed: int = 0,
+    proposals: int | None = None,
 ) -> PipelineWalk:
     """Coordinate descent from ``start`` (a rule-built pipeline: ``pipeline_choice``'s
     best), each coordinate's every value priced and the best kept where it lowers the
-    cost, until a sweep keeps nothing or ``max_s`` has passed (the start is always
-    priced: its own evaluation). ``redo_names``: ``--recompute all``'s list for the
-    microbatch's model."""
+    cost; where a sweep keeps nothing, ``proposals`` random changes of one op's config
+    (``StageSpace.propose``; twice the ops, at most 256, by default), each kept where it
+    lowers the cost, and a sweep again after any was kept. It ends where a round of
+    proposals keeps nothing or ``max_s`` has passed (the start is always priced: its
+    own evaluation). ``redo_names``: ``--recompute all``'s list for the microbatch's
+    model; ``seed``: the proposals'."""
     began = time.perf_counter()
     stages = StageSpace(start.graph, start.space, pricing, start.shape)
     memory = tuple(d.memory for d in pricing.machine.devices)
     pricer = _Pricer(stages, cost, pricing, redo_names, memory, Partitioner(start.graph), {})
-    layout = layout_of(stages, start)
-    pricer.seen[layout] = start
-    best, best_cost = start, pricer.cost_of(start)
-    kept: list[WalkStep] = []
+    rng = np.random.default_rng(seed)
+    rounds = proposals if proposals is not None else min(256, 2 * stages.ops)
+    state = _State(start, pricer.cost_of(start), layout_of(stages, start), [])
+    pricer.seen[state.layout] = start
     redo = frozenset(redo_names)
 
     def balance(at: Layout, degree: int) -> tuple[int, ...]:
@@ -305,24 +344,54 @@ def walk_pipeline(
     def out_of_time() -> bool:
         return time.perf_counter() - began > max_s
 
-    converged = False
-    while not converged and not out_of_time():
+    def sweep() -> bool:
+        """One pass over the coordinates; whether it kept a move."""
         changed = False
         for name, neighbours in coordinates(stages, balance):
-            if out_of_time():
-                break
-            # each differs from ``layout`` in this coordinate alone: keeping the better
+            # each differs from the layout in this coordinate alone: keeping the better
             # as they come keeps the cheapest of them
-            for candidate_layout in neighbours(layout):
+            for layout in neighbours(state.layout) if not out_of_time() else ():
                 if out_of_time():
                     break
-                c = pricer(candidate_layout)
-                if pricer.cost_of(c) < best_cost:
-                    best, best_cost, layout = c, pricer.cost_of(c), candidate_layout
-                    changed = True
-                    kept.append(WalkStep(name, best_cost.step_time_s, best_cost.overflow))
-        # a sweep that kept nothing, run to its end: every coordinate is at its best
-        converged = not changed and not out_of_time()
+                changed |= state.consider(pricer, layout, name)
+        return changed
+
+    def propose() -> bool:
+        changed = False
+        for _ in range(rounds):
+            if out_of_time():
+                break
+            changed |= state.consider(pricer, stages.propose(state.layout, rng), "an op's config")
+        return changed
+
+    converged = False
+    while not out_of_time():
+        if sweep():
+            continue
+        if not propose():  # every coordinate at its best, and no op's change helps
+            converged = not out_of_time()
+            break
+    took = time.perf_counter() - began
     return PipelineWalk(
-        start, best, layout, tuple(kept), len(pricer.seen), time.perf_counter() - began, converged
+        start, state.best, state.layout, tuple(state.kept), len(pricer.seen), took, converged
     )
+
+
+@dataclass
+class _State:
+    """The walk's best so far, its cost and layout, and the moves it kept."""
+
+    best: Candidate
+    cost: Cost
+    layout: Layout
+    kept: list[WalkStep]
+
+    def consider(self, pricer: _Pricer, layout: Layout, move: str) -> bool:
+        """Price ``layout``; keep it where it costs less than the best."""
+        c = pricer(layout)
+        cost = pricer.cost_of(c)
+        if not cost < self.cost:
+            return False
+        self.best, self.cost, self.layout = c, cost, layout
+        self.kept.append(WalkStep(move, cost.step_time_s, cost.overflow))
+        return True

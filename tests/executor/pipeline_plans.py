@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from onnx2soap.importer import file_sha256, load_model
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.soap import Plan, analyze, plan_ops, save_plan
@@ -63,11 +65,13 @@ def walked_plan(
     microbatches: int,
     degrees: tuple[int, ...],
     zero: ZeroStage = ZeroStage.NONE,
+    changes: int = 0,
 ) -> Path:
     """A plan of the walk inside pipelines (``search/pipeline_walk.py``) on cpu:4: one
     stage per entry of ``degrees`` over equal groups of the 4 ranks, the rule's balanced
     cuts, each stage at its tensor-parallel degree (1: data parallel; above: Megatron-LM
-    inside the stage), 1F1B."""
+    inside the stage), 1F1B; then ``changes`` of the walk's random changes of an op's
+    config inside its stage (``StageSpace.propose``, seeded), kept whatever they cost."""
     from onnx2soap.precision import Precision
     from onnx2soap.search.pipeline_walk import Layout, StageSpace
     from onnx2soap.search.priced import Pricing, Shape
@@ -79,7 +83,11 @@ def walked_plan(
     shape = Shape(len(degrees), microbatches, Schedule.ONE_F_ONE_B, False)
     stages = StageSpace(graph, space, pricing, shape)
     cuts = stages.balanced(1, pricing, RooflineCost(), frozenset())
-    strategy, pipeline = stages.build(Layout(cuts, degrees, zero, False))
+    layout = Layout(cuts, degrees, zero, False)
+    rng = np.random.default_rng(0)
+    for _ in range(changes):
+        layout = stages.propose(layout, rng)
+    strategy, pipeline = stages.build(layout)
     ops = plan_ops(strategy, graph, space)
     doc = Plan(
         model,

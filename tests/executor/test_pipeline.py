@@ -60,11 +60,13 @@ CASES = {
     "cnn-2x2-1f1b-adam-zero2": ("cnn", 2, 2, 4, ONE_F_ONE_B, "adam", 2),
 }
 # The walk's plans inside pipelines (search/pipeline_walk.py): (model, each stage's
-# tensor-parallel degree over 2 ranks, microbatches, optimizer, ZeRO stage). Megatron-LM
-# inside both stages, and inside one beside a data-parallel one under ZeRO-1.
+# tensor-parallel degree over 2 ranks, microbatches, optimizer, ZeRO stage, random
+# changes of an op's config). Megatron-LM inside both stages; inside one beside a
+# data-parallel one under ZeRO-1; and 40 ops' configs of the walk's random changes.
 WALKED = {
-    "gpt-walked-tp2-tp2-momentum": ("gpt", (2, 2), 4, "momentum", 0),
-    "gpt-walked-tp2-dp2-momentum-zero1": ("gpt", (2, 1), 4, "momentum", 1),
+    "gpt-walked-tp2-tp2-momentum": ("gpt", (2, 2), 4, "momentum", 0, 0),
+    "gpt-walked-tp2-dp2-momentum-zero1": ("gpt", (2, 1), 4, "momentum", 1, 0),
+    "gpt-walked-40-changes-sgd": ("gpt", (1, 2), 2, "sgd", 0, 40),
 }
 
 
@@ -138,9 +140,9 @@ def trained(models, eval_data) -> dict[str, tuple[Job, Path]]:
     for name, case in CASES.items():
         plan, one = _plans(models, name, case)
         jobs[name] = (Job(str(plan), str(folder / f"{name}.npz"), case[5]), one)
-    for name, (model, degrees, m, optimizer, zero) in WALKED.items():
+    for name, (model, degrees, m, optimizer, zero, changes) in WALKED.items():
         plan = walked_plan(
-            models[model], folder / f"{name}.json", BATCH, m, degrees, ZeroStage(zero)
+            models[model], folder / f"{name}.json", BATCH, m, degrees, ZeroStage(zero), changes
         )
         one = pipeline_plan(models[model], folder / f"one-{model}-{m}.json", BATCH, 1, m)
         jobs[name] = (Job(str(plan), str(folder / f"{name}.npz"), optimizer), one)

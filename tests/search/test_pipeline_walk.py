@@ -3,9 +3,10 @@ the same simulator: on GPT-2 cut into 2 stages, every boundary position the walk
 use times every stage's tensor-parallel degree is priced one by one through a fresh
 simulator, and the walk's plan is the best of them under its own ZeRO stage and
 recomputation, which no single change of either improves. A stage at degree ``t`` runs
-Megatron-LM's plan at ``t`` on its own devices; the walk never ends worse than its
-start, and stops at its time bound. (N ranks == 1 device for the walk's plans:
-tests/executor/test_pipeline.py's ``WALKED``.)"""
+Megatron-LM's plan at ``t`` on its own devices; the walk's random changes of one op's
+config stay inside the op's stage and are kept only where they lower the cost; the walk
+never ends worse than its start, and stops at its time bound. (N ranks == 1 device for
+the walk's plans: tests/executor/test_pipeline.py's ``WALKED``.)"""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _cost(stages: StageSpace, layout: Layout, pricing: Pricing, cost, names):
 @pytest.mark.parametrize(("spec", "batch"), [("cpu:4", 8), ("flexflow-p100:1", 8)])
 def test_the_walk_finds_the_exhaustive_optimum_of_two_stages(gpt2: Path, spec: str, batch: int):
     micro, space, pricing, cost, names, shape, start = _setup(gpt2, spec, batch)
-    walk = walk_pipeline(start, cost, pricing, names)
+    walk = walk_pipeline(start, cost, pricing, names, proposals=0)
     assert walk.converged
     memory = [d.memory for d in pricing.machine.devices]
     found = cost_in(walk.best.evaluation, memory)
@@ -108,3 +109,21 @@ def test_the_walk_stops_at_its_bound_with_its_start(gpt2: Path) -> None:
     _, _, pricing, cost, names, _, start = _setup(gpt2, "cpu:4", 8)
     walk = walk_pipeline(start, cost, pricing, names, max_s=0.0)
     assert walk.best is start and walk.priced == 1 and not walk.converged and not walk.kept
+
+
+def test_changes_of_one_op_stay_in_its_stage_and_only_lower_the_cost(gpt2: Path) -> None:
+    micro, space, pricing, cost, names, shape, start = _setup(gpt2, "flexflow-p100:1", 8)
+    plain = walk_pipeline(start, cost, pricing, names, proposals=0)
+    walk = walk_pipeline(start, cost, pricing, names, proposals=20, seed=3)
+    memory = [d.memory for d in pricing.machine.devices]
+    assert cost_in(walk.best.evaluation, memory) <= cost_in(plain.best.evaluation, memory)
+    steps = [(k.overflow, k.step_time_s) for k in walk.kept]
+    assert steps == sorted(steps, reverse=True) and len(set(steps)) == len(steps)
+    stages = StageSpace(micro, space, pricing, shape)
+    strategy, pipeline = stages.build(walk.layout)
+    for s, names_in_stage in enumerate(pipeline.stages):
+        for name in names_in_stage:
+            assert set(strategy[name].devices) <= set(stages.groups[s])
+    assert any(k.move == "an op's config" for k in walk.kept)
+    again = walk_pipeline(start, cost, pricing, names, proposals=20, seed=3)
+    assert again.layout == walk.layout  # seeded: the same walk
