@@ -27,9 +27,9 @@ from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.memory import (
     OpMemory,
     Pieces,
-    _batch_bytes,
     _edge_bytes,
     _op_bytes,
+    batch_bytes,
     consumers_of,
     memory_key,
     total,
@@ -42,8 +42,10 @@ from onnx2soap.sim.taskgraph import (
     Segment,
     SlotBuilder,
     TaskGraph,
+    edge_configs,
     flatten,
     layout,
+    slot_kinds,
 )
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
 from onnx2soap.soap.partition import SumGroup, stat_groups
@@ -87,7 +89,8 @@ class DeltaSimulator:
             simulator.recompute,
         )
         self.lay = layout(graph)
-        self.builder = SlotBuilder(self.costs, self.lay)
+        self.kinds = slot_kinds(graph, self.lay, simulator.recompute)
+        self.builder = SlotBuilder(self.costs, self.lay, kinds=self.kinds)
         # Per op, the producers of its inputs with partial sums: whether such a sum
         # reduce-scatters depends on its readers' configs (``Partitioner.sums``), so a
         # reader's change rebuilds its producer's slots and edges too.
@@ -159,12 +162,16 @@ class DeltaSimulator:
         p, c, _ = self.lay.edges[j]
         ops = self.graph.ops
         pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
-        key = (j, pconf, cconf, _scatter(self.sums(p, strategy)))
+        configs = edge_configs(pconf, cconf, self.sums(p, strategy))
+        key = (j, *configs)
         slots = (self.lay.edge_forward[j], self.lay.edge_backward[j])
         if key not in self.edge_segments:
-            edge = self.edge(j, strategy)
-            ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
-            self.builder.edge_slots(segments, j, edge, ptasks, ctasks)
+
+            def make() -> tuple:
+                tasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
+                return self.edge(j, strategy), *tasks
+
+            self.builder.shared_edge_slots(segments, j, configs, make)
             self.edge_segments[key] = (segments[slots[0]], segments[slots[1]])
         segments[slots[0]], segments[slots[1]] = self.edge_segments[key]
 
@@ -197,7 +204,8 @@ class DeltaSimulator:
         p, c, _ = self.lay.edges[j]
         ops = self.graph.ops
         pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
-        key = (j, pconf, cconf, _scatter(self.sums(p, strategy)))
+        # by the edge's kind: the same edge of every layer holds the same bytes
+        key = (self.kinds.edges[j], *edge_configs(pconf, cconf, self.sums(p, strategy)))
         if key not in self.edge_memory_memo:
             edge = self.edge(j, strategy)
             ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
@@ -216,9 +224,7 @@ class DeltaSimulator:
                 tasks[ops[i].name] = self.parts(i, strategy[ops[i].name]).tasks
             pg = PartitionedGraph(self.graph, strategy, tasks, (), {}, {}, {})
             size = self.simulator.itemsize
-            self.batch_memo[key] = tuple(
-                _batch_bytes(pg, d, size) for d in range(self.simulator.machine.size)
-            )
+            self.batch_memo[key] = tuple(batch_bytes(pg, self.simulator.machine.size, size))
         return self.batch_memo[key]
 
     # -- evaluation ----------------------------------------------------------------------
@@ -392,11 +398,6 @@ def _starts(tg: TaskGraph, end: list[float]) -> list[float]:
         for r in resources:
             free[r] = e
     return start
-
-
-def _scatter(sums: tuple[SumGroup, ...]) -> tuple:
-    """What of a producer's sums its edges depend on: which reduce-scatter, and how."""
-    return tuple(g.scatter for g in sums)
 
 
 def _shift(held: list[int], old, new) -> None:

@@ -47,8 +47,8 @@ import numpy as np
 from onnx2soap.sim.memory import (
     PER_INSTRUCTION,
     OpMemory,
-    _batch_bytes,
     add_edges,
+    batch_bytes,
     consumers_of,
     total,
 )
@@ -264,7 +264,7 @@ def later_microbatch(
     ones are summed into them), so none is left out of its passes as not yet made, and
     each backward kernel's fresh weight gradient is a temporary, summed, then dropped
     (``executor/step.py``'s ``_weight_grad``)."""
-    held = [_batch_bytes(pg, d, itemsize) for d in range(devices)]
+    held = batch_bytes(pg, devices, itemsize)
     ops = []
     for op in pg.graph.ops:
         m = memory[op.name]

@@ -36,8 +36,8 @@ op and its edges: ``delta.py`` rebuilds those and splices them in.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from functools import cached_property
 
@@ -64,6 +64,7 @@ from onnx2soap.soap.partition import (
     rect_contiguous,
     rect_volume,
 )
+from onnx2soap.soap.partitioned import op_kinds
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
@@ -780,23 +781,86 @@ def merged_preds(segment: Segment, feeds: Sequence[Segment]) -> tuple[tuple[Ref,
     return tuple(tuple(p) for p in preds)
 
 
+@dataclass(frozen=True)
+class SlotKinds:
+    """Per op and per edge (``Layout.edges`` order), a number shared by those whose slots
+    hold the same segments under the same configs but for the slots' numbers (the same
+    op or edge of every layer): an op's partition kind (``op_kinds``), whether its output
+    takes a gradient, how many operands read it and whether the plan recomputes it; an
+    edge's two ops' kinds and its operand."""
+
+    ops: tuple[int, ...]
+    edges: tuple[int, ...]
+
+
+def slot_kinds(graph: Graph, lay: Layout, recompute: frozenset[str]) -> SlotKinds:
+    base = op_kinds(graph)
+    readers = Counter(t for op in graph.ops for t in op.inputs)
+    interned: dict[tuple, int] = {}
+    ops = tuple(
+        interned.setdefault(
+            (
+                base[op.name],
+                graph.differentiable(op.output),
+                readers[op.output],
+                op.name in recompute,
+            ),
+            len(interned),
+        )
+        for op in graph.ops
+    )
+    pairs: dict[tuple, int] = {}
+    edges = tuple(pairs.setdefault((ops[p], ops[c], k), len(pairs)) for p, c, k in lay.edges)
+    return SlotKinds(ops, edges)
+
+
+def relocated(segment: Segment, moves: Mapping[int, int]) -> Segment:
+    """``segment`` as built at other slots, with its references to them moved (``moves``:
+    old slot -> new); its durations, resources and bytes are the same objects."""
+    return replace(
+        segment,
+        preds=tuple(tuple([(moves[s], k) for s, k in p]) for p in segment.preds),
+        feeds=tuple((t, (moves[r[0]], r[1])) for t, r in segment.feeds),
+    )
+
+
 @dataclass
 class SlotBuilder:
     """Builds every slot of one strategy: ``segments[slot]``. Used whole by the full
-    simulation and slot by slot by delta simulation."""
+    simulation and slot by slot by delta simulation. With ``kinds`` (and no names, which
+    name tensors), an op's or edge's slots are built once per kind and configs and moved
+    to the slots of every other of its kind: a LLaMA-3-8B shape's 32 layers had each
+    built their own, most of a simulation's time on 64 devices."""
 
     costs: Costs
     lay: Layout
     names: bool = False
+    kinds: SlotKinds | None = None
+    # per (kind, configs): the op's or edge's index it was built at, and its segments
+    _ops_built: dict[tuple, tuple[int, tuple[Segment, ...]]] = field(default_factory=dict)
+    _edges_built: dict[tuple, tuple[int, tuple[Segment, Segment]]] = field(default_factory=dict)
 
     def op_slots(self, segments: list, i: int, parts: OpParts) -> None:
-        lay, c, n = self.lay, self.costs, self.names
-        f, bw, w, u = lay.of_op(i)
+        lay = self.lay
+        slots = lay.of_op(i)
+        key = None
+        if self.kinds is not None and not self.names:
+            key = (self.kinds.ops[i], parts.config, parts.sums)
+            found = self._ops_built.get(key)
+            if found is not None:
+                moves = dict(zip(lay.of_op(found[0]), slots, strict=True))
+                for s, seg in zip(slots, found[1], strict=True):
+                    segments[s] = relocated(seg, moves)
+                return
+        c, n = self.costs, self.names
+        f, bw, w, u = slots
         segments[f] = forward_segment(c, f, parts, n)
         segments[bw] = backward_segment(c, bw, parts, f, segments[f], n)
         last = (bw, segments[bw]) if segments[bw].ends else (f, segments[f])
         segments[w] = weight_segment(c, w, parts, last, n)
         segments[u] = update_segment(c, u, parts, last, (w, segments[w]), n)
+        if key is not None:
+            self._ops_built[key] = (i, tuple(segments[s] for s in slots))
 
     def edge_slots(self, segments: list, j: int, edge: Edge, ptasks, ctasks) -> None:
         lay, c, n = self.lay, self.costs, self.names
@@ -809,6 +873,33 @@ class SlotBuilder:
         segments[eb] = edge_backward_segment(
             c, eb, edge, ptasks, ctasks, (cb, segments[cb]), segments[pb], n
         )
+
+    def shared_edge_slots(
+        self, segments: list, j: int, configs: tuple, make: Callable[[], tuple]
+    ) -> None:
+        """``edge_slots`` where ``make()`` gives its arguments (the edge, its producer's
+        and consumer's tasks), called only where no edge of its kind and ``configs``
+        (both ops' and the producer's sums': ``edge_configs``) was built already; that
+        one's segments are moved here."""
+        lay = self.lay
+        if self.kinds is None or self.names:
+            self.edge_slots(segments, j, *make())
+            return
+        ef, eb = lay.edge_forward[j], lay.edge_backward[j]
+        key = (self.kinds.edges[j], *configs)
+        found = self._edges_built.get(key)
+        if found is None:
+            self.edge_slots(segments, j, *make())
+            self._edges_built[key] = (j, (segments[ef], segments[eb]))
+            return
+        j0, (fwd, bwd) = found
+        if j0 == j:
+            segments[ef], segments[eb] = fwd, bwd
+            return
+        (p0, q0, _), (p, q, _) = lay.edges[j0], lay.edges[j]
+        ahead = {lay.edge_forward[j0]: ef, lay.forward[p0]: lay.forward[p]}
+        back = {lay.edge_backward[j0]: eb, lay.backward[q0]: lay.backward[q]}
+        segments[ef], segments[eb] = relocated(fwd, ahead), relocated(bwd, back)
 
     def preds(self, segments: Sequence[Segment], slot_op: tuple[str, int]) -> tuple:
         """Merged predecessors of a compute slot: ("fwd", i) or ("bwd", i)."""
@@ -823,6 +914,12 @@ class SlotBuilder:
         )
 
 
+def edge_configs(pconf: ParallelConfig, cconf: ParallelConfig, sums: tuple) -> tuple:
+    """What an edge's slots depend on besides its kind: its producer's and consumer's
+    configs, and which of the producer's sums reduce-scatter, and how."""
+    return (pconf, cconf, tuple(g.scatter for g in sums))
+
+
 def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segment], list[tuple]]:
     """Every slot's segment and merged predecessors for ``pg``."""
     lay, ops = builder.lay, pg.graph.ops
@@ -830,7 +927,11 @@ def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segme
     for i, op in enumerate(ops):
         builder.op_slots(segments, i, op_parts(pg, op))
     for j, edge in enumerate(pg.edges):
-        builder.edge_slots(segments, j, edge, pg.tasks[edge.producer], pg.tasks[edge.consumer])
+        p, c = edge.producer, edge.consumer
+        configs = edge_configs(pg.strategy[p], pg.strategy[c], pg.sums[p])
+        builder.shared_edge_slots(
+            segments, j, configs, lambda e=edge: (e, pg.tasks[e.producer], pg.tasks[e.consumer])
+        )
     preds = [s.preds for s in segments]
     for i in range(len(ops)):
         preds[lay.forward[i]] = builder.preds(segments, ("fwd", i))
@@ -894,7 +995,8 @@ def build_with_slots(
     times the slots of each stage and phase apart: ``pipeline_price.py``)."""
     check_devices(pg, costs.machine)
     costs.memo.bind(pg.graph)
-    builder = SlotBuilder(costs, layout(pg.graph), names)
+    lay = layout(pg.graph)
+    builder = SlotBuilder(costs, lay, names, slot_kinds(pg.graph, lay, costs.recompute))
     segments, preds = all_segments(builder, pg)
     tg = flatten(segments, preds, costs.machine.resources, names)
     sizes = [len(seg.duration) for seg in segments]
