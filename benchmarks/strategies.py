@@ -5,6 +5,7 @@ each without and with full recomputation (every op but the loss), and whether it
 
     python -m benchmarks.strategies [--models gpt_1.3b,llama3_8b,wide_resnet]
         [--cells alpa-v100:16,dgx-h100:64] [--optimizer adam] [--models-dir DIR]
+        [--budget 20] [--no-search]
 
 Models are the suite's (``benchmarks/suite_models.py``), exported beforehand to
 ``--models-dir`` (``python -m benchmarks.suite_models -o DIR``; missing ones are
@@ -14,6 +15,17 @@ to cut into microbatches, and every strategy here plans the same batch) in the s
 precision, with roofline costs of the preset's datasheet. The pipeline is the rule's default shape
 (``search/pipeline_rule.py``: a stage per node, at least 2; the most microbatches up to
 4 a stage whose samples fill a stage's devices).
+
+Each cell then gets a ``searched`` row: the plan ``onnx2soap plan MODEL --batch B
+--machine M --budget S --seed 0 --json`` returns for the same batch, precision and
+optimizer (run in this process, its plan written to a temporary folder), with the step
+time and largest per-device peak of its ``predicted`` block and what it is (a pipeline
+and its shape, whether the walk inside it moved it, ZeRO, recomputation, or the walk's
+plan and the start it came from). The search chooses recomputation itself, so its
+figures stand in the plain columns and the recompute ones say "—". Where no plan fits,
+``plan`` exits 2 with one line: the row gives its gist. Each cell's HTML comment gives
+the rules' seconds and the search's wall seconds (import, walk and pipeline choice;
+``mcmc`` the walk's own, ``pipelines`` the choice's). ``--no-search`` leaves the row out.
 """
 
 from __future__ import annotations
@@ -25,9 +37,13 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import contextlib
 import datetime
+import io
+import json
 import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -114,6 +130,101 @@ def rows_for(path: Path, name: str, preset: str, devices: int, optimizer: str) -
     return batch, rows
 
 
+@dataclass(frozen=True)
+class Searched:
+    """``plan``'s searched plan of a cell, or the one line it refused with."""
+
+    what: str
+    step_s: float | None = None  # None: no plan (``what`` says why)
+    peak_bytes: int = 0
+    fits: bool = False
+    wall_s: float = 0.0
+    mcmc_s: float | None = None  # the walk's seconds
+    pipelines_s: float | None = None  # the pricing of pipelines and recomputation after it
+
+
+def _gist(stderr: str) -> str:
+    """``plan``'s one error line, shortened for a table cell."""
+    line = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
+    line = line.removeprefix("onnx2soap: error: ").split(";")[0]
+    if "fits in device memory" in line:
+        closest = line.partition("(the closest, ")[2].partition(")")[0]
+        return "no plan fits" + (f" (closest: {closest})" if closest else "")
+    return line if len(line) <= 100 else line[:99] + "…"
+
+
+def _what(doc: dict, plan: dict) -> str:
+    """What the searched plan is, from ``plan --json``'s summary and the plan file."""
+    zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
+    redo = f", recompute {len(plan['recompute'])} ops" if plan.get("recompute") else ""
+    chosen = doc.get("pipeline_chosen")
+    if chosen and chosen["stages"]:
+        words = f"pipeline {chosen['stages']}x{chosen['microbatches']} {chosen['schedule']}"
+        walk = doc.get("pipeline_walk")
+        if chosen["walked"] and walk:
+            degrees = "/".join(str(s["tensor_parallel"]) for s in walk["stages"])
+            words += f", walked (tensor parallel {degrees})"
+        return words + zero + redo
+    if chosen and not chosen["recompute"]:  # the ``zero`` baseline, faster than the walk's
+        return f"ZeRO-{doc['zero_stage']} data parallel"
+    best, gain = doc.get("best_start"), doc.get("walk_gain") or 1.0
+    if best is None:
+        words = "the walk's own"
+    elif gain > 1.0:
+        words = f"walked from {best['name']} ({gain:.2f}x)"
+    else:  # the walk found nothing faster than its best start
+        words = f"{best['name']} (start kept)"
+    return words + zero + redo
+
+
+def searched(path: Path, name: str, preset: str, devices: int, optimizer: str, budget: float):
+    """``onnx2soap plan``'s searched plan for the cell, in this process."""
+    from benchmarks.suite import machine_spec
+    from benchmarks.suite_models import suite_model
+    from onnx2soap.cli import main as onnx2soap_main
+    from onnx2soap.sim import resolve_machine
+
+    spec = suite_model(name)
+    machine = machine_spec(preset, devices)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        argv = ["plan", str(path), "--batch", str(spec.per_device * devices)]
+        argv += ["--machine", machine, "--budget", str(budget), "--seed", "0"]
+        argv += ["--optimizer", optimizer, "--precision", spec.precision.value]
+        argv += ["--json", "--quiet", "-o", str(out)]
+        stdout, stderr = io.StringIO(), io.StringIO()
+        began = time.perf_counter()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = onnx2soap_main(argv)
+        wall = time.perf_counter() - began
+        if code == 2:  # a user error: one line, e.g. no plan fits in device memory
+            return Searched(_gist(stderr.getvalue()), wall_s=wall)
+        if code != 0:
+            raise SystemExit(f"{name} on {machine}: plan exited {code}:\n{stderr.getvalue()}")
+        doc = json.loads(stdout.getvalue().strip().splitlines()[-1])
+        plan = json.loads(out.read_text())
+    predicted = plan["predicted"]
+    peaks = predicted["peak_memory_bytes"]
+    room = resolve_machine(machine).devices
+    fits = all(m <= d.memory for m, d in zip(peaks, room, strict=False))
+    return Searched(
+        _what(doc, plan),
+        predicted["step_time_s"],
+        max(peaks),
+        fits,
+        wall,
+        doc.get("search_time_s"),
+        doc.get("pipeline_s"),
+    )
+
+
+def _searched_cells(s: Searched) -> str:
+    if s.step_s is None:
+        return "— | — | no | — | — | — |"
+    fits = "yes" if s.fits else "no"
+    return f"{s.step_s * 1e3:,.1f} | {s.peak_bytes / GIB:,.1f} | {fits} | — | — | — |"
+
+
 def _cell(ev) -> str:
     fits = "yes" if ev.fits else "no"
     return f"{ev.step_time_s * 1e3:,.1f} | {max(ev.peak_memory_bytes) / GIB:,.1f} | {fits}"
@@ -131,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", default=DEFAULT_CELLS, help="PRESET:DEVICES, comma-separated")
     parser.add_argument("--optimizer", default="adam", help="its state counts in memory")
     parser.add_argument("--models-dir", type=Path, default=Path("build/suite/models"))
+    parser.add_argument("--budget", type=float, default=20.0, help="the search's seconds")
+    parser.add_argument("--no-search", action="store_true", help="no searched row")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.strategies " + " ".join(argv or sys.argv[1:])
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -151,7 +264,23 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             took = time.perf_counter() - began
-            print(f"<!-- {name} on {preset}:{devices}: {took:.0f} s -->", flush=True)
+            if args.no_search:
+                print(f"<!-- {name} on {preset}:{devices}: {took:.0f} s -->", flush=True)
+                continue
+            s = searched(path, name, preset, devices, args.optimizer, args.budget)
+            print(
+                f"| {name} | {preset}:{devices} | {batch} | searched: {s.what} | "
+                f"{_searched_cells(s)}",
+                flush=True,
+            )
+            parts = [f"mcmc {s.mcmc_s:.0f} s"] if s.mcmc_s is not None else []
+            parts += [f"pipelines {s.pipelines_s:.0f} s"] if s.pipelines_s is not None else []
+            mcmc = f" ({', '.join(parts)})" if parts else ""
+            print(
+                f"<!-- {name} on {preset}:{devices}: rules {took:.0f} s; search "
+                f"{s.wall_s:.0f} s wall{mcmc}, budget {args.budget:g} s -->",
+                flush=True,
+            )
     return 0
 
 
