@@ -31,6 +31,7 @@ from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.search.mcmc import ZERO_GAIN, cost_in
 from onnx2soap.search.megatron import node_size
+from onnx2soap.search.pipeline_layout import model_source
 from onnx2soap.search.pipeline_rule import (
     Space,
     default_microbatches,
@@ -224,7 +225,7 @@ def pipeline_choice(
         names = redo_names.get(size, ())
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names))
     walk_s = max_s if walk_s is None else walk_s
-    walked = _walk_best(tried, models, redo_names, pricing, walk_s, seed)
+    walked = _walk_best(tried, models, load, costs, pricing, walk_s, seed)
     if walked is not None and walked.best is not walked.start:
         tried.append(walked.best)
     if not best_evaluation.fits:
@@ -245,20 +246,32 @@ def pipeline_choice(
 def _walk_best(
     tried: Sequence[Candidate],
     models: dict[int, tuple[Graph, Space, CostModel]],
-    redo_names: dict[int, tuple[str, ...]],
+    load: Loader,
+    costs: Costs,
     pricing: Pricing,
     walk_s: float,
     seed: int,
 ) -> PipelineWalk | None:
     """The walk from the best pipeline priced (fitting by step time, else the least
-    overflow); None where none was."""
+    overflow), loading the model at other microbatch sizes as it asks (into
+    ``models``, shared with the grid); None where no pipeline was priced."""
     piped = [c for c in tried if c.pipeline is not None]
     if not piped:
         return None
     memory = tuple(d.memory for d in pricing.machine.devices)
     start = min(piped, key=lambda c: cost_in(c.evaluation, memory))
-    size = start.graph.batch
-    micro, micro_space, cost = models[size]
-    if size not in redo_names:
-        redo_names[size] = full_recompute(micro, micro_space, pricing.simulator(cost))
-    return walk_pipeline(start, cost, pricing, redo_names[size], walk_s, seed)
+    batch = start.graph.batch * start.shape.microbatches
+
+    def loaded(microbatches: int) -> tuple[Graph, Space, CostModel] | None:
+        size = batch // microbatches
+        if size not in models:
+            try:
+                micro = load(size)
+            except UserError:  # a model whose batch is fixed
+                return None
+            models[size] = (micro, analyze(micro), costs(micro))
+        return models[size]
+
+    ops = tuple(op.name for op in start.graph.ops)
+    source = model_source(loaded, pricing, start.shape, ops)
+    return walk_pipeline(start, source, pricing, walk_s, seed)
