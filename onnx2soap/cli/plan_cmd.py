@@ -521,6 +521,7 @@ def _pipeline_walk_doc(walk: PipelineWalk | None) -> dict | None:
             {"first_op": lo, "ops": hi - lo, "tensor_parallel": degree}
             for lo, hi, degree in zip(bounds, bounds[1:], layout.degrees, strict=False)
         ],
+        "microbatches": layout.microbatches,
         "zero_stage": int(layout.zero),
         "recompute": layout.recompute,
         "kept": [
@@ -540,7 +541,8 @@ def _pipeline_walk_line(walk: PipelineWalk) -> str:
         f"  walk inside the pipeline: {seconds(walk.start.evaluation.step_time_s)} -> "
         f"{seconds(walk.best.evaluation.step_time_s)} ({len(walk.kept)} moves kept, "
         f"{walk.priced} plans priced in {walk.time_s:.1f}s, ended at {ended}); "
-        f"tensor parallel per stage {degrees}, ZeRO-{int(walk.layout.zero)}"
+        f"tensor parallel per stage {degrees}, {walk.layout.microbatches} microbatches, "
+        f"ZeRO-{int(walk.layout.zero)}"
     )
 
 

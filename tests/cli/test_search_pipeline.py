@@ -151,3 +151,4 @@ def _check_the_walk(doc: dict) -> None:
     if walked:
         assert walked[0]["step_time_s"] == walk["step_time_s"]
         assert walked[0]["stages"] == len(walk["stages"])
+        assert walked[0]["microbatches"] == walk["microbatches"]
