@@ -523,7 +523,7 @@ def _pipeline_walk_doc(walk: PipelineWalk | None) -> dict | None:
         ],
         "microbatches": layout.microbatches,
         "zero_stage": int(layout.zero),
-        "recompute": layout.recompute,
+        "recompute": list(layout.recompute),  # per stage
         "kept": [
             {"move": k.move, "step_time_s": k.step_time_s, "overflow_bytes": k.overflow}
             for k in walk.kept

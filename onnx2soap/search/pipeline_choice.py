@@ -226,16 +226,18 @@ def pipeline_choice(
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names))
     walk_s = max_s if walk_s is None else walk_s
     walked = _walk_best(tried, models, load, costs, pricing, walk_s, seed)
-    if walked is not None and walked.best is not walked.start:
-        tried.append(walked.best)
+    moved = walked.best if walked is not None and walked.best is not walked.start else None
+    if moved is not None:
+        tried.append(moved)
     if not best_evaluation.fits:
         tried.append(price_recompute(graph, space, costs(graph), pricing, best, zero))
     baselines = {}
     if default is not None:
         rule = Shape(*default, Schedule.ONE_F_ONE_B, False)
-        for c in tried:
-            if c.shape == rule:
-                baselines["pipeline"] = c
+        # the rule's own plan, not the walk's of the same shape
+        ruled = [c for c in tried if c.shape == rule and c is not moved]
+        if ruled:
+            baselines["pipeline"] = ruled[0]
     if pricing.machine.size > 1:
         baselines["zero"] = zero_baseline(graph, space, costs(graph), pricing)
     chosen = choose(best_evaluation, tried, list(baselines.values()))

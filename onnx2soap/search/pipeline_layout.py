@@ -42,13 +42,13 @@ EVEN_POSITIONS = 32  # boundary positions besides the starts of repeated blocks
 class Layout:
     """A pipeline plan of the walk: each stage's first op (graph order, the same at
     every microbatch size; ``cuts[0]`` is 0), each stage's tensor-parallel degree, the
-    ZeRO stage, whether the backward recomputes (``--recompute all``'s list), and the
-    microbatch count."""
+    ZeRO stage, per stage whether its backward recomputes (its ops of ``--recompute
+    all``'s list), and the microbatch count."""
 
     cuts: tuple[int, ...]
     degrees: tuple[int, ...]
     zero: ZeroStage
-    recompute: bool
+    recompute: tuple[bool, ...]
     microbatches: int
     # ops whose config is their own, not their stage's degree's (name order); one whose
     # devices leave its stage (a boundary moved past it) takes its stage's again
@@ -128,6 +128,13 @@ class StageSpace:
             else:
                 own[n] = chosen
         return replace(at, overrides=tuple(sorted(own.items(), key=lambda kv: kv[0])))
+
+    def recomputed(self, layout: Layout, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Of ``names`` (``--recompute all``'s list), those in stages that recompute."""
+        if all(layout.recompute) or not any(layout.recompute):
+            return names if layout.recompute and layout.recompute[0] else ()
+        index = {op.name: i for i, op in enumerate(self.micro.ops)}
+        return tuple(n for n in names if layout.recompute[bisect_right(layout.cuts, index[n]) - 1])
 
     def balanced(self, degree: int, pricing: Pricing, cost: CostModel, redo) -> tuple[int, ...]:
         """The cuts balancing the stages' ops' times with every stage at ``degree``, as
@@ -209,15 +216,16 @@ class LayoutPricer:
             check_zero(layout.zero, (g for gs in pg.groups.values() for g in gs), "walk")
         except PlanError:
             return None
-        names = at.redo_names if layout.recompute else ()
-        key = (layout.microbatches, layout.zero, layout.recompute)
+        names = at.stages.recomputed(layout, at.redo_names)
+        # durations and memory depend on what is recomputed, not on where stages end
+        key = (layout.microbatches, layout.zero, frozenset(names))
         if key not in self.simulators:
             self.simulators[key] = self.pricing.simulator(
                 at.cost, zero=layout.zero, recompute=names
             )
         simulator = replace(self.simulators[key], pipeline=pipeline)  # the same memo
         shape = replace(
-            at.stages.shape, microbatches=layout.microbatches, recompute=layout.recompute
+            at.stages.shape, microbatches=layout.microbatches, recompute=any(layout.recompute)
         )
         evaluation = simulator.evaluate(pg)
         return Candidate(shape, strategy, micro, space, pipeline, names, layout.zero, evaluation)
@@ -231,7 +239,8 @@ def layout_of(stages: StageSpace, start: Candidate) -> Layout:
     index = {op.name: i for i, op in enumerate(stages.micro.ops)}
     cuts = tuple(min(index[n] for n in ops) for ops in start.pipeline.stages)
     degrees = (1,) * len(cuts)
-    return Layout(cuts, degrees, start.zero_stage, start.shape.recompute, start.shape.microbatches)
+    redo = (start.shape.recompute,) * len(cuts)
+    return Layout(cuts, degrees, start.zero_stage, redo, start.shape.microbatches)
 
 
 # microbatch count -> the model at its size, its analysis and cost model (None where it

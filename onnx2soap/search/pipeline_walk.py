@@ -15,7 +15,9 @@ a ``Layout`` (``pipeline_layout.py``):
   of the stage's devices;
 - every stage to one degree at once, its boundaries cut again balanced by the ops'
   times under it (``pipeline_stages.balanced_stages``), as the rule cuts them;
-- the ZeRO stage, and recomputation (``--recompute all``'s list) on or off;
+- the ZeRO stage, and recomputation (``--recompute all``'s list) in each stage, or in
+  all of them, on or off (1F1B holds more microbatches on early stages: recomputing
+  there alone may be enough to fit);
 - the microbatch count, among the batch's divisors up to 8 a stage (a stage split by
   tensor parallelism needs fewer samples a microbatch than the rule's data
   parallelism, so more microbatches and a smaller bubble become possible);
@@ -112,7 +114,10 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
         return [replace(at, zero=z) for z in (ZeroStage.NONE, *ZERO_STAGES) if z != at.zero]
 
     def recompute(at: Layout) -> list[Layout]:
-        return [replace(at, recompute=not at.recompute)]
+        flips = [_set(at.recompute, s, not at.recompute[s]) for s in range(count)]
+        every = [(v,) * count for v in (False, True)]
+        options = dict.fromkeys([*flips, *every])  # in order, once each
+        return [replace(at, recompute=r) for r in options if r != at.recompute]
 
     def microbatches(at: Layout) -> list[Layout]:
         near = sorted(
@@ -142,7 +147,7 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
     return out
 
 
-def _set(values: tuple[int, ...], i: int, value: int) -> tuple[int, ...]:
+def _set(values: tuple, i: int, value) -> tuple:
     return (*values[:i], value, *values[i + 1 :])
 
 
@@ -185,7 +190,7 @@ def walk_pipeline(
 
     def balance(at: Layout, degree: int) -> tuple[int, ...]:
         m = models(at.microbatches) or first
-        redo = frozenset(m.redo_names if at.recompute else ())
+        redo = frozenset(m.stages.recomputed(at, m.redo_names))
         return m.stages.balanced(degree, pricing, m.cost, redo)
 
     def out_of_time() -> bool:

@@ -140,6 +140,8 @@ def _check_the_walk(doc: dict) -> None:
     where it moved."""
     walk = doc["pipeline_walk"]
     piped = [t for t in doc["pipeline_tried"] if t["stages"] > 0 and not t["walked"]]
+    # the pipeline baseline is the rule's plan of its shape, never the walk's
+    assert doc["baselines"]["pipeline"] in [t["step_time_s"] for t in piped]
     fitting = [t for t in piped if t["fits"]]
     if fitting:
         assert walk["start_fits"]

@@ -83,7 +83,7 @@ def walked_plan(
     shape = Shape(len(degrees), microbatches, Schedule.ONE_F_ONE_B, False)
     stages = StageSpace(graph, space, pricing, shape)
     cuts = stages.balanced(1, pricing, RooflineCost(), frozenset())
-    layout = Layout(cuts, degrees, zero, False, microbatches)
+    layout = Layout(cuts, degrees, zero, (False,) * len(degrees), microbatches)
     rng = np.random.default_rng(0)
     for _ in range(changes):
         layout = stages.propose(layout, rng)

@@ -91,6 +91,11 @@ def _fresh(model: Path, size: int) -> tuple[Graph, Space]:
     return micro, analyze(micro)
 
 
+def _stage_of(stages: StageSpace, layout: Layout, name: str) -> int:
+    i = next(k for k, op in enumerate(stages.micro.ops) if op.name == name)
+    return max(s for s, cut in enumerate(layout.cuts) if cut <= i)
+
+
 def _cost(s: Setup, layout: Layout):
     """The layout's plan priced by a simulator of its own, as ``simulate`` prices it, on
     the model loaded afresh at the layout's microbatch size."""
@@ -98,7 +103,7 @@ def _cost(s: Setup, layout: Layout):
     micro, space = _fresh(s.model, s.batch // layout.microbatches)
     stages = StageSpace(micro, space, s.pricing, s.shape)
     strategy, pipeline = stages.build(layout)
-    redo = at.redo_names if layout.recompute else ()
+    redo = tuple(n for n in at.redo_names if layout.recompute[_stage_of(stages, layout, n)])
     simulator = s.pricing.simulator(s.cost, zero=layout.zero, pipeline=pipeline, recompute=redo)
     evaluation = simulator.evaluate(Partitioner(micro).partition(strategy))
     return cost_in(evaluation, [d.memory for d in s.pricing.machine.devices])
@@ -124,7 +129,9 @@ def test_the_walk_finds_the_exhaustive_optimum_of_two_stages(gpt2: Path, spec: s
     for zero in ZeroStage:
         if zero is not walk.layout.zero:
             assert found <= _cost(s, replace(walk.layout, zero=zero))
-    assert found <= _cost(s, replace(walk.layout, recompute=not walk.layout.recompute))
+    for i in range(2):
+        flipped = tuple(not r if j == i else r for j, r in enumerate(walk.layout.recompute))
+        assert found <= _cost(s, replace(walk.layout, recompute=flipped))
     for m in microbatch_counts(batch, 2):
         if m != walk.layout.microbatches:
             assert found <= _cost(s, replace(walk.layout, microbatches=m))
@@ -136,7 +143,7 @@ def test_a_stage_at_a_degree_runs_megatron_on_its_own_devices(gpt2: Path) -> Non
     stages = StageSpace(micro, s.space, s.pricing, s.shape)
     assert stages.degrees == ((1, 2), (1, 2))  # 2 ranks a stage, all in one node
     cuts = (0, len(micro.ops) // 2)
-    layout = Layout(cuts, (2, 1), ZeroStage.NONE, False, MICROBATCHES)
+    layout = Layout(cuts, (2, 1), ZeroStage.NONE, (False, False), MICROBATCHES)
     strategy, pipeline = stages.build(layout)
     check_pipeline_plan(pipeline, micro, strategy.configs, 4)
     inside = megatron_at(micro, s.space, 2, 2)
