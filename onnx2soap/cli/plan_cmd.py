@@ -481,6 +481,7 @@ def _choice_doc(choice: Choice | None) -> dict:
             "schedule": c.shape.schedule.value if c.shape.schedule else None,
             "recompute": c.shape.recompute,
             "zero_stage": int(c.zero_stage),
+            "of": c.of or None,  # a plain plan's: "walk", a rule's name, or "zero"
             "walked": c is walked,  # the walk inside a pipeline's best, not a rule's plan
         }
 
@@ -556,7 +557,8 @@ def _chosen_words(c: Candidate | None) -> str:
             f"{c.pipeline.schedule.value}{redo}"
         )
     if c.recompute:
-        return f"chosen: the walk's plan recomputing {len(c.recompute)} ops"
+        whose = "the walk's plan" if c.of == "walk" else c.of
+        return f"chosen: {whose} recomputing {len(c.recompute)} ops"
     return f"chosen: data parallel under ZeRO-{int(c.zero_stage)} (a baseline, faster)"
 
 

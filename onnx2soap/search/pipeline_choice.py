@@ -30,7 +30,7 @@ from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.search.mcmc import ZERO_GAIN, cost_in
-from onnx2soap.search.megatron import node_size
+from onnx2soap.search.megatron import megatron, node_size
 from onnx2soap.search.pipeline_layout import model_source
 from onnx2soap.search.pipeline_rule import (
     Space,
@@ -126,13 +126,38 @@ def price_recompute(
     pricing: Pricing,
     strategy: Strategy,
     zero: ZeroStage,
+    of: str = "walk",
+    names: tuple[str, ...] | None = None,
 ) -> Candidate:
-    """The walk's best with ``--recompute all``'s list, under its ZeRO stage."""
-    names = full_recompute(graph, space, pricing.simulator(cost))
+    """``strategy`` (the walk's best, or a rule's: ``of``) with ``--recompute all``'s
+    list (``names`` where known), under ``zero``."""
+    if names is None:
+        names = full_recompute(graph, space, pricing.simulator(cost))
     priced = pricing.simulator(cost, zero=zero, recompute=names)
     evaluation = priced.evaluate(Partitioner(graph).partition(strategy))
     shape = Shape(0, 1, None, True)
-    return Candidate(shape, strategy, graph, space, None, names, zero, evaluation)
+    return Candidate(shape, strategy, graph, space, None, names, zero, evaluation, of)
+
+
+def rules_recomputing(
+    graph: Graph, space: Space, cost: CostModel, pricing: Pricing, names: tuple[str, ...]
+) -> list[Candidate]:
+    """The rules users pair with recomputation, recomputing: Megatron-LM (its activation
+    checkpointing) and data parallelism under ZeRO-2 (DeepSpeed's). The walk prices
+    plans without recomputation, so a rule that fits only recomputing (Megatron on
+    GPT-1.3B over 64 H100s: 95 GiB plain, 67 recomputing, the fastest that fits) is
+    found here or nowhere."""
+    devices = pricing.machine.size
+    if devices == 1:
+        return []
+    plans = [
+        ("megatron", megatron(graph, space, devices, node_size(pricing.machine)), ZeroStage.NONE),
+        ("data-parallel", data_parallel(graph, space, devices), ZeroStage.GRADIENTS),
+    ]
+    return [
+        price_recompute(graph, space, cost, pricing, strategy, zero, name, names)
+        for name, strategy, zero in plans
+    ]
 
 
 def choose(
@@ -163,7 +188,8 @@ def zero_baseline(graph: Graph, space: Space, cost: CostModel, pricing: Pricing)
     priced = pricing.simulator(cost, zero=ZeroStage.GRADIENTS)
     evaluation = priced.evaluate(Partitioner(graph).partition(strategy))
     shape = Shape(0, 1, None, False)
-    return Candidate(shape, strategy, graph, space, None, (), ZeroStage.GRADIENTS, evaluation)
+    zero = ZeroStage.GRADIENTS
+    return Candidate(shape, strategy, graph, space, None, (), zero, evaluation, "zero")
 
 
 def pipeline_choice(
@@ -229,8 +255,12 @@ def pipeline_choice(
     moved = walked.best if walked is not None and walked.best is not walked.start else None
     if moved is not None:
         tried.append(moved)
+    whole = full_recompute(graph, space, pricing.simulator(costs(graph)))
     if not best_evaluation.fits:
-        tried.append(price_recompute(graph, space, costs(graph), pricing, best, zero))
+        tried.append(
+            price_recompute(graph, space, costs(graph), pricing, best, zero, "walk", whole)
+        )
+    tried += rules_recomputing(graph, space, costs(graph), pricing, whole)
     baselines = {}
     if default is not None:
         rule = Shape(*default, Schedule.ONE_F_ONE_B, False)

@@ -84,8 +84,9 @@ Balance = Callable[[Layout, int], tuple[int, ...]]
 
 
 def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> list[Coordinate]:
-    """The walk's coordinates, in the order a sweep visits them: each stage's degree;
-    every stage at one degree (the cuts balanced again with it); the ZeRO stage;
+    """The walk's coordinates, in the order a sweep visits them: every stage at one
+    degree (the cuts balanced again with it: one plan that changes every stage, first
+    where the bound allows few); each stage's degree; the ZeRO stage;
     recomputation; the microbatch count among ``counts``, nearest first; each boundary,
     every position between its neighbours, nearest first (a step is not unimodal in a
     boundary's position: a cut inside a layer may send more than one at its end, so
@@ -93,14 +94,6 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
     few-valued coordinates come first: on a large model the time bound may end a sweep
     among the boundaries."""
     count = len(stages.groups)
-    out: list[Coordinate] = []
-    for s in range(count):
-
-        def degree(at: Layout, s: int = s) -> list[Layout]:
-            others = (d for d in stages.degrees[s] if d != at.degrees[s])
-            return [replace(at, degrees=_set(at.degrees, s, d)) for d in others]
-
-        out.append((f"stage {s}'s tensor-parallel degree", degree))
     shared = sorted(set.intersection(*(set(d) for d in stages.degrees)))
 
     def uniform(at: Layout) -> list[Layout]:
@@ -110,13 +103,22 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
             if (d,) * count != at.degrees
         ]
 
+    out: list[Coordinate] = [("every stage at one degree", uniform)]
+    for s in range(count):
+
+        def degree(at: Layout, s: int = s) -> list[Layout]:
+            others = (d for d in stages.degrees[s] if d != at.degrees[s])
+            return [replace(at, degrees=_set(at.degrees, s, d)) for d in others]
+
+        out.append((f"stage {s}'s tensor-parallel degree", degree))
+
     def zero(at: Layout) -> list[Layout]:
         return [replace(at, zero=z) for z in (ZeroStage.NONE, *ZERO_STAGES) if z != at.zero]
 
     def recompute(at: Layout) -> list[Layout]:
         flips = [_set(at.recompute, s, not at.recompute[s]) for s in range(count)]
         every = [(v,) * count for v in (False, True)]
-        options = dict.fromkeys([*flips, *every])  # in order, once each
+        options = dict.fromkeys([*every, *flips])  # in order, once each
         return [replace(at, recompute=r) for r in options if r != at.recompute]
 
     def microbatches(at: Layout) -> list[Layout]:
@@ -127,7 +129,6 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
         return [replace(at, microbatches=m) for m in near]
 
     out += [
-        ("every stage at one degree", uniform),
         ("ZeRO stage", zero),
         ("recomputation", recompute),
         ("microbatches", microbatches),

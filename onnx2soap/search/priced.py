@@ -25,8 +25,9 @@ class Shape:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A plan priced by the choice: a pipeline on the microbatch's model, or the walk's
-    best recomputing (``stages`` 0)."""
+    """A plan priced by the choice: a pipeline on the microbatch's model, or a plain
+    plan (``stages`` 0): the walk's best recomputing, a rule's recomputing, or the
+    ``zero`` baseline."""
 
     shape: Shape
     strategy: Strategy
@@ -36,6 +37,7 @@ class Candidate:
     recompute: tuple[str, ...]
     zero_stage: ZeroStage
     evaluation: Evaluation
+    of: str = ""  # a plain plan's origin: "walk", or the rule's name; "" for a pipeline
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,12 @@ from onnx2soap.search.pipeline_choice import (
     grid,
     price_pipeline,
 )
-from onnx2soap.search.pipeline_rule import default_shape, pipeline_plan, shape_accepted
+from onnx2soap.search.pipeline_rule import (
+    default_shape,
+    full_recompute,
+    pipeline_plan,
+    shape_accepted,
+)
 from onnx2soap.sim import Evaluation, RooflineCost, make_simulator, resolve_machine
 from onnx2soap.soap import Partitioner, Strategy, analyze
 from onnx2soap.soap.pipeline import Schedule
@@ -138,3 +143,32 @@ def test_the_time_bound_prices_the_rules_default_first(example_onnx) -> None:
     one_f = [c for c in bound.tried if c.shape.schedule is Schedule.ONE_F_ONE_B]
     assert {(c.shape.stages, c.shape.microbatches) for c in one_f} == {default}
     assert bound.baselines["pipeline"].evaluation == full.baselines["pipeline"].evaluation
+
+
+@pytest.mark.parametrize(
+    ("rule", "strategy"), [("megatron", "megatron"), ("data-parallel", "zero")]
+)
+def test_the_rules_recomputing_are_priced_as_plan_prices_them(
+    example_onnx, tmp_path, rule: str, strategy: str
+) -> None:
+    """Megatron recomputing, and data parallelism under ZeRO-2 recomputing, as ``plan
+    --strategy megatron|zero --recompute all`` price them."""
+    import json
+
+    from onnx2soap.cli import main as cli
+    from onnx2soap.search.pipeline_choice import rules_recomputing
+
+    machine = resolve_machine("cpu:4")
+    graph = load_model(example_onnx, 8).graph
+    space = analyze(graph)
+    pricing = Pricing(machine, 0, Precision.FP32)  # plan's default optimizer: sgd
+    names = full_recompute(graph, space, pricing.simulator(RooflineCost()))
+    got = {c.of: c for c in rules_recomputing(graph, space, RooflineCost(), pricing, names)}[rule]
+    out = tmp_path / "r.json"
+    argv = ["plan", str(example_onnx), "--batch", "8", "--devices", "4", "--costs", "roofline"]
+    assert cli([*argv, "--strategy", strategy, "--recompute", "all", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(doc["recompute"]) == sorted(got.recompute) and got.recompute
+    assert doc.get("zero_stage", 0) == int(got.zero_stage)
+    assert math.isclose(doc["predicted"]["step_time_s"], got.evaluation.step_time_s, rel_tol=1e-9)
+    assert max(doc["predicted"]["peak_memory_bytes"]) == max(got.evaluation.peak_memory_bytes)
