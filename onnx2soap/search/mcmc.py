@@ -70,6 +70,7 @@ from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.regions import RegionMoves
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
+from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.taskgraph import Memo
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
 from onnx2soap.soap.partition import rect_volume
@@ -463,6 +464,19 @@ def mcmc(
     simulator: Simulator,
     options: SearchOptions,
     progress: Callable[[Progress], None] | None = None,
+) -> SearchResult:
+    # the setup's and the walk's plans and memos are millions of long-lived tuples
+    # (sim/heap.py), the ILP's model too
+    with collector_paused():
+        return _mcmc(graph, space, simulator, options, progress)
+
+
+def _mcmc(
+    graph: Graph,
+    space: Mapping[str, tuple[SoapDim, ...]],
+    simulator: Simulator,
+    options: SearchOptions,
+    progress: Callable[[Progress], None] | None,
 ) -> SearchResult:
     began = time.perf_counter()
     search = _Search(graph, space, simulator, options)

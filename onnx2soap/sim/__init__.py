@@ -12,6 +12,7 @@ import numpy as np
 
 from onnx2soap.precision import Precision
 from onnx2soap.sim.costs import CostModel, RooflineCost
+from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.memory import memory_key, peak_memory
 from onnx2soap.sim.pipeline_price import PipelineEvaluation, price_pipeline, task_repeats
@@ -126,6 +127,10 @@ class Simulator:
         return task_repeats(lay, slots, self.pipeline, stage)
 
     def evaluate(self, pg: PartitionedGraph) -> Evaluation:
+        with collector_paused():  # sim/heap.py: millions of long-lived tuples, no cycles
+            return self._evaluate(pg)
+
+    def _evaluate(self, pg: PartitionedGraph) -> Evaluation:
         tg, lay, slots = build_with_slots(pg, self.costs())  # binds the memo to pg's graph
         memory = peak_memory(
             pg,

@@ -24,6 +24,7 @@ import numpy as np
 
 from onnx2soap.ir import TensorRole
 from onnx2soap.sim import Evaluation, Simulator
+from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.memory import (
     OpMemory,
     Pieces,
@@ -32,6 +33,7 @@ from onnx2soap.sim.memory import (
     batch_bytes,
     consumers_of,
     memory_key,
+    op_kinds_held,
     total,
 )
 from onnx2soap.sim.simulate import Timeline, run_task
@@ -90,6 +92,7 @@ class DeltaSimulator:
         )
         self.lay = layout(graph)
         self.kinds = slot_kinds(graph, self.lay, simulator.recompute)
+        self.held_kinds = op_kinds_held(graph, simulator.recompute)
         self.builder = SlotBuilder(self.costs, self.lay, kinds=self.kinds)
         # Per op, the producers of its inputs with partial sums: whether such a sum
         # reduce-scatters depends on its readers' configs (``Partitioner.sums``), so a
@@ -182,9 +185,12 @@ class DeltaSimulator:
         sums = self.sums(i, strategy)
         key = memory_key(op.name, strategy[op.name], sums)
         memo = self.simulator.memo.memory
+        like = (self.held_kinds[op.name], *key[1:])  # as peak_memory shares it
+        if key not in memo and like in memo:
+            memo[key] = memo[like]
         if key not in memo:
             parts, sim = self.parts(i, key[1], sums), self.simulator
-            memo[key] = _op_bytes(
+            memo[key] = memo[like] = _op_bytes(
                 self.graph,
                 op,
                 parts.tasks,
@@ -231,6 +237,12 @@ class DeltaSimulator:
 
     def evaluate(
         self, strategy: Strategy, base: DeltaState | None = None
+    ) -> tuple[Evaluation, DeltaState]:
+        with collector_paused():  # sim/heap.py: millions of long-lived tuples, no cycles
+            return self._evaluate(strategy, base)
+
+    def _evaluate(
+        self, strategy: Strategy, base: DeltaState | None
     ) -> tuple[Evaluation, DeltaState]:
         if strategy.devices > self.simulator.machine.size:
             raise ValueError("the strategy uses more devices than the machine has")

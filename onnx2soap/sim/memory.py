@@ -69,6 +69,7 @@ from onnx2soap.soap.partition import (
     stat_groups,
     sum_groups,
 )
+from onnx2soap.soap.partitioned import op_kinds
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
@@ -418,13 +419,39 @@ def _rows_bytes(pg: PartitionedGraph, rows: dict, whole: int, itemsize: int) -> 
 
 def add_edges(held: list[int], pg: PartitionedGraph, itemsize: int, objects: bool) -> None:
     """Add to ``held`` (per device) what every edge holds through the step: its receive
-    and assembly buffers, staging copies and their objects (``_edge_bytes``)."""
+    and assembly buffers, staging copies and their objects (``_edge_bytes``), found once
+    per kind of edge and configs (``op_kinds_held``: the same edge of every layer)."""
     count = readers(pg.edges)
+    kinds = op_kinds_held(pg.graph, frozenset())
+    found: dict[tuple, Pieces] = {}
     for edge in pg.edges:
-        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
+        p, c = edge.producer, edge.consumer
         sole = count[edge.tensor] == 1
-        for d, n in _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects):
+        scatter = tuple(g.scatter for g in pg.sums[p])
+        key = (kinds[p], kinds[c], edge.operand, sole, pg.strategy[p], pg.strategy[c], scatter)
+        pieces = found.get(key)
+        if pieces is None:
+            ptasks, ctasks = pg.tasks[p], pg.tasks[c]
+            pieces = _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects)
+            found[key] = pieces
+        for d, n in pieces:
             held[d] += n
+
+
+def op_kinds_held(graph: Graph, recompute: frozenset[str]) -> dict[str, tuple]:
+    """Per op, what its memory and its edges' depend on besides configs: its partition
+    kind (``op_kinds``), whether its output and inputs take a gradient and whether the
+    plan recomputes it (identical layers share it)."""
+    base = op_kinds(graph)
+    return {
+        op.name: (
+            base[op.name],
+            graph.differentiable(op.output),
+            tuple(graph.differentiable(t) for t in op.inputs),
+            op.name in recompute,
+        )
+        for op in graph.ops
+    }
 
 
 def readers(edges) -> Counter:
@@ -543,7 +570,8 @@ def peak_memory(
     recompute: frozenset[str] = frozenset(),
 ) -> tuple[int, ...]:
     """``memo`` must belong to one (itemsize, slots, objects, rounding, zero,
-    recompute), as a Simulator's does. ``recompute``: the ops whose output tiles the
+    recompute), as a Simulator's does; it holds each op's memory by ``memory_key`` and
+    by its kind (``op_kinds_held``) in its stead. ``recompute``: the ops whose output tiles the
     backward recomputes. ``objects``: count the runtime's Python objects, which share the
     memory of CPU ranks (a GPU's memory holds arrays only). ``zero``, ``optimizer_slots``:
     the plan's ZeRO stage and the optimizer's arrays it shards (``_op_bytes``)."""
@@ -551,10 +579,15 @@ def peak_memory(
     graph = pg.graph
     held = batch_bytes(pg, devices, itemsize)
     parts = []
+    kinds = op_kinds_held(graph, recompute)
     for op in graph.ops:
         key = memory_key(op.name, pg.strategy[op.name], pg.sums[op.name])
+        # an op of a kind priced under these configs holds what it holds
+        like = (kinds[op.name], *key[1:])
+        if key not in memo and like in memo:
+            memo[key] = memo[like]
         if key not in memo:
-            memo[key] = _op_bytes(
+            memo[key] = memo[like] = _op_bytes(
                 graph,
                 op,
                 pg.tasks[op.name],

@@ -786,8 +786,9 @@ class SlotKinds:
     """Per op and per edge (``Layout.edges`` order), a number shared by those whose slots
     hold the same segments under the same configs but for the slots' numbers (the same
     op or edge of every layer): an op's partition kind (``op_kinds``), whether its output
-    takes a gradient, how many operands read it and whether the plan recomputes it; an
-    edge's two ops' kinds and its operand."""
+    and its inputs take a gradient, how many operands read its output and whether the
+    plan recomputes it; an edge's two ops' kinds and its operand. Its memory is the
+    same too (``memory.op_kinds_held``)."""
 
     ops: tuple[int, ...]
     edges: tuple[int, ...]
@@ -802,6 +803,7 @@ def slot_kinds(graph: Graph, lay: Layout, recompute: frozenset[str]) -> SlotKind
             (
                 base[op.name],
                 graph.differentiable(op.output),
+                tuple(graph.differentiable(t) for t in op.inputs),
                 readers[op.output],
                 op.name in recompute,
             ),
@@ -817,11 +819,12 @@ def slot_kinds(graph: Graph, lay: Layout, recompute: frozenset[str]) -> SlotKind
 def relocated(segment: Segment, moves: Mapping[int, int]) -> Segment:
     """``segment`` as built at other slots, with its references to them moved (``moves``:
     old slot -> new); its durations, resources and bytes are the same objects."""
-    return replace(
-        segment,
-        preds=tuple(tuple([(moves[s], k) for s, k in p]) for p in segment.preds),
-        feeds=tuple((t, (moves[r[0]], r[1])) for t, r in segment.feeds),
-    )
+    if not segment.preds and not segment.feeds:  # an edge on one device may only feed
+        return segment
+    # list comprehensions, not generators: this runs once per task of every shared slot
+    preds = tuple([tuple([(moves[s], k) for s, k in p]) if p else p for p in segment.preds])
+    feeds = tuple([(t, (moves[s], k)) for t, (s, k) in segment.feeds])
+    return replace(segment, preds=preds, feeds=feeds)
 
 
 @dataclass

@@ -134,6 +134,7 @@ class Partitioner:
         self.graph = graph
         self._producer = {op.output: op for op in graph.ops}
         self._tasks: dict[tuple[str, ParallelConfig], tuple[Task, ...]] = {}
+        self._kind_tasks: dict[tuple[int, ParallelConfig], tuple[Task, ...]] = {}
         self._overlaps: dict[tuple, tuple[Overlap, ...]] = {}
         self._groups: dict[tuple[str, ParallelConfig], tuple[ReplicaGroup, ...]] = {}
         self._sums: dict[tuple, tuple[SumGroup, ...]] = {}
@@ -151,8 +152,17 @@ class Partitioner:
     def tasks(self, op: Op, config: ParallelConfig) -> tuple[Task, ...]:
         key = (op.name, config)
         if key not in self._tasks:
-            shapes = [self.graph.tensors[t].shape for t in op.inputs]
-            self._tasks[key] = op_tasks(op, config, shapes)
+            # an op of a kind already split under this config: its tasks but for the name
+            kind = (self.kinds[op.name], config)
+            found = self._kind_tasks.get(kind)
+            if found is None:
+                shapes = [self.graph.tensors[t].shape for t in op.inputs]
+                found = self._kind_tasks[kind] = op_tasks(op, config, shapes)
+            elif found[0].op != op.name:
+                found = tuple(
+                    Task(op.name, t.index, t.device, t.box, t.output, t.inputs) for t in found
+                )
+            self._tasks[key] = found
         return self._tasks[key]
 
     def groups(self, op: Op, config: ParallelConfig) -> tuple[ReplicaGroup, ...]:
