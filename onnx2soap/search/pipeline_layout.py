@@ -193,7 +193,7 @@ class LayoutPricer:
     pricing: Pricing
     memory: tuple[int, ...]
     seen: dict[Layout, Candidate | None] = field(default_factory=dict)
-    simulators: dict[tuple[int, ZeroStage, bool], Simulator] = field(default_factory=dict)
+    simulators: dict[tuple[int, ZeroStage, frozenset[str]], Simulator] = field(default_factory=dict)
 
     def __call__(self, layout: Layout) -> Candidate | None:
         """The layout's plan priced; None where it is not a plan: a ZeRO stage with no
@@ -262,7 +262,12 @@ def model_source(load: Loaded, pricing: Pricing, shape: Shape, ops: tuple[str, .
     return at
 
 
-def _microbatched(loaded, pricing: Pricing, shape: Shape, ops: tuple[str, ...]):
+def _microbatched(
+    loaded: tuple[Graph, Space, CostModel] | None,
+    pricing: Pricing,
+    shape: Shape,
+    ops: tuple[str, ...],
+) -> Microbatched | None:
     if loaded is None:
         return None
     graph, space, cost = loaded
