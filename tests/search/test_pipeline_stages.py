@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from onnx2soap.errors import PlanError
-from onnx2soap.search.pipeline_stages import balanced_stages
+from onnx2soap.search.pipeline_stages import balanced_stages, stage_tables
 
 
 def _slowest_of_every_cut(costs: list[float], stages: int) -> float:
@@ -41,3 +41,23 @@ def test_equal_layers_split_evenly() -> None:
 def test_more_stages_than_ops_is_refused(stages: int) -> None:
     with pytest.raises(PlanError, match="between 1 and 3"):
         balanced_stages([1.0, 2.0, 3.0], stages)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_bisection_gives_the_scans_tables_bit_for_bit(seed: int) -> None:
+    """Ties included (whole numbers, zeros, repeated layers): the same least slowest
+    stage and the same earliest cut for every stage count and op count."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 80))
+    pick = seed % 4
+    if pick == 0:
+        values = rng.exponential(1e-3, n)
+    elif pick == 1:
+        values = rng.integers(0, 3, n).astype(float)
+    elif pick == 2:
+        values = np.tile(rng.integers(0, 4, 5).astype(float), n // 5 + 1)[:n]
+    else:
+        values = np.where(rng.random(n) < 0.3, 0.0, rng.random(n))
+    stages = int(rng.integers(1, n + 1))
+    fast, scanned = stage_tables(values, stages), stage_tables(values, stages, scan=True)
+    assert np.array_equal(fast[0], scanned[0]) and np.array_equal(fast[1], scanned[1])
