@@ -85,9 +85,10 @@ Balance = Callable[[Layout, int], tuple[int, ...]]
 
 def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> list[Coordinate]:
     """The walk's coordinates, in the order a sweep visits them: every stage at one
-    degree (the cuts balanced again with it: one plan that changes every stage, first
-    where the bound allows few); each stage's degree; the ZeRO stage;
-    recomputation; the microbatch count among ``counts``, nearest first; each boundary,
+    degree (the cuts balanced again with it: one plan that changes every stage); the
+    ZeRO stage; recomputation; the microbatch count among ``counts``, nearest first
+    (the levers on memory, first for a start that does not fit); each stage's degree;
+    each boundary,
     every position between its neighbours, nearest first (a step is not unimodal in a
     boundary's position: a cut inside a layer may send more than one at its end, so
     stepping outward stops short: GPT-2 on cpu:4 stopped 7 % above its best cut). The
@@ -102,15 +103,6 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
             for d in shared
             if (d,) * count != at.degrees
         ]
-
-    out: list[Coordinate] = [("every stage at one degree", uniform)]
-    for s in range(count):
-
-        def degree(at: Layout, s: int = s) -> list[Layout]:
-            others = (d for d in stages.degrees[s] if d != at.degrees[s])
-            return [replace(at, degrees=_set(at.degrees, s, d)) for d in others]
-
-        out.append((f"stage {s}'s tensor-parallel degree", degree))
 
     def zero(at: Layout) -> list[Layout]:
         return [replace(at, zero=z) for z in (ZeroStage.NONE, *ZERO_STAGES) if z != at.zero]
@@ -128,11 +120,19 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
         )
         return [replace(at, microbatches=m) for m in near]
 
-    out += [
+    out: list[Coordinate] = [
+        ("every stage at one degree", uniform),
         ("ZeRO stage", zero),
         ("recomputation", recompute),
         ("microbatches", microbatches),
     ]
+    for s in range(count):
+
+        def degree(at: Layout, s: int = s) -> list[Layout]:
+            others = (d for d in stages.degrees[s] if d != at.degrees[s])
+            return [replace(at, degrees=_set(at.degrees, s, d)) for d in others]
+
+        out.append((f"stage {s}'s tensor-parallel degree", degree))
     for b in range(1, count):
 
         def boundary(at: Layout, b: int = b) -> list[Layout]:
@@ -173,7 +173,8 @@ def walk_pipeline(
     cost; where a sweep keeps nothing, ``proposals`` random changes of one op's config
     (``StageSpace.propose``; twice the ops, at most 256, by default), each kept where it
     lowers the cost, and a sweep again after any was kept. It ends where a round of
-    proposals keeps nothing or ``max_s`` has passed (the start is always priced: its
+    proposals keeps nothing or ``max_s`` has passed (twice that while nothing it priced
+    fits: without a plan that fits, ``plan`` refuses; the start is always priced: its
     own evaluation). ``models``: the model at a microbatch count's size; ``counts``:
     the microbatch counts offered (``microbatch_counts`` of the step's batch by
     default; ``(start's,)`` keeps it); ``seed``: the proposals'."""
@@ -195,7 +196,10 @@ def walk_pipeline(
         return m.stages.balanced(degree, pricing, m.cost, redo)
 
     def out_of_time() -> bool:
-        return time.perf_counter() - began > max_s
+        # a walk that has found nothing that fits goes on twice as long: without it
+        # the plan is a refusal
+        bound = max_s if state.cost.fits else 2 * max_s
+        return time.perf_counter() - began > bound
 
     def sweep() -> bool:
         """One pass over the coordinates; whether it kept a move."""
