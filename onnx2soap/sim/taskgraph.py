@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
+from itertools import chain
 
 import numpy as np
 
@@ -960,14 +961,18 @@ def flatten(
     base = offsets.tolist()
     flat_preds = [[base[s] + k for s, k in p] for ps in preds for p in ps]
     resources = [r for s in segments for r in s.resources]
+
+    def chained(field: str, dtype) -> np.ndarray:  # C-level iteration: millions of tasks
+        return np.fromiter(chain.from_iterable(getattr(s, field) for s in segments), dtype)
+
     return TaskGraph(
-        duration=np.array([d for s in segments for d in s.duration], dtype=np.float64),
-        kind=np.array([k for s in segments for k in s.kind], dtype=np.int8),
-        nbytes=np.array([x for s in segments for x in s.nbytes], dtype=np.int64),
+        duration=chained("duration", np.float64),
+        kind=chained("kind", np.int8),
+        nbytes=chained("nbytes", np.int64),
         res_ptr=_ptr(resources),
-        res_idx=np.fromiter((x for r in resources for x in r), dtype=np.int64),
+        res_idx=np.fromiter(chain.from_iterable(resources), dtype=np.int64),
         pred_ptr=_ptr(flat_preds),
-        pred_idx=np.fromiter((x for p in flat_preds for x in p), dtype=np.int64),
+        pred_idx=np.fromiter(chain.from_iterable(flat_preds), dtype=np.int64),
         num_resources=num_resources,
         names=tuple(x for s in segments for x in s.names) if names else (),
     )
@@ -975,7 +980,7 @@ def flatten(
 
 def _ptr(lists: Sequence[Sequence[int]]) -> np.ndarray:
     ptr = np.zeros(len(lists) + 1, dtype=np.int64)
-    ptr[1:] = np.cumsum([len(x) for x in lists])
+    ptr[1:] = np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)))
     return ptr
 
 
