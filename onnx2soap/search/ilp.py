@@ -154,10 +154,11 @@ def _build(decisions: Decisions, deadline: float) -> _Problem:
     cost: list[float] = []
     offsets, counts = [], []
     for n in deciders:
-        _check(deadline)
         offsets.append(len(cost))
         counts.append(len(decisions.configs[n]))
-        cost.extend(decisions.group(n, c) * SCALE for c in decisions.configs[n])
+        for c in decisions.configs[n]:  # one group's configs can take seconds on 2 k ops
+            _check(deadline)
+            cost.append(decisions.group(n, c) * SCALE)
     rows: list[np.ndarray] = []
     cols: list[np.ndarray] = []
     vals: list[np.ndarray] = []

@@ -41,7 +41,7 @@ from onnx2soap.search.pipeline_rule import (
     shape_accepted,
 )
 from onnx2soap.search.pipeline_walk import PipelineWalk, walk_pipeline
-from onnx2soap.search.priced import Candidate, Pricing, Shape
+from onnx2soap.search.priced import Candidate, Pricing, Shape, Simulators
 from onnx2soap.sim import Evaluation, Machine
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Partitioner, Strategy, analyze
@@ -99,10 +99,12 @@ def price_pipeline(
     pricing: Pricing,
     shape: Shape,
     names: tuple[str, ...] | None = None,
+    simulators: Simulators | None = None,
 ) -> Candidate:
     """The rule's pipeline of ``shape`` on ``micro`` (the model at the microbatch's
     batch), checked and priced as ``plan --strategy pipeline`` prices it. ``names``:
-    ``full_recompute``'s list for ``micro`` where known (it finds the model's blocks)."""
+    ``full_recompute``'s list for ``micro`` where known (it finds the model's blocks);
+    ``simulators``: shared with the other plans priced (a fresh one's else)."""
     plain = pricing.simulator(cost)
     if shape.recompute and names is None:
         names = full_recompute(micro, space, plain)
@@ -112,7 +114,8 @@ def price_pipeline(
     )
     validate_strategy(micro, space, built.strategy)
     check_pipeline_plan(built.pipeline, micro, built.strategy.configs, pricing.machine.size)
-    priced = pricing.simulator(cost, pipeline=built.pipeline, recompute=names)
+    simulators = simulators or Simulators(pricing)
+    priced = simulators.get(micro, cost, recompute=names, pipeline=built.pipeline)
     evaluation = priced.evaluate(Partitioner(micro).partition(built.strategy))
     return Candidate(
         shape, built.strategy, micro, space, built.pipeline, names, ZeroStage.NONE, evaluation
@@ -215,6 +218,7 @@ def pipeline_choice(
     plans chosen among."""
     began = time.perf_counter()
     tried: list[Candidate] = []
+    simulators = Simulators(pricing)
     models: dict[int, tuple[Graph, Space, CostModel]] = {}
     redo_names: dict[int, tuple[str, ...]] = {}  # full_recompute's, per microbatch size
     default = default_shape(pricing.machine, graph.batch, len(graph.ops))
@@ -240,7 +244,7 @@ def pipeline_choice(
             if redo and size not in redo_names:
                 redo_names[size] = full_recompute(micro, micro_space, pricing.simulator(cost))
             names = redo_names.get(size, ())
-            priced = price_pipeline(micro, micro_space, cost, pricing, shape, names)
+            priced = price_pipeline(micro, micro_space, cost, pricing, shape, names, simulators)
             tried.append(priced)
     fitting = [c for c in tried if c.evaluation.fits]
     if fitting:  # GPipe: the same bubble, more memory held, yet at times a little faster
@@ -249,9 +253,9 @@ def pipeline_choice(
         size = graph.batch // shape.microbatches
         micro, micro_space, cost = models[size]
         names = redo_names.get(size, ())
-        tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names))
+        tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names, simulators))
     walk_s = max_s if walk_s is None else walk_s
-    walked = _walk_best(tried, models, load, costs, pricing, walk_s, seed)
+    walked = _walk_best(tried, models, load, costs, simulators, walk_s, seed)
     moved = walked.best if walked is not None and walked.best is not walked.start else None
     if moved is not None:
         tried.append(moved)
@@ -280,7 +284,7 @@ def _walk_best(
     models: dict[int, tuple[Graph, Space, CostModel]],
     load: Loader,
     costs: Costs,
-    pricing: Pricing,
+    simulators: Simulators,
     walk_s: float,
     seed: int,
 ) -> PipelineWalk | None:
@@ -290,6 +294,7 @@ def _walk_best(
     piped = [c for c in tried if c.pipeline is not None]
     if not piped:
         return None
+    pricing = simulators.pricing
     memory = tuple(d.memory for d in pricing.machine.devices)
     start = min(piped, key=lambda c: cost_in(c.evaluation, memory))
     batch = start.graph.batch * start.shape.microbatches
@@ -306,4 +311,4 @@ def _walk_best(
 
     ops = tuple(op.name for op in start.graph.ops)
     source = model_source(loaded, pricing, start.shape, ops)
-    return walk_pipeline(start, source, pricing, walk_s, seed)
+    return walk_pipeline(start, source, pricing, walk_s, seed, simulators=simulators)

@@ -25,8 +25,7 @@ from onnx2soap.search.pipeline_rule import (
     task_seconds,
 )
 from onnx2soap.search.pipeline_stages import balanced_stages
-from onnx2soap.search.priced import Candidate, Pricing, Shape
-from onnx2soap.sim import Simulator
+from onnx2soap.search.priced import Candidate, Pricing, Shape, Simulators
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Partitioner, Strategy
 from onnx2soap.soap import validate as validate_strategy
@@ -185,15 +184,15 @@ Models = Callable[[int], "Microbatched | None"]
 @dataclass
 class LayoutPricer:
     """Prices layouts, each once (a walk revisits its neighbours' plans), with one
-    simulator per microbatch count, ZeRO stage and recomputation: its memo of durations
-    and per-op memory holds under them whatever the stages (``Simulator.memo``), so a
-    move re-prices only the ops whose configs it changes."""
+    simulator per microbatch count, ZeRO stage and recomputation (``Simulators``): its
+    memo of durations and per-op memory holds under them whatever the stages, so a move
+    re-prices only the ops whose configs it changes."""
 
     models: Models
     pricing: Pricing
     memory: tuple[int, ...]
+    simulators: Simulators
     seen: dict[Layout, Candidate | None] = field(default_factory=dict)
-    simulators: dict[tuple[int, ZeroStage, frozenset[str]], Simulator] = field(default_factory=dict)
 
     def __call__(self, layout: Layout) -> Candidate | None:
         """The layout's plan priced; None where it is not a plan: a ZeRO stage with no
@@ -218,12 +217,7 @@ class LayoutPricer:
             return None
         names = at.stages.recomputed(layout, at.redo_names)
         # durations and memory depend on what is recomputed, not on where stages end
-        key = (layout.microbatches, layout.zero, frozenset(names))
-        if key not in self.simulators:
-            self.simulators[key] = self.pricing.simulator(
-                at.cost, zero=layout.zero, recompute=names
-            )
-        simulator = replace(self.simulators[key], pipeline=pipeline)  # the same memo
+        simulator = self.simulators.get(micro, at.cost, layout.zero, names, pipeline)
         shape = replace(
             at.stages.shape, microbatches=layout.microbatches, recompute=any(layout.recompute)
         )

@@ -51,7 +51,7 @@ from onnx2soap.search.pipeline_layout import (
     StageSpace,
     layout_of,
 )
-from onnx2soap.search.priced import Candidate, Pricing
+from onnx2soap.search.priced import Candidate, Pricing, Simulators
 from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage
 
 MICROBATCHES_PER_STAGE = 8  # the most microbatches a stage the walk offers
@@ -167,6 +167,7 @@ def walk_pipeline(
     seed: int = 0,
     proposals: int | None = None,
     counts: Sequence[int] | None = None,
+    simulators: Simulators | None = None,
 ) -> PipelineWalk:
     """Coordinate descent from ``start`` (a rule-built pipeline: ``pipeline_choice``'s
     best), each coordinate's every value priced and the best kept where it lowers the
@@ -177,14 +178,15 @@ def walk_pipeline(
     fits: without a plan that fits, ``plan`` refuses; the start is always priced: its
     own evaluation). ``models``: the model at a microbatch count's size; ``counts``:
     the microbatch counts offered (``microbatch_counts`` of the step's batch by
-    default; ``(start's,)`` keeps it); ``seed``: the proposals'."""
+    default; ``(start's,)`` keeps it); ``seed``: the proposals'; ``simulators``: shared
+    with the plans priced before (``pipeline_choice``'s)."""
     began = time.perf_counter()
     first = models(start.shape.microbatches)
     stages = first.stages
     batch = start.graph.batch * start.shape.microbatches
     counts = microbatch_counts(batch, len(stages.groups)) if counts is None else counts
     memory = tuple(d.memory for d in pricing.machine.devices)
-    pricer = LayoutPricer(models, pricing, memory)
+    pricer = LayoutPricer(models, pricing, memory, simulators or Simulators(pricing))
     rng = np.random.default_rng(seed)
     rounds = proposals if proposals is not None else min(256, 2 * stages.ops)
     state = _State(start, pricer.cost_of(start), layout_of(stages, start), [])

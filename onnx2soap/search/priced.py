@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from onnx2soap.ir import Graph
 from onnx2soap.precision import Precision
@@ -50,3 +50,29 @@ class Pricing:
 
     def simulator(self, cost: CostModel, **kw) -> Simulator:
         return make_simulator(self.machine, cost, self.slots, self.precision, **kw)
+
+
+@dataclass
+class Simulators:
+    """One simulator per model size, ZeRO stage and recomputed ops, each made once: its
+    memo of durations and per-op memory holds whatever the pipeline's stages
+    (``Simulator.memo``), so the grid's shapes of one microbatch size, GPipe after
+    1F1B, and the walk inside pipelines share what they have simulated."""
+
+    pricing: Pricing
+    made: dict[tuple[int, ZeroStage, frozenset[str]], Simulator] = field(default_factory=dict)
+
+    def get(
+        self,
+        graph: Graph,
+        cost: CostModel,
+        zero: ZeroStage = ZeroStage.NONE,
+        recompute: tuple[str, ...] = (),
+        pipeline: Pipeline | None = None,
+    ) -> Simulator:
+        """The simulator of ``graph`` (one model per batch size, with ``cost``) under
+        ``zero`` and ``recompute``, pricing ``pipeline``."""
+        key = (graph.batch, zero, frozenset(recompute))
+        if key not in self.made:
+            self.made[key] = self.pricing.simulator(cost, zero=zero, recompute=recompute)
+        return replace(self.made[key], pipeline=pipeline)
