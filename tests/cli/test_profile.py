@@ -228,7 +228,15 @@ def test_ctrl_c_exits_130_and_a_rerun_resumes(tmp_path: Path) -> None:
     command += ["--batch", "16", "--machine", str(machine), "--min-time", "0.02"]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.Popen(
-        command, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        command,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        # a terminal's command does not ignore SIGINT; one started in the background by
+        # a shell without job control does, the ignoring is inherited, and Python then
+        # leaves it ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = proc.stderr.readline()  # a round stored
     assert first.startswith("onnx2soap profile: "), first
