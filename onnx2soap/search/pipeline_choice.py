@@ -11,7 +11,11 @@ built by the pipeline rule and full recomputation, priced over a small grid.
   (the example CNN on cpu:4): it is priced at the fastest fitting 1F1B shape, one
   more plan, and kept where it is faster there.
 - Recomputation of the walk's best: where that plan does not fit, it is priced with
-  ``--recompute all``'s list under its own ZeRO stage.
+  ``--recompute all``'s list under its own ZeRO stage; and of the rules users pair with
+  it, Megatron-LM and ZeRO-2 data parallelism (``rules_recomputing``).
+- The walk inside the best pipeline priced (``pipeline_walk``): stage boundaries, each
+  stage's tensor parallelism, microbatches, ZeRO, recomputation per stage and single
+  ops' configs, its best among the plans chosen from.
 
 A pipeline or recomputing plan replaces a plain one that fits only where it is
 ``GAIN`` faster: the simulator is optimistic about overlap in the pipeline's schedule
@@ -209,10 +213,11 @@ def pipeline_choice(
     seed: int = 0,
 ) -> Choice:
     """Price the grid's pipelines (1F1B; recomputing where one does not fit without),
-    GPipe at the fastest fitting one, and the walk's best recomputing where it does not
-    fit; choose by ``choose``. ``load`` is called once per distinct microbatch size.
-    ``max_s``: no grid shape is begun after it (the rule's default shape, priced first,
-    always is): a pipeline of a large model on many devices takes seconds to price.
+    GPipe at the fastest fitting one, the walk's best recomputing where it does not
+    fit, and the rules recomputing; choose by ``choose``. ``load`` is called once per
+    distinct microbatch size. ``max_s``: no grid shape is begun after it (the rule's
+    default shape, priced first, always is): a pipeline of a large model on many devices
+    takes seconds to price.
     Then the walk inside the best pipeline priced (``pipeline_walk``) for ``walk_s``
     (``max_s`` where not given; ``seed``: its random changes'); its best joins the
     plans chosen among."""
