@@ -459,8 +459,9 @@ def _walk_doc(result: SearchResult | None) -> dict:
 
 def _choice_doc(choice: Choice | None) -> dict:
     """Every pipeline and recomputing plan the search priced after its walk (``stages``
-    0: the walk's own plan recomputing), the one chosen (null: the walk's plan stands;
-    ``stages`` 0 without recomputation: the ``zero`` baseline, faster than the walk's),
+    0: a plain plan, ``of`` whose: the walk's or a rule's recomputing), the one chosen
+    (null: the walk's plan stands; ``stages`` 0 without recomputation: the ``zero``
+    baseline, faster than the walk's),
     the seconds it took and the grid shapes its time bound left, and the walk inside
     the best pipeline priced (``walked``: its plan, not the rule's); null by rule."""
     if choice is None:
