@@ -33,7 +33,6 @@ from onnx2soap.sim.memory import (
     batch_bytes,
     consumers_of,
     memory_key,
-    op_kinds_held,
     total,
 )
 from onnx2soap.sim.simulate import Timeline, run_task
@@ -44,13 +43,13 @@ from onnx2soap.sim.taskgraph import (
     Segment,
     SlotBuilder,
     TaskGraph,
-    edge_configs,
     flatten,
     layout,
     slot_kinds,
 )
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
 from onnx2soap.soap.partition import SumGroup, stat_groups
+from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 
 

@@ -69,7 +69,7 @@ from onnx2soap.soap.partition import (
     stat_groups,
     sum_groups,
 )
-from onnx2soap.soap.partitioned import op_kinds
+from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
@@ -427,8 +427,8 @@ def add_edges(held: list[int], pg: PartitionedGraph, itemsize: int, objects: boo
     for edge in pg.edges:
         p, c = edge.producer, edge.consumer
         sole = count[edge.tensor] == 1
-        scatter = tuple(g.scatter for g in pg.sums[p])
-        key = (kinds[p], kinds[c], edge.operand, sole, pg.strategy[p], pg.strategy[c], scatter)
+        configs = edge_configs(pg.strategy[p], pg.strategy[c], pg.sums[p])
+        key = (kinds[p], kinds[c], edge.operand, sole, *configs)
         pieces = found.get(key)
         if pieces is None:
             ptasks, ctasks = pg.tasks[p], pg.tasks[c]
@@ -436,22 +436,6 @@ def add_edges(held: list[int], pg: PartitionedGraph, itemsize: int, objects: boo
             found[key] = pieces
         for d, n in pieces:
             held[d] += n
-
-
-def op_kinds_held(graph: Graph, recompute: frozenset[str]) -> dict[str, tuple]:
-    """Per op, what its memory and its edges' depend on besides configs: its partition
-    kind (``op_kinds``), whether its output and inputs take a gradient and whether the
-    plan recomputes it (identical layers share it)."""
-    base = op_kinds(graph)
-    return {
-        op.name: (
-            base[op.name],
-            graph.differentiable(op.output),
-            tuple(graph.differentiable(t) for t in op.inputs),
-            op.name in recompute,
-        )
-        for op in graph.ops
-    }
 
 
 def readers(edges) -> Counter:

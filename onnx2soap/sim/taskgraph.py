@@ -65,7 +65,7 @@ from onnx2soap.soap.partition import (
     rect_contiguous,
     rect_volume,
 )
-from onnx2soap.soap.partitioned import op_kinds
+from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
@@ -789,28 +789,18 @@ class SlotKinds:
     op or edge of every layer): an op's partition kind (``op_kinds``), whether its output
     and its inputs take a gradient, how many operands read its output and whether the
     plan recomputes it; an edge's two ops' kinds and its operand. Its memory is the
-    same too (``memory.op_kinds_held``)."""
+    same too (``op_kinds_held``)."""
 
     ops: tuple[int, ...]
     edges: tuple[int, ...]
 
 
 def slot_kinds(graph: Graph, lay: Layout, recompute: frozenset[str]) -> SlotKinds:
-    base = op_kinds(graph)
+    held = op_kinds_held(graph, recompute)
     readers = Counter(t for op in graph.ops for t in op.inputs)
     interned: dict[tuple, int] = {}
     ops = tuple(
-        interned.setdefault(
-            (
-                base[op.name],
-                graph.differentiable(op.output),
-                tuple(graph.differentiable(t) for t in op.inputs),
-                readers[op.output],
-                op.name in recompute,
-            ),
-            len(interned),
-        )
-        for op in graph.ops
+        interned.setdefault((held[op.name], readers[op.output]), len(interned)) for op in graph.ops
     )
     pairs: dict[tuple, int] = {}
     edges = tuple(pairs.setdefault((ops[p], ops[c], k), len(pairs)) for p, c, k in lay.edges)
@@ -926,12 +916,6 @@ class SlotBuilder:
         return merged_preds(
             segments[lay.backward[i]], [segments[lay.edge_backward[j]] for j in lay.outs[i]]
         )
-
-
-def edge_configs(pconf: ParallelConfig, cconf: ParallelConfig, sums: tuple) -> tuple:
-    """What an edge's slots depend on besides its kind: its producer's and consumer's
-    configs, and which of the producer's sums reduce-scatter, and how."""
-    return (pconf, cconf, tuple(g.scatter for g in sums))
 
 
 def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segment], list[tuple]]:

@@ -125,6 +125,28 @@ def op_kinds(graph: Graph) -> dict[str, int]:
     return {op.name: interned.setdefault(op_kind(graph, op), len(interned)) for op in graph.ops}
 
 
+def op_kinds_held(graph: Graph, recompute: frozenset[str]) -> dict[str, tuple]:
+    """Per op, what its memory and its edges' depend on besides configs: its partition
+    kind (``op_kinds``), whether its output and inputs take a gradient and whether the
+    plan recomputes it (identical layers share it: the simulator's memory and task slots)."""
+    base = op_kinds(graph)
+    return {
+        op.name: (
+            base[op.name],
+            graph.differentiable(op.output),
+            tuple(graph.differentiable(t) for t in op.inputs),
+            op.name in recompute,
+        )
+        for op in graph.ops
+    }
+
+
+def edge_configs(pconf: ParallelConfig, cconf: ParallelConfig, sums: tuple) -> tuple:
+    """What an edge's slots and buffers depend on besides its kind: its producer's and consumer's
+    configs, and which of the producer's sums reduce-scatter, and how."""
+    return (pconf, cconf, tuple(g.scatter for g in sums))
+
+
 class Partitioner:
     """Partition math for one graph, memoized per (op, config) and per edge; an edge's
     overlaps per the kinds of its two ops (``op_kinds``), which the same edge of every
