@@ -135,19 +135,25 @@ def price_recompute(
     zero: ZeroStage,
     of: str = "walk",
     names: tuple[str, ...] | None = None,
+    simulators: Simulators | None = None,
 ) -> Candidate:
     """``strategy`` (the walk's best, or a rule's: ``of``) with ``--recompute all``'s
     list (``names`` where known), under ``zero``."""
     if names is None:
         names = full_recompute(graph, space, pricing.simulator(cost))
-    priced = pricing.simulator(cost, zero=zero, recompute=names)
+    priced = (simulators or Simulators(pricing)).get(graph, cost, zero, names)
     evaluation = priced.evaluate(Partitioner(graph).partition(strategy))
     shape = Shape(0, 1, None, True)
     return Candidate(shape, strategy, graph, space, None, names, zero, evaluation, of)
 
 
 def rules_recomputing(
-    graph: Graph, space: Space, cost: CostModel, pricing: Pricing, names: tuple[str, ...]
+    graph: Graph,
+    space: Space,
+    cost: CostModel,
+    pricing: Pricing,
+    names: tuple[str, ...],
+    simulators: Simulators | None = None,
 ) -> list[Candidate]:
     """The rules users pair with recomputation, recomputing: Megatron-LM (its activation
     checkpointing) and data parallelism under ZeRO-2 (DeepSpeed's). The walk prices
@@ -162,7 +168,7 @@ def rules_recomputing(
         ("data-parallel", data_parallel(graph, space, devices), ZeroStage.GRADIENTS),
     ]
     return [
-        price_recompute(graph, space, cost, pricing, strategy, zero, name, names)
+        price_recompute(graph, space, cost, pricing, strategy, zero, name, names, simulators)
         for name, strategy, zero in plans
     ]
 
@@ -189,10 +195,16 @@ def choose(
     return chosen
 
 
-def zero_baseline(graph: Graph, space: Space, cost: CostModel, pricing: Pricing) -> Candidate:
+def zero_baseline(
+    graph: Graph,
+    space: Space,
+    cost: CostModel,
+    pricing: Pricing,
+    simulators: Simulators | None = None,
+) -> Candidate:
     """Data parallelism under ZeRO-2: ``plan``'s ``zero`` baseline."""
     strategy = data_parallel(graph, space, pricing.machine.size)
-    priced = pricing.simulator(cost, zero=ZeroStage.GRADIENTS)
+    priced = (simulators or Simulators(pricing)).get(graph, cost, ZeroStage.GRADIENTS)
     evaluation = priced.evaluate(Partitioner(graph).partition(strategy))
     shape = Shape(0, 1, None, False)
     zero = ZeroStage.GRADIENTS
@@ -260,16 +272,18 @@ def pipeline_choice(
         names = redo_names.get(size, ())
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names, simulators))
     walk_s = max_s if walk_s is None else walk_s
-    walked = _walk_best(tried, models, load, costs, simulators, walk_s, seed)
+    walked = _walk_best(tried, models, redo_names, load, costs, simulators, walk_s, seed)
     moved = walked.best if walked is not None and walked.best is not walked.start else None
     if moved is not None:
         tried.append(moved)
-    whole = full_recompute(graph, space, pricing.simulator(costs(graph)))
+    cost = costs(graph)
+    if graph.batch not in redo_names:
+        redo_names[graph.batch] = full_recompute(graph, space, pricing.simulator(cost))
+    whole = redo_names[graph.batch]
     if not best_evaluation.fits:
-        tried.append(
-            price_recompute(graph, space, costs(graph), pricing, best, zero, "walk", whole)
-        )
-    tried += rules_recomputing(graph, space, costs(graph), pricing, whole)
+        redone = price_recompute(graph, space, cost, pricing, best, zero, "walk", whole, simulators)
+        tried.append(redone)
+    tried += rules_recomputing(graph, space, cost, pricing, whole, simulators)
     baselines = {}
     if default is not None:
         rule = Shape(*default, Schedule.ONE_F_ONE_B, False)
@@ -278,7 +292,7 @@ def pipeline_choice(
         if ruled:
             baselines["pipeline"] = ruled[0]
     if pricing.machine.size > 1:
-        baselines["zero"] = zero_baseline(graph, space, costs(graph), pricing)
+        baselines["zero"] = zero_baseline(graph, space, cost, pricing, simulators)
     chosen = choose(best_evaluation, tried, list(baselines.values()))
     took = time.perf_counter() - began
     return Choice(chosen, tuple(tried), took, baselines, skipped, walked)
@@ -287,6 +301,7 @@ def pipeline_choice(
 def _walk_best(
     tried: Sequence[Candidate],
     models: dict[int, tuple[Graph, Space, CostModel]],
+    redo_names: dict[int, tuple[str, ...]],
     load: Loader,
     costs: Costs,
     simulators: Simulators,
@@ -295,7 +310,8 @@ def _walk_best(
 ) -> PipelineWalk | None:
     """The walk from the best pipeline priced (fitting by step time, else the least
     overflow), loading the model at other microbatch sizes as it asks (into
-    ``models``, shared with the grid); None where no pipeline was priced."""
+    ``models``, and their recompute lists into ``redo_names``, shared with the grid);
+    None where no pipeline was priced."""
     piped = [c for c in tried if c.pipeline is not None]
     if not piped:
         return None
@@ -315,5 +331,5 @@ def _walk_best(
         return models[size]
 
     ops = tuple(op.name for op in start.graph.ops)
-    source = model_source(loaded, pricing, start.shape, ops)
+    source = model_source(loaded, pricing, start.shape, ops, redo_names)
     return walk_pipeline(start, source, pricing, walk_s, seed, simulators=simulators)

@@ -242,15 +242,23 @@ def layout_of(stages: StageSpace, start: Candidate) -> Layout:
 Loaded = Callable[[int], "tuple[Graph, Space, CostModel] | None"]
 
 
-def model_source(load: Loaded, pricing: Pricing, shape: Shape, ops: tuple[str, ...]) -> Models:
+def model_source(
+    load: Loaded,
+    pricing: Pricing,
+    shape: Shape,
+    ops: tuple[str, ...],
+    redo: dict[int, tuple[str, ...]] | None = None,
+) -> Models:
     """``Models`` over ``load``, each microbatch count's built once: its ``StageSpace``,
-    partitioner and ``--recompute all`` list. A size whose graph has other ops than
-    ``ops`` (the start's, in order: a layout's cuts are op indices) is None."""
+    partitioner and ``--recompute all`` list (``redo``: those lists by model batch, read
+    and filled: the caller's, where it has found some). A size whose graph has other ops
+    than ``ops`` (the start's, in order: a layout's cuts are op indices) is None."""
     cache: dict[int, Microbatched | None] = {}
+    redo = {} if redo is None else redo
 
     def at(microbatches: int) -> Microbatched | None:
         if microbatches not in cache:
-            cache[microbatches] = _microbatched(load(microbatches), pricing, shape, ops)
+            cache[microbatches] = _microbatched(load(microbatches), pricing, shape, ops, redo)
         return cache[microbatches]
 
     return at
@@ -261,11 +269,14 @@ def _microbatched(
     pricing: Pricing,
     shape: Shape,
     ops: tuple[str, ...],
+    redo: dict[int, tuple[str, ...]],
 ) -> Microbatched | None:
     if loaded is None:
         return None
     graph, space, cost = loaded
     if tuple(op.name for op in graph.ops) != ops:
         return None
-    redo = full_recompute(graph, space, pricing.simulator(cost))
-    return Microbatched(StageSpace(graph, space, pricing, shape), Partitioner(graph), cost, redo)
+    if graph.batch not in redo:
+        redo[graph.batch] = full_recompute(graph, space, pricing.simulator(cost))
+    stages = StageSpace(graph, space, pricing, shape)
+    return Microbatched(stages, Partitioner(graph), cost, redo[graph.batch])
