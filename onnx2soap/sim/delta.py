@@ -35,7 +35,7 @@ from onnx2soap.sim.memory import (
     memory_key,
     total,
 )
-from onnx2soap.sim.simulate import Timeline, run_task
+from onnx2soap.sim.simulate import Timeline, Wakes, run_task
 from onnx2soap.sim.taskgraph import (
     EMPTY,
     Costs,
@@ -61,8 +61,9 @@ class DeltaState:
     segments: list[Segment]
     preds: list[tuple]
     ends: list[Sequence[float]]  # per slot: its tasks' end times
-    # per checkpointed slot: every resource's last end before it, and the latest end
-    checkpoints: dict[int, tuple[tuple[float, ...], float]]
+    # per checkpointed slot: every resource's last end before it, the latest end, and
+    # which devices owe a resume (``simulate.Wakes``; empty on machines without one)
+    checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[bool, ...]]]
     makespan: float
     moved: list[int]  # per slot: bytes moved
     bytes_moved: int
@@ -101,6 +102,7 @@ class DeltaSimulator:
             for i in range(len(graph.ops))
         ]
         self.num_resources = m.resources
+        self.machine = m
         # The slots where a re-run can begin: the first slot each op's change touches.
         self.entries = sorted(
             {0} | {min(self._touched(self._with_sums([i]))[1]) for i in range(len(graph.ops))}
@@ -292,42 +294,49 @@ class DeltaSimulator:
     def _run(self, strategy, segments, preds, dirty: set[int], base) -> DeltaState:
         """Re-times from the checkpoint at or before the first dirty slot to the end."""
         size = self.lay.size
+        resume, devices = self.machine.resume, self.machine.size
         if base is None:
             ends, moved = [()] * size, [0] * size
-            checkpoints: dict[int, tuple[tuple[float, ...], float]] = {}
-            first, free, last = 0, [0.0] * self.num_resources, 0.0
+            checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[bool, ...]]] = {}
+            first, free, last, pending = 0, [0.0] * self.num_resources, 0.0, ()
         else:
             ends, moved = list(base.ends), list(base.moved)
             checkpoints = dict(base.checkpoints)
             # Re-running slots between the checkpoint and the first dirty one repeats
             # their times exactly (same inputs, same operations).
             first = self.entries[bisect_right(self.entries, min(dirty)) - 1]
-            saved, last = checkpoints[first]
+            saved, last, pending = checkpoints[first]
             free = list(saved)
+        wakes = None if resume is None else Wakes(resume, devices, pending)
         for s in dirty:
             moved[s] = sum(segments[s].nbytes)
         entries = self.entry_set
         for slot in range(first, size):
             if slot in entries:
-                checkpoints[slot] = (tuple(free), last)
+                checkpoints[slot] = (tuple(free), last, () if wakes is None else wakes.saved())
             seg = segments[slot]
             if not seg.duration:
                 ends[slot] = ()
                 continue
-            # The formula of simulate.run_task, inlined; only ends are kept (a start is
+            # The formula of simulate.simulate, inlined; only ends are kept (a start is
             # recomputed from them where a timeline is asked for: ``task_graph``).
             ends[slot] = cur = []  # before its tasks: they may wait on earlier ones
-            for d, resources, ps in zip(seg.duration, seg.resources, preds[slot], strict=True):
+            for d, kind, resources, ps in zip(
+                seg.duration, seg.kind, seg.resources, preds[slot], strict=True
+            ):
                 s = 0.0
                 for ps_slot, k in ps:
                     t = ends[ps_slot][k]
                     if t > s:
                         s = t
+                ready = s
                 for r in resources:
                     t = free[r]
                     if t > s:
                         s = t
                 e = s + d
+                if wakes is not None and (x := wakes.extra(ready, kind, resources, free)):
+                    e += x
                 cur.append(e)
                 for r in resources:
                     free[r] = e
@@ -389,7 +398,7 @@ class DeltaSimulator:
     def task_graph(self, state: DeltaState) -> tuple[TaskGraph, Timeline]:
         """The state as a flat task graph and timeline, numbered as a full build numbers
         them (for tests and traces)."""
-        tg = flatten(state.segments, state.preds, self.num_resources, False)
+        tg = flatten(state.segments, state.preds, self.machine, False)
         end = [x for s in state.ends for x in s]
         start = _starts(tg, end)
         return tg, Timeline(np.array(start, dtype=np.float64), np.array(end, dtype=np.float64))

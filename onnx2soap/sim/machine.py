@@ -20,6 +20,7 @@ Machine file (YAML)::
     cores: 0                       # > 0: the devices share so many cores (CPU ranks)
     message_busy: 4.5e-05          # optional: of a message's latency, what holds its ends
     ring_step_latency: 1.0e-05     # optional: a ring all-reduce step's latency
+    resume: {after: 3.7e-04, cost: 6.0e-04}  # optional: a rank that slept through a wait
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
 route. A machine has at most ``MAX_DEVICES`` devices (routes grow with the square of the
@@ -75,6 +76,19 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """What a rank pays for having slept through a wait: a device that waited longer
+    than ``after`` seconds for a task's inputs (a message, a ring's slowest member) runs
+    its next compute task ``cost`` seconds longer. CPU ranks that outnumber their cores
+    nap and then sleep while they wait, and come back to cold caches and a core another
+    rank has had: GPT-2's first op after such a hand-off runs 6-8x its time on 4 ranks of
+    a 2-core VM, 0.4-0.9 ms a hand-off in all (docs/benchmarks.md)."""
+
+    after: float
+    cost: float
+
+
+@dataclass(frozen=True)
 class Machine:
     """``transfers_use_compute``: a transfer also holds the sending and the receiving
     device, as on CPU ranks, whose cores copy every message themselves; GPUs have copy
@@ -98,6 +112,9 @@ class Machine:
     both and sums the chunk), which ``machine probe`` measures. None: the route's
     latency.
 
+    ``resume``: what a device pays for having slept through a long wait (``Resume``);
+    None: nothing (GPUs, whose streams do not sleep; ranks that were never measured).
+
     Resources, in the simulator's numbering: devices ``0..D-1``, links ``D..D+L-1``, then
     the shared cores."""
 
@@ -109,6 +126,7 @@ class Machine:
     cores: int = 0
     message_busy: float | None = None
     ring_step_latency: float | None = None
+    resume: Resume | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
@@ -273,7 +291,26 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
     name = str(doc.get("name") or Path(source).stem)
     busy = None if busy is None else float(busy)
     ring = None if ring is None else float(ring)
-    return Machine(name, tuple(devices), tuple(links), routes, use_compute, cores, busy, ring)
+    resume = _resume(doc.get("resume"), source)
+    return Machine(
+        name, tuple(devices), tuple(links), routes, use_compute, cores, busy, ring, resume
+    )
+
+
+def _resume(doc, source: str) -> Resume | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, Mapping) or set(doc) != {"after", "cost"}:
+        raise MachineError(
+            f"{source}: resume: must be a mapping of after and cost (seconds), got {doc!r}"
+        )
+    for key in ("after", "cost"):
+        if not _nonnegative(doc[key]):
+            raise MachineError(
+                f"{source}: resume.{key}: must be a finite number >= 0 (seconds), got "
+                + repr(doc[key])
+            )
+    return Resume(float(doc["after"]), float(doc["cost"]))
 
 
 def machine_to_dict(m: Machine) -> dict:
@@ -301,6 +338,11 @@ def machine_to_dict(m: Machine) -> dict:
         **({"cores": m.cores} if m.cores else {}),
         **({"message_busy": m.message_busy} if m.message_busy is not None else {}),
         **({"ring_step_latency": m.ring_step_latency} if m.ring_step_latency is not None else {}),
+        **(
+            {"resume": {"after": m.resume.after, "cost": m.resume.cost}}
+            if m.resume is not None
+            else {}
+        ),
     }
 
 

@@ -53,6 +53,7 @@ from onnx2soap.sim.memory import (
     total,
 )
 from onnx2soap.sim.pipeline_schedule import PipelineTiming, StageTimes, time_pipeline
+from onnx2soap.sim.simulate import wakes_of
 from onnx2soap.sim.taskgraph import Layout, TaskGraph
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.pipeline import (
@@ -98,13 +99,16 @@ class PipelinePrice:
 def makespans(tg: TaskGraph, label: np.ndarray, count: int) -> list[float]:
     """Per class ``0..count-1``, the makespan of its tasks alone (``label`` per task, -1
     for none): ``simulate``'s pass with every predecessor and resource turn outside the
-    task's class left out."""
+    task's class left out (a resume, ``simulate.Wakes``, counts waits within the class:
+    ``time_pipeline`` counts those between passes)."""
     n = tg.size
     duration, lab = tg.duration.tolist(), label.tolist()
     res_ptr, res_idx = tg.res_ptr.tolist(), tg.res_idx.tolist()
     pred_ptr, pred_idx = tg.pred_ptr.tolist(), tg.pred_idx.tolist()
     end = [0.0] * n
     free = [[0.0] * tg.num_resources for _ in range(count)]
+    wakes = [wakes_of(tg) for _ in range(count)]
+    kind = tg.kind.tolist()
     span = [0.0] * count
     for i in range(n):
         c = lab[i]
@@ -114,12 +118,14 @@ def makespans(tg: TaskGraph, label: np.ndarray, count: int) -> list[float]:
         for p in pred_idx[pred_ptr[i] : pred_ptr[i + 1]]:
             if lab[p] == c and end[p] > s:
                 s = end[p]
-        turn = free[c]
+        ready, turn = s, free[c]
         resources = res_idx[res_ptr[i] : res_ptr[i + 1]]
         for r in resources:
             if turn[r] > s:
                 s = turn[r]
         e = s + duration[i]
+        if (w := wakes[c]) is not None and (x := w.extra(ready, kind[i], resources, turn)):
+            e += x
         end[i] = e
         for r in resources:
             turn[r] = e
@@ -172,7 +178,7 @@ def price_time(
         f, b, sf, sb = spans[s * CLASSES : (s + 1) * CLASSES]
         tail = max(0.0, with_tail[s] - b)
         times.append(StageTimes(f, b, sf, sb, tail))
-    timing = time_pipeline(tuple(times), pipeline.microbatches, pipeline.schedule)
+    timing = time_pipeline(tuple(times), pipeline.microbatches, pipeline.schedule, tg.resume)
     tails = first[slot_of_task] < 0  # the weights' and updates' slots
     per_microbatch = int(tg.nbytes[~tails].sum())
     moved = pipeline.microbatches * per_microbatch + int(tg.nbytes[tails].sum())

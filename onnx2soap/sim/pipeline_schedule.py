@@ -8,7 +8,8 @@ stages go one at a time in each direction (the link is shared by the microbatche
 overlap with compute. After its last pass a stage pays its tail: the gradient sync over
 its replicas and the update, once per step. The step ends when the last stage's tail
 does; the bubble is the part of the step a stage spends neither computing nor in its
-tail.
+tail. On a machine with a resume cost (``Machine.resume``), a pass that waited past
+``resume.after`` for its input runs ``resume.cost`` longer (its ranks slept).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onnx2soap.errors import PlanError
+from onnx2soap.sim.machine import Resume
 from onnx2soap.soap.pipeline import Pass, Schedule, StagePass, held_at_most, stage_order
 
 
@@ -54,7 +56,10 @@ class PipelineTiming:
 
 
 def time_pipeline(
-    stages: tuple[StageTimes, ...], microbatches: int, schedule: Schedule
+    stages: tuple[StageTimes, ...],
+    microbatches: int,
+    schedule: Schedule,
+    resume: Resume | None = None,
 ) -> PipelineTiming:
     count = len(stages)
     orders = [stage_order(schedule, s, count, microbatches) for s in range(count)]
@@ -74,6 +79,8 @@ def time_pipeline(
                 end = start + (
                     stages[s].forward_s if step.kind is Pass.FORWARD else stages[s].backward_s
                 )
+                if resume is not None and ready - stage_free[s] > resume.after:
+                    end += resume.cost
                 ends[(s, step)] = stage_free[s] = end
                 timed.append(TimedPass(s, step, start, end))
                 _send(s, step, end, stages, count, link_free, arrivals)

@@ -4,7 +4,9 @@ Tasks are numbered in that order (``taskgraph.py``) and every predecessor of a t
 numbered below it, so one pass in task order is the schedule: a task starts when its
 predecessors have ended and every resource it holds has ended the task before it in the
 order, and holds them until it ends. The makespan is one step. ``run_task`` is the one
-formula, shared with delta simulation so that both give bit-identical times.
+formula, shared with delta simulation so that both give bit-identical times; on machines
+with a resume cost (``Machine.resume``), ``Wakes`` adds it to a task's end, the same way
+in both.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx2soap.sim.taskgraph import TaskGraph
+from onnx2soap.sim.machine import Resume
+from onnx2soap.sim.taskgraph import TaskGraph, TaskKind
+
+COMPUTE = frozenset({int(TaskKind.FORWARD), int(TaskKind.BACKWARD), int(TaskKind.UPDATE)})
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,42 @@ def run_task(ready: Iterable[float], resources: Iterable[int], free: list[float]
     return s
 
 
+class Wakes:
+    """Which devices slept through their last wait, over one pass in program order.
+
+    A device waited when a task that holds it could not start, for its predecessors
+    (its inputs, a message, a ring's other members), until more than ``resume.after``
+    after the device's last task ended: the rank slept. Its next compute task (this one,
+    or the one after the receive that ended the wait) runs ``resume.cost`` longer. A wait
+    for a shared core is not a sleep: the rank is runnable, and the simulator's turns
+    on a core stand for the operating system's much longer time slices."""
+
+    __slots__ = ("after", "cost", "devices", "pending")
+
+    def __init__(self, resume: Resume, devices: int, pending: tuple[bool, ...] = ()) -> None:
+        self.after, self.cost, self.devices = resume.after, resume.cost, devices
+        self.pending = list(pending) if pending else [False] * devices
+
+    def extra(self, ready: float, kind: int, resources, free: list[float]) -> float:
+        """The seconds a task that may start at ``ready`` for its predecessors adds for a
+        resume (call before ``free`` takes its end)."""
+        pending = self.pending
+        for r in resources:
+            if r < self.devices and ready - free[r] > self.after:
+                pending[r] = True
+        if kind in COMPUTE and pending[resources[0]]:
+            pending[resources[0]] = False
+            return self.cost
+        return 0.0
+
+    def saved(self) -> tuple[bool, ...]:
+        return tuple(self.pending)
+
+
+def wakes_of(tg: TaskGraph) -> Wakes | None:
+    return None if tg.resume is None else Wakes(tg.resume, tg.devices)
+
+
 def simulate(tg: TaskGraph) -> Timeline:
     n = tg.size
     duration = tg.duration.tolist()
@@ -46,6 +87,7 @@ def simulate(tg: TaskGraph) -> Timeline:
     pred_ptr, pred_idx = tg.pred_ptr.tolist(), tg.pred_idx.tolist()
     start, end = [0.0] * n, [0.0] * n
     free = [0.0] * tg.num_resources
+    wakes, kind = wakes_of(tg), tg.kind.tolist()
     for i in range(n):
         # run_task's formula inlined (a call and a list per task were a third of it)
         s = 0.0
@@ -55,12 +97,15 @@ def simulate(tg: TaskGraph) -> Timeline:
             t = end[p]
             if t > s:
                 s = t
+        ready = s
         resources = res_idx[res_ptr[i] : res_ptr[i + 1]]
         for r in resources:
             t = free[r]
             if t > s:
                 s = t
         e = s + duration[i]
+        if wakes is not None and (x := wakes.extra(ready, kind[i], resources, free)):
+            e += x
         start[i], end[i] = s, e
         for r in resources:
             free[r] = e

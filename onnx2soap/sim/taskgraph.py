@@ -47,7 +47,7 @@ import numpy as np
 from onnx2soap.errors import PlanError
 from onnx2soap.ir import Graph, Op
 from onnx2soap.sim.costs import CostModel
-from onnx2soap.sim.machine import Machine
+from onnx2soap.sim.machine import Machine, Resume
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
 from onnx2soap.soap.collectives import (
     RingStep,
@@ -91,6 +91,9 @@ class TaskGraph:
     pred_idx: np.ndarray
     num_resources: int
     names: tuple[str, ...] = field(default=())  # only when built with names=True
+    # The machine's resume cost (``simulate.Wakes``) and its devices (resources 0..D-1)
+    resume: Resume | None = None
+    devices: int = 0
 
     @property
     def size(self) -> int:
@@ -938,7 +941,7 @@ def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segme
 
 
 def flatten(
-    segments: Sequence[Segment], preds: Sequence[tuple], num_resources: int, names: bool
+    segments: Sequence[Segment], preds: Sequence[tuple], machine: Machine, names: bool
 ) -> TaskGraph:
     offsets = np.zeros(len(segments) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(s.duration) for s in segments])
@@ -957,8 +960,10 @@ def flatten(
         res_idx=np.fromiter(chain.from_iterable(resources), dtype=np.int64),
         pred_ptr=_ptr(flat_preds),
         pred_idx=np.fromiter(chain.from_iterable(flat_preds), dtype=np.int64),
-        num_resources=num_resources,
+        num_resources=machine.resources,
         names=tuple(x for s in segments for x in s.names) if names else (),
+        resume=machine.resume,
+        devices=machine.size,
     )
 
 
@@ -1000,6 +1005,6 @@ def build_with_slots(
     lay = layout(pg.graph)
     builder = SlotBuilder(costs, lay, names, slot_kinds(pg.graph, lay, costs.recompute))
     segments, preds = all_segments(builder, pg)
-    tg = flatten(segments, preds, costs.machine.resources, names)
+    tg = flatten(segments, preds, costs.machine, names)
     sizes = [len(seg.duration) for seg in segments]
     return tg, builder.lay, np.repeat(np.arange(len(segments)), sizes)

@@ -12,7 +12,7 @@ import yaml
 
 from onnx2soap.cli import main as cli
 from onnx2soap.errors import MachineError
-from onnx2soap.sim.machine import dump_machine, load_machine_file, machine_from_dict
+from onnx2soap.sim.machine import Resume, dump_machine, load_machine_file, machine_from_dict
 from onnx2soap.sim.presets import preset, resolve_machine
 
 
@@ -52,7 +52,8 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     shared = replace(preset("cpu:4"), cores=2)
     napping = replace(shared, message_busy=4e-5)
     rings = replace(preset("cpu:2"), ring_step_latency=2.3e-5)
-    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings):
+    slept = replace(napping, resume=Resume(after=3.7e-4, cost=6e-4))
+    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings, slept):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
         assert load_machine_file(path) == m
@@ -104,6 +105,10 @@ def _doc() -> dict:
         (lambda d: d.update(message_busy="soon"), "message_busy"),
         (lambda d: d.update(ring_step_latency=-1e-6), "ring_step_latency"),
         (lambda d: d.update(ring_step_latency=float("nan")), "ring_step_latency"),
+        (lambda d: d.update(resume=6e-4), "resume"),
+        (lambda d: d.update(resume={"cost": 6e-4}), "resume"),
+        (lambda d: d.update(resume={"after": 1e-4, "cost": -1.0}), "resume.cost"),
+        (lambda d: d.update(resume={"after": "soon", "cost": 1e-4}), "resume.after"),
     ],
 )
 def test_bad_machine_file_names_the_field(edit, field: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from onnx2soap.sim import RooflineCost, Simulator
+from onnx2soap.sim.machine import Resume
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.taskgraph import TaskKind
 from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
@@ -182,3 +183,53 @@ def test_shared_cores_are_extra_rows_and_tasks_keep_their_devices(tmp_path) -> N
     assert gantt.rows[-1] == "core0" and len(gantt.rows) == 2 + 1 + len(
         {int(r) for r in tg.res_idx if 2 <= r < 2 + len(shared.links)}
     )
+
+
+def test_a_rank_that_slept_through_a_wait_resumes_slowly(tmp_path) -> None:
+    """``Machine.resume``: the gemm on device 0, the loss on device 1. Device 1 waits
+    for the gemm's [4, 4] tile (256 ns + 66 us) before its loss forward, device 0 for
+    the tile and the gradient (132 us) before its gemm backward: past ``after`` (10 us),
+    each of those two tasks runs ``cost`` (7 us) longer, and nothing else does. With
+    ``after`` at 70 us only device 0's wait passes it; at 140 us none does."""
+    g = tiny_graph(tmp_path)
+    apart = Strategy(2, {"gemm": config(g, "gemm", [0], n=1), "loss": config(g, "loss", [1], n=1)})
+    pg = Partitioner(g).partition(apart)
+    slept = replace(round_machine(2), resume=Resume(after=10 * US, cost=7 * US))
+    sim = Simulator(slept, RooflineCost())
+    assert sim.evaluate(pg).step_time_s - step_time(g, apart, 2) == pytest.approx(14 * US)
+    tg = sim.task_graph(pg, names=True)
+    timeline = simulate(tg)
+    longer = {
+        name: (timeline.end[i] - timeline.start[i]) - tg.duration[i]
+        for i, name in enumerate(tg.names)
+    }
+    assert {n for n, x in longer.items() if x > 1e-12} == {"fwd loss[0]", "bwd gemm[0]"}
+    assert longer["fwd loss[0]"] == pytest.approx(7 * US)
+    for after, extra in ((70 * US, 7 * US), (140 * US, 0.0)):
+        calm = replace(slept, resume=Resume(after=after, cost=7 * US))
+        took = Simulator(calm, RooflineCost()).evaluate(pg).step_time_s
+        assert took - step_time(g, apart, 2) == pytest.approx(extra, abs=1e-15)
+
+
+def test_a_wait_for_a_shared_core_is_not_a_sleep(tmp_path) -> None:
+    """Two ranks on one core, each op split by samples: device 1's tasks wait for the
+    core while device 0 runs (128 ns and more, past ``after`` at 1 ns), but a runnable
+    rank has not slept; only the updates, which wait 132 us for the ring, pay ``cost``
+    (the second in the core's turn after the first)."""
+    g = tiny_graph(tmp_path)
+    s = Strategy(
+        2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0, 1], n=2)}
+    )
+    shared = replace(round_machine(2), cores=1)
+    slept = replace(shared, resume=Resume(after=1 * NS, cost=5 * US))
+    pg = Partitioner(g).partition(s)
+    tg = Simulator(slept, RooflineCost()).task_graph(pg, names=True)
+    timeline = simulate(tg)
+    longer = {
+        name
+        for i, name in enumerate(tg.names)
+        if timeline.end[i] - timeline.start[i] - tg.duration[i] > 1e-12
+    }
+    assert longer == {"update W"}  # both devices' (one name)
+    plain = Simulator(shared, RooflineCost()).evaluate(pg).step_time_s
+    assert simulate(tg).makespan - plain == pytest.approx(2 * 5 * US, rel=1e-9)

@@ -22,6 +22,7 @@ from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import Rule, by_rule
 from onnx2soap.sim import RooflineCost, make_simulator
+from onnx2soap.sim.machine import Resume
 from onnx2soap.sim.memory import peak_memory
 from onnx2soap.sim.pipeline_price import makespans
 from onnx2soap.sim.presets import cpu
@@ -198,10 +199,14 @@ def _cnn_data_parallel(example_onnx: Path, devices: int):
 
 
 @pytest.mark.parametrize("schedule", list(Schedule))
-def test_one_stage_one_microbatch_is_the_plain_step(tmp_path, example_onnx, schedule) -> None:
+@pytest.mark.parametrize("resume", [None, Resume(after=1e-6, cost=3e-6)])
+def test_one_stage_one_microbatch_is_the_plain_step(
+    tmp_path, example_onnx, schedule, resume
+) -> None:
     """A pipeline of one stage and one microbatch is the plain step: the same time (to
-    rounding: its passes are timed apart and added), memory and bytes."""
-    machine = round_machine(4)
+    rounding: its passes are timed apart and added), memory and bytes; on a machine
+    with a resume cost too (each pass counts the waits inside it)."""
+    machine = replace(round_machine(4), resume=resume)
     for pg in (_cnn_data_parallel(example_onnx, 4), _two_stages(_graph(tmp_path))[0]):
         stages = (tuple(op.name for op in pg.graph.ops),)
         pipeline = Pipeline(stages, 1, schedule)
@@ -225,12 +230,16 @@ def test_a_plan_without_pipeline_prices_as_before(example_onnx) -> None:
     assert ev.bytes_moved == int(tg.nbytes.sum()) and ev.pipeline is None
 
 
-def test_one_class_is_the_full_simulation(example_onnx) -> None:
+@pytest.mark.parametrize("resume", [None, Resume(after=1e-6, cost=3e-6)])
+def test_one_class_is_the_full_simulation(example_onnx, resume) -> None:
     """``makespans`` with every task in one class is ``simulate``'s pass."""
     pg = _cnn_data_parallel(example_onnx, 4)
-    tg = build_task_graph(pg, round_machine(4), RooflineCost())
+    tg = build_task_graph(pg, replace(round_machine(4), resume=resume), RooflineCost())
     one = makespans(tg, np.zeros(tg.size, dtype=np.int64), 1)
     assert one == [simulate(tg).makespan]
+    if resume is not None:  # the rings' waits were charged
+        plain = build_task_graph(pg, round_machine(4), RooflineCost())
+        assert simulate(tg).makespan > simulate(plain).makespan
 
 
 def test_tiny_gemm_stage_alone(tmp_path) -> None:

@@ -2,13 +2,14 @@
 1F1B's pass orders written out, the activations each stage holds (GPipe: every
 microbatch; 1F1B: ``min(S - s, M)``), equal stages' step ``(M + S - 1)(f + b)``
 (Huang et al., GPipe; Narayanan et al., PipeDream-Flush), and a two-stage step with
-moves timed by hand."""
+moves timed by hand, with and without a resume after a long wait."""
 
 from __future__ import annotations
 
 import pytest
 
 from onnx2soap.errors import PlanError
+from onnx2soap.sim.machine import Resume
 from onnx2soap.sim.pipeline_schedule import StageTimes, time_pipeline
 from onnx2soap.soap.pipeline import Schedule, held_at_most, stage_order
 
@@ -90,3 +91,25 @@ def test_a_slow_stage_sets_the_pace() -> None:
 def test_an_empty_pipeline_is_refused(stages: int, microbatches: int) -> None:
     with pytest.raises(PlanError, match="at least one"):
         stage_order(Schedule.GPIPE, 0, stages, microbatches)
+
+
+def test_a_stage_that_slept_through_its_wait_resumes_slowly() -> None:
+    """``Machine.resume`` (0.1 s past a wait of over 0.4 s) on the GPipe step above:
+    stage 1's F0 waited 1.5 s for its input (2.6 s, not 2.5), stage 0's B0 3.1 s for
+    its gradient (5.1-6.2); F1 and B1 found their input ready or waited 0.1 s at most,
+    and pay nothing. Stage 1 ends at 5.6 + its 2 s tail: the step is 7.6 s."""
+    first = StageTimes(1.0, 1.0, send_forward_s=0.5, send_backward_s=0.5, tail_s=0.25)
+    last = StageTimes(1.0, 1.0, tail_s=2.0)
+    timing = time_pipeline((first, last), 2, Schedule.GPIPE, Resume(after=0.4, cost=0.1))
+    spans = {
+        (t.stage, str(t.step)): (round(t.start_s, 9), round(t.end_s, 9)) for t in timing.passes
+    }
+    assert spans == {
+        (0, "F0"): (0, 1), (0, "F1"): (1, 2), (0, "B0"): (5.1, 6.2), (0, "B1"): (6.2, 7.2),
+        (1, "F0"): (1.5, 2.6), (1, "F1"): (2.6, 3.6), (1, "B0"): (3.6, 4.6),
+        (1, "B1"): (4.6, 5.6),
+    }  # fmt: skip
+    assert timing.step_s == pytest.approx(7.6)
+    # Waits that never pass ``after`` cost nothing.
+    calm = time_pipeline((first, last), 2, Schedule.GPIPE, Resume(after=3.5, cost=0.1))
+    assert calm.step_s == pytest.approx(7.5)
