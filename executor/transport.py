@@ -95,6 +95,9 @@ NAP_S = 50e-6
 # ever, since rings that wake a rank early also take the core from the rank they wake it
 # on (data parallelism on 4 ranks on 2 cores: 15 % slower ringing from the first nap).
 NAPS_BEFORE_BELL = 4
+# The least wait after which a napping rank sleeps on its bell: its core goes to other
+# ranks, and it comes back slowly (``Machine.resume``, ``measure/probe_resume.py``).
+SLEEPS_AFTER_S = NAPS_BEFORE_BELL * NAP_S
 
 
 _PR_SET_TIMERSLACK = 29  # <linux/prctl.h>

@@ -11,7 +11,10 @@ the latency from what a message adds to a step of the executor's runtime
 (``probe_messages.py``: its instructions and their dispatch included, 5-25 us on a
 2-core VM, where bare MPI takes about 1 us and the transport's calls alone 2 us); and
 the latency of a ring all-reduce's step from what rings add to a data-parallel step
-of the runtime (``Machine.ring_step_latency``: about twice a message's there).
+of the runtime (``Machine.ring_step_latency``: about twice a message's there); and
+what a rank pays for having slept through a long wait, from what handing a chain of
+matrix products from rank to rank adds to its step beyond its messages
+(``probe_resume.py``, ``Machine.resume``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 from onnx2soap.files import write_atomic
 from onnx2soap.measure.probe_messages import ROUNDS, message_costs, ring_step_seconds
+from onnx2soap.measure.probe_resume import PAIRS, resume_cost
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
 
@@ -153,7 +157,7 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     """Measure and return the machine file's YAML (on every rank). Where ranks share
     cores, only one rank per core measures the compute rates (the simulator gives a
     shared core's devices their turns, each at a core's own rate)."""
-    from executor.transport import nap_precisely, wait_patiently
+    from executor.transport import SLEEPS_AFTER_S, nap_precisely, wait_patiently
 
     cores = _shared_cores(comm)
     if cores:  # the ranks wait as the executor's do
@@ -180,7 +184,12 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     # Ranks that nap while they wait give their core away for part of a message; ranks
     # that spin hold it throughout (the machine's default).
     busy = min(links.busy, links.latency) if cores else None
-    return dump_machine(replace(machine, cores=cores, message_busy=busy, ring_step_latency=ring))
+    machine = replace(machine, cores=cores, message_busy=busy, ring_step_latency=ring)
+    if ranks > 1:
+        pairs = max(8, round(PAIRS * seconds / DEFAULT_SECONDS))
+        resume = resume_cost(comm, machine, SLEEPS_AFTER_S, bool(cores), pairs)
+        machine = replace(machine, resume=comm.bcast(resume, root=0))
+    return dump_machine(machine)
 
 
 def main() -> int:
