@@ -62,8 +62,8 @@ class DeltaState:
     preds: list[tuple]
     ends: list[Sequence[float]]  # per slot: its tasks' end times
     # per checkpointed slot: every resource's last end before it, the latest end, and
-    # which devices owe a resume (``simulate.Wakes``; empty on machines without one)
-    checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[bool, ...]]]
+    # what each device owes for a resume (``simulate.Wakes``; empty on machines without)
+    checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[float, ...]]]
     makespan: float
     moved: list[int]  # per slot: bytes moved
     bytes_moved: int
@@ -297,17 +297,17 @@ class DeltaSimulator:
         resume, devices = self.machine.resume, self.machine.size
         if base is None:
             ends, moved = [()] * size, [0] * size
-            checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[bool, ...]]] = {}
-            first, free, last, pending = 0, [0.0] * self.num_resources, 0.0, ()
+            checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[float, ...]]] = {}
+            first, free, last, owed = 0, [0.0] * self.num_resources, 0.0, ()
         else:
             ends, moved = list(base.ends), list(base.moved)
             checkpoints = dict(base.checkpoints)
             # Re-running slots between the checkpoint and the first dirty one repeats
             # their times exactly (same inputs, same operations).
             first = self.entries[bisect_right(self.entries, min(dirty)) - 1]
-            saved, last, pending = checkpoints[first]
+            saved, last, owed = checkpoints[first]
             free = list(saved)
-        wakes = None if resume is None else Wakes(resume, devices, pending)
+        wakes = None if resume is None else Wakes(resume, devices, owed)
         for s in dirty:
             moved[s] = sum(segments[s].nbytes)
         entries = self.entry_set
@@ -335,7 +335,7 @@ class DeltaSimulator:
                     if t > s:
                         s = t
                 e = s + d
-                if wakes is not None and (x := wakes.extra(ready, kind, resources, free)):
+                if wakes is not None and (x := wakes.extra(ready, kind, d, resources, free)):
                     e += x
                 cur.append(e)
                 for r in resources:

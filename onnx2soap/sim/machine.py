@@ -20,7 +20,7 @@ Machine file (YAML)::
     cores: 0                       # > 0: the devices share so many cores (CPU ranks)
     message_busy: 4.5e-05          # optional: of a message's latency, what holds its ends
     ring_step_latency: 1.0e-05     # optional: a ring all-reduce step's latency
-    resume: {after: 3.7e-04, cost: 6.0e-04}  # optional: a rank that slept through a wait
+    resume: {after: 2.0e-04, cost: 6.0e-04, slowdown: 6.0}  # optional: a rank that slept
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
 route. A machine has at most ``MAX_DEVICES`` devices (routes grow with the square of the
@@ -42,6 +42,7 @@ from onnx2soap.errors import MachineError
 from onnx2soap.soap.plan import MAX_DEVICES
 
 MAX_MACHINE_FILE_BYTES = 256 << 20
+RESUME_KEYS = frozenset({"after", "cost", "slowdown"})
 
 
 class _MachineLoader(yaml.SafeLoader):
@@ -78,14 +79,19 @@ class Link:
 @dataclass(frozen=True)
 class Resume:
     """What a rank pays for having slept through a wait: a device that waited longer
-    than ``after`` seconds for a task's inputs (a message, a ring's slowest member) runs
-    its next compute task ``cost`` seconds longer. CPU ranks that outnumber their cores
-    nap and then sleep while they wait, and come back to cold caches and a core another
-    rank has had: GPT-2's first op after such a hand-off runs 6-8x its time on 4 ranks of
-    a 2-core VM, 0.4-0.9 ms a hand-off in all (docs/benchmarks.md)."""
+    than ``after`` seconds for a task's inputs (a message, a ring's slowest member) owes
+    ``cost`` seconds, which its next compute tasks pay, each at most ``slowdown`` times
+    its own duration, until it is paid or the device waits again (a new wait owes
+    ``cost`` afresh, the rest forgotten). CPU ranks that outnumber their cores nap and
+    then sleep while they wait, and come back to cold caches and a core another rank
+    has had: on 4 ranks of a 2-core VM, GPT-2's first op after such a hand-off ran 6-8x
+    its time and the next few dozen 1.2-1.6x, 0.4-0.9 ms a hand-off in all, where a
+    rank that runs one small op between messages pays a few times that op
+    (docs/benchmarks.md)."""
 
     after: float
     cost: float
+    slowdown: float = 6.0
 
 
 @dataclass(frozen=True)
@@ -300,17 +306,17 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
 def _resume(doc, source: str) -> Resume | None:
     if doc is None:
         return None
-    if not isinstance(doc, Mapping) or set(doc) != {"after", "cost"}:
+    if not isinstance(doc, Mapping) or not {"after", "cost"} <= set(doc) <= RESUME_KEYS:
         raise MachineError(
-            f"{source}: resume: must be a mapping of after and cost (seconds), got {doc!r}"
+            f"{source}: resume: must be a mapping of after and cost (seconds) and optionally "
+            f"slowdown, got {doc!r}"
         )
-    for key in ("after", "cost"):
+    for key in doc:
         if not _nonnegative(doc[key]):
             raise MachineError(
-                f"{source}: resume.{key}: must be a finite number >= 0 (seconds), got "
-                + repr(doc[key])
+                f"{source}: resume.{key}: must be a finite number >= 0, got " + repr(doc[key])
             )
-    return Resume(float(doc["after"]), float(doc["cost"]))
+    return Resume(float(doc["after"]), float(doc["cost"]), float(doc.get("slowdown", 6.0)))
 
 
 def machine_to_dict(m: Machine) -> dict:
@@ -339,7 +345,13 @@ def machine_to_dict(m: Machine) -> dict:
         **({"message_busy": m.message_busy} if m.message_busy is not None else {}),
         **({"ring_step_latency": m.ring_step_latency} if m.ring_step_latency is not None else {}),
         **(
-            {"resume": {"after": m.resume.after, "cost": m.resume.cost}}
+            {
+                "resume": {
+                    "after": m.resume.after,
+                    "cost": m.resume.cost,
+                    "slowdown": m.resume.slowdown,
+                }
+            }
             if m.resume is not None
             else {}
         ),

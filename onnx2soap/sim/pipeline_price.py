@@ -124,7 +124,9 @@ def makespans(tg: TaskGraph, label: np.ndarray, count: int) -> list[float]:
             if turn[r] > s:
                 s = turn[r]
         e = s + duration[i]
-        if (w := wakes[c]) is not None and (x := w.extra(ready, kind[i], resources, turn)):
+        if (w := wakes[c]) is not None and (
+            x := w.extra(ready, kind[i], duration[i], resources, turn)
+        ):
             e += x
         end[i] = e
         for r in resources:

@@ -9,7 +9,8 @@ overlap with compute. After its last pass a stage pays its tail: the gradient sy
 its replicas and the update, once per step. The step ends when the last stage's tail
 does; the bubble is the part of the step a stage spends neither computing nor in its
 tail. On a machine with a resume cost (``Machine.resume``), a pass that waited past
-``resume.after`` for its input runs ``resume.cost`` longer (its ranks slept).
+``resume.after`` for its input runs ``resume.cost`` longer (its ranks slept; at most
+``resume.slowdown`` times the pass).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def time_pipeline(
                     stages[s].forward_s if step.kind is Pass.FORWARD else stages[s].backward_s
                 )
                 if resume is not None and ready - stage_free[s] > resume.after:
-                    end += resume.cost
+                    end += min(resume.cost, resume.slowdown * (end - start))
                 ends[(s, step)] = stage_free[s] = end
                 timed.append(TimedPass(s, step, start, end))
                 _send(s, step, end, stages, count, link_free, arrivals)

@@ -45,35 +45,40 @@ def run_task(ready: Iterable[float], resources: Iterable[int], free: list[float]
 
 
 class Wakes:
-    """Which devices slept through their last wait, over one pass in program order.
+    """What each device owes for having slept through its last wait, over one pass in
+    program order (``Machine.resume``).
 
     A device waited when a task that holds it could not start, for its predecessors
     (its inputs, a message, a ring's other members), until more than ``resume.after``
-    after the device's last task ended: the rank slept. Its next compute task (this one,
-    or the one after the receive that ended the wait) runs ``resume.cost`` longer. A wait
-    for a shared core is not a sleep: the rank is runnable, and the simulator's turns
-    on a core stand for the operating system's much longer time slices."""
+    after the device's last task ended: the rank slept, and owes ``resume.cost`` (what
+    it owed before is forgotten). Its next compute tasks pay it, each at most
+    ``resume.slowdown`` times its own duration: a rank that runs a stage after a
+    hand-off pays it all, one that runs a small op between messages a little each
+    time. A wait for a shared core is not a sleep: the rank is runnable, and the
+    simulator's turns on a core stand for the operating system's longer time slices."""
 
-    __slots__ = ("after", "cost", "devices", "pending")
+    __slots__ = ("after", "cost", "devices", "owed", "slowdown")
 
-    def __init__(self, resume: Resume, devices: int, pending: tuple[bool, ...] = ()) -> None:
-        self.after, self.cost, self.devices = resume.after, resume.cost, devices
-        self.pending = list(pending) if pending else [False] * devices
+    def __init__(self, resume: Resume, devices: int, owed: tuple[float, ...] = ()) -> None:
+        self.after, self.cost, self.slowdown = resume.after, resume.cost, resume.slowdown
+        self.devices = devices
+        self.owed = list(owed) if owed else [0.0] * devices
 
-    def extra(self, ready: float, kind: int, resources, free: list[float]) -> float:
-        """The seconds a task that may start at ``ready`` for its predecessors adds for a
-        resume (call before ``free`` takes its end)."""
-        pending = self.pending
+    def extra(self, ready: float, kind: int, seconds: float, resources, free) -> float:
+        """The seconds a task of ``seconds`` that may start at ``ready`` for its
+        predecessors adds for a resume (call before ``free`` takes its end)."""
+        owed = self.owed
         for r in resources:
             if r < self.devices and ready - free[r] > self.after:
-                pending[r] = True
-        if kind in COMPUTE and pending[resources[0]]:
-            pending[resources[0]] = False
-            return self.cost
+                owed[r] = self.cost
+        if kind in COMPUTE and (due := owed[resources[0]]) > 0:
+            paid = min(due, self.slowdown * seconds)
+            owed[resources[0]] = due - paid
+            return paid
         return 0.0
 
-    def saved(self) -> tuple[bool, ...]:
-        return tuple(self.pending)
+    def saved(self) -> tuple[float, ...]:
+        return tuple(self.owed)
 
 
 def wakes_of(tg: TaskGraph) -> Wakes | None:
@@ -104,7 +109,7 @@ def simulate(tg: TaskGraph) -> Timeline:
             if t > s:
                 s = t
         e = s + duration[i]
-        if wakes is not None and (x := wakes.extra(ready, kind[i], resources, free)):
+        if wakes is not None and (x := wakes.extra(ready, kind[i], duration[i], resources, free)):
             e += x
         start[i], end[i] = s, e
         for r in resources:

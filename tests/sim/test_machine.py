@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from executor.transport import SLEEPS_AFTER_S
 from onnx2soap.cli import main as cli
 from onnx2soap.errors import MachineError
 from onnx2soap.sim.machine import Resume, dump_machine, load_machine_file, machine_from_dict
@@ -164,6 +165,9 @@ def test_probe_measures_this_host(tmp_path: Path) -> None:
     assert (m.message_busy is None) == (m.cores == 0)
     # Measured on the runtime's own rings, as the messages are.
     assert m.ring_step_latency is not None and 0 <= m.ring_step_latency < 1e-2
+    # And what a rank that slept through a wait pays: past the transport's naps.
+    assert m.resume is not None and m.resume.after == SLEEPS_AFTER_S
+    assert 0 <= m.resume.cost < 1e-2
 
 
 @pytest.mark.mpi
@@ -176,3 +180,4 @@ def test_probe_says_which_cores_ranks_share(tmp_path: Path) -> None:
     assert m.size == ranks and m.cores == os.cpu_count() and m.shares_cores
     # Napping ranks: a message holds its ends for part of its latency (two links').
     assert 0 < m.message_busy <= 2 * m.links[0].latency
+    assert m.resume is not None and 0 <= m.resume.cost < 1e-2

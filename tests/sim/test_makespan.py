@@ -189,12 +189,15 @@ def test_a_rank_that_slept_through_a_wait_resumes_slowly(tmp_path) -> None:
     """``Machine.resume``: the gemm on device 0, the loss on device 1. Device 1 waits
     for the gemm's [4, 4] tile (256 ns + 66 us) before its loss forward, device 0 for
     the tile and the gradient (132 us) before its gemm backward: past ``after`` (10 us),
-    each of those two tasks runs ``cost`` (7 us) longer, and nothing else does. With
-    ``after`` at 70 us only device 0's wait passes it; at 140 us none does."""
+    each of those two tasks runs ``cost`` (7 us) longer, and nothing else does
+    (``slowdown`` unbounded: the first task pays it all). With ``after`` at 70 us only
+    device 0's wait passes it; at 140 us none does. At a slowdown of 6 each compute
+    task pays at most 6 times its duration: device 1's loss forward 6 x 64 ns and
+    backward 6 x 128, device 0's gemm backward 6 x 512 and update 6 x 64: 4.608 us."""
     g = tiny_graph(tmp_path)
     apart = Strategy(2, {"gemm": config(g, "gemm", [0], n=1), "loss": config(g, "loss", [1], n=1)})
     pg = Partitioner(g).partition(apart)
-    slept = replace(round_machine(2), resume=Resume(after=10 * US, cost=7 * US))
+    slept = replace(round_machine(2), resume=Resume(after=10 * US, cost=7 * US, slowdown=1e9))
     sim = Simulator(slept, RooflineCost())
     assert sim.evaluate(pg).step_time_s - step_time(g, apart, 2) == pytest.approx(14 * US)
     tg = sim.task_graph(pg, names=True)
@@ -206,9 +209,12 @@ def test_a_rank_that_slept_through_a_wait_resumes_slowly(tmp_path) -> None:
     assert {n for n, x in longer.items() if x > 1e-12} == {"fwd loss[0]", "bwd gemm[0]"}
     assert longer["fwd loss[0]"] == pytest.approx(7 * US)
     for after, extra in ((70 * US, 7 * US), (140 * US, 0.0)):
-        calm = replace(slept, resume=Resume(after=after, cost=7 * US))
+        calm = replace(slept, resume=Resume(after=after, cost=7 * US, slowdown=1e9))
         took = Simulator(calm, RooflineCost()).evaluate(pg).step_time_s
         assert took - step_time(g, apart, 2) == pytest.approx(extra, abs=1e-15)
+    paced = replace(slept, resume=Resume(after=10 * US, cost=7 * US, slowdown=6))
+    took = Simulator(paced, RooflineCost()).evaluate(pg).step_time_s
+    assert took - step_time(g, apart, 2) == pytest.approx(4.608 * US, rel=1e-9)
 
 
 def test_a_wait_for_a_shared_core_is_not_a_sleep(tmp_path) -> None:
@@ -221,7 +227,7 @@ def test_a_wait_for_a_shared_core_is_not_a_sleep(tmp_path) -> None:
         2, {"gemm": config(g, "gemm", [0, 1], n=2), "loss": config(g, "loss", [0, 1], n=2)}
     )
     shared = replace(round_machine(2), cores=1)
-    slept = replace(shared, resume=Resume(after=1 * NS, cost=5 * US))
+    slept = replace(shared, resume=Resume(after=1 * NS, cost=5 * US, slowdown=1e9))
     pg = Partitioner(g).partition(s)
     tg = Simulator(slept, RooflineCost()).task_graph(pg, names=True)
     timeline = simulate(tg)
