@@ -167,10 +167,16 @@ def task_repeats(
 
 
 def price_time(
-    tg: TaskGraph, lay: Layout, slot_of_task: np.ndarray, pipeline: Pipeline, stage: list[int]
+    tg: TaskGraph,
+    lay: Layout,
+    slot_of_task: np.ndarray,
+    pipeline: Pipeline,
+    stage: list[int],
+    devices: tuple[tuple[int, ...], ...] = (),
 ) -> tuple[tuple[StageTimes, ...], PipelineTiming, int]:
     """Each stage's times, the schedule's timing, and the bytes moved in a step (every
-    microbatch's transfers and in-pass rings, the tails' rings once)."""
+    microbatch's transfers and in-pass rings, the tails' rings once); ``devices``: each
+    stage's, whose shared cores (``TaskGraph.turns``) its passes hold."""
     count = len(pipeline.stages)
     first, second = slot_labels(lay, stage)
     spans = makespans(tg, first[slot_of_task], count * CLASSES)
@@ -180,7 +186,10 @@ def price_time(
         f, b, sf, sb = spans[s * CLASSES : (s + 1) * CLASSES]
         tail = max(0.0, with_tail[s] - b)
         times.append(StageTimes(f, b, sf, sb, tail))
-    timing = time_pipeline(tuple(times), pipeline.microbatches, pipeline.schedule, tg.resume)
+    cores = None
+    if tg.turns is not None and devices:
+        cores = tuple(frozenset(tg.turns[d] for d in devs) for devs in devices)
+    timing = time_pipeline(tuple(times), pipeline.microbatches, pipeline.schedule, tg.resume, cores)
     tails = first[slot_of_task] < 0  # the weights' and updates' slots
     per_microbatch = int(tg.nbytes[~tails].sum())
     moved = pipeline.microbatches * per_microbatch + int(tg.nbytes[tails].sum())
@@ -412,14 +421,13 @@ def price_pipeline(
     runtime's Python objects count, as ``peak_memory`` counts them)."""
     stage_of = pipeline.stage_of()
     stage = [stage_of[op.name] for op in pg.graph.ops]
-    times, timing, moved = price_time(tg, lay, slot_of_task, pipeline, stage)
-    peak, held = price_memory(pg, pipeline, plain_memory, memory, itemsize, objects)
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
+    devices = stage_devices(pipeline, configs)
+    times, timing, moved = price_time(tg, lay, slot_of_task, pipeline, stage, devices)
+    peak, held = price_memory(pg, pipeline, plain_memory, memory, itemsize, objects)
     stages = tuple(
         StageReport(devs, t, h, bubble)
-        for devs, t, h, bubble in zip(
-            stage_devices(pipeline, configs), times, held, timing.bubble, strict=True
-        )
+        for devs, t, h, bubble in zip(devices, times, held, timing.bubble, strict=True)
     )
     report = PipelineEvaluation(pipeline.schedule.value, pipeline.microbatches, stages)
     return PipelinePrice(timing.step_s, moved, peak, report)

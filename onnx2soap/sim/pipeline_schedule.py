@@ -10,7 +10,9 @@ its replicas and the update, once per step. The step ends when the last stage's 
 does; the bubble is the part of the step a stage spends neither computing nor in its
 tail. On a machine with a resume cost (``Machine.resume``), a pass that waited past
 ``resume.after`` for its input runs ``resume.cost`` longer (its ranks slept; at most
-``resume.slowdown`` times the pass).
+``resume.slowdown`` times the pass). Where CPU ranks share cores, a pass holds the
+cores its stage's ranks run on (``cores``): two stages on the same cores take turns,
+as the operating system gives them the cores, instead of running at once.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def time_pipeline(
     microbatches: int,
     schedule: Schedule,
     resume: Resume | None = None,
+    cores: tuple[frozenset[int], ...] | None = None,
 ) -> PipelineTiming:
     count = len(stages)
     orders = [stage_order(schedule, s, count, microbatches) for s in range(count)]
@@ -68,6 +71,8 @@ def time_pipeline(
     arrivals: dict[tuple[int, StagePass], float] = {}  # when a pass's input reached it
     link_free = {Pass.FORWARD: [0.0] * count, Pass.BACKWARD: [0.0] * count}
     stage_free, cursor, timed = [0.0] * count, [0] * count, []
+    on_cores = cores or (frozenset(),) * count
+    core_free = dict.fromkeys(set().union(*on_cores), 0.0)
     while any(cursor[s] < len(orders[s]) for s in range(count)):
         progressed = False
         for s in range(count):
@@ -76,13 +81,15 @@ def time_pipeline(
                 ready = _input_ready(s, step, count, arrivals, ends)
                 if ready is None:
                     break
-                start = max(ready, stage_free[s])
+                start = max(ready, stage_free[s], *(core_free[c] for c in on_cores[s]))
                 end = start + (
                     stages[s].forward_s if step.kind is Pass.FORWARD else stages[s].backward_s
                 )
                 if resume is not None and ready - stage_free[s] > resume.after:
                     end += min(resume.cost, resume.slowdown * (end - start))
                 ends[(s, step)] = stage_free[s] = end
+                for c in on_cores[s]:
+                    core_free[c] = end
                 timed.append(TimedPass(s, step, start, end))
                 _send(s, step, end, stages, count, link_free, arrivals)
                 cursor[s] += 1

@@ -94,6 +94,7 @@ class TaskGraph:
     # The machine's resume cost (``simulate.Wakes``) and its devices (resources 0..D-1)
     resume: Resume | None = None
     devices: int = 0
+    turns: tuple[int, ...] | None = None  # per device, its shared core's resource
 
     @property
     def size(self) -> int:
@@ -964,6 +965,7 @@ def flatten(
         names=tuple(x for s in segments for x in s.names) if names else (),
         resume=machine.resume,
         devices=machine.size,
+        turns=tuple(machine.core(d) for d in range(machine.size)) if machine.shares_cores else None,
     )
 
 
