@@ -391,6 +391,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--costs", choices=["auto", "profiled", "roofline"], default="profiled")
     p.add_argument("--json", type=Path, help="write every result to this file")
     p.add_argument(
+        "--keep",
+        type=Path,
+        help="keep the machine files, cost databases and plans in this folder (to look "
+        "into a figure afterwards; a plan's file is named MODEL-DEVICE-RANKS-PLAN.json)",
+    )
+    p.add_argument(
         "--models-dir",
         type=Path,
         help="the exported models: used where there, exported into it where not "
@@ -428,7 +434,8 @@ def main(argv=None) -> int:
     names = args.models.split(",")
     table, everything = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+        folder = args.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         models = args.models_dir or folder
         models.mkdir(parents=True, exist_ok=True)
         if args.export_only:
