@@ -73,30 +73,35 @@ class MessageCost:
 
 def chain_model(folder: Path):
     """x [BATCH, WIDTH] -> CHAIN_OPS Relus -> logits (cross-entropy attached)."""
-    from onnx2soap.importer import load_model
-
     names = [f"h{i}" for i in range(CHAIN_OPS)] + ["logits"]
     nodes = [
         helper.make_node("Relu", [a], [b], name=f"relu{i}")
         for i, (a, b) in enumerate(itertools.pairwise(names))
     ]
+    return chain_of(folder, "chain", nodes, WIDTH, BATCH)
+
+
+def chain_of(folder: Path, name: str, nodes, width: int, batch: int, params=(), opset=17):
+    """The model of ``nodes`` from h0 [batch, width] to logits [batch, width]
+    (cross-entropy attached), saved in ``folder`` and imported."""
+    from onnx2soap.importer import load_model
+
     graph = helper.make_graph(
         nodes,
-        "chain",
-        [helper.make_tensor_value_info("h0", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
-        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
+        name,
+        [helper.make_tensor_value_info("h0", onnx.TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", width])],
+        list(params),
     )
-    path = folder / "chain.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return load_model(path, batch=BATCH)
+    path = folder / f"{name}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), path)
+    return load_model(path, batch=batch)
 
 
 def norm_chain_model(folder: Path, ranks: int):
     """x [RING_ROWS per rank, WIDTH] -> CHAIN_OPS BatchNormalizations in training mode ->
     logits (cross-entropy attached)."""
     from onnx import numpy_helper
-
-    from onnx2soap.importer import load_model
 
     names = [f"h{i}" for i in range(CHAIN_OPS)] + ["logits"]
     nodes, params = [], []
@@ -112,16 +117,7 @@ def norm_chain_model(folder: Path, ranks: int):
                 "BatchNormalization", [a, *inputs], outputs, name=f"bn{i}", training_mode=1
             )
         )
-    graph = helper.make_graph(
-        nodes,
-        "norm_chain",
-        [helper.make_tensor_value_info("h0", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
-        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
-        params,
-    )
-    path = folder / "norm_chain.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]), path)
-    return load_model(path, batch=RING_ROWS * ranks)
+    return chain_of(folder, "norm_chain", nodes, WIDTH, RING_ROWS * ranks, params, opset=15)
 
 
 def _plan(graph, devices: int, peer: int):

@@ -34,10 +34,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import helper, numpy_helper
 
-from onnx2soap.measure.probe_messages import BATCH
+from onnx2soap.measure.probe_messages import BATCH, chain_of
 from onnx2soap.sim.machine import Machine, Resume
 
 OPS = 128
@@ -49,8 +48,6 @@ WIDTH = 64  # a 16 KiB weight per op: a small model's layer
 def matmul_chain_model(folder: Path):
     """x [BATCH, WIDTH] -> OPS MatMuls by [WIDTH, WIDTH] weights -> logits (cross-entropy
     attached)."""
-    from onnx2soap.importer import load_model
-
     names = [f"h{i}" for i in range(OPS)] + ["logits"]
     rng = np.random.default_rng(0)
     weights = [
@@ -63,16 +60,7 @@ def matmul_chain_model(folder: Path):
         helper.make_node("MatMul", [a, f"w{i}"], [b], name=f"matmul{i}")
         for i, (a, b) in enumerate(itertools.pairwise(names))
     ]
-    graph = helper.make_graph(
-        nodes,
-        "matmul_chain",
-        [helper.make_tensor_value_info("h0", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
-        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
-        weights,
-    )
-    path = folder / "matmul_chain.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return load_model(path, batch=BATCH)
+    return chain_of(folder, "matmul_chain", nodes, WIDTH, BATCH, weights)
 
 
 def handed_plan(graph, devices: int, handed: bool):
