@@ -189,7 +189,9 @@ def price_time(
     cores = None
     if tg.turns is not None and devices:
         cores = tuple(frozenset(tg.turns[d] for d in devs) for devs in devices)
-    timing = time_pipeline(tuple(times), pipeline.microbatches, pipeline.schedule, tg.resume, cores)
+    timing = time_pipeline(
+        tuple(times), pipeline.microbatches, pipeline.schedule, tg.resume, cores, tg.cores_copy
+    )
     tails = first[slot_of_task] < 0  # the weights' and updates' slots
     per_microbatch = int(tg.nbytes[~tails].sum())
     moved = pipeline.microbatches * per_microbatch + int(tg.nbytes[tails].sum())

@@ -12,7 +12,10 @@ tail. On a machine with a resume cost (``Machine.resume``), a pass that waited p
 ``resume.after`` for its input runs ``resume.cost`` longer (its ranks slept; at most
 ``resume.slowdown`` times the pass). Where CPU ranks share cores, a pass holds the
 cores its stage's ranks run on (``cores``): two stages on the same cores take turns,
-as the operating system gives them the cores, instead of running at once.
+as the operating system gives them the cores, instead of running at once (their tails
+too, in the order their last passes end). Where cores
+copy messages (``cores_copy``: CPU ranks), a move holds its sending stage and its cores
+until it ends, instead of overlapping with the stage's next pass.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def time_pipeline(
     schedule: Schedule,
     resume: Resume | None = None,
     cores: tuple[frozenset[int], ...] | None = None,
+    cores_copy: bool = False,
 ) -> PipelineTiming:
     count = len(stages)
     orders = [stage_order(schedule, s, count, microbatches) for s in range(count)]
@@ -91,12 +95,21 @@ def time_pipeline(
                 for c in on_cores[s]:
                     core_free[c] = end
                 timed.append(TimedPass(s, step, start, end))
-                _send(s, step, end, stages, count, link_free, arrivals)
+                sent = _send(s, step, end, stages, count, link_free, arrivals)
+                if cores_copy and sent is not None:  # the sender's cores copy the move
+                    stage_free[s] = sent
+                    for c in on_cores[s]:
+                        core_free[c] = sent
                 cursor[s] += 1
                 progressed = True
         if not progressed:  # no schedule of soap.pipeline's waits on itself; guard anyway
             raise PlanError(f"the {schedule.value} schedule deadlocks over {count} stages")
-    finish = [stage_free[s] + stages[s].tail_s for s in range(count)]
+    finish = [0.0] * count
+    for s in sorted(range(count), key=lambda s: stage_free[s]):  # tails in turn on cores
+        start = max((stage_free[s], *(core_free[c] for c in on_cores[s])))
+        finish[s] = start + stages[s].tail_s
+        for c in on_cores[s]:
+            core_free[c] = finish[s]
     busy = tuple(microbatches * (t.forward_s + t.backward_s) + t.tail_s for t in stages)
     held = tuple(held_at_most(schedule, s, count, microbatches) for s in range(count))
     return PipelineTiming(max(finish), tuple(timed), held, busy)
@@ -111,15 +124,17 @@ def _input_ready(s, step: StagePass, count: int, arrivals, ends) -> float | None
     return arrivals.get((s, step))
 
 
-def _send(s, step: StagePass, end: float, stages, count: int, link_free, arrivals) -> None:
-    """Move a pass's result to the stage that needs it next, in the link's turn."""
+def _send(s, step: StagePass, end: float, stages, count: int, link_free, arrivals) -> float | None:
+    """Move a pass's result to the stage that needs it next, in the link's turn; when
+    it ends (None: nothing to move)."""
     if step.kind is Pass.FORWARD and s < count - 1:
         to, cost = s + 1, stages[s].send_forward_s
     elif step.kind is Pass.BACKWARD and s > 0:
         to, cost = s - 1, stages[s - 1].send_backward_s
     else:
-        return
+        return None
     links = link_free[step.kind]
     start = max(end, links[min(s, to)])
     links[min(s, to)] = start + cost
     arrivals[(to, step)] = start + cost
+    return start + cost

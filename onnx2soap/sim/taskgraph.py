@@ -95,6 +95,7 @@ class TaskGraph:
     resume: Resume | None = None
     devices: int = 0
     turns: tuple[int, ...] | None = None  # per device, its shared core's resource
+    cores_copy: bool = False  # ``Machine.transfers_use_compute``
 
     @property
     def size(self) -> int:
@@ -966,6 +967,7 @@ def flatten(
         resume=machine.resume,
         devices=machine.size,
         turns=tuple(machine.core(d) for d in range(machine.size)) if machine.shares_cores else None,
+        cores_copy=machine.transfers_use_compute,
     )
 
 

@@ -118,8 +118,9 @@ def test_a_stage_that_slept_through_its_wait_resumes_slowly() -> None:
 def test_stages_on_one_core_take_turns() -> None:
     """Both stages' ranks on core 0: the GPipe step above with every pass in turn.
     Stage 0 runs F0 0-1, F1 1-2; stage 1 F0 2-3, F1 3-4, B0 4-5, B1 5-6; stage 0 B0
-    (its gradient landed at 5.5) 6-7, B1 7-8, and its tail to 8.25 (stage 1's ends at
-    8): the step is 8.25 s, every pass of the 8 after the other."""
+    (its gradient landed at 5.5) 6-7, B1 7-8; then the tails in the order the stages'
+    last passes ended: stage 1's 8-10, stage 0's 10-10.25. The step is 10.25 s: every
+    pass and tail one after the other."""
     first = StageTimes(1.0, 1.0, send_forward_s=0.5, send_backward_s=0.5, tail_s=0.25)
     last = StageTimes(1.0, 1.0, tail_s=2.0)
     one = (frozenset({0}), frozenset({0}))
@@ -129,7 +130,23 @@ def test_stages_on_one_core_take_turns() -> None:
         (0, "F0"): 0, (0, "F1"): 1, (0, "B0"): 6, (0, "B1"): 7,
         (1, "F0"): 2, (1, "F1"): 3, (1, "B0"): 4, (1, "B1"): 5,
     }  # fmt: skip
-    assert timing.step_s == pytest.approx(8.25)
+    assert timing.step_s == pytest.approx(10.25)
     # A core each: as the test above, 7.5 s.
     apart = (frozenset({0}), frozenset({1}))
     assert time_pipeline((first, last), 2, Schedule.GPIPE, cores=apart).step_s == 7.5
+
+
+def test_moves_hold_their_sender_where_cores_copy() -> None:
+    """CPU ranks copy their messages (``cores_copy``): a move holds its sending stage.
+    The GPipe step above: stage 0 sends F0's output 1-1.5 and runs F1 at 1.5 (not 1);
+    stage 1 runs F0 1.5-2.5, F1 when it lands (3), B0 4-5, sends its gradient 5-5.5,
+    B1 5.5-6.5, sends 6.5-7, then its 2 s tail: 9 s. Stage 0's B0 5.5-6.5, B1 7-8."""
+    first = StageTimes(1.0, 1.0, send_forward_s=0.5, send_backward_s=0.5, tail_s=0.25)
+    last = StageTimes(1.0, 1.0, tail_s=2.0)
+    timing = time_pipeline((first, last), 2, Schedule.GPIPE, cores_copy=True)
+    starts = {(t.stage, str(t.step)): t.start_s for t in timing.passes}
+    assert starts == {
+        (0, "F0"): 0, (0, "F1"): 1.5, (0, "B0"): 5.5, (0, "B1"): 7,
+        (1, "F0"): 1.5, (1, "F1"): 3, (1, "B0"): 4, (1, "B1"): 5.5,
+    }  # fmt: skip
+    assert timing.step_s == pytest.approx(9.0)
