@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 
@@ -344,17 +344,7 @@ def machine_to_dict(m: Machine) -> dict:
         **({"cores": m.cores} if m.cores else {}),
         **({"message_busy": m.message_busy} if m.message_busy is not None else {}),
         **({"ring_step_latency": m.ring_step_latency} if m.ring_step_latency is not None else {}),
-        **(
-            {
-                "resume": {
-                    "after": m.resume.after,
-                    "cost": m.resume.cost,
-                    "slowdown": m.resume.slowdown,
-                }
-            }
-            if m.resume is not None
-            else {}
-        ),
+        **({"resume": asdict(m.resume)} if m.resume is not None else {}),
     }
 
 

@@ -13,9 +13,9 @@ tail. On a machine with a resume cost (``Machine.resume``), a pass that waited p
 ``resume.slowdown`` times the pass). Where CPU ranks share cores, a pass holds the
 cores its stage's ranks run on (``cores``): two stages on the same cores take turns,
 as the operating system gives them the cores, instead of running at once (their tails
-too, in the order their last passes end). Where cores
-copy messages (``cores_copy``: CPU ranks), a move holds its sending stage and its cores
-until it ends, instead of overlapping with the stage's next pass.
+too, in the order their last passes end). Where cores copy messages (``cores_copy``:
+CPU ranks), a move holds its sending stage and its cores until it ends, instead of
+overlapping with the stage's next pass.
 """
 
 from __future__ import annotations
