@@ -399,17 +399,9 @@ CHAIN_LENGTH = 128
 
 def _block_plan(graph, devices: int, block: int):
     """Op i on device (i // block) mod devices, each op whole (block 0: all on 0)."""
-    from onnx2soap.soap import Partitioner, Strategy, analyze
-    from onnx2soap.soap.partition import ParallelConfig
+    from onnx2soap.measure.probe_messages import whole_ops_plan
 
-    space = analyze(graph)
-    configs = {
-        op.name: ParallelConfig(
-            (1,) * len(space[op.name]), ((i // block) % devices if block else 0,)
-        )
-        for i, op in enumerate(graph.ops)
-    }
-    return Partitioner(graph).partition(Strategy(devices, configs))
+    return whole_ops_plan(graph, devices, lambda i: (i // block) % devices if block else 0)
 
 
 def _blocks_worker(args: argparse.Namespace) -> None:

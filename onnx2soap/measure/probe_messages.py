@@ -43,6 +43,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,17 +121,22 @@ def norm_chain_model(folder: Path, ranks: int):
     return chain_of(folder, "norm_chain", nodes, WIDTH, RING_ROWS * ranks, params, opset=15)
 
 
-def _plan(graph, devices: int, peer: int):
-    """Every op whole; on rank 0, or (``peer`` > 0) alternating between 0 and ``peer``."""
+def whole_ops_plan(graph, devices: int, device_of: Callable[[int], int]):
+    """Every op whole, op ``i`` on device ``device_of(i)``: the probes' chains."""
     from onnx2soap.soap import Partitioner, Strategy, analyze
     from onnx2soap.soap.partition import ParallelConfig
 
     space = analyze(graph)
     configs = {
-        op.name: ParallelConfig((1,) * len(space[op.name]), (peer if i % 2 else 0,))
+        op.name: ParallelConfig((1,) * len(space[op.name]), (device_of(i),))
         for i, op in enumerate(graph.ops)
     }
     return Partitioner(graph).partition(Strategy(devices, configs))
+
+
+def _plan(graph, devices: int, peer: int):
+    """Every op whole; on rank 0, or (``peer`` > 0) alternating between 0 and ``peer``."""
+    return whole_ops_plan(graph, devices, lambda i: peer if i % 2 else 0)
 
 
 def _data_parallel(graph, devices: int):

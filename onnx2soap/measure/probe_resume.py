@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from onnx import helper, numpy_helper
 
-from onnx2soap.measure.probe_messages import BATCH, chain_of
+from onnx2soap.measure.probe_messages import BATCH, chain_of, whole_ops_plan
 from onnx2soap.sim.machine import Machine, Resume
 
 OPS = 128
@@ -66,17 +66,8 @@ def matmul_chain_model(folder: Path):
 def handed_plan(graph, devices: int, handed: bool):
     """Every op whole; on rank 0, or (``handed``) in contiguous runs of ops, one per rank
     in rank order, as model parallelism splits a model."""
-    from onnx2soap.soap import Partitioner, Strategy, analyze
-    from onnx2soap.soap.partition import ParallelConfig
-
-    space, count = analyze(graph), len(graph.ops)
-    configs = {
-        op.name: ParallelConfig(
-            (1,) * len(space[op.name]), (i * devices // count if handed else 0,)
-        )
-        for i, op in enumerate(graph.ops)
-    }
-    return Partitioner(graph).partition(Strategy(devices, configs))
+    count = len(graph.ops)
+    return whole_ops_plan(graph, devices, lambda i: i * devices // count if handed else 0)
 
 
 def predicted(machine: Machine, pg) -> float:
