@@ -90,6 +90,13 @@ def register(sub) -> None:
         help="search time budget in seconds (with --strategy ilp: the solver's time limit)",
     )
     p.add_argument(
+        "--margin",
+        type=float_in(0, 0.99),
+        help="the simulator's step error on this machine, a fraction (default: the machine "
+        "file's margin, 0 for presets): among plans predicted within it of the fastest, "
+        "the search keeps the one that moves the fewest bytes",
+    )
+    p.add_argument(
         "--max-evals",
         type=int_in(1, MAX_EVALS),
         help="stop after this many proposals evaluated (revisits included): reproducible",
@@ -321,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output)  # before the search, not after it
     spec = machine_spec(args.machine, args.devices)
     machine = resolve_machine(spec)
+    if args.margin is not None:
+        machine = replace(machine, margin=args.margin)
     costs = choose_costs(spec, machine, args.costs)  # a foreign cost DB: refused before work
     model = load_model(args.model, args.batch, loss_choice(args.loss))
     graph = model.graph
@@ -401,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
         args,
         plan,
         machine.name,
+        machine.margin,
         searching,
         outcome.time_s,
         costs,
@@ -573,9 +583,31 @@ def _walk_line(result: SearchResult) -> str:
     gain = result.walk_gain or 1.0
     if gain <= 1.0:
         return f"  walk: {best} ({seconds(start)}) is the best start; the walk found nothing faster"
+    reached = result.passed_over or result.evaluation
     return (
-        f"  walk: from {best} ({seconds(start)}) to {seconds(result.evaluation.step_time_s)}, "
+        f"  walk: from {best} ({seconds(start)}) to {seconds(reached.step_time_s)}, "
         f"{gain:.2f}x in {result.proposals} proposals"
+    )
+
+
+def _margin_doc(walk: SearchResult | None, margin: float) -> dict:
+    """The machine's margin and, where it kept a start in place of the plan predicted
+    fastest (``search/margin.py``), that plan's step and bytes."""
+    over = walk.passed_over if walk else None
+    fastest = None
+    if over is not None:
+        fastest = {"step_time_s": over.step_time_s, "bytes_moved": over.bytes_moved}
+    return {"fraction": margin, "kept": walk.best_from if over else None, "passed_over": fastest}
+
+
+def _margin_line(walk: SearchResult, margin: float) -> str:
+    over, kept = walk.passed_over, walk.evaluation
+    slower = kept.step_time_s / over.step_time_s - 1
+    return (
+        f"  margin: kept {walk.best_from} ({kept.bytes_moved / 2**20:.2f} MiB moved a step), "
+        f"predicted {slower:.0%} slower than the fastest plan found "
+        f"({seconds(over.step_time_s)}, {over.bytes_moved / 2**20:.2f} MiB): inside this "
+        f"machine's {margin:.0%} margin"
     )
 
 
@@ -583,6 +615,7 @@ def _report(
     args,
     plan: Plan,
     machine: str,
+    margin: float,
     searching: bool,
     time_s: float,
     costs: ChosenCosts,
@@ -606,6 +639,7 @@ def _report(
             "ilp": _ilp_doc(ilp) if ilp else None,
             **_walk_doc(walk),
             **_choice_doc(choice),
+            "margin": _margin_doc(walk, margin),
         }
         print(json.dumps(doc))
         return
@@ -640,6 +674,8 @@ def _report(
         )
     if walk:
         print(_walk_line(walk))
+        if walk.passed_over is not None:
+            print(_margin_line(walk, margin))
     if choice:
         print(
             f"  pipelines and recomputation: {len(choice.tried)} plans priced in "

@@ -67,6 +67,7 @@ from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import BASELINES, Rule, build, narrow_data_parallel
 from onnx2soap.search.groups import GroupMove, GroupMoves
 from onnx2soap.search.ilp import IlpOptions, IlpResult
+from onnx2soap.search.margin import steadiest
 from onnx2soap.search.regions import RegionMoves
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
@@ -211,13 +212,18 @@ class SearchResult:
     # where ``evaluation`` does not fit (``SearchOptions.must_fit`` False): the refusal
     # the search would have raised, for the caller to raise if nothing else fits
     unfit: str | None = None
+    # the plan predicted fastest, where the machine's margin kept a start that moves
+    # fewer bytes in its place (``search/margin.py``); None: the fastest was kept
+    passed_over: Evaluation | None = None
 
     @property
     def walk_gain(self) -> float | None:
-        """The best start's step time over the search's: what the walk added (1: nothing)."""
+        """The best start's step time over the search's: what the walk added (1: nothing),
+        whether or not the machine's margin kept it."""
         if self.best_start is None:
             return None
-        return self.starts[self.best_start].step_time_s / self.evaluation.step_time_s
+        reached = self.passed_over or self.evaluation
+        return self.starts[self.best_start].step_time_s / reached.step_time_s
 
 
 class _Evaluator:
@@ -515,6 +521,8 @@ def _mcmc(
     top = max(options.zero_stages, default=ZeroStage.NONE)
     finalists = _finalists(search, walks, ranked, top, simulator)
     zero = _with_zero(search, simulator, finalists, options.zero_stages)
+    fastest = zero.evaluation
+    zero = _steadied(zero, named, starts, search, simulator.machine.margin)
     zero_s = time.perf_counter() - walked
     unfit = None
     if zero.strategy is None or not zero.cost.fits:
@@ -545,6 +553,28 @@ def _mcmc(
         zero_tried=zero.tried,
         zero_s=zero_s,
         unfit=unfit,
+        passed_over=fastest if zero.evaluation is not fastest else None,
+    )
+
+
+def _steadied(
+    zero: _Zeroed,
+    named: Mapping[str, Strategy],
+    starts: Mapping[str, Evaluation],
+    search: _Search,
+    margin: float,
+) -> _Zeroed:
+    """The search's plan, or the start that the machine's margin keeps in its place: one
+    predicted within the margin that moves fewer bytes (``search/margin.py``)."""
+    if zero.strategy is None or zero.evaluation is None:
+        return zero
+    found = "the search's plan"  # no start's name: the rules' names are their values
+    pick = steadiest(found, {found: zero.evaluation, **starts}, margin)
+    if pick == found:
+        return zero
+    kept = starts[pick]
+    return replace(
+        zero, strategy=named[pick], stage=ZeroStage.NONE, cost=search.cost(kept), evaluation=kept
     )
 
 

@@ -177,20 +177,24 @@ def choose(
     plain: Evaluation,
     tried: Sequence[Candidate],
     baselines: Sequence[Candidate] = (),
+    margin: float = 0.0,
 ) -> Candidate | None:
     """The rule: the fastest candidate that fits replaces a plain plan that fits only
-    where it is ``GAIN`` faster; where the plain plan does not fit, the fastest that
-    fits wins. A by-rule baseline that fits and is faster than that still wins, at any
-    gain: the plan is never slower than a baseline it is compared with. None: the plain
-    plan stands (or nothing fits at all)."""
+    where it is ``GAIN`` faster, or the machine's ``margin`` where that is more (a
+    smaller gain is inside the simulator's error there: ``search/margin.py``); where
+    the plain plan does not fit, the fastest that fits wins. A by-rule baseline that
+    fits and is faster than that by more than the margin still wins (with no margin,
+    at any gain: the plan is never slower than a baseline it is compared with). None:
+    the plain plan stands (or nothing fits at all)."""
     fitting = [c for c in tried if c.evaluation.fits]
     chosen = min(fitting, key=lambda c: c.evaluation.step_time_s) if fitting else None
-    if chosen and plain.fits and chosen.evaluation.step_time_s >= plain.step_time_s * (1 - GAIN):
+    gain = max(GAIN, margin)
+    if chosen and plain.fits and chosen.evaluation.step_time_s >= plain.step_time_s * (1 - gain):
         chosen = None
     floor = chosen.evaluation if chosen else plain
     for b in baselines:
-        better = b.evaluation.step_time_s < floor.step_time_s or not floor.fits
-        if b.evaluation.fits and better:
+        faster = b.evaluation.step_time_s < floor.step_time_s * (1 - margin)
+        if b.evaluation.fits and (faster or not floor.fits):
             chosen, floor = b, b.evaluation
     return chosen
 
@@ -293,7 +297,8 @@ def pipeline_choice(
             baselines["pipeline"] = ruled[0]
     if pricing.machine.size > 1:
         baselines["zero"] = zero_baseline(graph, space, cost, pricing, simulators)
-    chosen = choose(best_evaluation, tried, list(baselines.values()))
+    margin = pricing.machine.margin
+    chosen = choose(best_evaluation, tried, list(baselines.values()), margin)
     took = time.perf_counter() - began
     return Choice(chosen, tuple(tried), took, baselines, skipped, walked)
 

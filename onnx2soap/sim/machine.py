@@ -21,6 +21,7 @@ Machine file (YAML)::
     message_busy: 4.5e-05          # optional: of a message's latency, what holds its ends
     ring_step_latency: 1.0e-05     # optional: a ring all-reduce step's latency
     resume: {after: 2.0e-04, cost: 6.0e-04, slowdown: 6.0}  # optional: a rank that slept
+    margin: 0.1                    # optional: the simulator's step error here, a fraction
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
 route. A machine has at most ``MAX_DEVICES`` devices (routes grow with the square of the
@@ -121,6 +122,13 @@ class Machine:
     ``resume``: what a device pays for having slept through a long wait (``Resume``);
     None: nothing (GPUs, whose streams do not sleep; ranks that were never measured).
 
+    ``margin``: the simulator's step error on this machine, as a fraction of a step
+    (what ``benchmarks/fidelity.py`` measures as the step error after the common
+    factor). The search trades a plan for one that moves more bytes only where that
+    one is predicted faster by more than this (``search/margin.py``): a smaller gain is
+    a coin the host tosses, and messages are what the model knows least. 0: every
+    predicted difference is trusted (the presets).
+
     Resources, in the simulator's numbering: devices ``0..D-1``, links ``D..D+L-1``, then
     the shared cores."""
 
@@ -133,6 +141,7 @@ class Machine:
     message_busy: float | None = None
     ring_step_latency: float | None = None
     resume: Resume | None = None
+    margin: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
@@ -298,8 +307,23 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
     busy = None if busy is None else float(busy)
     ring = None if ring is None else float(ring)
     resume = _resume(doc.get("resume"), source)
+    margin = doc.get("margin", 0.0)
+    if not _nonnegative(margin) or margin >= 1:
+        raise MachineError(
+            f"{source}: margin: must be a fraction >= 0 and < 1 (0.1: a tenth of a step), "
+            f"got {margin!r}"
+        )
     return Machine(
-        name, tuple(devices), tuple(links), routes, use_compute, cores, busy, ring, resume
+        name,
+        tuple(devices),
+        tuple(links),
+        routes,
+        use_compute,
+        cores,
+        busy,
+        ring,
+        resume,
+        float(margin),
     )
 
 
@@ -345,6 +369,7 @@ def machine_to_dict(m: Machine) -> dict:
         **({"message_busy": m.message_busy} if m.message_busy is not None else {}),
         **({"ring_step_latency": m.ring_step_latency} if m.ring_step_latency is not None else {}),
         **({"resume": asdict(m.resume)} if m.resume is not None else {}),
+        **({"margin": m.margin} if m.margin else {}),
     }
 
 

@@ -126,6 +126,7 @@ def test_plan_cli_json(example_onnx: Path, tmp_path: Path, capsys) -> None:
         "pipeline_s",
         "pipeline_skipped",
         "pipeline_walk",
+        "margin",
     }
     assert doc["pipeline_tried"] and doc["pipeline_s"] >= 0  # 4 devices: pipelines priced
     baselines = {"data-parallel", "expert", "single-device", "model-parallel", "megatron", "ilp"}

@@ -78,6 +78,16 @@ def test_one_percent_rule() -> None:
     assert choose(plain, [far], [close]) is far
 
 
+def test_a_machine_margin_raises_the_gain_a_pipeline_or_baseline_needs() -> None:
+    plain = Evaluation(1.0, (1,), 0, True)
+    within, beyond = _candidate(0.92, True), _candidate(0.85, True)
+    assert choose(plain, [within], margin=0.1) is None  # 8 % faster: inside 10 %
+    assert choose(plain, [within, beyond], margin=0.1) is beyond
+    assert choose(plain, [], [within], margin=0.1) is None  # a baseline needs it too
+    assert choose(plain, [], [beyond], margin=0.1) is beyond
+    assert choose(plain, [within], margin=0.0) is within  # no margin: GAIN's 1 %
+
+
 def test_pricing_is_the_rules(example_onnx: Path) -> None:
     """Each grid shape priced by the choice equals the rule's plan priced afresh."""
     machine = resolve_machine("cpu:4")

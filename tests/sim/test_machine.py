@@ -13,6 +13,7 @@ import yaml
 from executor.transport import SLEEPS_AFTER_S
 from onnx2soap.cli import main as cli
 from onnx2soap.errors import MachineError
+from onnx2soap.measure.probe import CPU_RANKS_MARGIN
 from onnx2soap.sim.machine import Resume, dump_machine, load_machine_file, machine_from_dict
 from onnx2soap.sim.presets import preset, resolve_machine
 
@@ -54,7 +55,8 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     napping = replace(shared, message_busy=4e-5)
     rings = replace(preset("cpu:2"), ring_step_latency=2.3e-5)
     slept = replace(napping, resume=Resume(after=3.7e-4, cost=6e-4))
-    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings, slept):
+    doubted = replace(slept, margin=0.1)
+    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings, slept, doubted):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
         assert load_machine_file(path) == m
@@ -110,6 +112,9 @@ def _doc() -> dict:
         (lambda d: d.update(resume={"cost": 6e-4}), "resume"),
         (lambda d: d.update(resume={"after": 1e-4, "cost": -1.0}), "resume.cost"),
         (lambda d: d.update(resume={"after": "soon", "cost": 1e-4}), "resume.after"),
+        (lambda d: d.update(margin=-0.1), "margin"),
+        (lambda d: d.update(margin=1.0), "margin"),  # a whole step: nothing trusted
+        (lambda d: d.update(margin="a tenth"), "margin"),
     ],
 )
 def test_bad_machine_file_names_the_field(edit, field: str) -> None:
@@ -168,6 +173,8 @@ def test_probe_measures_this_host(tmp_path: Path) -> None:
     # And what a rank that slept through a wait pays: past the transport's naps.
     assert m.resume is not None and m.resume.after == SLEEPS_AFTER_S
     assert 0 <= m.resume.cost < 1e-2
+    # Not probed: the step error fidelity measures on CPU ranks, for the search.
+    assert m.margin == CPU_RANKS_MARGIN
 
 
 @pytest.mark.mpi
