@@ -183,18 +183,39 @@ def _traced_run(plan: Path, setting: Setting, steps: int, folder: Path) -> tuple
     return records, tuple(peaks)
 
 
+def same_plans(made) -> dict[str, str]:
+    """Each plan's label -> the label of the first plan identical to it (itself if
+    none). Plans differ only in what they predict and how they were found: the search's
+    plan is often a baseline's, and timing it twice under two names measured one plan
+    6.4 and 4.6 ms in the same run: the host's noise, not two plans."""
+    first: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for label, path in made:
+        doc = json.loads(path.read_text())
+        key = json.dumps({k: v for k, v in doc.items() if k not in ("predicted", "search")})
+        first[label] = seen.setdefault(key, label)
+    return first
+
+
+def distinct(made) -> list:
+    """The plans to measure: one of each set of identical plans."""
+    first = same_plans(made)
+    return [(label, path) for label, path in made if first[label] == label]
+
+
 def measure_separately(made, setting: Setting, args, folder: Path) -> dict:
     """Per plan: its step (the median over runs), each run's step, the ranks' peaks.
     Round by round, every plan once a round: the host's drift over minutes falls on all
     plans alike instead of on the plans measured last."""
-    runs: dict[str, list] = {label: [] for label, _ in made}
+    first = same_plans(made)
+    runs: dict[str, list] = {label: [] for label, _ in distinct(made)}
     for _ in range(args.repeats):
-        for label, plan in made:
+        for label, plan in distinct(made):
             runs[label].append(measure(plan, setting, args.steps, folder))
     measured = {}
     for label, _ in made:
-        times = [t for t, _ in runs[label]]
-        peaks = tuple(max(m[d] for _, m in runs[label]) for d in range(setting.ranks))
+        times = [t for t, _ in runs[first[label]]]
+        peaks = tuple(max(m[d] for _, m in runs[first[label]]) for d in range(setting.ranks))
         measured[label] = (statistics.median(times), times, peaks)
     return measured
 
@@ -207,14 +228,16 @@ def measure_interleaved(made, setting: Setting, args, folder: Path) -> dict:
     timing = ["--rounds", args.repeats, "--steps", args.round_steps, "--json", out]
     timing += setting.executor_args
     interleave = "benchmarks.interleave"
-    _mpiexec(setting.ranks, interleave, interleave, *(p for _, p in made), *timing)
+    unique = distinct(made)
+    _mpiexec(setting.ranks, interleave, interleave, *(p for _, p in unique), *timing)
     doc = json.loads(out.read_text())
-    measured = {}
-    for label, plan in made:
+    own = {}
+    for label, plan in unique:
         r = doc[str(plan)]
         _, peaks = _traced_run(plan, setting, FIRST_UNTRACED, folder)
-        measured[label] = (statistics.median(r["times"]), r["round_medians"], peaks)
-    return measured
+        own[label] = (statistics.median(r["times"]), r["round_medians"], peaks)
+    first = same_plans(made)
+    return {label: own[first[label]] for label, _ in made}
 
 
 def _mpiexec(ranks: int, what: str, module: str, *args: object) -> None:
@@ -328,7 +351,7 @@ def run_model(name: str, setting: Setting, machine: Path, args, models: Path) ->
         measured = measure_separately(made, setting, args, folder)
     else:
         measured = measure_interleaved(made, setting, args, folder)
-    results = []
+    results, first = [], same_plans(made)
     for label, plan in made:
         step_s, times, peaks = measured[label]
         working = sorted({d for op in json.loads(plan.read_text())["ops"] for d in op["devices"]})
@@ -349,7 +372,8 @@ def run_model(name: str, setting: Setting, machine: Path, args, models: Path) ->
             + " ".join(
                 f"{(p - m) / m * 100:+.0f}%"
                 for p, m in zip(result.predicted_memory, peaks, strict=True)
-            ),
+            )
+            + (f"  (the {first[label]} plan, timed once)" if first[label] != label else ""),
             flush=True,
         )
         results.append(result)

@@ -40,3 +40,28 @@ def test_without_a_searched_plan_there_is_no_searched_figure() -> None:
     assert over_fastest(None) == "-"
     assert over_fastest(1.0) == "fastest"
     assert over_fastest(1.25) == "+25 %"
+
+
+def test_identical_plans_are_timed_once_whatever_they_predicted(tmp_path) -> None:
+    import json
+
+    from benchmarks.fidelity import distinct, same_plans
+
+    def plan(name: str, devices: list[int], predicted: float, search: dict | None) -> tuple:
+        doc = {"format": "onnx2soap.plan", "ops": [{"name": "a", "devices": devices}]}
+        doc |= {"predicted": {"step_time_s": predicted}, "search": search}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        return name, path
+
+    made = [
+        plan("single-device", [0], 1.0, None),
+        plan("data-parallel", [0, 1], 0.6, None),
+        plan("searched", [0], 0.9, {"method": "mcmc"}),  # the one-device plan, found
+    ]
+    assert same_plans(made) == {
+        "single-device": "single-device",
+        "data-parallel": "data-parallel",
+        "searched": "single-device",
+    }
+    assert [label for label, _ in distinct(made)] == ["single-device", "data-parallel"]
