@@ -1,7 +1,7 @@
 """One float64 SGD step of the executor is one ``torch.optim.SGD`` step of the same torch
 module in train mode, for torchvision families with BatchNorm in training mode (no
 Dropout, no stochastic depth: their random masks are not torch's), on 1 rank and on a
-random 3-rank plan.
+random 3-rank plan (for a seeded sample of the families a run: tests/sampling.py).
 
 Compared to 1e-10 (relative, with an absolute floor of 1e-10 near zero): the loss (torch's
 CrossEntropyLoss, mean over the batch: the importer attaches softmax cross-entropy with
@@ -23,6 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ import pytest
 from tests.executor.mpi import make_plan, mpirun
 from tests.families.conftest import BATCH
 from tests.optional import require
+from tests.sampling import seeded_sample
 
 LR = 0.05
 RTOL = ATOL = 1e-10
@@ -176,34 +178,69 @@ def _assert_close(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:
     np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=ATOL, err_msg=what)
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_one_step_is_torch_sgd(deterministic_onnx, tmp_path: Path, name: str) -> None:
+@dataclass(frozen=True)
+class TorchStep:
+    """One family's file, its batch (saved for the executor) and torch's step on it."""
+
+    path: Path
+    data: Path
+    loss: float
+    expected: dict[str, np.ndarray]  # every weight and running statistic after the step
+
+
+@pytest.fixture(scope="module")
+def torch_step(
+    deterministic_onnx: Export, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], TorchStep]:
+    """``get(name)`` -> torch's step on the family, taken once: its one-rank run and its
+    random plan's compare against the same step. Kept for the module: the largest family's
+    weights (inception_v3's) are 11 MB."""
     from tests.torchvision_models import FAMILIES
 
-    path = deterministic_onnx(name)
-    model, norms = _torch_model(name, path)
-    rng = np.random.default_rng(2024)
-    x = rng.standard_normal((BATCH, *FAMILIES[name].sample_shape))
-    y = rng.integers(0, 10, size=BATCH, dtype=np.int64)  # tests.torchvision_models.CLASSES
-    data = tmp_path / "data.npz"
-    np.savez(data, input=x, labels=y)
-    with _one_torch_thread():
-        loss, weights, running_var = _torch_step(model, norms, x, y)
-    expected = {**weights, **running_var}
+    cache: dict[str, TorchStep] = {}
 
-    one = tmp_path / "one.json"
-    make_plan(path, one, 1, BATCH, "data-parallel")
-    many = tmp_path / f"random-{RANDOM_RANKS}.json"
-    make_plan(path, many, RANDOM_RANKS, BATCH, "random", RANDOM_SEED)
-    args = ("--steps", "1", "--lr", str(LR), "--dtype", "float64", "--data", str(data))
-    for plan, ranks in ((one, 1), (many, RANDOM_RANKS)):
-        run = mpirun(plan, ranks, tmp_path, *args)
-        assert run.returncode == 0, run.stderr[-3000:]
-        where = f"{name} on {ranks} rank(s)"
-        _assert_close(np.array(run.losses), np.array([loss]), f"{where}: loss")
-        assert run.weights is not None
-        # Every weight and running statistic saved, each compared.
-        assert set(run.weights) == set(expected), where
-        for key, value in expected.items():
-            _assert_close(run.weights[key], value, f"{where}: {key}")
+    def get(name: str) -> TorchStep:
+        if name not in cache:
+            path = deterministic_onnx(name)
+            model, norms = _torch_model(name, path)
+            rng = np.random.default_rng(2024)
+            x = rng.standard_normal((BATCH, *FAMILIES[name].sample_shape))
+            y = rng.integers(0, 10, size=BATCH, dtype=np.int64)  # torchvision_models.CLASSES
+            data = tmp_path_factory.mktemp(f"torch_step_{name}") / "data.npz"
+            np.savez(data, input=x, labels=y)
+            with _one_torch_thread():
+                loss, weights, running_var = _torch_step(model, norms, x, y)
+            cache[name] = TorchStep(path, data, loss, {**weights, **running_var})
+        return cache[name]
+
+    return get
+
+
+# Every family against torch on one rank; on the random 3-rank plan, a drawn two a run
+# (tests/sampling.py: CI's 20 minutes). tests/families/test_families.py trains every
+# family on a random plan like one device, every run.
+RANDOM = seeded_sample([(name, RANDOM_RANKS) for name in sorted(CASES)], "families-torch-step", 2)
+STEPPED = [
+    p for name, r in zip(sorted(CASES), RANDOM, strict=True) for p in (pytest.param(name, 1), r)
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("name", "ranks"), STEPPED)
+def test_one_step_is_torch_sgd(torch_step, tmp_path: Path, name: str, ranks: int) -> None:
+    step = torch_step(name)
+    plan = tmp_path / f"plan-{ranks}.json"
+    if ranks == 1:
+        make_plan(step.path, plan, 1, BATCH, "data-parallel")
+    else:
+        make_plan(step.path, plan, ranks, BATCH, "random", RANDOM_SEED)
+    args = ("--steps", "1", "--lr", str(LR), "--dtype", "float64", "--data", str(step.data))
+    run = mpirun(plan, ranks, tmp_path, *args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    where = f"{name} on {ranks} rank(s)"
+    _assert_close(np.array(run.losses), np.array([step.loss]), f"{where}: loss")
+    assert run.weights is not None
+    # Every weight and running statistic saved, each compared.
+    assert set(run.weights) == set(step.expected), where
+    for key, value in step.expected.items():
+        _assert_close(run.weights[key], value, f"{where}: {key}")

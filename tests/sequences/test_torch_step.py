@@ -1,12 +1,13 @@
 """One float64 SGD step of the executor is one ``torch.optim.SGD`` step of the same
 sequence model (``tests/sequence_models.py``, dropout 0), on 1 rank and on a random
-3-rank plan: every model of tests/sequence_models.py. GPT-2 (LM head tied to the token
-embedding), BERT (attention mask with padded tokens), ViT, T5 and BART (encoder-decoder,
-token logits), torch's TransformerEncoder, an LSTM language model, a GRU classifier and
-a LayerNorm-GELU MLP. ViT and T5 round to float32 inside the float64 graph (torch and
-the file alike), so they are held to what that rounding allows (ROUNDING_TOLERANCES:
-their loss within 1e-10 and 2e-9, their weights within 1e-10 and 5e-9 absolute); BART's
-final_logits_bias, a torch buffer, is trained as the file's initializer it is.
+3-rank plan (three drawn cases a run: tests/sampling.py): every model of
+tests/sequence_models.py. GPT-2 (LM head tied to the token embedding), BERT (attention
+mask with padded tokens), ViT, T5 and BART (encoder-decoder, token logits), torch's
+TransformerEncoder, an LSTM language model, a GRU classifier and a LayerNorm-GELU MLP.
+ViT and T5 round to float32 inside the float64 graph (torch and the file alike), so they
+are held to what that rounding allows (ROUNDING_TOLERANCES: their loss within 1e-10 and
+2e-9, their weights within 1e-10 and 5e-9 absolute); BART's final_logits_bias, a torch
+buffer, is trained as the file's initializer it is.
 
 Compared: the loss (torch's CrossEntropyLoss over the last axis, label -100 ignored, the
 mean over kept positions: what the importer attaches) to 1e-12 relative, and every
@@ -53,6 +54,7 @@ import pytest
 
 from tests.executor.mpi import make_plan, mpirun
 from tests.optional import require
+from tests.sampling import seeded_sample
 
 pytestmark = pytest.mark.mpi
 
@@ -363,8 +365,15 @@ def _torch_step(name: str, model, arrays: dict[str, np.ndarray]):
     return loss.item(), {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(("ranks", "strategy"), [(1, "data-parallel"), (RANDOM_RANKS, "random")])
+# Every case against torch on one device; on the random 3-rank plan, a drawn few a run
+# (tests/sampling.py: CI's 20 minutes). tests/sequences/test_sequences.py trains every
+# model on a random plan like one device, every run.
+STEPPED = [pytest.param(1, "data-parallel", case) for case in sorted(CASES)] + seeded_sample(
+    [(RANDOM_RANKS, "random", case) for case in sorted(CASES)], "sequences-torch-step", 3
+)
+
+
+@pytest.mark.parametrize(("ranks", "strategy", "case"), STEPPED)
 def test_one_step_is_torch_sgd(
     float64_sequence_onnx: Export, tmp_path: Path, case: str, ranks: int, strategy: str
 ) -> None:
