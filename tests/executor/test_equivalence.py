@@ -43,12 +43,15 @@ def references(export_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
+# Three random plans a model a run, each on 2-4 ranks: one rank would only retrace the
+# one-device reference, and 30 mpiexec runs a suite were more than CI's 20 minutes allow;
+# hypothesis draws other plans every run.
 @settings(
-    max_examples=5,
+    max_examples=3,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(ranks=st.integers(1, 4), seed=st.integers(0, 10_000))
+@given(ranks=st.integers(2, 4), seed=st.integers(0, 10_000))
 def test_random_plans_train_like_one_device_float64(references, tmp_path: Path, name, ranks, seed):
     model, (losses, weights) = references(name, DType.FLOAT64)
     plan = tmp_path / f"{name}-{ranks}-{seed}.json"
