@@ -36,7 +36,7 @@ from onnx2soap.sim.presets import cpu
 
 # The machine's margin (``Machine.margin``) is not probed: it is the simulator's step
 # error on such ranks, which only timing whole plans shows. benchmarks/fidelity.py
-# measured 8-21 % (after the common factor) on CPU ranks of this project's 2-core VM;
+# measured 6-21 % (after the common factor) on CPU ranks of this project's 2-core VM;
 # a tenth, near the low end, is what the search is told unless the file says otherwise.
 CPU_RANKS_MARGIN = 0.1
 

@@ -1,14 +1,14 @@
 """Which plan to trust where the simulator cannot tell plans apart (``Machine.margin``).
 
 The search returns the plan it predicts fastest. On a machine whose predictions are
-known to be off by some fraction of a step (``Machine.margin``: 8-21 % on CPU ranks of
+known to be off by some fraction of a step (``Machine.margin``: 6-21 % on CPU ranks of
 a shared VM, ``docs/benchmarks.md``), a plan predicted faster by less than that is
 faster only by the host's toss, and the search's pick among many near-equal plans is
 the one the model is most optimistic about. What the model knows least are messages
 (their latency, the waits and the resumes after them), so among the plans predicted
-within the margin of the fastest, the one that moves the fewest bytes is kept: on
-``benchmarks/fidelity.py``'s CPU runs that picked a plan measured within 5 % of the
-fastest on 6 of 8 model-machine pairs in place of 4-5 of 8.
+within the margin of the fastest, the one that moves the fewest bytes is kept. In
+``benchmarks/fidelity.py``'s CPU runs the searched plan then measured within 5 % of
+the fastest on 7 of 8 model-machine pairs, twice, against 3-5 of 8 before.
 
 A margin of 0 (the presets, whose figures the model was built from) trusts every
 difference: the fastest plan is returned, as before.
