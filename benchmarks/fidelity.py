@@ -197,20 +197,20 @@ def same_plans(made) -> dict[str, str]:
     return first
 
 
-def distinct(made) -> list:
-    """The plans to measure: one of each set of identical plans."""
-    first = same_plans(made)
+def distinct(made, first: dict[str, str]) -> list:
+    """The plans to measure: one of each set of identical plans (``first``:
+    ``same_plans(made)``)."""
     return [(label, path) for label, path in made if first[label] == label]
 
 
-def measure_separately(made, setting: Setting, args, folder: Path) -> dict:
+def measure_separately(made, first: dict[str, str], setting: Setting, args, folder: Path) -> dict:
     """Per plan: its step (the median over runs), each run's step, the ranks' peaks.
     Round by round, every plan once a round: the host's drift over minutes falls on all
     plans alike instead of on the plans measured last."""
-    first = same_plans(made)
-    runs: dict[str, list] = {label: [] for label, _ in distinct(made)}
+    unique = distinct(made, first)
+    runs: dict[str, list] = {label: [] for label, _ in unique}
     for _ in range(args.repeats):
-        for label, plan in distinct(made):
+        for label, plan in unique:
             runs[label].append(measure(plan, setting, args.steps, folder))
     measured = {}
     for label, _ in made:
@@ -220,7 +220,7 @@ def measure_separately(made, setting: Setting, args, folder: Path) -> dict:
     return measured
 
 
-def measure_interleaved(made, setting: Setting, args, folder: Path) -> dict:
+def measure_interleaved(made, first: dict[str, str], setting: Setting, args, folder: Path) -> dict:
     """Per plan: the median of its timed steps, each round's median (all plans timed side
     by side in one mpiexec: benchmarks/interleave.py), and the ranks' peak memory, from a
     traced run of the plan's own (a process's one-off allocations are each run's)."""
@@ -228,7 +228,7 @@ def measure_interleaved(made, setting: Setting, args, folder: Path) -> dict:
     timing = ["--rounds", args.repeats, "--steps", args.round_steps, "--json", out]
     timing += setting.executor_args
     interleave = "benchmarks.interleave"
-    unique = distinct(made)
+    unique = distinct(made, first)
     _mpiexec(setting.ranks, interleave, interleave, *(p for _, p in unique), *timing)
     doc = json.loads(out.read_text())
     own = {}
@@ -236,7 +236,6 @@ def measure_interleaved(made, setting: Setting, args, folder: Path) -> dict:
         r = doc[str(plan)]
         _, peaks = _traced_run(plan, setting, FIRST_UNTRACED, folder)
         own[label] = (statistics.median(r["times"]), r["round_medians"], peaks)
-    first = same_plans(made)
     return {label: own[first[label]] for label, _ in made}
 
 
@@ -347,11 +346,12 @@ def run_model(name: str, setting: Setting, machine: Path, args, models: Path) ->
         label: json.loads(onnx2soap("simulate", plan, "--json", "--costs", args.costs))
         for label, plan in made
     }
+    first = same_plans(made)  # identical plans are timed once
     if args.separate:
-        measured = measure_separately(made, setting, args, folder)
+        measured = measure_separately(made, first, setting, args, folder)
     else:
-        measured = measure_interleaved(made, setting, args, folder)
-    results, first = [], same_plans(made)
+        measured = measure_interleaved(made, first, setting, args, folder)
+    results = []
     for label, plan in made:
         step_s, times, peaks = measured[label]
         working = sorted({d for op in json.loads(plan.read_text())["ops"] for d in op["devices"]})

@@ -45,18 +45,20 @@ def test_a_plan_that_overflows_is_never_traded_for_noise() -> None:
     assert steadiest("found", over, 0.5) == "found"
 
 
-def _search(margin: float):
-    graph = load_model(Path(__file__).parents[2] / "examples" / "cnn.onnx", 32).graph
+def _search(example: Path, margin: float):
+    graph = load_model(example, 32).graph
     machine = replace(preset("cpu:2"), margin=margin)
     options = SearchOptions(budget_s=30.0, seed=0, max_evals=100)
     return mcmc(graph, analyze(graph), Simulator(machine, RooflineCost()), options)
 
 
-def test_the_search_keeps_the_start_moving_fewest_bytes_within_the_margin() -> None:
-    trusting = _search(0.0)
+def test_the_search_keeps_the_start_moving_fewest_bytes_within_the_margin(
+    example_onnx: Path,
+) -> None:
+    trusting = _search(example_onnx, 0.0)
     assert trusting.passed_over is None
     for margin in (0.5, 0.95):
-        r = _search(margin)
+        r = _search(example_onnx, margin)
         # the same walk: what it passed over is the plan it returns without a margin
         assert r.passed_over == trusting.evaluation
         bound = trusting.evaluation.step_time_s * (1 + margin)
@@ -65,13 +67,14 @@ def test_the_search_keeps_the_start_moving_fewest_bytes_within_the_margin() -> N
         assert r.evaluation.bytes_moved < trusting.evaluation.bytes_moved
         assert r.evaluation == r.starts[r.best_from]
     # single device is 1.8x the fastest on cpu:2: inside a 95 % margin, not a 50 % one
-    assert _search(0.95).best_from == "single-device"
-    assert _search(0.5).evaluation.bytes_moved > 0
+    assert _search(example_onnx, 0.95).best_from == "single-device"
+    assert _search(example_onnx, 0.5).evaluation.bytes_moved > 0
 
 
-def test_plan_reports_the_margin_and_what_it_passed_over(tmp_path: Path, capsys) -> None:
-    example = Path(__file__).parents[2] / "examples" / "cnn.onnx"
-    args = ["plan", str(example), "--batch", "32", "--machine", "cpu:2", "--max-evals", "100"]
+def test_plan_reports_the_margin_and_what_it_passed_over(
+    example_onnx: Path, tmp_path: Path, capsys
+) -> None:
+    args = ["plan", str(example_onnx), "--batch", "32", "--machine", "cpu:2", "--max-evals", "100"]
     out = tmp_path / "plan.json"
     assert cli([*args, "--margin", "0.95", "-o", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -91,9 +94,8 @@ def test_plan_reports_the_margin_and_what_it_passed_over(tmp_path: Path, capsys)
     }
 
 
-def test_a_margin_of_a_whole_step_is_refused(tmp_path: Path, capsys) -> None:
-    example = Path(__file__).parents[2] / "examples" / "cnn.onnx"
+def test_a_margin_of_a_whole_step_is_refused(example_onnx: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "plan.json"
-    assert cli(["plan", str(example), "--batch", "8", "--margin", "1", "-o", str(out)]) == 2
+    assert cli(["plan", str(example_onnx), "--batch", "8", "--margin", "1", "-o", str(out)]) == 2
     assert "--margin" in capsys.readouterr().err
     assert not out.exists()
