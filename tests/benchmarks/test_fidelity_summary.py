@@ -68,3 +68,27 @@ def test_identical_plans_are_timed_once_whatever_they_predicted(tmp_path) -> Non
         "single-device",
         "data-parallel",
     ]
+
+
+def test_the_searched_plan_is_also_compared_round_by_round() -> None:
+    from dataclasses import replace
+
+    from benchmarks.fidelity import by_round, over_fastest_by_round
+
+    # Round 2 was a slow spell for every plan: the searched plan's rounds (3.0-4.8 ms)
+    # overlap the fastest plan's (2.0-4.0 ms), but each round it took 1.2x or 1.5x.
+    def ms(*values: float) -> tuple[float, ...]:
+        return tuple(v * 1e-3 for v in values)
+
+    results = [
+        replace(RESULTS[0], rounds=ms(3.6, 7.0, 3.5)),
+        replace(RESULTS[1], rounds=ms(3.0, 4.8, 3.0)),
+        replace(RESULTS[2], rounds=ms(2.0, 4.0, 2.5)),  # the fastest: 2.4 ms measured
+    ]
+    low, median, high = summary(results)["searched_by_round"]
+    assert (low, median, high) == pytest.approx((1.2, 1.2, 1.5))
+    assert over_fastest_by_round((low, median, high)) == " (rounds +20 to +50 %)"
+    # Without rounds (or of unequal counts) there is nothing to pair.
+    assert summary(RESULTS)["searched_by_round"] is None
+    assert by_round(results[1], [results[1], replace(results[2], rounds=ms(2.0))]) is None
+    assert over_fastest_by_round(None) == ""
