@@ -338,9 +338,12 @@ def by_round(plan: Result, results: list[Result]) -> tuple[float, float, float] 
     times every plan within seconds of the others, so the host's slow spells, which
     move a plan's rounds by a fifth and more here, fall on both steps of a ratio: a
     miss that every round shows is the model's; one that some rounds reverse is the
-    host's. None without rounds for every plan (or of unequal counts)."""
+    host's. None where ``plan`` is the fastest, or without rounds for both (or of
+    unequal counts)."""
     best = min(results, key=lambda r: r.measured_s)
-    if not plan.rounds or len(plan.rounds) != len(best.rounds):
+    if plan.measured_s <= best.measured_s or not plan.rounds:
+        return None
+    if len(plan.rounds) != len(best.rounds):
         return None
     ratios = sorted(a / b for a, b in zip(plan.rounds, best.rounds, strict=True))
     return ratios[0], statistics.median(ratios), ratios[-1]

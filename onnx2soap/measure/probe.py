@@ -11,10 +11,11 @@ the latency from what a message adds to a step of the executor's runtime
 (``probe_messages.py``: its instructions and their dispatch included, 5-25 us on a
 2-core VM, where bare MPI takes about 1 us and the transport's calls alone 2 us); and
 the latency of a ring all-reduce's step from what rings add to a data-parallel step
-of the runtime (``Machine.ring_step_latency``: about twice a message's there); and
-what a rank pays for having slept through a long wait, from what handing a chain of
-matrix products from rank to rank adds to its step beyond its messages
-(``probe_resume.py``, ``Machine.resume``).
+of the runtime (``Machine.ring_step_latency``: about twice a message's there); and,
+where ranks share cores (they nap and sleep while they wait), what a rank pays for
+having slept through a long wait, from what handing a chain of matrix products from
+rank to rank adds to its step beyond its messages (``probe_resume.py``,
+``Machine.resume``; ranks with a core each spin, and their file has none).
 """
 
 from __future__ import annotations
@@ -192,9 +193,15 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     busy = min(links.busy, links.latency) if cores else None
     machine = replace(machine, cores=cores, message_busy=busy, ring_step_latency=ring)
     machine = replace(machine, margin=CPU_RANKS_MARGIN)
-    if ranks > 1:
+    # Only ranks that share cores sleep while they wait (the transport's naps, then its
+    # doorbell); with a core each they spin and never owe a resume. Probed there too,
+    # the handed chain's figure (0.36-0.75 ms on 2 ranks here, where benchmarks/handoff.py
+    # times a spinning rank's hand-off at 27-116 us) was everything else the chain's
+    # hand-offs cost, and charged after every long wait it made the plans with many
+    # (random ones, GPT-2's ILP plan: 15.6 ms predicted, 6.8 measured) 1.2-2.3x too slow.
+    if ranks > 1 and cores:
         pairs = max(8, round(PAIRS * seconds / DEFAULT_SECONDS))
-        resume = resume_cost(comm, machine, SLEEPS_AFTER_S, bool(cores), pairs)
+        resume = resume_cost(comm, machine, SLEEPS_AFTER_S, nap=True, pairs=pairs)
         machine = replace(machine, resume=comm.bcast(resume, root=0))
     return dump_machine(machine)
 

@@ -20,9 +20,11 @@ charges in that plan, is the resume's cost:
     cost = ((handed step - alone step) - (predicted handed - predicted alone)) / resumes
 
 The median over the pairs of steps; never below zero. On this host's VM (2 vCPUs)
-one figure spreads by about a factor of two from probe to probe (0.1-0.4 ms on 4 ranks,
-0.35-0.75 on 2): a pair of steps drifts together, but a step's own spread (a third)
-is several resumes.
+one figure spreads by about a factor of two from probe to probe (0.1-0.4 ms on 4
+ranks): a pair of steps drifts together, but a step's own spread (a third) is several
+resumes. ``machine probe`` measures it only where ranks share cores: ranks with a core
+each spin while they wait and never sleep, and there the chain's figure (0.35-0.75 ms
+on 2 ranks) was whatever else its few hand-offs cost, not a resume's.
 """
 
 from __future__ import annotations

@@ -88,7 +88,9 @@ def test_the_searched_plan_is_also_compared_round_by_round() -> None:
     low, median, high = summary(results)["searched_by_round"]
     assert (low, median, high) == pytest.approx((1.2, 1.2, 1.5))
     assert over_fastest_by_round((low, median, high)) == " (rounds +20 to +50 %)"
-    # Without rounds (or of unequal counts) there is nothing to pair.
+    # The fastest plan is not set against itself; without rounds (or of unequal
+    # counts) there is nothing to pair.
+    assert by_round(results[2], results) is None
     assert summary(RESULTS)["searched_by_round"] is None
     assert by_round(results[1], [results[1], replace(results[2], rounds=ms(2.0))]) is None
     assert over_fastest_by_round(None) == ""
