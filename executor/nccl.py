@@ -157,3 +157,12 @@ class NcclTransport:
         step's end, after this step's closing synchronization."""
         self.device.wait_event(self.device.record(self.device.comm_stream()))
         self._retired, self._held = self._held, []
+
+    def close(self) -> None:
+        """Destroy the NCCL communicators once the communication in flight is done."""
+        self.device.synchronize()
+        for comm in (*self._groups.values(), self.world):
+            comm.destroy()
+        self._groups.clear()
+        self._made.clear()
+        self._held, self._retired = [], []

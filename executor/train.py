@@ -525,6 +525,7 @@ def train(
         save_model(comm, rt, s.model.path, options.save_model)
     weights = gather_weights(comm, rt, s.model.graph) if gather else None
     sent = tuple(int(c) for c in counts)
+    transport.close()
     if bell is not None:
         bell.close()
     peaks = tuple(comm.allgather(peak_rss_bytes()))

@@ -88,6 +88,10 @@ class Transport(Protocol):
     def end_step(self) -> None:
         """Every send and reduction of the step is done; their buffers may be reused."""
 
+    def close(self) -> None:
+        """Free the communicators ``make_groups`` made (after the last ``end_step``).
+        Collective over each group's members, as their making was."""
+
 
 SPINS = 64  # tests a waiting rank makes back to back before it starts to nap
 NAP_S = 50e-6
@@ -388,6 +392,15 @@ class MpiTransport:
         wait_patiently(lambda: MPI.Request.Testall(sends), nap=self.nap, bell=self.bell)
         self._sends.clear()
         self._pool.release()
+
+    def close(self) -> None:
+        # MPI has a few thousand communicator contexts a process: a process that trains
+        # plan after plan (benchmarks/interleave.py, the probes) made a set each run.
+        for sub in self._groups.values():
+            sub.Free()
+        self._groups.clear()
+        self._group_bells.clear()
+        self._made.clear()
 
 
 class _HostPool:

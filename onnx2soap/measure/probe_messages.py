@@ -190,6 +190,7 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
                 settle_python_heap()
     finally:
         release_python_heap()
+    transport.close()
     if bell is not None:
         bell.close()
     slowest, spent = np.empty(STEPS), np.empty(STEPS)

@@ -109,17 +109,12 @@ def paired_steps(comm, model, plans, nap: bool, steps: int) -> np.ndarray:
     device, values = CpuDevice(), {**model.weights, **model.state}
     comms = [comm.Dup() for _ in plans]  # a plan's messages never meet another's
     bells = [Doorbell.open(c) if nap else None for c in comms]
+    transports = [
+        MpiTransport(c, device, nap=nap, bell=bell) for c, bell in zip(comms, bells, strict=True)
+    ]
     runtimes = [
-        Runtime(
-            pg,
-            compile_program(pg, rank),
-            MpiTransport(c, device, nap=nap, bell=bell),
-            values,
-            dtype,
-            model.constants,
-            device=device,
-        )
-        for pg, c, bell in zip(plans, comms, bells, strict=True)
+        Runtime(pg, compile_program(pg, rank), t, values, dtype, model.constants, device=device)
+        for pg, t in zip(plans, transports, strict=True)
     ]
     # A rank a plan leaves without work waits as the executor's idle ranks do
     # (executor/crew.py): napping 50 us at a time it takes the working ranks' cores,
@@ -139,6 +134,8 @@ def paired_steps(comm, model, plans, nap: bool, steps: int) -> np.ndarray:
                 settle_python_heap()
     finally:
         release_python_heap()
+        for t in transports:
+            t.close()
         for bell in bells:
             if bell is not None:
                 bell.close()

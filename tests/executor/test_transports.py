@@ -187,3 +187,17 @@ def test_a_ring_holds_its_scratch_only_while_it_runs():
     assert ring.scratch is None
     # rank 0 sums chunk 1 (its own + the peer's ones) and takes chunk 0 from the peer
     np.testing.assert_array_equal(flat, [1, 1, 1, 4, 5, 6])
+
+
+def test_closing_frees_the_groups_so_a_process_can_train_plan_after_plan():
+    """MPI has about two thousand communicator contexts a process (MPICH: 2046 here):
+    a process that trains one plan after another (benchmarks/interleave.py, the
+    probes) makes a transport and its groups each time, and must free them."""
+    for _ in range(2100):
+        transport = MpiTransport(MPI.COMM_SELF, CpuDevice())
+        transport.make_groups([(0,)])
+        transport.close()
+    # Closed, the transport's groups are made again where asked.
+    transport.make_groups([(0,)])
+    assert (0,) in transport._groups
+    transport.close()
