@@ -341,9 +341,8 @@ def by_round(plan: Result, results: list[Result]) -> tuple[float, float, float] 
     host's. None where ``plan`` is the fastest, or without rounds for both (or of
     unequal counts)."""
     best = min(results, key=lambda r: r.measured_s)
-    if plan.measured_s <= best.measured_s or not plan.rounds:
-        return None
-    if len(plan.rounds) != len(best.rounds):
+    paired = plan.rounds and len(plan.rounds) == len(best.rounds)
+    if plan.measured_s <= best.measured_s or not paired:
         return None
     ratios = sorted(a / b for a, b in zip(plan.rounds, best.rounds, strict=True))
     return ratios[0], statistics.median(ratios), ratios[-1]
@@ -532,7 +531,7 @@ def print_table(table: list[tuple[str, Setting, dict]]) -> None:
             f"{s['noise'] * 100:.0f} % | {s['bias']:.2f} | {s['relative_error'] * 100:.0f} % | "
             f"{over_fastest(s['pick_over_fastest'])} | "
             f"{over_fastest(s['searched_over_fastest'])}"
-            f"{over_fastest_by_round(s.get('searched_by_round'))} |"
+            f"{over_fastest_by_round(s['searched_by_round'])} |"
         )
 
 

@@ -201,7 +201,7 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     # (random ones, GPT-2's ILP plan: 15.6 ms predicted, 6.8 measured) 1.2-2.3x too slow.
     if ranks > 1 and cores:
         pairs = max(8, round(PAIRS * seconds / DEFAULT_SECONDS))
-        resume = resume_cost(comm, machine, SLEEPS_AFTER_S, nap=True, pairs=pairs)
+        resume = resume_cost(comm, machine, SLEEPS_AFTER_S, pairs)
         machine = replace(machine, resume=comm.bcast(resume, root=0))
     return dump_machine(machine)
 

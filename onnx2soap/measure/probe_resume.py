@@ -146,9 +146,10 @@ def paired_steps(comm, model, plans, nap: bool, steps: int) -> np.ndarray:
     return slowest[SKIPPED:]
 
 
-def resume_cost(comm, machine: Machine, after: float, nap: bool, pairs: int = PAIRS) -> Resume:
+def resume_cost(comm, machine: Machine, after: float, pairs: int = PAIRS) -> Resume:
     """The machine's resume past waits of ``after`` seconds (every rank calls this, on
-    two ranks or more; ``machine`` as probed so far, without a resume)."""
+    two ranks or more that share cores, so napping while they wait; ``machine`` as
+    probed so far, without a resume)."""
     size = comm.Get_size()
     with tempfile.TemporaryDirectory() as folder:
         model = matmul_chain_model(Path(folder)) if comm.Get_rank() == 0 else None
@@ -159,7 +160,7 @@ def resume_cost(comm, machine: Machine, after: float, nap: bool, pairs: int = PA
         extra = predicted(machine, plans[1]) - predicted(machine, plans[0])
         resumes = charged(machine, after, plans[1])
     resumes, extra = comm.bcast((resumes, extra), root=0)
-    steps = paired_steps(comm, model, plans, nap, pairs)
+    steps = paired_steps(comm, model, plans, True, pairs)
     if not resumes:
         return Resume(after, 0.0)
     added = float(np.median(steps[:, 1] - steps[:, 0]))
