@@ -34,6 +34,7 @@ from onnx2soap.sim.compare import (
     combined_trace,
     compare,
     read_measured,
+    rings_of,
 )
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
@@ -115,7 +116,7 @@ def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str
     tg = simulator.task_graph(pg, names=True)
     # a pipeline plan: its microbatches' passes, its step the schedule's
     step = ev.step_time_s if ev.pipeline else None
-    predicted = Predicted(tg, simulate(tg), machine, simulator.repeats(pg), step)
+    predicted = Predicted(tg, simulate(tg), machine, simulator.repeats(pg), step, rings_of(pg))
     return predicted, ev.peak_memory_bytes, costs.description
 
 

@@ -15,6 +15,13 @@ steady step, its compute instructions, its other instructions but waits (sends, 
 receives, all-reduces started, statistics rings), its waits with the rest of the step
 after its last instruction, and the time between instructions (the runtime's dispatch,
 which the profile's calibration counts in compute); each the median over the steps.
+
+A ring a rank runs to its end before it goes on (a statistics ring, a partial sum's) is
+waiting, not messages, for as long as the rank waits there for its peers to arrive: as
+the simulator counts it, a ring starts when its last member is ready, and the members
+before it wait. The members of a ring leave it together, so each member's time in it
+less the least of them (the last to arrive's) is what that member waited for its peers;
+no clock is shared between the ranks' traces, so arrivals cannot be read from them.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import re
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +41,7 @@ from onnx2soap.files import check_input
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.simulate import Timeline
 from onnx2soap.sim.taskgraph import TaskGraph, TaskKind
+from onnx2soap.soap import PartitionedGraph
 
 COMPUTE_KINDS = ("forward", "backward", "update")
 _COMPUTE = re.compile(r"(fwd|bwd) (.+)\[\d+\]( partial)?")
@@ -180,6 +188,8 @@ class Predicted:
     machine: Machine
     repeats: np.ndarray | None = None
     step_s: float | None = None
+    # (a blocking ring's name in the trace, a member) -> the ring's devices: ``rings_of``
+    rings: Mapping[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def step(self) -> float:
@@ -254,7 +264,7 @@ def compare(predicted: Predicted, measured: Measured, memory: Sequence[int]) -> 
         tuple(memory),
         measured.peak_memory_bytes,
         predicted_ranks(predicted),
-        measured_ranks(measured, predicted.machine.size),
+        measured_ranks(measured, predicted.machine.size, predicted.rings),
     )
 
 
@@ -275,8 +285,11 @@ def predicted_ranks(predicted: Predicted) -> tuple[RankTime, ...]:
     )
 
 
-def measured_ranks(measured: Measured, ranks: int) -> tuple[RankTime, ...]:
-    """Per rank, the medians over the steady steps of where each step went."""
+def measured_ranks(
+    measured: Measured, ranks: int, rings: Mapping[tuple[str, int], tuple[int, ...]]
+) -> tuple[RankTime, ...]:
+    """Per rank, the medians over the steady steps of where each step went; ``rings``
+    (``rings_of``) tells apart a blocking ring's cost from the wait for its peers."""
     steps = measured.steps
     parts = {(r, s): [0.0, 0.0, 0.0, 0.0] for r in range(ranks) for s in steps}
     ends = {(r, s): 0.0 for r in range(ranks) for s in steps}  # the rank's last instruction
@@ -287,13 +300,67 @@ def measured_ranks(measured: Measured, ranks: int) -> tuple[RankTime, ...]:
         parts[(e.rank, e.step)][part] += e.dur_us * 1e-6
         ends[(e.rank, e.step)] = max(ends[(e.rank, e.step)], (e.start_us + e.dur_us) * 1e-6)
     step_end = {s: max(ends[(r, s)] for r in range(ranks)) for s in steps}
+    peers = waits_for_peers(measured.events, rings)
     for (r, s), (compute, messages, waits, _) in parts.items():
         between = max(ends[(r, s)] - compute - messages - waits, 0.0)
-        parts[(r, s)] = [compute, messages, waits + step_end[s] - ends[(r, s)], between]
+        waited = peers.get((r, s), 0.0)
+        parts[(r, s)] = [
+            compute,
+            messages - waited,
+            waits + waited + step_end[s] - ends[(r, s)],
+            between,
+        ]
     return tuple(
         RankTime(r, *(statistics.median(parts[(r, s)][k] for s in steps) for k in range(4)))
         for r in range(ranks)
     )
+
+
+def rings_of(pg: PartitionedGraph) -> dict[tuple[str, int], tuple[int, ...]]:
+    """Per (the trace's name of a ring a rank runs to its end, a member rank): the
+    ring's devices. The statistics rings and the partial sums' (forward: the sum or its
+    reduce-scatter; backward: the gradient's all-reduce or all-gather), as
+    ``executor/trace.py`` names them. A name under which one rank joins several rings
+    is left out: its events cannot be told apart."""
+    found: dict[tuple[str, int], set[tuple[int, ...]]] = defaultdict(set)
+    for op in pg.graph.ops:
+        for kind, groups in (
+            ("stats", pg.stats.get(op.name, ())),
+            ("partial sums", pg.sums.get(op.name, ())),
+        ):
+            for group in groups:
+                if len(group.devices) < 2:
+                    continue
+                for tag in ("fwd", "bwd"):
+                    for d in group.devices:
+                        found[(f"{kind} {op.name} {tag}", d)].add(tuple(group.devices))
+    return {key: next(iter(sets)) for key, sets in found.items() if len(sets) == 1}
+
+
+def waits_for_peers(
+    events: Sequence[Event], rings: Mapping[tuple[str, int], tuple[int, ...]]
+) -> dict[tuple[int, int], float]:
+    """Per (rank, step), the seconds it waited in blocking rings for its peers: in each
+    run of a ring (the k-th event of its name on every member in a step: a pipeline
+    runs one a microbatch), a member's time less the least member's. Runs that some
+    member's trace lacks are left out."""
+    runs: dict[tuple[str, tuple[int, ...], int], dict[int, list[float]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for e in events:  # each rank's events in the order it ran them
+        members = rings.get((e.name, e.rank))
+        if members is not None:
+            runs[(e.name, members, e.step)][e.rank].append(e.dur_us * 1e-6)
+    waited: dict[tuple[int, int], float] = defaultdict(float)
+    for (_, members, step), times in runs.items():
+        counts = {len(times[r]) for r in members}
+        if len(counts) != 1:
+            continue  # a member's events missing
+        for k in range(counts.pop()):
+            least = min(times[r][k] for r in members)
+            for r in members:
+                waited[(r, step)] += times[r][k] - least
+    return waited
 
 
 def combined_trace(
