@@ -139,8 +139,10 @@ def export(name: str, folder: Path) -> Path:
 
 
 def _env() -> dict[str, str]:
-    """This checkout importable, and mpiexec beside this Python found first."""
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    """This checkout importable (before what the caller's PYTHONPATH holds: the GPU
+    stand-in, say), and mpiexec beside this Python found first."""
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=os.pathsep.join(paths))
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -260,6 +262,17 @@ def _oversubscribe(ranks: int) -> list[str]:
 def _open_mpi() -> bool:
     done = subprocess.run([find_mpiexec(), "--version"], capture_output=True, text=True)
     return "Open MPI" in done.stdout or "OpenRTE" in done.stdout
+
+
+def memory_errors(result: Result) -> list[str]:
+    """Per rank, the predicted peak memory's error against the measured one: "idle" for a
+    rank the plan gives nothing (it holds only Python's objects on a CPU, nothing in its
+    pool on a GPU), "none measured" where a working rank's peak reads 0."""
+    pairs = zip(result.predicted_memory, result.measured_memory, strict=True)
+    return [
+        "idle" if d not in result.working else "none measured" if m == 0 else f"{(p - m) / m:+.0%}"
+        for d, (p, m) in enumerate(pairs)
+    ]
 
 
 def kendall_tau(xs, ys) -> float:
@@ -398,10 +411,7 @@ def run_model(name: str, setting: Setting, machine: Path, args, models: Path) ->
             f"  {name:9} {setting.label} {label:15} predicted "
             f"{result.predicted_s * 1e3:8.2f} ms  measured {result.measured_s * 1e3:8.2f} ms "
             f"({min(times) * 1e3:.2f}-{max(times) * 1e3:.2f})  memory "
-            + " ".join(
-                f"{(p - m) / m * 100:+.0f}%"
-                for p, m in zip(result.predicted_memory, peaks, strict=True)
-            )
+            + " ".join(memory_errors(result))
             + (f"  (the {first[label]} plan, timed once)" if first[label] != label else ""),
             flush=True,
         )

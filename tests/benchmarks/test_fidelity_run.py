@@ -64,12 +64,28 @@ def test_a_model_in_the_models_dir_is_not_exported_again(tmp_path: Path) -> None
     assert done.stdout.split() == [str(ROOT / "examples" / "cnn.onnx"), str(there)]
 
 
+def _small_run(tmp_path: Path, *extra: str) -> list[dict]:
+    """The example CNN's plans (one random plan in place of five) on two ranks, one
+    round, roofline costs: every plan still planned, simulated, run side by side and
+    traced under a real mpiexec. The one model's results."""
+    out = tmp_path / "fidelity.json"
+    small = ["--models", "cnn", "--ranks", "2", "--repeats", "1", "--round-steps", "3"]
+    small += ["--search-evals", "10", "--costs", "roofline", "--json", str(out), *extra]
+    assert fidelity.main(small) == 0
+    (results,) = json.loads(out.read_text())["results"].values()
+    labels = [r["plan"] for r in results]
+    assert labels == [*RULES, "random-1", "searched"]
+    for r in results:
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert len(r["predicted_memory"]) == len(r["measured_memory"]) == 2
+        assert min(r["measured_memory"][d] for d in r["working"]) > 0
+    return results
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_one_model_on_two_ranks_end_to_end(tmp_path: Path, monkeypatch, capsys) -> None:
-    """In-process for its speed: the preset's two ranks in place of a probe (10 s), one
-    random plan in place of five; every plan still planned, simulated, run side by side
-    and traced under a real mpiexec."""
+    """In-process for its speed: the preset's two ranks in place of a probe (10 s)."""
     monkeypatch.setattr(fidelity, "RANDOM_SEEDS", (1,))
 
     def preset_machine(self: Setting, path: Path) -> Path:
@@ -77,17 +93,22 @@ def test_one_model_on_two_ranks_end_to_end(tmp_path: Path, monkeypatch, capsys) 
         return path
 
     monkeypatch.setattr(Setting, "make_machine", preset_machine)
-    out = tmp_path / "fidelity.json"
-    small = ["--models", "cnn", "--ranks", "2", "--repeats", "1", "--round-steps", "3"]
-    assert (
-        fidelity.main([*small, "--search-evals", "10", "--costs", "roofline", "--json", str(out)])
-        == 0
-    )
-    results = json.loads(out.read_text())["results"]["cnn@cpu:2"]
-    labels = [r["plan"] for r in results]
-    assert labels == [*RULES, "random-1", "searched"]
-    for r in results:
-        assert r["predicted_s"] > 0 and r["measured_s"] > 0
-        assert len(r["predicted_memory"]) == len(r["measured_memory"]) == 2
-        assert min(r["measured_memory"][d] for d in r["working"]) > 0
+    _small_run(tmp_path)
     assert "| cnn | cpu:2 | 8 |" in capsys.readouterr().out
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy_module() is None, reason="needs cupy and a GPU")
+def test_two_ranks_sharing_a_gpu_end_to_end(tmp_path: Path, monkeypatch, capsys) -> None:
+    """gpu_check.sh's part 6, small: the ranks share the GPU through host memory, and a
+    rank a plan leaves idle holds nothing in its pool (its memory error is not a
+    division by that nothing)."""
+    monkeypatch.setattr(fidelity, "RANDOM_SEEDS", (1,))
+    results = _small_run(tmp_path, "--device", "cuda")
+    single = next(r for r in results if r["plan"] == "single-device")
+    assert single["working"] == [0] and single["measured_memory"][1] == 0
+    out = capsys.readouterr().out
+    assert "| cnn | 2 ranks on one GPU | 8 |" in out
+    assert "memory +" in out or "memory -" in out
+    assert " idle" in out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fidelity import Result, over_fastest, summary
+from benchmarks.fidelity import Result, memory_errors, over_fastest, summary
 
 
 def _result(plan: str, predicted_ms: float, measured_ms: float) -> Result:
@@ -94,3 +94,11 @@ def test_the_searched_plan_is_also_compared_round_by_round() -> None:
     assert summary(RESULTS)["searched_by_round"] is None
     assert by_round(results[1], [results[1], replace(results[2], rounds=ms(2.0))]) is None
     assert over_fastest_by_round(None) == ""
+
+
+def test_memory_errors_per_rank_and_idle_ranks_apart() -> None:
+    # A one-device plan on 3 ranks of a GPU: the idle ranks' pools hold nothing.
+    one = Result("single-device", 1e-3, 1e-3, (1e-3, 1e-3), (110, 8, 8), (100, 0, 0), (0,))
+    assert memory_errors(one) == ["+10%", "idle", "idle"]
+    spread = Result("data-parallel", 1e-3, 1e-3, (1e-3, 1e-3), (95, 50), (100, 0), (0, 1))
+    assert memory_errors(spread) == ["-5%", "none measured"]
