@@ -66,6 +66,7 @@ from benchmarks.multirank import shared_gpu_machine
 from executor.kinds import DeviceKind
 from executor.trace import MEMORY_STEP, TRACED_STEPS
 from onnx2soap.cli.machine_cmd import find_mpiexec
+from onnx2soap.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -512,37 +513,49 @@ def main(argv=None) -> int:
                 results = run_model(name, setting, machine, args, models)
                 everything[f"{name}@{setting.label}"] = [r.__dict__ for r in results]
                 table.append((name, setting, summary(results)))
+                # As each model ends, so that a run cut short (gpu_check.sh's time
+                # limit) keeps what it finished.
+                print(table_row(*table[-1]), flush=True)
+                if args.json:
+                    write_atomic(args.json, json.dumps(_document(everything, table)))
     print_table(table)
-    if args.json:
-        args.json.write_text(
-            json.dumps({"results": everything, "summary": [(n, s.label, x) for n, s, x in table]})
-        )
     return 0
 
 
+def _document(everything: dict, table: list[tuple[str, Setting, dict]]) -> dict:
+    return {"results": everything, "summary": [(n, s.label, x) for n, s, x in table]}
+
+
+TABLE_HEAD = (
+    "| model | machine | plans | step error | Kendall tau | pairs apart ordered right "
+    "| memory error (worst) | spread of repeats | measured/predicted | step error after it "
+    "| predicted fastest, measured | searched, measured |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def print_table(table: list[tuple[str, Setting, dict]]) -> None:
-    cores = os.cpu_count() or 1
-    print(
-        "\n| model | machine | plans | step error | Kendall tau | pairs apart ordered right "
-        "| memory error (worst) | spread of repeats | measured/predicted | step error after it "
-        "| predicted fastest, measured | searched, measured |"
+    print("\n" + TABLE_HEAD)
+    for row in table:
+        print(table_row(*row))
+
+
+def table_row(name: str, setting: Setting, s: dict) -> str:
+    """One model on one machine: its line of the table."""
+    if setting.on_cpu:
+        over = " (oversubscribed)" if setting.ranks > (os.cpu_count() or 1) else ""
+        where = f"{setting.label}{over}"
+    else:
+        where = f"{setting.ranks} ranks on one GPU"
+    return (
+        f"| {name} | {where} | {s['plans']} | {s['step_error'] * 100:.0f} % | "
+        f"{s['tau']:.2f} | {s['ordered_apart'][0]} of {s['ordered_apart'][1]} | "
+        f"{s['memory_error'] * 100:.1f} % ({s['memory_worst'] * 100:.0f} %) | "
+        f"{s['noise'] * 100:.0f} % | {s['bias']:.2f} | {s['relative_error'] * 100:.0f} % | "
+        f"{over_fastest(s['pick_over_fastest'])} | "
+        f"{over_fastest(s['searched_over_fastest'])}"
+        f"{over_fastest_by_round(s['searched_by_round'])} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, setting, s in table:
-        if setting.on_cpu:
-            over = " (oversubscribed)" if setting.ranks > cores else ""
-            where = f"{setting.label}{over}"
-        else:
-            where = f"{setting.ranks} ranks on one GPU"
-        print(
-            f"| {name} | {where} | {s['plans']} | {s['step_error'] * 100:.0f} % | "
-            f"{s['tau']:.2f} | {s['ordered_apart'][0]} of {s['ordered_apart'][1]} | "
-            f"{s['memory_error'] * 100:.1f} % ({s['memory_worst'] * 100:.0f} %) | "
-            f"{s['noise'] * 100:.0f} % | {s['bias']:.2f} | {s['relative_error'] * 100:.0f} % | "
-            f"{over_fastest(s['pick_over_fastest'])} | "
-            f"{over_fastest(s['searched_over_fastest'])}"
-            f"{over_fastest_by_round(s['searched_by_round'])} |"
-        )
 
 
 if __name__ == "__main__":

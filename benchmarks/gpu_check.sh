@@ -20,12 +20,16 @@
 # parts run in order of what matters most, and print as they go. Results go to $OUT (or
 # ./build/gpu when OUT is unset). Arguments name the parts to run (default: all), so that
 # a device's time can be split over two calls: `gpu_check.sh 1 2 3 4 5`, then `gpu_check.sh 6`.
+# Part 6 prints each model's row and rewrites its JSON as the model ends, so a run its
+# time limit cuts keeps what it finished. A dry run without a GPU, under the numpy
+# stand-in for CuPy and NCCL (figures meaningless; part 3 needs torch built for CUDA):
+#   PYTHONPATH=tests/standins OUT=/tmp/gpu bash benchmarks/gpu_check.sh
 set -u
 PARTS=" ${*:-1 2 3 4 5 6} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 PATH="$(dirname "$(command -v "$PY")"):$PATH"
 {
@@ -61,6 +65,7 @@ if part 5; then
 fi
 if part 6; then
   timeout 200 $PY -m benchmarks.fidelity --device cuda --ranks 2 4 --repeats 2 \
-    --models cnn,gpt2,lstm_lm,resnet18 --models-dir build/fidelity-models 2>&1 \
+    --models cnn,gpt2,lstm_lm,resnet18 --models-dir build/fidelity-models \
+    --json "$OUT/fidelity.json" 2>&1 \
     | tee "$OUT/fidelity.txt"
 fi

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmarks import fidelity
-from benchmarks.fidelity import RULES, Setting, export
+from benchmarks.fidelity import RULES, Result, Setting, export
 from executor.device import cupy_module
 from executor.kinds import DeviceKind
 from onnx2soap.sim.machine import dump_machine, load_machine_file
@@ -112,3 +113,25 @@ def test_two_ranks_sharing_a_gpu_end_to_end(tmp_path: Path, monkeypatch, capsys)
     assert "| cnn | 2 ranks on one GPU | 8 |" in out
     assert "memory +" in out or "memory -" in out
     assert " idle" in out
+
+
+def test_a_run_cut_short_keeps_the_models_it_finished(tmp_path: Path, monkeypatch, capsys):
+    """Each model's row is printed and the JSON written as the model ends: gpu_check.sh
+    stops the run at its time limit, and what it finished is then all there is."""
+    made = Result("single-device", 2e-3, 3e-3, (3e-3, 3e-3), (100, 10), (100, 0), (0,))
+
+    def run_model(name: str, *_):
+        if name == "gpt2":
+            raise KeyboardInterrupt  # the time limit's signal, as the second model runs
+        return [made, replace(made, plan="searched", measured_s=2e-3)]
+
+    monkeypatch.setattr(fidelity, "run_model", run_model)
+    monkeypatch.setattr(Setting, "make_machine", lambda self, path: path)
+    out = tmp_path / "fidelity.json"
+    with pytest.raises(KeyboardInterrupt):
+        fidelity.main(["--models", "cnn,gpt2", "--ranks", "2", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert list(doc["results"]) == ["cnn@cpu:2"]
+    assert [r["plan"] for r in doc["results"]["cnn@cpu:2"]] == ["single-device", "searched"]
+    assert [row[:2] for row in doc["summary"]] == [["cnn", "cpu:2"]]
+    assert "| cnn | cpu:2 | 2 |" in capsys.readouterr().out
