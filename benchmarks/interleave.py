@@ -9,7 +9,8 @@ at 50 or 80 thousand iterations a second, in spells from 20 ms to 5 s). Plans me
 one after another, each in its own mpiexec, each see their own spells: the same plan
 measured 15-36 % apart from run to run, more than the error we try to measure. Here
 every round runs each plan for K steps through the executor's own ``train`` (the step a
-user's run takes, setup not timed), so the host's slow spells fall on all plans alike.
+user's run takes, setup not timed), so the host's slow spells fall on all plans alike;
+each round in an order of its own (``round_order``).
 
 A first round, not timed, runs every plan for ``WARM_STEPS`` steps: what a process makes
 once (imports, caches) is made before any plan is timed. A plan's step times are those
@@ -32,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
 import argparse
 import json
 import os
+import random
 import statistics
 
 # One BLAS thread per rank, as `python -m executor` sets it, before numpy is imported.
@@ -78,13 +80,20 @@ def measure_all(
     results = {str(p): {"times": [], "round_medians": []} for p in plans}
     for plan in plans:  # the process's one-off work, before anything is timed
         run(plan, WARM_STEPS)
-    for _ in range(rounds):
-        for plan in plans:
+    for r in range(rounds):
+        for plan in round_order(plans, r):
             done = run(plan, steps)
             timed = [r.time_s for r in done.steps[WARM_STEPS:]]
             results[str(plan)]["times"] += timed
             results[str(plan)]["round_medians"].append(statistics.median(timed))
     return results
+
+
+def round_order(plans: list[Path], r: int) -> list[Path]:
+    """Round ``r``'s order, a shuffle seeded by ``r`` (the same on every rank): what a
+    plan leaves behind (its heap, the cores' state) falls on another plan each round,
+    and no plan runs at one point of every round, as in a fixed order it did."""
+    return random.Random(r).sample(plans, len(plans))
 
 
 def main(argv=None) -> int:

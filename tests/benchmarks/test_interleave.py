@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from benchmarks.interleave import WARM_STEPS
+from benchmarks.interleave import WARM_STEPS, round_order
 from executor.train import RunOptions, train
 from tests.executor.mpi import MPIEXEC, make_plan
 
@@ -72,3 +72,15 @@ def test_bad_arguments_are_refused() -> None:
     )
     assert done.returncode == 2
     assert "no such folder no/such" in done.stderr
+
+
+def test_each_round_has_an_order_of_its_own() -> None:
+    plans = [Path(f"plan-{i}.json") for i in range(12)]
+    orders = [round_order(plans, r) for r in range(8)]
+    assert all(sorted(o) == sorted(plans) for o in orders)  # every plan once a round
+    assert orders == [round_order(plans, r) for r in range(8)]  # the same on every rank
+    assert len({tuple(o) for o in orders}) == 8
+    assert len({o[0] for o in orders}) > 1 and len({o[-1] for o in orders}) > 1
+    # The plan before each plan: not one and the same in every round.
+    before = {p: {o[o.index(p) - 1] for o in orders if o.index(p)} for p in plans}
+    assert all(len(b) > 1 for b in before.values())
