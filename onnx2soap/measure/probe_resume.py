@@ -89,11 +89,12 @@ def charged(machine: Machine, after: float, pg) -> int:
     return round((predicted(owed, pg) - predicted(machine, pg)) / tiny)
 
 
-def paired_steps(comm, model, plans, nap: bool, steps: int) -> np.ndarray:
+def paired_steps(comm, model, plans, steps: int) -> np.ndarray:
     """Each plan's step (the slowest rank's), the plans taking turns step by step:
-    ``[steps, plans]`` seconds. On this host a plan's step drifts by a third over
-    seconds, more than the resumes it holds; a pair of steps a few ms apart drifts
-    together."""
+    ``[steps, plans]`` seconds, the ranks napping and sleeping on their bells while
+    they wait, as ranks that share cores do. On this host a plan's step drifts by a
+    third over seconds, more than the resumes it holds; a pair of steps a few ms apart
+    drifts together."""
     from mpi4py import MPI
 
     from executor.crew import IDLE_NAP_S
@@ -108,9 +109,9 @@ def paired_steps(comm, model, plans, nap: bool, steps: int) -> np.ndarray:
     graph, rank, dtype = model.graph, comm.Get_rank(), np.dtype(np.float32)
     device, values = CpuDevice(), {**model.weights, **model.state}
     comms = [comm.Dup() for _ in plans]  # a plan's messages never meet another's
-    bells = [Doorbell.open(c) if nap else None for c in comms]
+    bells = [Doorbell.open(c) for c in comms]
     transports = [
-        MpiTransport(c, device, nap=nap, bell=bell) for c, bell in zip(comms, bells, strict=True)
+        MpiTransport(c, device, nap=True, bell=bell) for c, bell in zip(comms, bells, strict=True)
     ]
     runtimes = [
         Runtime(pg, compile_program(pg, rank), t, values, dtype, model.constants, device=device)
@@ -126,7 +127,7 @@ def paired_steps(comm, model, plans, nap: bool, steps: int) -> np.ndarray:
         for step in range(steps + SKIPPED):
             for k, (pg, rt) in enumerate(zip(plans, runtimes, strict=True)):
                 batch = data.batch(step + 1, rows_needed(pg, rank))
-                wait_patiently(comm.Ibarrier().Test, nap=nap, nap_s=naps[k])
+                wait_patiently(comm.Ibarrier().Test, nap=True, nap_s=naps[k])
                 start = time.perf_counter()
                 rt.step(batch, 0.0)
                 times[step, k] = time.perf_counter() - start
@@ -137,7 +138,7 @@ def paired_steps(comm, model, plans, nap: bool, steps: int) -> np.ndarray:
         for t in transports:
             t.close()
         for bell in bells:
-            if bell is not None:
+            if bell is not None:  # None where the platform has no abstract sockets
                 bell.close()
         for c in comms:
             c.Free()
@@ -160,7 +161,7 @@ def resume_cost(comm, machine: Machine, after: float, pairs: int = PAIRS) -> Res
         extra = predicted(machine, plans[1]) - predicted(machine, plans[0])
         resumes = charged(machine, after, plans[1])
     resumes, extra = comm.bcast((resumes, extra), root=0)
-    steps = paired_steps(comm, model, plans, True, pairs)
+    steps = paired_steps(comm, model, plans, pairs)
     if not resumes:
         return Resume(after, 0.0)
     added = float(np.median(steps[:, 1] - steps[:, 0]))
