@@ -62,7 +62,8 @@ class DeltaState:
     preds: list[tuple]
     ends: list[Sequence[float]]  # per slot: its tasks' end times
     # per checkpointed slot: every resource's last end before it, the latest end, and
-    # what each device owes for a resume (``simulate.Wakes``; empty on machines without)
+    # what each device owes for a resume and when it last communicated (``simulate.Wakes``;
+    # empty on machines with neither a resume nor a cooling)
     checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[float, ...]]]
     makespan: float
     moved: list[int]  # per slot: bytes moved
@@ -294,7 +295,7 @@ class DeltaSimulator:
     def _run(self, strategy, segments, preds, dirty: set[int], base) -> DeltaState:
         """Re-times from the checkpoint at or before the first dirty slot to the end."""
         size = self.lay.size
-        resume, devices = self.machine.resume, self.machine.size
+        resume, cooling, devices = self.machine.resume, self.machine.cooling, self.machine.size
         if base is None:
             ends, moved = [()] * size, [0] * size
             checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[float, ...]]] = {}
@@ -307,7 +308,9 @@ class DeltaSimulator:
             first = self.entries[bisect_right(self.entries, min(dirty)) - 1]
             saved, last, owed = checkpoints[first]
             free = list(saved)
-        wakes = None if resume is None else Wakes(resume, devices, owed)
+        wakes = None
+        if resume is not None or cooling is not None:
+            wakes = Wakes(resume, devices, owed, cooling)
         for s in dirty:
             moved[s] = sum(segments[s].nbytes)
         entries = self.entry_set

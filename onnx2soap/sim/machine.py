@@ -21,6 +21,7 @@ Machine file (YAML)::
     message_busy: 4.5e-05          # optional: of a message's latency, what holds its ends
     ring_step_latency: 1.0e-05     # optional: a ring all-reduce step's latency
     resume: {after: 2.0e-04, cost: 6.0e-04, slowdown: 6.0}  # optional: a rank that slept
+    cooling: {cost: 1.6e-04, after: 1.5e-03}  # optional: a message after a long silence
     margin: 0.1                    # optional: the simulator's step error here, a fraction
 
 Units: FLOP/s, bytes/s, bytes, seconds. Every ordered pair of distinct devices needs a
@@ -96,6 +97,23 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class Cooling:
+    """What a message or a ring costs beyond its latency when its ends have not
+    communicated for a while: a communication task that starts ``gap`` seconds after
+    the last one of any device it holds ended costs ``cost · (1 - exp(-gap / after))``
+    more. On CPU ranks of a VM whose ranks spin while they wait, a bare MPI round trip
+    takes 3 us back to back and 12, 29 and 80 us after 1, 3 and 10 ms without one, and
+    a two-rank ring of 128 floats 40-200 us after 0.1-6 ms of the ranks streaming
+    memory (``machine probe`` fits it there): so resnet18's data-parallel statistics
+    rings, an op's compute apart, took 87 us where its model-parallel plan's, a message
+    apart, took 22. The first communication of a step counts its gap from the step's
+    start (the previous step ended with a sum over the ranks)."""
+
+    cost: float
+    after: float
+
+
+@dataclass(frozen=True)
 class Machine:
     """``transfers_use_compute``: a transfer also holds the sending and the receiving
     device, as on CPU ranks, whose cores copy every message themselves; GPUs have copy
@@ -122,6 +140,9 @@ class Machine:
     ``resume``: what a device pays for having slept through a long wait (``Resume``);
     None: nothing (GPUs, whose streams do not sleep; ranks that were never measured).
 
+    ``cooling``: what a communication costs its ranks after a silence (``Cooling``);
+    None: nothing (the presets; ranks that nap, which ``resume`` covers).
+
     ``margin``: the simulator's step error on this machine, as a fraction of a step
     (what ``benchmarks/fidelity.py`` measures as the step error after the common
     factor). The search trades a plan for one that moves more bytes only where that
@@ -142,6 +163,7 @@ class Machine:
     ring_step_latency: float | None = None
     resume: Resume | None = None
     margin: float = 0.0
+    cooling: Cooling | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
@@ -324,7 +346,25 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         ring,
         resume,
         float(margin),
+        _cooling(doc.get("cooling"), source),
     )
+
+
+def _cooling(doc, source: str) -> Cooling | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, Mapping) or set(doc) != {"cost", "after"}:
+        raise MachineError(
+            f"{source}: cooling: must be a mapping of cost and after (seconds), got {doc!r}"
+        )
+    for key in ("cost", "after"):
+        if not _nonnegative(doc[key]) or (key == "after" and not doc[key] > 0):
+            raise MachineError(
+                f"{source}: cooling.{key}: must be a finite number "
+                + (">= 0" if key == "cost" else "> 0")
+                + f" (seconds), got {doc[key]!r}"
+            )
+    return Cooling(float(doc["cost"]), float(doc["after"]))
 
 
 def _resume(doc, source: str) -> Resume | None:
@@ -370,6 +410,7 @@ def machine_to_dict(m: Machine) -> dict:
         **({"ring_step_latency": m.ring_step_latency} if m.ring_step_latency is not None else {}),
         **({"resume": asdict(m.resume)} if m.resume is not None else {}),
         **({"margin": m.margin} if m.margin else {}),
+        **({"cooling": asdict(m.cooling)} if m.cooling is not None else {}),
     }
 
 

@@ -99,8 +99,8 @@ class PipelinePrice:
 def makespans(tg: TaskGraph, label: np.ndarray, count: int) -> list[float]:
     """Per class ``0..count-1``, the makespan of its tasks alone (``label`` per task, -1
     for none): ``simulate``'s pass with every predecessor and resource turn outside the
-    task's class left out (a resume, ``simulate.Wakes``, counts waits within the class:
-    ``time_pipeline`` counts those between passes)."""
+    task's class left out (a resume and a cooling, ``simulate.Wakes``, count waits and
+    silences within the class: ``time_pipeline`` counts resumes between passes)."""
     n = tg.size
     duration, lab = tg.duration.tolist(), label.tolist()
     res_ptr, res_idx = tg.res_ptr.tolist(), tg.res_idx.tolist()

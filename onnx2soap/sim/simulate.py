@@ -5,21 +5,23 @@ numbered below it, so one pass in task order is the schedule: a task starts when
 predecessors have ended and every resource it holds has ended the task before it in the
 order, and holds them until it ends. The makespan is one step. ``run_task`` is the one
 formula, shared with delta simulation so that both give bit-identical times; on machines
-with a resume cost (``Machine.resume``), ``Wakes`` adds it to a task's end, the same way
-in both.
+with a resume cost (``Machine.resume``) or a cooling (``Machine.cooling``), ``Wakes``
+adds it to a task's end, the same way in both.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from onnx2soap.sim.machine import Resume
+from onnx2soap.sim.machine import Cooling, Resume
 from onnx2soap.sim.taskgraph import TaskGraph, TaskKind
 
 COMPUTE = frozenset({int(TaskKind.FORWARD), int(TaskKind.BACKWARD), int(TaskKind.UPDATE)})
+COMMUNICATION = frozenset({int(TaskKind.TRANSFER), int(TaskKind.ALLREDUCE)})
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ def run_task(ready: Iterable[float], resources: Iterable[int], free: list[float]
 
 
 class Wakes:
-    """What each device owes for having slept through its last wait, over one pass in
-    program order (``Machine.resume``).
+    """What each device owes for having slept through its last wait, and how long each
+    has been silent, over one pass in program order (``Machine.resume``,
+    ``Machine.cooling``).
 
     A device waited when a task that holds it could not start, for its predecessors
     (its inputs, a message, a ring's other members), until more than ``resume.after``
@@ -55,34 +58,57 @@ class Wakes:
     ``resume.slowdown`` times its own duration: a rank that runs a stage after a
     hand-off pays it all, one that runs a small op between messages a little each
     time. A wait for a shared core is not a sleep: the rank is runnable, and the
-    simulator's turns on a core stand for the operating system's longer time slices."""
+    simulator's turns on a core stand for the operating system's longer time slices.
 
-    __slots__ = ("after", "cost", "devices", "owed", "slowdown")
+    A communication task (a message, a ring) that starts ``gap`` seconds after the last
+    one that held any of its devices ended costs ``cooling.cost · (1 - exp(-gap /
+    cooling.after))`` more: the longest silence among its ends, since the one that
+    comes last to it is the one that keeps the others waiting."""
 
-    def __init__(self, resume: Resume, devices: int, owed: tuple[float, ...] = ()) -> None:
-        self.after, self.cost, self.slowdown = resume.after, resume.cost, resume.slowdown
-        self.devices = devices
-        self.owed = list(owed) if owed else [0.0] * devices
+    __slots__ = ("cooling", "devices", "heard", "owed", "resume")
+
+    def __init__(
+        self,
+        resume: Resume | None,
+        devices: int,
+        saved: tuple[float, ...] = (),
+        cooling: Cooling | None = None,
+    ) -> None:
+        """``saved``: a pass's state where it stopped (``saved``), to go on from."""
+        self.resume, self.cooling, self.devices = resume, cooling, devices
+        state = list(saved) if saved else [0.0] * (2 * devices)
+        self.owed, self.heard = state[:devices], state[devices:]
 
     def extra(self, ready: float, kind: int, seconds: float, resources, free) -> float:
         """The seconds a task of ``seconds`` that may start at ``ready`` for its
-        predecessors adds for a resume (call before ``free`` takes its end)."""
-        owed = self.owed
-        for r in resources:
-            if r < self.devices and ready - free[r] > self.after:
-                owed[r] = self.cost
-        if kind in COMPUTE and (due := owed[resources[0]]) > 0:
-            paid = min(due, self.slowdown * seconds)
-            owed[resources[0]] = due - paid
-            return paid
-        return 0.0
+        predecessors adds for a resume or a cooling (call before ``free`` takes its
+        end)."""
+        ends = [r for r in resources if r < self.devices]
+        x = 0.0
+        if (resume := self.resume) is not None:
+            owed = self.owed
+            for r in ends:
+                if ready - free[r] > resume.after:
+                    owed[r] = resume.cost
+            if kind in COMPUTE and ends and (due := owed[ends[0]]) > 0:
+                x = min(due, resume.slowdown * seconds)
+                owed[ends[0]] = due - x
+        if (cooling := self.cooling) is not None and kind in COMMUNICATION and ends:
+            start = max([ready, *(free[r] for r in resources)])
+            gap = start - min(self.heard[r] for r in ends)
+            x += cooling.cost * -math.expm1(-gap / cooling.after)
+            for r in ends:
+                self.heard[r] = start + seconds + x
+        return x
 
     def saved(self) -> tuple[float, ...]:
-        return tuple(self.owed)
+        return (*self.owed, *self.heard)
 
 
 def wakes_of(tg: TaskGraph) -> Wakes | None:
-    return None if tg.resume is None else Wakes(tg.resume, tg.devices)
+    if tg.resume is None and tg.cooling is None:
+        return None
+    return Wakes(tg.resume, tg.devices, cooling=tg.cooling)
 
 
 def simulate(tg: TaskGraph) -> Timeline:

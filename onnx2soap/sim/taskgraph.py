@@ -47,7 +47,7 @@ import numpy as np
 from onnx2soap.errors import PlanError
 from onnx2soap.ir import Graph, Op
 from onnx2soap.sim.costs import CostModel
-from onnx2soap.sim.machine import Machine, Resume
+from onnx2soap.sim.machine import Cooling, Machine, Resume
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
 from onnx2soap.soap.collectives import (
     RingStep,
@@ -91,8 +91,10 @@ class TaskGraph:
     pred_idx: np.ndarray
     num_resources: int
     names: tuple[str, ...] = field(default=())  # only when built with names=True
-    # The machine's resume cost (``simulate.Wakes``) and its devices (resources 0..D-1)
+    # The machine's resume cost and cooling (``simulate.Wakes``) and its devices
+    # (resources 0..D-1)
     resume: Resume | None = None
+    cooling: Cooling | None = None
     devices: int = 0
     turns: tuple[int, ...] | None = None  # per device, its shared core's resource
     cores_copy: bool = False  # ``Machine.transfers_use_compute``
@@ -965,6 +967,7 @@ def flatten(
         num_resources=machine.resources,
         names=tuple(x for s in segments for x in s.names) if names else (),
         resume=machine.resume,
+        cooling=machine.cooling,
         devices=machine.size,
         turns=tuple(machine.core(d) for d in range(machine.size)) if machine.shares_cores else None,
         cores_copy=machine.transfers_use_compute,

@@ -13,7 +13,7 @@ from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.delta import DeltaSimulator
-from onnx2soap.sim.machine import Resume
+from onnx2soap.sim.machine import Cooling, Resume
 from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.taskgraph import Costs, Memo
@@ -31,18 +31,21 @@ def case(export_model, name: str, spec: str):
         space = analyze(graph)
         # cpu:4/cores=2: 4 ranks on 2 cores; /busy=S: a message holds its ends S seconds;
         # /ring=S: a ring's step costs S seconds of latency; /resume=A,C: a wait past A
-        # seconds costs the next compute task C more
+        # seconds costs the next compute task C more; /cool=C,A: a message or ring after a
+        # silence of G seconds costs C (1 - exp(-G / A)) more
         preset, *options = spec.split("/")
         option = dict(o.split("=") for o in options)
         busy = float(option["busy"]) if "busy" in option else None
         ring = float(option["ring"]) if "ring" in option else None
         resume = Resume(*map(float, option["resume"].split(","))) if "resume" in option else None
+        cool = Cooling(*map(float, option["cool"].split(","))) if "cool" in option else None
         machine = replace(
             resolve_machine(preset),
             cores=int(option.get("cores", 0)),
             message_busy=busy,
             ring_step_latency=ring,
             resume=resume,
+            cooling=cool,
         )
         moves = {op.name: candidates(space[op.name], machine.size) for op in graph.ops}
         CASES[key] = (graph, space, moves, machine, Partitioner(graph))
@@ -68,6 +71,8 @@ def per_resource(tg, timeline) -> dict[int, list[tuple[int, float, float]]]:
         ("bnnet", "cpu:4/ring=2e-5"),
         ("bnnet", "cpu:4/cores=2/busy=3e-6/resume=1e-6,4e-5"),
         ("tokens", "cpu:4/resume=0,1e-5"),
+        ("bnnet", "cpu:4/ring=2e-5/cool=1.7e-4,4e-6"),
+        ("tokens", "cpu:4/cores=2/resume=1e-6,4e-5/cool=5e-5,1e-5"),
         ("tokens", "flexflow-p100:1"),
     ],
 )

@@ -14,7 +14,13 @@ from executor.transport import SLEEPS_AFTER_S
 from onnx2soap.cli import main as cli
 from onnx2soap.errors import MachineError
 from onnx2soap.measure.probe import CPU_RANKS_MARGIN
-from onnx2soap.sim.machine import Resume, dump_machine, load_machine_file, machine_from_dict
+from onnx2soap.sim.machine import (
+    Cooling,
+    Resume,
+    dump_machine,
+    load_machine_file,
+    machine_from_dict,
+)
 from onnx2soap.sim.presets import preset, resolve_machine
 
 
@@ -56,7 +62,9 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     rings = replace(preset("cpu:2"), ring_step_latency=2.3e-5)
     slept = replace(napping, resume=Resume(after=3.7e-4, cost=6e-4))
     doubted = replace(slept, margin=0.1)
-    for m in (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings, slept, doubted):
+    cooled = replace(rings, cooling=Cooling(cost=1.7e-4, after=4.5e-3))
+    machines = (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings, slept, doubted)
+    for m in (*machines, cooled):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
         assert load_machine_file(path) == m
@@ -112,6 +120,10 @@ def _doc() -> dict:
         (lambda d: d.update(resume={"cost": 6e-4}), "resume"),
         (lambda d: d.update(resume={"after": 1e-4, "cost": -1.0}), "resume.cost"),
         (lambda d: d.update(resume={"after": "soon", "cost": 1e-4}), "resume.after"),
+        (lambda d: d.update(cooling=1e-4), "cooling"),
+        (lambda d: d.update(cooling={"cost": 1e-4}), "cooling"),
+        (lambda d: d.update(cooling={"cost": -1e-4, "after": 1e-3}), "cooling.cost"),
+        (lambda d: d.update(cooling={"cost": 1e-4, "after": 0}), "cooling.after"),
         (lambda d: d.update(margin=-0.1), "margin"),
         (lambda d: d.update(margin=1.0), "margin"),  # a whole step: nothing trusted
         (lambda d: d.update(margin="a tenth"), "margin"),
@@ -177,6 +189,13 @@ def test_probe_measures_this_host(tmp_path: Path) -> None:
         assert 0 <= m.resume.cost < 1e-2
     else:
         assert m.resume is None
+    # Ranks that spin pay for a silence instead (a ring after 10 ms costs more than one
+    # back to back on any host this runs on; the fit's time constant is on its grid).
+    if m.cores:
+        assert m.cooling is None
+    else:
+        assert m.cooling is not None and 0 < m.cooling.cost < 1e-2
+        assert 5e-5 <= m.cooling.after <= 5e-2
     # Not probed: the step error fidelity measures on CPU ranks, for the search.
     assert m.margin == CPU_RANKS_MARGIN
 

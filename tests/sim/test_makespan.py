@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from onnx2soap.sim import RooflineCost, Simulator
-from onnx2soap.sim.machine import Resume
+from onnx2soap.sim.machine import Cooling, Resume
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.taskgraph import TaskKind
 from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
@@ -215,6 +215,46 @@ def test_a_rank_that_slept_through_a_wait_resumes_slowly(tmp_path) -> None:
     paced = replace(slept, resume=Resume(after=10 * US, cost=7 * US, slowdown=6))
     took = Simulator(paced, RooflineCost()).evaluate(pg).step_time_s
     assert took - step_time(g, apart, 2) == pytest.approx(4.608 * US, rel=1e-9)
+
+
+def test_a_message_after_a_silence_costs_its_cooling(tmp_path) -> None:
+    """``Machine.cooling``: the gemm on device 0, the loss on device 1, on ranks whose
+    messages hold both ends. The tile goes out after the gemm's forward, a silence of
+    its start since the step began; the gradient comes back after the loss's forward
+    and backward, a silence of its start less the tile's end. Each costs
+    ``cost (1 - exp(-silence / after))`` more, both on the step's path, computed here
+    from the uncooled timeline (the cooling delays everything after the tile alike);
+    no compute task takes longer. Without devices in a message's resources (a GPU's
+    copy engines) nothing cools."""
+    import math
+
+    g = tiny_graph(tmp_path)
+    apart = Strategy(2, {"gemm": config(g, "gemm", [0], n=1), "loss": config(g, "loss", [1], n=1)})
+    pg = Partitioner(g).partition(apart)
+    cores = round_machine(2, use_compute=True)
+    plain = Simulator(cores, RooflineCost())
+    tg = plain.task_graph(pg, names=True)
+    timeline = simulate(tg)
+    sent = [i for i, k in enumerate(tg.kind) if k == TaskKind.TRANSFER]
+    assert len(sent) == 2 and all(k != TaskKind.ALLREDUCE for k in tg.kind)
+    tile, grad = sorted(sent, key=lambda i: timeline.start[i])
+    cost, after = 30 * US, 200 * NS  # the silences: the gemm's and the loss's compute
+    silences = (timeline.start[tile], timeline.start[grad] - timeline.end[tile])
+    expected = sum(cost * (1 - math.exp(-x / after)) for x in silences)
+    assert expected > 30 * US  # each silence about an ``after``: most of a cost each
+    cooled = Simulator(replace(cores, cooling=Cooling(cost, after)), RooflineCost())
+    base = plain.evaluate(pg).step_time_s
+    assert cooled.evaluate(pg).step_time_s - base == pytest.approx(expected, rel=1e-9)
+    ctg = cooled.task_graph(pg, names=True)
+    ctimeline = simulate(ctg)
+    longer = {
+        ctg.names[i]
+        for i in range(ctg.size)
+        if ctimeline.end[i] - ctimeline.start[i] - ctg.duration[i] > 1e-12
+    }
+    assert longer == {tg.names[tile], tg.names[grad]}
+    copied = Simulator(replace(round_machine(2), cooling=Cooling(cost, after)), RooflineCost())
+    assert copied.evaluate(pg).step_time_s == pytest.approx(step_time(g, apart, 2), rel=1e-12)
 
 
 def test_a_wait_for_a_shared_core_is_not_a_sleep(tmp_path) -> None:
