@@ -10,8 +10,10 @@ nonblocking send, a posted receive, the wait that completes it, the end of the s
 the latency from what a message adds to a step of the executor's runtime
 (``probe_messages.py``: its instructions and their dispatch included, 5-25 us on a
 2-core VM, where bare MPI takes about 1 us and the transport's calls alone 2 us); and
-the latency of a ring all-reduce's step from what rings add to a data-parallel step
-of the runtime (``Machine.ring_step_latency``: about twice a message's there); and,
+the latency of a ring all-reduce's step from the rings of a traced data-parallel step
+of the runtime (``Machine.ring_step_latency``: several times a message's there); where
+ranks have a core each, what a ring costs beyond that after a silence
+(``probe_cooling.py``, ``Machine.cooling``); and,
 where ranks share cores (they nap and sleep while they wait), what a rank pays for
 having slept through a long wait, from what handing a chain of matrix products from
 rank to rank adds to its step beyond its messages (``probe_resume.py``,
@@ -30,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from onnx2soap.files import write_atomic
+from onnx2soap.measure.probe_cooling import cooling_cost
 from onnx2soap.measure.probe_messages import ROUNDS, message_costs, ring_step_seconds
 from onnx2soap.measure.probe_resume import PAIRS, resume_cost
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
@@ -203,6 +206,8 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
         pairs = max(8, round(PAIRS * seconds / DEFAULT_SECONDS))
         resume = resume_cost(comm, machine, SLEEPS_AFTER_S, pairs)
         machine = replace(machine, resume=comm.bcast(resume, root=0))
+    elif ranks > 1:  # they spin, and pay for a silence instead
+        machine = replace(machine, cooling=cooling_cost(comm))
     return dump_machine(machine)
 
 

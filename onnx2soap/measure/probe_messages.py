@@ -23,18 +23,20 @@ while they wait, a part of it where they nap (ranks that outnumber the cores: 45
 125 us on 4 ranks on 2 cores here), the rest of which their cores are free for others.
 
 A ring all-reduce's step costs more than a message: every member posts a send and a
-receive, waits for both, sums or copies the chunk, and the instruction that runs the
-ring is dispatched. So the rings are measured the same way, on a chain of
-tiny BatchNormalizations trained on rank 0 alone and then data parallel over every
-rank, where each op's statistics (forward and backward) and its two weights' gradients
-are summed by rings over all ranks, and nothing else differs:
+receive, waits for both, sums or copies the chunk. So the rings are measured in the
+runtime too: a chain of tiny BatchNormalizations trained data parallel over every rank,
+traced. In each of its statistics rings (forward and backward, one per op) the member
+that comes last spends only the ring's own time in it (the others wait for it there
+too), so
 
-    ring step = (data-parallel step - one-rank step) / rings / (2 (ranks - 1))
+    ring step = median over rings of (the least time a member spends in it) / (2 (ranks - 1))
 
-(10-11 us on 2 ranks of a 2-core VM, where a message measures 4-5 us; rings costed as
-messages had predicted resnet18's data parallelism 1.26x fast. A real model's rings
-cost about twice the probe's in its step: resnet18's two-step statistics rings took 46
-us, where the probe's figure makes them 25.)
+(the 16 floats' bytes take a fraction of a microsecond): 17-19 us on 2 ranks of a 2-core
+VM, the same from probe to probe. The chain's ops take microseconds, so these rings come
+back to back; what a ring costs after an op's compute is the machine's cooling
+(``probe_cooling.py``). The probe this replaced took the difference of two steps,
+data-parallel and on one rank, over its rings: 10-15 us a step here, and its figure
+moved by 2x from probe to probe, and with it every data-parallel plan's prediction.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +57,7 @@ CHAIN_OPS = 16
 WIDTH = 8
 BATCH = 2
 STEPS = 24
-RING_ROWS = 2  # the norm chain's samples per rank
+RING_ROWS = 2  # the norm chain's samples per rank: its ops take microseconds
 SKIPPED = 3  # the first steps make buffers and settle the heap
 # Rounds of (one-rank chain, then the alternating chain of every peer); a peer's figure is
 # the median over the rounds. One round's figure spreads by +-25 % on a 2-core VM (14-26
@@ -155,10 +157,13 @@ class StepFigures:
     seconds: float
     processor: float
     program: object  # executor.program.Program
+    # traced: this rank's statistics rings, (name, step) -> seconds in the ring
+    rings: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
-def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
-    """Trains ``pg`` for ``STEPS`` steps at learning rate 0 on the probe's ranks."""
+def _step_seconds(comm, model, pg, nap: bool, traced: bool = False) -> StepFigures:
+    """Trains ``pg`` for ``STEPS`` steps at learning rate 0 on the probe's ranks;
+    ``traced``: with the executor's tracer, keeping the statistics rings' times."""
     from mpi4py import MPI
 
     from executor.data import SyntheticData, rows_needed
@@ -167,6 +172,7 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
     from executor.host_memory import release_python_heap, settle_python_heap
     from executor.program import compile_program
     from executor.runtime import Runtime
+    from executor.trace import Tracer
     from executor.transport import MpiTransport, wait_patiently
 
     graph, rank, dtype = model.graph, comm.Get_rank(), np.dtype(np.float32)
@@ -176,16 +182,22 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
     bell = Doorbell.open(comm) if nap else None  # as the executor waits
     transport = MpiTransport(comm, device, nap=nap, bell=bell)
     rt = Runtime(pg, program, transport, values, dtype, model.constants, device=device)
+    if traced:
+        rt.tracer = Tracer(rank, pg, device, traced_steps=STEPS)
     data, rows = SyntheticData(graph, 0, dtype), rows_needed(pg, rank)
     times, cpu = [], []
     try:
         for step in range(1, STEPS + 1):
             batch = data.batch(step, rows)
             wait_patiently(comm.Ibarrier().Test, nap=nap)  # ranks start a step together
+            if rt.tracer is not None:
+                rt.tracer.begin_step(step)
             start, processor = time.perf_counter(), time.process_time()
             rt.step(batch, 0.0)
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - processor)
+            if rt.tracer is not None:
+                rt.tracer.end_step()
             if step == 1:  # as the executor's steps run: see settle_python_heap
                 settle_python_heap()
     finally:
@@ -200,7 +212,18 @@ def _step_seconds(comm, model, pg, nap: bool) -> StepFigures:
         statistics.median(slowest[SKIPPED:].tolist()),
         statistics.median(spent[SKIPPED:].tolist()),
         program,
+        {} if rt.tracer is None else _statistics_rings(rt.tracer.records),
     )
+
+
+def _statistics_rings(records) -> dict[tuple[str, int], float]:
+    """The traced statistics rings of the steps after ``SKIPPED``: (name, step) -> the
+    seconds this rank spent in the ring (the tracer counts steps from 1)."""
+    return {
+        (name, step): seconds
+        for name, _, _, seconds, step in records
+        if name.startswith("stats ") and step > SKIPPED
+    }
 
 
 def message_costs(comm, nap: bool, rounds: int = ROUNDS) -> list[MessageCost]:
@@ -232,29 +255,20 @@ def message_costs(comm, nap: bool, rounds: int = ROUNDS) -> list[MessageCost]:
     ]
 
 
-def rings_run(program) -> int:
-    """The ring all-reduces a rank's program runs a step: its statistics sums and its
-    weight gradients' sums over more than one device."""
-    from executor.program import AllReduce, ReduceStats
-
-    return sum(
-        isinstance(x, ReduceStats | AllReduce) and len(x.devices) > 1 for x in program.instructions
-    )
-
-
 def ring_step_seconds(comm, nap: bool, rounds: int = ROUNDS) -> float | None:
     """What one step of a ring all-reduce over every rank costs a step of the runtime
-    (every rank calls this), the median over ``rounds`` rounds; None on one rank."""
+    (every rank calls this): the median over ``rounds`` traced runs' statistics rings of
+    the least time a member spent in the ring, per ring step; None on one rank."""
     size = comm.Get_size()
     with tempfile.TemporaryDirectory() as folder:
         model = norm_chain_model(Path(folder), size) if comm.Get_rank() == 0 else None
     model = comm.bcast(model, root=0)
     if size == 1:
         return None
-    graph, figures = model.graph, []
+    spread, least = _data_parallel(model.graph, size), []
     for _ in range(rounds):
-        alone = _step_seconds(comm, model, _plan(graph, size, 0), nap)
-        spread = _step_seconds(comm, model, _data_parallel(graph, size), nap)
-        steps = rings_run(spread.program) * 2 * (size - 1)
-        figures.append(max(spread.seconds - alone.seconds, 0.0) / steps)
-    return statistics.median(figures)
+        rings = comm.gather(_step_seconds(comm, model, spread, nap, traced=True).rings, root=0)
+        if rings is not None:
+            least += [min(rank[key] for rank in rings) for key in rings[0]]
+    step = statistics.median(least) / (2 * (size - 1)) if comm.Get_rank() == 0 else None
+    return comm.bcast(step, root=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,9 @@ from onnx2soap.measure.probe_messages import (
     _plan,
     chain_model,
     norm_chain_model,
-    rings_run,
 )
 from onnx2soap.sim import RooflineCost, Simulator
+from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.taskgraph import TaskKind
 from tests.sim.tiny import LINK_BW, LINK_LATENCY, round_machine
 
@@ -42,21 +43,34 @@ def test_alternating_chain_puts_every_message_on_the_critical_path(tmp_path: Pat
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_ring_probe_counts_the_rings_the_simulator_runs(tmp_path: Path, ranks: int) -> None:
-    """What the ring probe divides by: per rank, the data-parallel norm chain runs four
-    rings per BatchNormalization (its forward and backward statistics, its scale's and
-    bias's gradients), over every rank, and the one-rank plan none; the simulator's task
-    graph holds the same rings, each of 2 (ranks - 1) steps."""
-    from executor.program import compile_program
+def test_ring_probe_reads_the_statistics_rings_the_simulator_runs(tmp_path: Path, ranks) -> None:
+    """What the ring probe reads: per rank, the data-parallel norm chain sums each
+    BatchNormalization's statistics (forward and backward) in a ring over every rank,
+    traced as ``stats OP fwd/bwd``; the simulator runs each as one task of 2 (ranks - 1)
+    steps of ``ring_step_latency`` (and its few bytes: under 1 % of it), so the ring's
+    time over its steps is that latency."""
+    from executor.program import ReduceStats, compile_program
+    from executor.trace import task_name
 
     graph = norm_chain_model(tmp_path, ranks).graph
     assert sum(op.type == "BatchNormalization" for op in graph.ops) == CHAIN_OPS
     spread = _data_parallel(graph, ranks)
     for rank in range(ranks):
-        assert rings_run(compile_program(spread, rank)) == 4 * CHAIN_OPS
-        assert rings_run(compile_program(_plan(graph, ranks, 0), rank)) == 0
-    tg = Simulator(round_machine(ranks), RooflineCost()).task_graph(spread, names=True)
-    assert sum(k == TaskKind.ALLREDUCE for k in tg.kind) == 4 * CHAIN_OPS
+        stats = [
+            x for x in compile_program(spread, rank).instructions if isinstance(x, ReduceStats)
+        ]
+        assert len(stats) == 2 * CHAIN_OPS
+        assert all(x.devices == tuple(range(ranks)) for x in stats)
+        assert all(task_name(spread, x)[0].startswith("stats ") for x in stats)
+    step = 7e-6
+    machine = replace(resolve_machine(f"cpu:{ranks}"), ring_step_latency=step)  # GB/s links
+    tg = Simulator(machine, RooflineCost()).task_graph(spread, names=True)
+    rings = [i for i, name in enumerate(tg.names) if name.startswith("stats ")]
+    assert len(rings) == 2 * CHAIN_OPS
+    for i in rings:
+        assert tg.kind[i] == TaskKind.ALLREDUCE
+        latency = 2 * (ranks - 1) * step
+        assert latency <= tg.duration[i] <= 1.01 * latency  # and its few bytes' time
 
 
 @pytest.mark.mpi
