@@ -23,6 +23,7 @@ pay when they come back is ``Machine.resume``'s.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -79,20 +80,25 @@ def _stream(pool: np.ndarray, out: np.ndarray, seconds: float) -> None:
         i += 1
 
 
-def fit_cooling(gaps, seconds) -> Cooling | None:
-    """``seconds[i] = hot + cost · (1 - exp(-gaps[i] / after))`` by least squares;
-    None where a silence costs nothing (the best fit's cost under a nanosecond)."""
+def fit_curve(gaps, seconds) -> tuple[float, float, float]:
+    """(hot, cost, after) of ``seconds[i] = hot + cost · (1 - exp(-gaps[i] / after))``
+    by least squares: ``after`` the best on ``AFTER_GRID``, the others linear."""
     g, y = np.asarray(gaps, float), np.asarray(seconds, float)
-    best: tuple[float, float, float] | None = None  # (squared error, cost, after)
+    best = (math.inf, 0.0, 0.0, float(AFTER_GRID[0]))  # (squared error, hot, cost, after)
     for after in AFTER_GRID:
         a = np.column_stack([np.ones_like(g), -np.expm1(-g / after)])
         (hot, cost), *_ = np.linalg.lstsq(a, y, rcond=None)
         error = float(np.sum((a @ (hot, cost) - y) ** 2))
-        if best is None or error < best[0]:
-            best = (error, float(cost), float(after))
-    if best is None or best[1] < 1e-9:
-        return None
-    return Cooling(best[1], best[2])
+        if error < best[0]:
+            best = (error, float(hot), float(cost), float(after))
+    return best[1:]
+
+
+def fit_cooling(gaps, seconds) -> Cooling | None:
+    """The cooling ``fit_curve`` finds; None where a silence costs nothing (its cost
+    under a nanosecond)."""
+    _, cost, after = fit_curve(gaps, seconds)
+    return Cooling(cost, after) if cost >= 1e-9 else None
 
 
 def cooling_cost(comm, repeats: int = REPEATS) -> Cooling | None:

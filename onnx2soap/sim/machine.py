@@ -107,7 +107,8 @@ class Cooling:
     memory (``machine probe`` fits it there): so resnet18's data-parallel statistics
     rings, an op's compute apart, took 87 us where its model-parallel plan's, a message
     apart, took 22. The first communication of a step counts its gap from the step's
-    start (the previous step ended with a sum over the ranks)."""
+    start (the previous step ended with a sum over the ranks). Only tasks that hold
+    their end devices cool (``transfers_use_compute``: ranks whose cores copy)."""
 
     cost: float
     after: float
