@@ -31,12 +31,13 @@ too), so
 
     ring step = median over rings of (the least time a member spends in it) / (2 (ranks - 1))
 
-(the 16 floats' bytes take a fraction of a microsecond): 17-19 us on 2 ranks of a 2-core
-VM, the same from probe to probe. The chain's ops take microseconds, so these rings come
-back to back; what a ring costs after an op's compute is the machine's cooling
-(``probe_cooling.py``). The probe this replaced took the difference of two steps,
-data-parallel and on one rank, over its rings: 10-15 us a step here, and its figure
-moved by 2x from probe to probe, and with it every data-parallel plan's prediction.
+(its few dozen floats take a fraction of a microsecond): 17-18 us on 2 ranks of a 2-core
+VM in three probes in a row, 35 in one on a busier host. The chain's ops take
+microseconds, so these rings come back to back; what a ring costs after an op's compute
+is the machine's cooling (``probe_cooling.py``). The probe this replaced took the
+difference of two steps, data-parallel and on one rank, over its rings: 10-15 us a step
+here, and its figure moved by 2x from probe to probe, and with it every data-parallel
+plan's prediction.
 """
 
 from __future__ import annotations

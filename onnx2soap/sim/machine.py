@@ -105,7 +105,7 @@ class Cooling:
     takes 3 us back to back and 12, 29 and 80 us after 1, 3 and 10 ms without one, and
     a two-rank ring of 128 floats 40-200 us after 0.1-6 ms of the ranks streaming
     memory (``machine probe`` fits it there): so resnet18's data-parallel statistics
-    rings, an op's compute apart, took 87 us where its model-parallel plan's, a message
+    rings, an op's compute apart, took 87 us where its ILP plan's, a message
     apart, took 22. The first communication of a step counts its gap from the step's
     start (the previous step ended with a sum over the ranks). Only tasks that hold
     their end devices cool (``transfers_use_compute``: ranks whose cores copy)."""
