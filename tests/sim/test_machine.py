@@ -213,3 +213,4 @@ def test_probe_says_which_cores_ranks_share(tmp_path: Path) -> None:
     # Napping ranks sleep through long waits: they owe a resume after.
     assert m.resume is not None and m.resume.after == SLEEPS_AFTER_S
     assert 0 <= m.resume.cost < 1e-2
+    assert m.cooling is None  # what they pay for a silence is the resume's
