@@ -46,28 +46,32 @@ ROOT = Path(__file__).resolve().parents[1]
 def round_trips(comm, repeats: int) -> list[float]:
     """Per gap, rank 1's median round trip to rank 0 after spinning that long (ranks
     past 1 wait at the barrier)."""
+    from executor.transport import wait_patiently
+
     rank, buffer, figures = comm.Get_rank(), np.zeros(16, np.float32), []
     for gap in GAPS:
         spent = []
         for _ in range(repeats):
             comm.Barrier()
             if rank == 0:
-                request = comm.Irecv(buffer, source=1)
-                while not request.Test():
-                    pass
+                wait_patiently(comm.Irecv(buffer, source=1).Test)  # spins: a core each
                 comm.Send(buffer, dest=1)
             elif rank == 1:
-                end = time.perf_counter() + gap
-                while time.perf_counter() < end:
-                    pass
+                _quiet(gap)
                 start = time.perf_counter()
                 comm.Send(buffer, dest=0)
-                request = comm.Irecv(buffer, source=0)
-                while not request.Test():
-                    pass
+                wait_patiently(comm.Irecv(buffer, source=0).Test)
                 spent.append(time.perf_counter() - start)
         figures.append(statistics.median(spent) if spent else 0.0)
     return comm.bcast(figures, root=1)
+
+
+def _quiet(seconds: float) -> None:
+    """Spin for ``seconds``, touching no memory and calling no MPI."""
+    from executor.transport import wait_patiently
+
+    end = time.perf_counter() + seconds
+    wait_patiently(lambda: time.perf_counter() >= end)
 
 
 def measure(repeats: int) -> None:

@@ -83,22 +83,31 @@ class Wakes:
         """The seconds a task of ``seconds`` that may start at ``ready`` for its
         predecessors adds for a resume or a cooling (call before ``free`` takes its
         end)."""
+        x = 0.0 if self.resume is None else self._resume(ready, kind, seconds, resources, free)
+        if self.cooling is not None and kind in COMMUNICATION:
+            x += self._cool(ready, seconds, resources, free)
+        return x
+
+    def _resume(self, ready: float, kind: int, seconds: float, resources, free) -> float:
+        resume, owed = self.resume, self.owed
+        for r in resources:
+            if r < self.devices and ready - free[r] > resume.after:
+                owed[r] = resume.cost
+        if kind in COMPUTE and (due := owed[resources[0]]) > 0:
+            paid = min(due, resume.slowdown * seconds)
+            owed[resources[0]] = due - paid
+            return paid
+        return 0.0
+
+    def _cool(self, ready: float, seconds: float, resources, free) -> float:
         ends = [r for r in resources if r < self.devices]
-        x = 0.0
-        if (resume := self.resume) is not None:
-            owed = self.owed
-            for r in ends:
-                if ready - free[r] > resume.after:
-                    owed[r] = resume.cost
-            if kind in COMPUTE and ends and (due := owed[ends[0]]) > 0:
-                x = min(due, resume.slowdown * seconds)
-                owed[ends[0]] = due - x
-        if (cooling := self.cooling) is not None and kind in COMMUNICATION and ends:
-            start = max([ready, *(free[r] for r in resources)])
-            gap = start - min(self.heard[r] for r in ends)
-            x += cooling.cost * -math.expm1(-gap / cooling.after)
-            for r in ends:
-                self.heard[r] = start + seconds + x
+        if not ends:  # a message that holds only links (copy engines): nothing cools
+            return 0.0
+        start = max(ready, max(free[r] for r in resources))
+        gap = start - min(self.heard[r] for r in ends)
+        x = self.cooling.cost * -math.expm1(-gap / self.cooling.after)
+        for r in ends:
+            self.heard[r] = start + seconds + x
         return x
 
     def saved(self) -> tuple[float, ...]:
