@@ -22,6 +22,7 @@ from onnx2soap.cli.simulate_cmd import (
     plan_on_machine,
     plan_simulator,
     refuse_pipeline,
+    step_costs,
 )
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, write_atomic
@@ -110,7 +111,7 @@ def _simulate(args: argparse.Namespace) -> tuple[Predicted, tuple[int, ...], str
     machine = planned.machine
     costs = choose_costs(planned.spec, machine, args.costs)
     pg = partitioned(args, planned)
-    costs = costs.for_graph(pg.graph, machine)
+    costs = step_costs(costs, planned, pg)
     simulator = plan_simulator(planned, costs.model, OPTIMIZER_SLOTS[args.optimizer])
     ev = simulator.evaluate(pg)
     tg = simulator.task_graph(pg, names=True)

@@ -129,11 +129,12 @@ def plan_pipeline(
     recompute: bool,
 ) -> Piped:
     """The pipeline rule's plan for ``graph`` (the model at the step's batch), priced.
-    ``costs``: as chosen, before ``for_graph`` (the microbatch's model takes its own)."""
+    ``costs``: taken into the step by ``graph``'s calibration (``for_graph``), made at
+    the step's batch, which the microbatch's tasks are taken in by too."""
     check_shape(machine.size, graph.batch, len(graph.ops), stages, microbatches)
     micro = load_model(args.model, graph.batch // microbatches, loss_choice(args.loss)).graph
     space = analyze(micro)
-    model = costs.for_graph(micro, machine).model
+    model = costs.model
     plain = make_simulator(machine, model, slots, precision)
     names = full_recompute(micro, space, plain) if recompute else ()
     built = pipeline_plan(micro, space, plain, stages, microbatches, schedule, frozenset(names))
@@ -160,9 +161,7 @@ def more_baselines(
     the model can be loaded at the microbatch's batch (a fixed batch cannot)."""
     out = {}
     if machine.size > 1:
-        zero = make_simulator(
-            machine, costs.for_graph(graph, machine).model, slots, precision, ZeroStage.GRADIENTS
-        )
+        zero = make_simulator(machine, costs.model, slots, precision, ZeroStage.GRADIENTS)
         strategy = data_parallel(graph, space, machine.size)
         out["zero"] = zero.evaluate(Partitioner(graph).partition(strategy))
     default = default_shape(machine, graph.batch, len(graph.ops))

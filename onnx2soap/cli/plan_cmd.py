@@ -219,9 +219,7 @@ class _Searched:
     piped: Piped | None
 
 
-def _outer(
-    args, outcome: _Outcome, graph, space, machine, chosen_costs, costs, pricing
-) -> _Searched:
+def _outer(args, outcome: _Outcome, graph, space, machine, costs, pricing) -> _Searched:
     """``pipeline_choice`` after the walk and its ZeRO stage: the plan it chooses, if
     any, replaces the walk's; its by-rule ``pipeline`` and ``zero`` join the baselines.
     Nothing that fits at all: the walk's refusal."""
@@ -230,9 +228,6 @@ def _outer(
     def load(batch: int):
         return load_model(args.model, batch, loss_choice(args.loss)).graph
 
-    def cost_of(g):
-        return costs.model if g is graph else chosen_costs.for_graph(g, machine).model
-
     # the pricing's own bound, beside the walk's budget: half of it, 10 s at least
     max_s = max(PIPELINE_MIN_S, args.budget / 2)
     # the walk inside the best pipeline gets as long again
@@ -240,7 +235,7 @@ def _outer(
         graph,
         space,
         load,
-        cost_of,
+        costs.model,
         pricing,
         walk.best,
         walk.evaluation,
@@ -340,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         )
     space = analyze(graph)
     _check_dims(space)
-    chosen_costs, costs = costs, costs.for_graph(graph, machine)
+    costs = costs.for_graph(graph, machine)
     precision = Precision(args.precision)
     slots = OPTIMIZER_SLOTS[args.optimizer]
     simulator = make_simulator(machine, costs.model, slots, precision)
@@ -351,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     if searching:
         outcome = _search(args, graph, space, simulator)
         pricing = Pricing(machine, slots, precision)
-        found = _outer(args, outcome, graph, space, machine, chosen_costs, costs, pricing)
+        found = _outer(args, outcome, graph, space, machine, costs, pricing)
         # the search's choices: its plan is priced under them
         outcome, zero, recompute, piped = found.outcome, found.zero, found.recompute, found.piped
     else:
@@ -360,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
                 args,
                 graph,
                 machine,
-                chosen_costs,
+                costs,
                 slots,
                 precision,
                 stages,
@@ -374,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         plain = not zero and not recompute
         outcome = _by_rule(args, rule, graph, space, simulator, None if plain else chosen_by, piped)
     if not searching:  # the search's baselines are its starts: a plan beats them all
-        extra = more_baselines(args, graph, space, machine, chosen_costs, slots, precision)
+        extra = more_baselines(args, graph, space, machine, costs, slots, precision)
         if rule is Rule.ZERO:  # the plan's own stage stands for it
             extra.pop(Rule.ZERO.value, None)
         outcome = replace(outcome, baselines={**outcome.baselines, **extra})

@@ -69,9 +69,8 @@ class Choice:
     walk: PipelineWalk | None = None  # the walk inside the grid's best pipeline
 
 
-# the model loaded at a batch (the microbatch's); a graph's cost model (``for_graph``)
+# the model loaded at a batch (the microbatch's)
 Loader = Callable[[int], Graph]
-Costs = Callable[[Graph], CostModel]
 
 
 def grid(machine: Machine, batch: int, ops: int) -> list[tuple[int, int]]:
@@ -219,7 +218,7 @@ def pipeline_choice(
     graph: Graph,
     space: Space,
     load: Loader,
-    costs: Costs,
+    cost: CostModel,
     pricing: Pricing,
     best: Strategy,
     best_evaluation: Evaluation,
@@ -231,9 +230,11 @@ def pipeline_choice(
     """Price the grid's pipelines (1F1B; recomputing where one does not fit without),
     GPipe at the fastest fitting one, the walk's best recomputing where it does not
     fit, and the rules recomputing; choose by ``choose``. ``load`` is called once per
-    distinct microbatch size. ``max_s``: no grid shape is begun after it (the rule's
-    default shape, priced first, always is): a pipeline of a large model on many devices
-    takes seconds to price.
+    distinct microbatch size. ``cost``: the model's at the step's batch (``for_graph``),
+    which prices every microbatch's tasks too: a microbatch is the same model, taken
+    into the step as the model is (its calibration is made at the step's batch).
+    ``max_s``: no grid shape is begun after it (the rule's default shape, priced first,
+    always is): a pipeline of a large model on many devices takes seconds to price.
     Then the walk inside the best pipeline priced (``pipeline_walk``) for ``walk_s``
     (``max_s`` where not given; ``seed``: its random changes'); its best joins the
     plans chosen among."""
@@ -256,7 +257,7 @@ def pipeline_choice(
                 micro = graph if size == graph.batch else load(size)
             except UserError:  # a model whose batch is fixed: no microbatch to load
                 break
-            models[size] = (micro, analyze(micro), costs(micro))
+            models[size] = (micro, analyze(micro), cost)
         micro, micro_space, cost = models[size]
         for redo in (False, True):
             if redo and tried[-1].evaluation.fits:
@@ -276,11 +277,10 @@ def pipeline_choice(
         names = redo_names.get(size, ())
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names, simulators))
     walk_s = max_s if walk_s is None else walk_s
-    walked = _walk_best(tried, models, redo_names, load, costs, simulators, walk_s, seed)
+    walked = _walk_best(tried, models, redo_names, load, cost, simulators, walk_s, seed)
     moved = walked.best if walked is not None and walked.best is not walked.start else None
     if moved is not None:
         tried.append(moved)
-    cost = costs(graph)
     if graph.batch not in redo_names:
         redo_names[graph.batch] = full_recompute(graph, space, pricing.simulator(cost))
     whole = redo_names[graph.batch]
@@ -308,7 +308,7 @@ def _walk_best(
     models: dict[int, tuple[Graph, Space, CostModel]],
     redo_names: dict[int, tuple[str, ...]],
     load: Loader,
-    costs: Costs,
+    cost: CostModel,
     simulators: Simulators,
     walk_s: float,
     seed: int,
@@ -332,7 +332,7 @@ def _walk_best(
                 micro = load(size)
             except UserError:  # a model whose batch is fixed
                 return None
-            models[size] = (micro, analyze(micro), costs(micro))
+            models[size] = (micro, analyze(micro), cost)
         return models[size]
 
     ops = tuple(op.name for op in start.graph.ops)

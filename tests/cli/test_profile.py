@@ -179,6 +179,64 @@ def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, 
     assert Simulator(m, mixed.for_graph(graph, m)).evaluate(pg).step_time_s == pytest.approx(own)
 
 
+@pytest.mark.mpi
+def test_a_pipeline_is_taken_into_the_step_by_its_models_calibration(
+    profiled, tmp_path: Path, capsys
+) -> None:
+    """A pipeline plan's ops are split at the microbatch's batch, whose one-device tasks
+    the profile never calibrated (it calibrates the model at the step's batch). With
+    another model's tasks in the DB at 5x + 1 ms, plan and simulate price the pipeline
+    by the tiny model's own calibration, as ``for_graph`` of the model at the step's
+    batch gives it, not by the calibration over every model's tasks."""
+    from onnx2soap.importer import load_model
+    from onnx2soap.measure.cost_writer import CostWriter
+    from onnx2soap.sim import make_simulator
+    from onnx2soap.sim.costdb import DeviceKind, InStep, Phase, Timing, host_fingerprint
+    from onnx2soap.sim.presets import load_machine_file
+    from onnx2soap.sim.profiled import ProfiledCost
+    from onnx2soap.soap import Partitioner, analyze, load_plan
+
+    model, machine = profiled
+    both = tmp_path / "both.yaml"
+    both.write_text(machine.read_text())
+    db = tmp_path / "both.costs.sqlite"
+    db.write_bytes(machine.with_name("host.costs.sqlite").read_bytes())
+    fp = host_fingerprint(DeviceKind.CPU, "float32")
+    foreign = [
+        Timing(phase, f"foreign {i}", "Conv", 0, 0, 1e-4 * (i + 1), 2)
+        for phase in Phase
+        for i in range(4)
+    ]
+    with CostWriter.open(db) as opened:
+        fp_id = opened.find(fp)
+        opened.add(fp_id, foreign)
+        opened.add_in_step(fp_id, [InStep(t.phase, t.key, 5 * t.seconds + 1e-3) for t in foreign])
+    plan = tmp_path / "pipe.json"
+    shape = ["--stages", "2", "--microbatches", "2"]
+    argv = _plan(model, both, plan, *shape)
+    argv[argv.index("data-parallel")] = "pipeline"
+    assert cli(argv) == 0
+    planned = json.loads(plan.read_text())["predicted"]["step_time_s"]
+    capsys.readouterr()
+    assert cli(["simulate", str(plan), "--json", "--machine", str(both)]) == 0
+    simulated = json.loads(capsys.readouterr().out)["step_time_s"]
+    m = load_machine_file(both)
+    stored = ProfiledCost.load(db, fp, m.devices[0])
+    micro = load_model(model, 4).graph
+    pipeline = load_plan(plan).pipeline
+    pg = Partitioner(micro).partition(load_plan(plan).strategy(micro, analyze(micro)))
+
+    def step(cost) -> float:
+        return make_simulator(m, cost, pipeline=pipeline).evaluate(pg).step_time_s
+
+    own = step(stored.for_graph(load_model(model, 8).graph, m))
+    assert planned == pytest.approx(own, rel=1e-12)
+    assert simulated == pytest.approx(own, rel=1e-12)
+    # The microbatch's graph is not calibrated: it would take the mixed calibration.
+    assert stored.for_graph(micro, m) == stored
+    assert step(stored) > 1.2 * own
+
+
 def test_costs_without_a_db(tmp_path: Path, capsys) -> None:
     model = gemm_model(tmp_path / "tiny.onnx")
     machine = tmp_path / "host.yaml"

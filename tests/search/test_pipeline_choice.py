@@ -144,7 +144,7 @@ def test_the_time_bound_prices_the_rules_default_first(example_onnx) -> None:
     strategy = data_parallel(graph, space, 4)
     plain = make_simulator(machine, RooflineCost())
     best = plain.evaluate(Partitioner(graph).partition(strategy))
-    args = (graph, space, lambda b: load_model(example_onnx, b).graph, lambda g: RooflineCost())
+    args = (graph, space, lambda b: load_model(example_onnx, b).graph, RooflineCost())
     full = pipeline_choice(*args, pricing, strategy, best, ZeroStage.NONE)
     bound = pipeline_choice(*args, pricing, strategy, best, ZeroStage.NONE, max_s=0.0)
     shapes = grid(machine, graph.batch, len(graph.ops))
