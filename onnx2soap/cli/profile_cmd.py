@@ -31,7 +31,13 @@ from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerpri
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.presets import _is_file
-from onnx2soap.sim.profiled import DTYPE_ITEMSIZE, FingerprintMismatch, ProfiledCost, calibrations
+from onnx2soap.sim.profiled import (
+    DTYPE_ITEMSIZE,
+    FingerprintMismatch,
+    ProfiledCost,
+    calibrated,
+    calibrations,
+)
 from onnx2soap.soap.plan import MAX_DEVICES
 
 MAX_REPEAT = 1000
@@ -229,10 +235,23 @@ class ChosenCosts:
 
     def for_graph(self, graph: Graph, machine: Machine) -> ChosenCosts:
         """Profiled costs taken into the step by ``graph``'s own calibration where the
-        DB has one (``ProfiledCost.for_graph``); the roofline as it is."""
+        DB has one (``ProfiledCost.for_graph``), the description saying which; the
+        roofline as it is. A model profiled at another batch than it is planned at has
+        none: every profiled model's curve then misjudges it (GPT-2's tasks run 1.85x
+        their isolated time in its own steps, 1.23x by the curve over four models)."""
         if not isinstance(self.model, ProfiledCost):
             return self
-        return replace(self, model=self.model.for_graph(graph, machine))
+        model = self.model.for_graph(graph, machine)
+        if not self.model.in_step:
+            how = "no in-step calibration"
+        elif calibrated(graph, self.model.in_step):
+            how = "calibrated in this model's own steps"
+        else:
+            how = (
+                f"calibrated over every profiled step, none of this model at batch "
+                f"{graph.batch} (profile it at that batch for its own)"
+            )
+        return replace(self, model=model, description=f"{self.description}; {how}")
 
 
 def add_costs_option(p: argparse.ArgumentParser) -> None:

@@ -168,14 +168,11 @@ def _calibrations(
     itemsize: int,
 ) -> dict[Phase, Calibration]:
     copies: dict[tuple[Phase, str], float] = {}
-    if graph is not None:
+    if graph is not None and calibrated(graph, points):
         keys = one_device_keys(graph)
-        have = {(p.phase, p.key) for p in points}
-        # Calibrated: every forward task of its one-device plan has its in-step time.
-        if {k for k in keys if k[0] is Phase.FORWARD} <= have:
-            points = [p for p in points if (p.phase, p.key) in keys]
-            if machine is not None:
-                copies = one_device_copies(graph, machine, itemsize)
+        points = [p for p in points if (p.phase, p.key) in keys]
+        if machine is not None:
+            copies = one_device_copies(graph, machine, itemsize)
     pairs: dict[Phase, list[tuple[float, float]]] = {}
     for p in points:
         seconds = isolated.get((p.phase, p.key))
@@ -183,6 +180,14 @@ def _calibrations(
             in_step = max(p.seconds - copies.get((p.phase, p.key), 0.0), 0.0)
             pairs.setdefault(p.phase, []).append((seconds, in_step))
     return {phase: calibrate(v) for phase, v in pairs.items()}
+
+
+def calibrated(graph: Graph, points: Sequence[InStep]) -> bool:
+    """Whether ``points`` calibrate ``graph``: every forward task of its one-device plan,
+    at the graph's batch, has its in-step time (``onnx2soap profile`` of the model at
+    that batch records them)."""
+    have = {(p.phase, p.key) for p in points}
+    return {k for k in one_device_keys(graph) if k[0] is Phase.FORWARD} <= have
 
 
 def one_device_copies(

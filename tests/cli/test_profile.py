@@ -101,6 +101,12 @@ def test_plan_and_simulate_use_the_measured_costs(profiled, tmp_path: Path, caps
     assert cli(_plan(model, machine, plan)) == 0
     out = capsys.readouterr().out
     assert "costs: profiled (" in out and "host.costs.sqlite" in out
+    assert "calibrated in this model's own steps" in out
+    # Profiled at batch 8: at batch 4 the model has no calibration of its own, and says so.
+    other = _plan(model, machine, tmp_path / "other.json")
+    other[other.index("--batch") + 1] = "4"
+    assert cli(other) == 0
+    assert "none of this model at batch 4 (profile it at that batch" in capsys.readouterr().out
     assert cli(["simulate", str(plan), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     predicted = json.loads(plan.read_text())["predicted"]["step_time_s"]
