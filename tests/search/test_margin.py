@@ -59,15 +59,20 @@ def test_the_search_keeps_the_start_moving_fewest_bytes_within_the_margin(
     assert trusting.passed_over is None
     for margin in (0.5, 0.95):
         r = _search(example_onnx, margin)
-        # the same walk: what it passed over is the plan it returns without a margin
-        assert r.passed_over == trusting.evaluation
         bound = trusting.evaluation.step_time_s * (1 + margin)
         close = [e for e in r.starts.values() if e.fits and e.step_time_s <= bound]
-        assert r.evaluation.bytes_moved == min(e.bytes_moved for e in close)
-        assert r.evaluation.bytes_moved < trusting.evaluation.bytes_moved
+        fewest = min(e.bytes_moved for e in close)
+        if fewest >= trusting.evaluation.bytes_moved:
+            # no start within the margin moves fewer bytes: the walk's plan stands
+            assert r.passed_over is None and r.evaluation == trusting.evaluation
+            continue
+        # the same walk: what it passed over is the plan it returns without a margin
+        assert r.passed_over == trusting.evaluation
+        assert r.evaluation.bytes_moved == fewest
         assert r.evaluation == r.starts[r.best_from]
     # single device is 1.8x the fastest on cpu:2: inside a 95 % margin, not a 50 % one
     assert _search(example_onnx, 0.95).best_from == "single-device"
+    assert _search(example_onnx, 0.5).best_from != "single-device"
     assert _search(example_onnx, 0.5).evaluation.bytes_moved > 0
 
 
