@@ -73,6 +73,8 @@ BIN = Path(sys.executable).parent
 BATCH = {"cnn": 32, "resnet18": 8, "gpt2": 16, "lstm_lm": 32}
 RULES = ("data-parallel", "expert", "single-device", "model-parallel", "megatron", "ilp")
 RANDOM_SEEDS = (1, 2, 3, 4, 5)
+ROUNDS = 24  # side by side: 8 rounds left three plans that equal 13 % apart (cnn)
+RUNS = 3  # --separate: each a set of mpiexec runs of every plan
 FIRST_UNTRACED = MEMORY_STEP + TRACED_STEPS  # metrics count steps from 1, as the tracer
 
 
@@ -431,13 +433,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="this host's CPU ranks, or ranks sharing one GPU (default cpu)",
     )
     p.add_argument(
-        "--repeats", type=int, default=3, help="rounds of every plan, or runs (default 3)"
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"rounds of every plan (default {ROUNDS}: in 8, the fastest of plans "
+        f"that equal was the host's toss), or with --separate runs (default {RUNS})",
     )
     p.add_argument(
         "--round-steps",
         type=int,
-        default=12,
-        help=f"steps a plan runs a round, the first {WARM_STEPS} not timed (default 12)",
+        default=8,
+        help=f"steps a plan runs a round, the first {WARM_STEPS} not timed (default 8)",
     )
     p.add_argument(
         "--separate",
@@ -472,6 +478,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="export the models into --models-dir and stop (for a machine without the dev extras)",
     )
     args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = RUNS if args.separate else ROUNDS
+    if args.repeats < 1:
+        p.error("--repeats: at least 1")
     unknown = sorted(set(args.models.split(",")) - set(BATCH))
     if unknown:
         p.error(f"--models: no model {', '.join(unknown)}; choose from {', '.join(BATCH)}")

@@ -78,7 +78,7 @@ def step_costs(costs: ChosenCosts, planned: PlanOnMachine, pg: PartitionedGraph)
     is made at the step's batch: a pipeline plan's graph is a microbatch's, so the model
     is loaded a second time at the step's batch for it. With the microbatch's own graph
     the calibration fell back to every model's (GPT-2's 2-stage, 2-microbatch plan:
-    predicted 5.3 ms against one device's 6.4, measured 1.0-1.3x one device's step)."""
+    predicted 5.3 ms against one device's 6.4, measured 1.0-1.4x one device's step)."""
     plan = planned.plan
     if plan.pipeline is None:
         return costs.for_graph(pg.graph, planned.machine)

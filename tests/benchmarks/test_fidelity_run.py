@@ -34,6 +34,7 @@ def _fidelity(*args: str) -> subprocess.CompletedProcess:
         (["--export-only"], "--export-only: give --models-dir"),
         (["--json", "no/such/out.json"], "--json no/such/out.json: no such folder"),
         (["--round-steps", "2"], "--round-steps: more than 2"),
+        (["--repeats", "0"], "--repeats: at least 1"),
     ],
 )
 def test_bad_arguments_exit_2_before_any_work(args: list[str], said: str) -> None:
