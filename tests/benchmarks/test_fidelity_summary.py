@@ -87,7 +87,8 @@ def test_the_searched_plan_is_also_compared_round_by_round() -> None:
     ]
     low, median, high = summary(results)["searched_by_round"]
     assert (low, median, high) == pytest.approx((1.2, 1.2, 1.5))
-    assert over_fastest_by_round((low, median, high)) == " (rounds +20 to +50 %)"
+    assert over_fastest_by_round((low, median, high)) == " (rounds +20 %, +20 to +50 %)"
+    assert over_fastest_by_round((0.75, 1.04, 1.73)) == " (rounds +4 %, -25 to +73 %)"
     # The fastest plan is not set against itself; without rounds (or of unequal
     # counts) there is nothing to pair.
     assert by_round(results[2], results) is None
