@@ -138,24 +138,12 @@ def test_a_db_from_another_device_is_refused(profiled, tmp_path: Path, capsys) -
     assert cli(_plan(model, other, tmp_path / "p.json", "--costs", "roofline")) == 0
 
 
-@pytest.mark.mpi
-def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, capsys) -> None:
-    """Another model calibrated into the same DB, its tasks 5x + 1 ms in the step: the
-    tiny model's plan is predicted as before by plan and simulate (its own calibration),
-    where a calibration over every model's tasks would move it."""
-    from onnx2soap.importer import load_model
+def _beside_a_foreign_model(machine: Path, tmp_path: Path) -> tuple[Path, Path, object]:
+    """A copy of ``machine`` and its profiled DB into which another model's tasks are
+    calibrated at 5x their isolated time + 1 ms: (machine file, DB, host fingerprint)."""
     from onnx2soap.measure.cost_writer import CostWriter
-    from onnx2soap.search.baselines import data_parallel
-    from onnx2soap.sim import Simulator
     from onnx2soap.sim.costdb import DeviceKind, InStep, Phase, Timing, host_fingerprint
-    from onnx2soap.sim.presets import load_machine_file
-    from onnx2soap.sim.profiled import ProfiledCost
-    from onnx2soap.soap import Partitioner, analyze
 
-    model, machine = profiled
-    plan = tmp_path / "plan.json"
-    assert cli(_plan(model, machine, plan)) == 0
-    own = json.loads(plan.read_text())["predicted"]["step_time_s"]
     both = tmp_path / "both.yaml"
     both.write_text(machine.read_text())
     db = tmp_path / "both.costs.sqlite"
@@ -170,6 +158,26 @@ def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, 
         fp_id = opened.find(fp)
         opened.add(fp_id, foreign)
         opened.add_in_step(fp_id, [InStep(t.phase, t.key, 5 * t.seconds + 1e-3) for t in foreign])
+    return both, db, fp
+
+
+@pytest.mark.mpi
+def test_a_model_keeps_its_calibration_beside_another(profiled, tmp_path: Path, capsys) -> None:
+    """Another model calibrated into the same DB, its tasks 5x + 1 ms in the step: the
+    tiny model's plan is predicted as before by plan and simulate (its own calibration),
+    where a calibration over every model's tasks would move it."""
+    from onnx2soap.importer import load_model
+    from onnx2soap.search.baselines import data_parallel
+    from onnx2soap.sim import Simulator
+    from onnx2soap.sim.presets import load_machine_file
+    from onnx2soap.sim.profiled import ProfiledCost
+    from onnx2soap.soap import Partitioner, analyze
+
+    model, machine = profiled
+    plan = tmp_path / "plan.json"
+    assert cli(_plan(model, machine, plan)) == 0
+    own = json.loads(plan.read_text())["predicted"]["step_time_s"]
+    both, db, fp = _beside_a_foreign_model(machine, tmp_path)
     capsys.readouterr()
     assert cli(["simulate", str(plan), "--json", "--machine", str(both)]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(own, rel=1e-12)
@@ -195,28 +203,13 @@ def test_a_pipeline_is_taken_into_the_step_by_its_models_calibration(
     by the tiny model's own calibration, as ``for_graph`` of the model at the step's
     batch gives it, not by the calibration over every model's tasks."""
     from onnx2soap.importer import load_model
-    from onnx2soap.measure.cost_writer import CostWriter
     from onnx2soap.sim import make_simulator
-    from onnx2soap.sim.costdb import DeviceKind, InStep, Phase, Timing, host_fingerprint
     from onnx2soap.sim.presets import load_machine_file
     from onnx2soap.sim.profiled import ProfiledCost
     from onnx2soap.soap import Partitioner, analyze, load_plan
 
     model, machine = profiled
-    both = tmp_path / "both.yaml"
-    both.write_text(machine.read_text())
-    db = tmp_path / "both.costs.sqlite"
-    db.write_bytes(machine.with_name("host.costs.sqlite").read_bytes())
-    fp = host_fingerprint(DeviceKind.CPU, "float32")
-    foreign = [
-        Timing(phase, f"foreign {i}", "Conv", 0, 0, 1e-4 * (i + 1), 2)
-        for phase in Phase
-        for i in range(4)
-    ]
-    with CostWriter.open(db) as opened:
-        fp_id = opened.find(fp)
-        opened.add(fp_id, foreign)
-        opened.add_in_step(fp_id, [InStep(t.phase, t.key, 5 * t.seconds + 1e-3) for t in foreign])
+    both, db, fp = _beside_a_foreign_model(machine, tmp_path)
     plan = tmp_path / "pipe.json"
     shape = ["--stages", "2", "--microbatches", "2"]
     argv = _plan(model, both, plan, *shape)
