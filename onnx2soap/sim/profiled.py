@@ -168,8 +168,7 @@ def _calibrations(
     itemsize: int,
 ) -> dict[Phase, Calibration]:
     copies: dict[tuple[Phase, str], float] = {}
-    if graph is not None and calibrated(graph, points):
-        keys = one_device_keys(graph)
+    if graph is not None and _covered(keys := one_device_keys(graph), points):
         points = [p for p in points if (p.phase, p.key) in keys]
         if machine is not None:
             copies = one_device_copies(graph, machine, itemsize)
@@ -186,8 +185,13 @@ def calibrated(graph: Graph, points: Sequence[InStep]) -> bool:
     """Whether ``points`` calibrate ``graph``: every forward task of its one-device plan,
     at the graph's batch, has its in-step time (``onnx2soap profile`` of the model at
     that batch records them)."""
+    return _covered(one_device_keys(graph), points)
+
+
+def _covered(keys: frozenset[tuple[Phase, str]], points: Sequence[InStep]) -> bool:
+    """Every forward key of ``keys`` has its in-step time among ``points``."""
     have = {(p.phase, p.key) for p in points}
-    return {k for k in one_device_keys(graph) if k[0] is Phase.FORWARD} <= have
+    return {k for k in keys if k[0] is Phase.FORWARD} <= have
 
 
 def one_device_copies(
