@@ -542,15 +542,23 @@ def _pipeline_walk_doc(walk: PipelineWalk | None) -> dict | None:
 
 
 def _pipeline_walk_line(walk: PipelineWalk) -> str:
+    """The walk's start and end, each marked where it does not fit: a walk from a start
+    that does not fit may end slower, at a plan that does."""
     degrees = "/".join(str(d) for d in walk.layout.degrees)
     ended = "a local optimum" if walk.converged else "its time bound"
+    start, best = walk.start.evaluation, walk.best.evaluation
     return (
-        f"  walk inside the pipeline: {seconds(walk.start.evaluation.step_time_s)} -> "
-        f"{seconds(walk.best.evaluation.step_time_s)} ({len(walk.kept)} moves kept, "
+        f"  walk inside the pipeline: {_step_and_fit(start)} -> {_step_and_fit(best)} "
+        f"({len(walk.kept)} moves kept, "
         f"{walk.priced} plans priced in {walk.time_s:.1f}s, ended at {ended}); "
         f"tensor parallel per stage {degrees}, {walk.layout.microbatches} microbatches, "
         f"ZeRO-{int(walk.layout.zero)}"
     )
+
+
+def _step_and_fit(evaluation: Evaluation) -> str:
+    step = seconds(evaluation.step_time_s)
+    return step if evaluation.fits else f"{step} (does not fit)"
 
 
 def _chosen_words(c: Candidate | None) -> str:

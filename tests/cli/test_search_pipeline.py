@@ -154,3 +154,34 @@ def _check_the_walk(doc: dict) -> None:
         assert walked[0]["step_time_s"] == walk["step_time_s"]
         assert walked[0]["stages"] == len(walk["stages"])
         assert walked[0]["microbatches"] == walk["microbatches"]
+
+
+def test_the_walk_line_says_where_its_start_does_not_fit() -> None:
+    """A walk from a start that does not fit may end slower at one that does: the line
+    marks each end that does not fit, so that 1.620 s -> 1.639 s does not read as a loss."""
+    from types import SimpleNamespace
+
+    from onnx2soap.cli.plan_cmd import _pipeline_walk_line
+    from onnx2soap.sim import Evaluation
+    from onnx2soap.soap.zero import ZeroStage
+
+    def walk(start_fits: bool, best_fits: bool) -> SimpleNamespace:
+        def at(step: float, fits: bool) -> SimpleNamespace:
+            return SimpleNamespace(evaluation=Evaluation(step, (1,), 0, fits))
+
+        layout = SimpleNamespace(degrees=(1, 2), microbatches=4, zero=ZeroStage.NONE)
+        return SimpleNamespace(
+            start=at(1.620, start_fits),
+            best=at(1.639, best_fits),
+            kept=(),
+            priced=3,
+            time_s=1.0,
+            converged=True,
+            layout=layout,
+        )
+
+    line = _pipeline_walk_line(walk(False, True))
+    assert "1.620 s (does not fit) -> 1.639 s (" in line
+    assert "tensor parallel per stage 1/2, 4 microbatches, ZeRO-0" in line
+    assert "does not fit" not in _pipeline_walk_line(walk(True, True))
+    assert _pipeline_walk_line(walk(False, False)).count("(does not fit)") == 2
