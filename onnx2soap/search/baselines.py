@@ -18,7 +18,7 @@ from onnx2soap.search.ilp import IlpOptions, IlpResult, ilp
 from onnx2soap.search.megatron import megatron, node_size
 from onnx2soap.search.pipeline_rule import staged_strategy
 from onnx2soap.sim import Simulator
-from onnx2soap.soap.dims import DimKind, SoapDim
+from onnx2soap.soap.dims import DimKind, SoapDim, replica_split_kind
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.strategy import Strategy
 
@@ -70,28 +70,17 @@ def _split_one(dims: tuple[SoapDim, ...], kind: DimKind, devices: int) -> Parall
 def data_parallel(graph: Graph, space: Space, devices: int, width: int | None = None) -> Strategy:
     """Every op split by samples over devices ``0..width-1`` (all devices by default).
 
-    An op without a sample dim (computed from weights or constants alone: the Identity
-    that shares a tied weight, its transposed read for the LM head) is split along its
-    first weight dim (else its first other kept dim) over the same devices, so that its
-    readers gather it from all of them: whole on device 0 it had sent every replica the
-    whole tensor and received every replica's gradient of it (GPT-1.3B's data-parallel
-    peak grew with the GPUs: 87, 93, 131 GiB at 8, 16, 64)."""
+    An op without a sample dim is split along a weight dim over the same devices
+    (``replica_split_kind``): whole on device 0 it had sent every replica the whole
+    tensor and received every replica's gradient of it (GPT-1.3B's data-parallel peak
+    grew with the GPUs: 87, 93, 131 GiB at 8, 16, 64)."""
     width = devices if width is None else width
     if not 1 <= width <= devices:
         raise ValueError(f"data parallelism over {width} of {devices} devices")
     configs = {}
     for op in graph.ops:
         dims = space[op.name]
-        kind = DimKind.SAMPLE  # a batch of one keeps its ops whole, on device 0
-        if not any(d.kind is DimKind.SAMPLE for d in dims):
-            split = (
-                k
-                for k in (DimKind.PARAMETER, DimKind.ATTRIBUTE)
-                for d in dims
-                if d.kind is k and d.splittable
-            )
-            kind = next(split, DimKind.SAMPLE)
-        configs[op.name] = _split_one(dims, kind, width)
+        configs[op.name] = _split_one(dims, replica_split_kind(dims), width)
     return Strategy(devices, configs)
 
 

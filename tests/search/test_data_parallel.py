@@ -50,3 +50,36 @@ def test_ops_computed_from_weights_alone_are_spread_over_the_replicas(export_mod
         assert old[0] == max(old) > max(new)
         growth[devices] = (old[0], max(new))
     assert growth[8][0] - growth[4][0] > 2 * (growth[8][1] - growth[4][1])
+
+
+def test_a_pipeline_stage_spreads_them_over_its_devices(export_model) -> None:
+    """Inside a pipeline stage the rule splits as data parallelism does: the tied
+    weight's Identity over the stage's devices, not whole on its first device (which
+    then sent the whole weight to every device of the head's stage each microbatch and
+    held it a slot each)."""
+    from onnx2soap.search.pipeline_rule import pipeline_plan, stage_groups
+    from onnx2soap.sim import RooflineCost, make_simulator, resolve_machine
+
+    graph = load_model(export_model("tied", "legacy"), batch=8).graph  # a microbatch's
+    space = analyze(graph)
+    machine = resolve_machine("dgx-h100:1")  # 8 GPUs: 2 stages of 4
+    plan = pipeline_plan(graph, space, make_simulator(machine, RooflineCost()), 2, 2)
+    groups = stage_groups(machine.size, 2)
+    alone = [n for n in plan.strategy.configs if DimKind.SAMPLE not in _kinds(space[n])]
+    assert alone
+    for group, names in zip(groups, plan.pipeline.stages, strict=True):
+        for name in names:  # every op on every device of its stage
+            assert set(plan.strategy[name].devices) == set(group)
+    simulator = make_simulator(machine, RooflineCost(), pipeline=plan.pipeline)
+    partitioner = Partitioner(graph)
+    new = simulator.evaluate(partitioner.partition(plan.strategy)).peak_memory_bytes
+    whole = Strategy(machine.size, dict(plan.strategy.configs))
+    for name in alone:
+        first = next(g[0] for g, ns in zip(groups, plan.pipeline.stages, strict=True) if name in ns)
+        whole = whole.replace(name, ParallelConfig((1,) * len(space[name]), (first,)))
+    old = simulator.evaluate(partitioner.partition(whole)).peak_memory_bytes
+    assert max(old) > max(new)
+
+
+def _kinds(dims) -> set[DimKind]:
+    return {d.kind for d in dims}
