@@ -39,7 +39,9 @@ from onnx2soap.search.mcmc import (
     Progress,
     SearchOptions,
     SearchResult,
+    closest_words,
     mcmc,
+    unfit_message,
 )
 from onnx2soap.search.pipeline_choice import Candidate, Choice, Pricing, pipeline_choice
 from onnx2soap.search.pipeline_walk import PipelineWalk
@@ -246,7 +248,7 @@ def _outer(args, outcome: _Outcome, graph, space, machine, costs, pricing) -> _S
     )
     c: Candidate | None = choice.chosen
     if c is None and walk.unfit:
-        raise UserError(walk.unfit)
+        raise UserError(_refusal(walk, choice, pricing))
     baselines = {**outcome.baselines, **{k: v.evaluation for k, v in choice.baselines.items()}}
     outcome = replace(outcome, baselines=baselines, choice=choice)
     if c is None:
@@ -256,6 +258,21 @@ def _outer(args, outcome: _Outcome, graph, space, machine, costs, pricing) -> _S
         return _Searched(outcome, c.zero_stage, c.recompute, None)
     piped = Piped(c.strategy, c.pipeline, c.graph, c.space, c.recompute, c.evaluation)
     return _Searched(outcome, c.zero_stage, c.recompute, piped)
+
+
+def _refusal(walk: SearchResult, choice: Choice, pricing: Pricing) -> str:
+    """The walk's refusal, naming instead the plan priced after it (a pipeline, a plan
+    recomputing) where that one came nearer: the walk's nearest alone had GPT-1.3B on
+    64 V100s needing 125.6 GiB where a pipeline needed 24.6."""
+    unfit = walk.unfit or unfit_message("")
+    near = min(choice.tried, key=lambda c: max(c.evaluation.peak_memory_bytes), default=None)
+    if near is None:
+        return unfit
+    peak = max(near.evaluation.peak_memory_bytes)
+    if peak >= max(walk.evaluation.peak_memory_bytes):
+        return unfit
+    memory = max(d.memory for d in pricing.machine.devices)
+    return unfit_message(closest_words(_candidate_words(near), peak, memory))
 
 
 def _zero_stage(args, rule: Rule | None) -> ZeroStage:
@@ -564,16 +581,23 @@ def _step_and_fit(evaluation: Evaluation) -> str:
 def _chosen_words(c: Candidate | None) -> str:
     if c is None:
         return "the walk's plan stands (none fits and is 1 % faster)"
+    faster = " (a baseline, faster)" if c.pipeline is None and not c.recompute else ""
+    return f"chosen: {_candidate_words(c)}{faster}"
+
+
+def _candidate_words(c: Candidate) -> str:
+    """A plan priced after the walk, in words: its pipeline's shape, or whose plan it
+    recomputes, or ZeRO's data parallelism."""
     if c.pipeline is not None:
         redo = f", recomputing {len(c.recompute)} ops" if c.recompute else ""
         return (
-            f"chosen: {c.shape.stages} stages x {c.shape.microbatches} microbatches, "
+            f"{c.shape.stages} stages x {c.shape.microbatches} microbatches, "
             f"{c.pipeline.schedule.value}{redo}"
         )
     if c.recompute:
         whose = "the walk's plan" if c.of == "walk" else c.of
-        return f"chosen: {whose} recomputing {len(c.recompute)} ops"
-    return f"chosen: data parallel under ZeRO-{int(c.zero_stage)} (a baseline, faster)"
+        return f"{whose} recomputing {len(c.recompute)} ops"
+    return f"data parallel under ZeRO-{int(c.zero_stage)}"
 
 
 def _walk_line(result: SearchResult) -> str:

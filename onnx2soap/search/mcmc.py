@@ -526,10 +526,7 @@ def _mcmc(
     zero_s = time.perf_counter() - walked
     unfit = None
     if zero.strategy is None or not zero.cost.fits:
-        unfit = (
-            f"no strategy found fits in device memory{_closest(zero, named, search)}; use a "
-            "machine with more memory or more devices, or a smaller batch"
-        )
+        unfit = unfit_message(_closest(zero, named, search))
         if options.must_fit or zero.strategy is None:
             raise UserError(unfit)
     baselines = {rule.value: starts[rule.value] for rule in BASELINES}
@@ -578,6 +575,18 @@ def _steadied(
     )
 
 
+def unfit_message(closest: str) -> str:
+    """The refusal where no plan fits, with ``closest_words``' account of the nearest."""
+    return (
+        f"no strategy found fits in device memory{closest}; use a machine with more "
+        "memory or more devices, or a smaller batch"
+    )
+
+
+def closest_words(name: str, peak: int, memory: int) -> str:
+    return f" (the closest, {name}, needs {size_words(peak)} of {size_words(memory)} on a device)"
+
+
 def _closest(zero: _Zeroed, named: Mapping[str, Strategy], search: _Search) -> str:
     """Where the search came nearest: the plan that overflows least, its fullest device."""
     if zero.evaluation is None:
@@ -585,10 +594,10 @@ def _closest(zero: _Zeroed, named: Mapping[str, Strategy], search: _Search) -> s
     name = next((n for n, s in named.items() if s == zero.strategy), "the walk's")
     stage = f" with {zero.stage.label}" if zero.stage else ""
     peak, memory = max(zero.evaluation.peak_memory_bytes), max(search.memory)
-    return f" (the closest, {name}{stage}, needs {_size(peak)} of {_size(memory)} on a device)"
+    return closest_words(f"{name}{stage}", peak, memory)
 
 
-def _size(n: float) -> str:
+def size_words(n: float) -> str:
     unit = next((u for u in range(4, 0, -1) if n >= 1024**u), 0)
     return f"{n / 1024**unit:.4g} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
 

@@ -134,6 +134,27 @@ def test_where_no_plain_plan_fits_a_pipeline_or_recomputation_does(searched, cap
     _check_the_walk(doc)
 
 
+def test_where_nothing_fits_the_refusal_names_the_nearest_plan_priced(searched, capsys) -> None:
+    """Below every plan's peak: one line, exit 2, no plan file; the nearest it names is
+    the nearest of everything priced, a pipeline's or a recomputing plan's where the
+    walk's plain plans came no nearer (they need more than any pipeline priced)."""
+    folder, model = searched["folder"], searched["model"]
+    ample, _ = _search(folder, model, "cpu:4", "ample3", capsys)
+    low = min(t["peak_memory_bytes"] for t in ample["pipeline_tried"])
+    small = _small_machine(folder, low // 2)
+    out = folder / "refused.json"
+    capsys.readouterr()
+    argv = ["plan", str(model), "--batch", BATCH, "--machine", str(small), "-o", str(out)]
+    assert cli([*argv, *SEARCH]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not out.exists()
+    named = err.split("(the closest, ")[1]
+    assert named.split(",")[0].endswith(("microbatches", "ops")), err
+    amount, unit = named.split(" needs ")[1].split(" of ")[0].split()
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    assert low // 2 < float(amount) * scale <= low * 1.001
+
+
 def _check_the_walk(doc: dict) -> None:
     """The walk inside pipelines starts from the best pipeline priced (the fastest that
     fits, else the least overflow) and ends no worse; its plan is among those tried
