@@ -60,8 +60,9 @@ def plan_cell(cell: Cell, model: Path, work: Path, budget: float, optimizer: str
     printed.unlink(missing_ok=True)
     got = measure(["sh", "-c", 'exec "$@" > "$0"', str(printed), *argv], None)
     doc: dict = {"batch": batch, "wall_s": got.wall_s, "peak_rss": got.peak_rss}
-    if got.exit_code:
-        doc["error"] = got.error or f"exit {got.exit_code}"
+    if got.exit_code:  # its last line whole (``got.error`` is cut at 160 characters)
+        lines = got.stderr.strip().splitlines()
+        doc["error"] = lines[-1] if lines else f"exit {got.exit_code}"
         return doc
     doc.update(json.loads(printed.read_text()))
     return doc
@@ -114,8 +115,9 @@ def best_rule(doc: dict) -> tuple[str, float] | None:
 def row(cell: Cell, doc: dict) -> str:
     head = f"| {cell.model} | {cell.preset} | {cell.devices} | {doc['batch']} | "
     tail = f"{doc['wall_s']:.0f} | {doc['peak_rss'] / GB:.1f} |"
-    if "error" in doc:
-        return head + doc["error"].replace("|", "/")[:160] + " | | | | | | " + tail
+    if "error" in doc:  # plan's one line, without its prefix and its advice
+        why = doc["error"].removeprefix("onnx2soap: error: ").split("; use a machine")[0]
+        return head + why.replace("|", "/")[:200] + " | | | | | | " + tail
     step = doc["predicted_step_time_s"]
     rule = best_rule(doc)
     if rule is None:

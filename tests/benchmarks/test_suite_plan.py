@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from benchmarks.suite import Cell
-from benchmarks.suite_plan import HEADER, best_rule, main, returned, row
+from benchmarks.suite_plan import HEADER, best_rule, main, plan_cell, returned, row
 
 
 def _columns(line: str) -> list[str]:
@@ -31,10 +31,11 @@ def test_one_cell(tmp_path: Path, capsys) -> None:
 
 
 def test_a_cell_plan_refuses_shows_its_line() -> None:
-    doc = {"batch": 8, "wall_s": 3.0, "peak_rss": 1e9, "error": "onnx2soap: no plan fits"}
+    error = "onnx2soap: error: no plan fits (the closest, x); use a machine with more memory"
+    doc = {"batch": 8, "wall_s": 3.0, "peak_rss": 1e9, "error": error}
     line = row(Cell("m", "alpa-v100", 8), doc)
     assert len(_columns(line)) == len(_columns(HEADER))
-    assert "no plan fits" in line
+    assert _columns(line)[4] == "no plan fits (the closest, x)"
 
 
 def test_the_best_rule_counts_the_pipeline_rule_and_recomputing_rules() -> None:
@@ -67,3 +68,10 @@ def test_the_best_rule_counts_the_pipeline_rule_and_recomputing_rules() -> None:
     assert best_rule(doc) == ("megatron recomputing", 1.5)
     doc["pipeline_tried"], doc["infeasible_baselines"] = [], ["data-parallel", "megatron"]
     assert best_rule(doc) is None
+
+
+def test_a_refusal_is_kept_whole(tmp_path: Path) -> None:
+    """plan's one line, however long (a long path's): the table cuts it, not the run."""
+    missing = tmp_path / ("m" * 170 + ".onnx")
+    doc = plan_cell(Cell("small_mlp", "flexflow-p100", 8), missing, tmp_path, 1.0, "sgd")
+    assert doc["error"].startswith("onnx2soap: error: ") and str(missing) in doc["error"]
