@@ -17,8 +17,9 @@ from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.search.ilp import IlpOptions, IlpResult, ilp
 from onnx2soap.search.megatron import megatron, node_size
 from onnx2soap.search.pipeline_rule import staged_strategy
+from onnx2soap.search.replicas import replica_config, split_first
 from onnx2soap.sim import Simulator
-from onnx2soap.soap.dims import DimKind, SoapDim, replica_split_kind
+from onnx2soap.soap.dims import DimKind, SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.strategy import Strategy
 
@@ -57,21 +58,11 @@ class Built:
     ilp: IlpResult | None = None
 
 
-def _split_one(dims: tuple[SoapDim, ...], kind: DimKind, devices: int) -> ParallelConfig:
-    """Split the first splittable dim of ``kind`` over up to ``devices`` devices."""
-    degrees = [1] * len(dims)
-    for i, d in enumerate(dims):
-        if d.kind is kind and d.splittable:
-            degrees[i] = min(devices, d.max_degree)
-            break
-    return ParallelConfig(tuple(degrees), tuple(range(math.prod(degrees))))
-
-
 def data_parallel(graph: Graph, space: Space, devices: int, width: int | None = None) -> Strategy:
     """Every op split by samples over devices ``0..width-1`` (all devices by default).
 
     An op without a sample dim is split along a weight dim over the same devices
-    (``replica_split_kind``): whole on device 0 it had sent every replica the whole
+    (``replicas.replica_split_kind``): whole on device 0 it had sent every replica the whole
     tensor and received every replica's gradient of it (GPT-1.3B's data-parallel peak
     grew with the GPUs: 87, 93, 131 GiB at 8, 16, 64)."""
     width = devices if width is None else width
@@ -80,7 +71,7 @@ def data_parallel(graph: Graph, space: Space, devices: int, width: int | None = 
     configs = {}
     for op in graph.ops:
         dims = space[op.name]
-        configs[op.name] = _split_one(dims, replica_split_kind(dims), width)
+        configs[op.name] = replica_config(dims, tuple(range(width)))
     return Strategy(devices, configs)
 
 
@@ -105,7 +96,7 @@ def expert(graph: Graph, space: Space, devices: int) -> Strategy:
     configs = {}
     for op in graph.ops:
         kind = DimKind.PARAMETER if _is_fully_connected(op, graph) else DimKind.SAMPLE
-        configs[op.name] = _split_one(space[op.name], kind, devices)
+        configs[op.name] = split_first(space[op.name], kind, tuple(range(devices)))
     return Strategy(devices, configs)
 
 

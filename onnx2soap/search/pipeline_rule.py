@@ -26,9 +26,10 @@ from onnx2soap.ir import Graph
 from onnx2soap.search.groups import Block, find_groups
 from onnx2soap.search.megatron import node_size
 from onnx2soap.search.pipeline_stages import balanced_stages
+from onnx2soap.search.replicas import replica_config
 from onnx2soap.sim import Simulator
 from onnx2soap.sim.machine import Machine
-from onnx2soap.soap.dims import SoapDim, analyze, replica_split_kind
+from onnx2soap.soap.dims import SoapDim, analyze
 from onnx2soap.soap.partition import ParallelConfig, chunk
 from onnx2soap.soap.partitioned import Partitioner
 from onnx2soap.soap.pipeline import Pipeline, Schedule
@@ -55,19 +56,13 @@ def stage_groups(devices: int, stages: int) -> tuple[tuple[int, ...], ...]:
 
 
 def sample_config(dims: tuple[SoapDim, ...], group: tuple[int, ...]) -> ParallelConfig:
-    """The op split as data parallelism splits it (``replica_split_kind``: its samples,
+    """The op split as data parallelism splits it (``replicas.replica_config``: its samples,
     or a weight dim where it has none) over as many of ``group``'s devices as the dim
     allows; whole on the group's first device where nothing splits. Whole, a tied
     weight's Identity sent the whole weight to the last stage's every device each
     microbatch and held it a slot each (GPT-1.3B in 8 stages of 8 V100s: 62.7 GiB on
     the first device, 15.9 on its stage's others; spread, 24.6 on each)."""
-    kind = replica_split_kind(dims)
-    degrees = [1] * len(dims)
-    for i, d in enumerate(dims):
-        if d.kind is kind and d.splittable:
-            degrees[i] = min(len(group), d.max_degree)
-            break
-    return ParallelConfig(tuple(degrees), group[: math.prod(degrees)])
+    return replica_config(dims, group)
 
 
 def op_seconds(

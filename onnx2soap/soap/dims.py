@@ -48,24 +48,6 @@ class SoapDim:
         return self.size // self.granule
 
 
-def replica_split_kind(dims: tuple[SoapDim, ...]) -> DimKind:
-    """The kind of dim data parallelism splits an op along: its samples; an op without a
-    sample dim (computed from weights or constants alone: the Identity that shares a
-    tied weight, its transposed read for the LM head) along its first splittable weight
-    dim, else its first other kept dim, so that its readers gather it from every replica
-    instead of from one device that sends each the whole tensor. A batch of one (a
-    sample dim that cannot split) keeps an op whole."""
-    if any(d.kind is DimKind.SAMPLE for d in dims):
-        return DimKind.SAMPLE
-    split = (
-        k
-        for k in (DimKind.PARAMETER, DimKind.ATTRIBUTE)
-        for d in dims
-        if d.kind is k and d.splittable
-    )
-    return next(split, DimKind.SAMPLE)
-
-
 def _direct_dim(m) -> int | None:
     """The dim an axis map reads one-to-one, if it is a plain (possibly offset) copy."""
     if isinstance(m, Affine) and len(m.terms) == 1 and m.terms[0][1] == 1:

@@ -1,0 +1,43 @@
+"""How a replica group splits an op: data parallelism's rule, and the pipeline rule's
+inside each stage, one answer for both."""
+
+from __future__ import annotations
+
+import math
+
+from onnx2soap.soap.dims import DimKind, SoapDim
+from onnx2soap.soap.partition import ParallelConfig
+
+
+def replica_split_kind(dims: tuple[SoapDim, ...]) -> DimKind:
+    """The kind of dim data parallelism splits an op along: its samples; an op without a
+    sample dim (computed from weights or constants alone: the Identity that shares a
+    tied weight, its transposed read for the LM head) along its first splittable weight
+    dim, else its first other kept dim, so that its readers gather it from every replica
+    instead of from one device that sends each the whole tensor. A batch of one (a
+    sample dim that cannot split) keeps an op whole."""
+    if any(d.kind is DimKind.SAMPLE for d in dims):
+        return DimKind.SAMPLE
+    split = (
+        k
+        for k in (DimKind.PARAMETER, DimKind.ATTRIBUTE)
+        for d in dims
+        if d.kind is k and d.splittable
+    )
+    return next(split, DimKind.SAMPLE)
+
+
+def split_first(dims: tuple[SoapDim, ...], kind: DimKind, group: tuple[int, ...]) -> ParallelConfig:
+    """The op's first splittable dim of ``kind`` split over as many of ``group``'s devices
+    as it allows; whole on the group's first device where none splits."""
+    degrees = [1] * len(dims)
+    for i, d in enumerate(dims):
+        if d.kind is kind and d.splittable:
+            degrees[i] = min(len(group), d.max_degree)
+            break
+    return ParallelConfig(tuple(degrees), group[: math.prod(degrees)])
+
+
+def replica_config(dims: tuple[SoapDim, ...], group: tuple[int, ...]) -> ParallelConfig:
+    """The op split over ``group`` as data parallelism splits it."""
+    return split_first(dims, replica_split_kind(dims), group)
