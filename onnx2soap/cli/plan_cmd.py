@@ -248,7 +248,7 @@ def _outer(args, outcome: _Outcome, graph, space, machine, costs, pricing) -> _S
     )
     c: Candidate | None = choice.chosen
     if c is None and walk.unfit:
-        raise UserError(_refusal(walk, choice, pricing))
+        raise UserError(_refusal(walk.unfit, walk, choice, pricing))
     baselines = {**outcome.baselines, **{k: v.evaluation for k, v in choice.baselines.items()}}
     outcome = replace(outcome, baselines=baselines, choice=choice)
     if c is None:
@@ -260,11 +260,10 @@ def _outer(args, outcome: _Outcome, graph, space, machine, costs, pricing) -> _S
     return _Searched(outcome, c.zero_stage, c.recompute, piped)
 
 
-def _refusal(walk: SearchResult, choice: Choice, pricing: Pricing) -> str:
-    """The walk's refusal, naming instead the plan priced after it (a pipeline, a plan
-    recomputing) where that one came nearer: the walk's nearest alone had GPT-1.3B on
-    64 V100s needing 125.6 GiB where a pipeline needed 24.6."""
-    unfit = walk.unfit or unfit_message("")
+def _refusal(unfit: str, walk: SearchResult, choice: Choice, pricing: Pricing) -> str:
+    """The walk's refusal ``unfit``, naming instead the plan priced after it (a
+    pipeline, a plan recomputing) where that one came nearer: the walk's nearest alone
+    had GPT-1.3B on 64 V100s needing 125.6 GiB where a pipeline needed 24.6."""
     near = min(choice.tried, key=lambda c: max(c.evaluation.peak_memory_bytes), default=None)
     if near is None:
         return unfit

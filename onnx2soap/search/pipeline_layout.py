@@ -20,12 +20,12 @@ from onnx2soap.search.megatron import megatron_at, node_size
 from onnx2soap.search.pipeline_rule import (
     Space,
     full_recompute,
-    sample_config,
     stage_groups,
     task_seconds,
 )
 from onnx2soap.search.pipeline_stages import balanced_stages
 from onnx2soap.search.priced import Candidate, Pricing, Shape, Simulators
+from onnx2soap.search.replicas import replica_config
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Partitioner, Strategy
 from onnx2soap.soap import validate as validate_strategy
@@ -75,7 +75,7 @@ class StageSpace:
         """Op name -> its config inside ``stage`` at tensor-parallel ``degree``."""
         group = self.groups[stage]
         if degree == 1:
-            return lambda name: sample_config(self.space[name], group)
+            return lambda name: replica_config(self.space[name], group)
         key = (len(group), degree)
         if key not in self._megatron:
             self._megatron[key] = megatron_at(self.micro, self.space, len(group), degree)

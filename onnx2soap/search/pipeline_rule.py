@@ -55,16 +55,6 @@ def stage_groups(devices: int, stages: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(range(lo, hi)) for lo, hi in bounds)
 
 
-def sample_config(dims: tuple[SoapDim, ...], group: tuple[int, ...]) -> ParallelConfig:
-    """The op split as data parallelism splits it (``replicas.replica_config``: its samples,
-    or a weight dim where it has none) over as many of ``group``'s devices as the dim
-    allows; whole on the group's first device where nothing splits. Whole, a tied
-    weight's Identity sent the whole weight to the last stage's every device each
-    microbatch and held it a slot each (GPT-1.3B in 8 stages of 8 V100s: 62.7 GiB on
-    the first device, 15.9 on its stage's others; spread, 24.6 on each)."""
-    return replica_config(dims, group)
-
-
 def op_seconds(
     graph: Graph,
     space: Space,
@@ -75,7 +65,7 @@ def op_seconds(
     """Per op (graph order), its slowest task's forward and backward (and its forward
     again where recomputed) under data parallelism over ``group``: the time it adds to
     its stage's passes, its tasks running side by side."""
-    configs = {op.name: sample_config(space[op.name], group) for op in graph.ops}
+    configs = {op.name: replica_config(space[op.name], group) for op in graph.ops}
     return task_seconds(graph, configs, simulator, recompute)
 
 
@@ -126,7 +116,7 @@ def pipeline_plan(
     for group, run in zip(groups, runs, strict=True):
         ops = [graph.ops[i] for i in run]
         for op in ops:
-            configs[op.name] = sample_config(space[op.name], group)
+            configs[op.name] = replica_config(space[op.name], group)
         names.append(tuple(op.name for op in ops))
     return PipelinePlan(Strategy(devices, configs), Pipeline(tuple(names), microbatches, schedule))
 

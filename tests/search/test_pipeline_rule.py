@@ -21,9 +21,9 @@ from onnx2soap.search.pipeline_rule import (
     default_shape,
     full_recompute,
     pipeline_plan,
-    sample_config,
     stage_groups,
 )
+from onnx2soap.search.replicas import replica_config
 from onnx2soap.sim import RooflineCost, make_simulator, resolve_machine
 from onnx2soap.soap import Partitioner, Strategy, analyze
 from onnx2soap.soap.pipeline import Pipeline, Schedule
@@ -67,7 +67,7 @@ def _slowest_stage(graph: Graph, space, machine, groups, cut: tuple[int, ...]) -
     configs, stages = {}, []
     for group, (a, b) in zip(groups, itertools.pairwise(bounds), strict=True):
         ops = graph.ops[a:b]
-        configs |= {op.name: sample_config(space[op.name], group) for op in ops}
+        configs |= {op.name: replica_config(space[op.name], group) for op in ops}
         stages.append(tuple(op.name for op in ops))
     pipeline = Pipeline(tuple(stages), 2, Schedule.ONE_F_ONE_B)
     sim = make_simulator(machine, RooflineCost(), pipeline=pipeline)
