@@ -81,6 +81,69 @@ Backward = Callable[[Any, Any, Sequence[Array], Array, Array, TaskArgs], tuple[A
 """(xp, attrs, inputs, output, grad_output, args) -> a gradient per input buffer (same
 shape, padding included, fresh arrays) or None where none is needed (labels, constants)."""
 
+
+@dataclass(frozen=True)
+class Saved:
+    """What an op's backward reads of its forward, as autograd's saved tensors: the
+    input buffers it reads (``inputs``: their indices; None: every one) and whether it
+    reads its output tile. The executor keeps exactly those from the forward to the
+    op's backward and frees every other tile after its last forward reader; the memory
+    model prices the same lifetimes. An input the backward does not read reaches it as
+    a ``Released``: its shape and dtype, no values (a broadcast's gradient is summed to
+    the input's shape). Weights, state and constants are held by the rank anyway.
+
+    The default keeps everything: an op that declares nothing is priced and run as
+    before. ``tests/ops/test_saved.py`` runs every case's backward with the buffers an
+    op does not save released, so a declaration that says too little fails there."""
+
+    inputs: tuple[int, ...] | None = None
+    output: bool = True
+
+    def keeps_input(self, k: int) -> bool:
+        return self.inputs is None or k in self.inputs
+
+
+SAVES_ALL = Saved()
+SAVES_NOTHING = Saved(inputs=(), output=False)
+SAVES_INPUTS = Saved(inputs=None, output=False)
+SAVES_OUTPUT = Saved(inputs=(), output=True)
+
+
+class Released:
+    """Stands in for a buffer the backward does not read (``Saved``): its shape and
+    dtype only. Anything that would read its values raises."""
+
+    __slots__ = ("dtype", "shape")
+    __array_ufunc__ = None  # numpy's ufuncs refuse it rather than make an object array
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape, self.dtype = tuple(shape), dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("a released buffer has no values: the op's Saved must keep it")
+
+    def __getitem__(self, index):
+        raise TypeError("a released buffer has no values: the op's Saved must keep it")
+
+    def __repr__(self) -> str:
+        return f"Released({self.shape}, {self.dtype})"
+
+
+def released(buffer: Array) -> Released:
+    """The stand-in of ``buffer`` (or ``buffer`` itself where it is one already)."""
+    if isinstance(buffer, Released):
+        return buffer
+    return Released(buffer.shape, buffer.dtype)
+
+
 Workspace = Callable[[Any, Sequence[tuple[int, ...]], tuple[int, ...], int], tuple[int, int]]
 """(attrs, input buffer shapes, output tile shape, itemsize) -> (forward, backward) bytes
 (``OpDef.workspace``)."""
@@ -264,6 +327,9 @@ class OpDef:
     # forward and backward kernels hold at once beyond its buffers, its output and the
     # gradients they return. The memory model adds them where they run.
     workspace: Workspace | None = None
+    # What the backward reads of the forward (``Saved``): the rest is freed after its
+    # last forward reader. Everything unless declared.
+    saves: Saved = SAVES_ALL
 
     @property
     def is_loss(self) -> bool:

@@ -18,11 +18,15 @@ from enum import Enum
 import numpy as np
 
 from onnx2soap.ops.base import (
+    SAVES_INPUTS,
+    SAVES_NOTHING,
+    SAVES_OUTPUT,
     CaseInput,
     InputKind,
     NoAttrs,
     OpDef,
     Sample,
+    Saved,
     X,
     case,
     output_copies,
@@ -423,7 +427,9 @@ def gelu_backward(xp, attrs, inputs, output, grad_output, args):
 # --- definitions ----------------------------------------------------------------------------
 
 
-def _op(name, versions, convert, forward, backward, *cases, workspace=None) -> OpDef:
+def _op(name, versions, convert, forward, backward, *cases, saves: Saved, workspace=None) -> OpDef:
+    """``saves``: what the backward reads (``Saved``): the input where the derivative is
+    a function of x, the output where it is one of y (Sigmoid, Tanh, Exp, ...)."""
     return OpDef(
         name=name,
         versions=versions,
@@ -432,6 +438,7 @@ def _op(name, versions, convert, forward, backward, *cases, workspace=None) -> O
         backward=backward,
         cases=cases,
         workspace=workspace,
+        saves=saves,
     )
 
 
@@ -470,6 +477,7 @@ RELU = _op(
     relu_forward,
     relu_backward,
     case("relu", "Relu", X(2, 3, 4), sample=AWAY),
+    saves=SAVES_INPUTS,  # x > 0
 )
 
 IDENTITY = replace(
@@ -486,11 +494,20 @@ IDENTITY = replace(
             CaseInput(InputKind.DATA, (3, 5), None, "int64"),
             output="int64",
         ),
+        saves=SAVES_NOTHING,  # the input's dtype only
     ),
     moves_values=True,  # ids copied keep the bound of whoever reads them
 )
 
-NEG = _op("Neg", (13,), convert_neg, neg_forward, neg_backward, case("neg", "Neg", X(2, 3, 4)))
+NEG = _op(
+    "Neg",
+    (13,),
+    convert_neg,
+    neg_forward,
+    neg_backward,
+    case("neg", "Neg", X(2, 3, 4)),
+    saves=SAVES_NOTHING,
+)
 
 SIGMOID = _op(
     "Sigmoid",
@@ -500,6 +517,7 @@ SIGMOID = _op(
     sigmoid_backward,
     case("sigmoid", "Sigmoid", X(2, 3, 4)),
     case("sigmoid_2d", "Sigmoid", X(4, 6)),
+    saves=SAVES_OUTPUT,  # y (1 - y)
     workspace=output_copies(3.8, 2.2),
 )
 
@@ -515,6 +533,7 @@ HARD_SIGMOID = _op(
     case("hard_sigmoid", "HardSigmoid", X(2, 3, 4)),
     case("hard_sigmoid_attrs", "HardSigmoid", X(3, 5), alpha=0.5, beta=0.6),
     case("hard_sigmoid_opset22", "HardSigmoid", X(2, 5), opset=22, alpha=0.3, beta=0.4),
+    saves=SAVES_INPUTS,
 )
 
 HARD_SWISH = _op(
@@ -526,10 +545,17 @@ HARD_SWISH = _op(
     # Kinks at +-3, where a normal sample rarely lands within a finite-difference step.
     case("hard_swish", "HardSwish", X(2, 3, 4), opset=17),
     case("hard_swish_opset22", "HardSwish", X(3, 7), opset=22),
+    saves=SAVES_INPUTS,
 )
 
 TANH = _op(
-    "Tanh", (13,), convert_tanh, tanh_forward, tanh_backward, case("tanh", "Tanh", X(2, 3, 4))
+    "Tanh",
+    (13,),
+    convert_tanh,
+    tanh_forward,
+    tanh_backward,
+    case("tanh", "Tanh", X(2, 3, 4)),
+    saves=SAVES_OUTPUT,  # 1 - y^2
 )
 
 LEAKY_RELU = _op(
@@ -541,6 +567,7 @@ LEAKY_RELU = _op(
     case("leaky_relu", "LeakyRelu", X(2, 3, 4), sample=AWAY),
     case("leaky_relu_alpha", "LeakyRelu", X(3, 5), sample=AWAY, alpha=0.2),
     case("leaky_relu_opset13", "LeakyRelu", X(4, 3), opset=13, sample=AWAY, alpha=-0.5),
+    saves=SAVES_INPUTS,  # x > 0 (y > 0 is not that for a negative alpha)
 )
 
 ELU = _op(
@@ -552,6 +579,7 @@ ELU = _op(
     case("elu", "Elu", X(2, 3, 4), sample=AWAY),
     case("elu_alpha", "Elu", X(3, 5), sample=AWAY, alpha=0.3),
     case("elu_opset22", "Elu", X(2, 5), opset=22, sample=AWAY, alpha=2.0),
+    saves=SAVES_INPUTS,
 )
 
 SELU = _op(
@@ -563,6 +591,7 @@ SELU = _op(
     case("selu", "Selu", X(2, 3, 4), sample=AWAY),
     case("selu_attrs", "Selu", X(3, 5), sample=AWAY, alpha=1.5, gamma=0.8),
     case("selu_opset22", "Selu", X(2, 5), opset=22, sample=AWAY),
+    saves=SAVES_INPUTS,
 )
 
 SOFTPLUS = _op(
@@ -573,6 +602,7 @@ SOFTPLUS = _op(
     softplus_backward,
     case("softplus", "Softplus", X(2, 3, 4)),
     case("softplus_opset22", "Softplus", X(3, 5), opset=22),
+    saves=SAVES_INPUTS,  # sigmoid(x)
 )
 
 SQRT = _op(
@@ -582,9 +612,18 @@ SQRT = _op(
     sqrt_forward,
     sqrt_backward,
     case("sqrt", "Sqrt", X(2, 3, 4), sample=POSITIVE),
+    saves=SAVES_OUTPUT,  # 1 / (2 y)
 )
 
-EXP = _op("Exp", (13,), convert_exp, exp_forward, exp_backward, case("exp", "Exp", X(2, 3, 4)))
+EXP = _op(
+    "Exp",
+    (13,),
+    convert_exp,
+    exp_forward,
+    exp_backward,
+    case("exp", "Exp", X(2, 3, 4)),
+    saves=SAVES_OUTPUT,
+)
 
 LOG = _op(
     "Log",
@@ -593,6 +632,7 @@ LOG = _op(
     log_forward,
     log_backward,
     case("log", "Log", X(2, 3, 4), sample=POSITIVE),
+    saves=SAVES_INPUTS,  # 1 / x
 )
 
 RECIPROCAL = _op(
@@ -603,6 +643,7 @@ RECIPROCAL = _op(
     reciprocal_backward,
     case("reciprocal", "Reciprocal", X(2, 3, 4), sample=POSITIVE),
     case("reciprocal_signed", "Reciprocal", X(3, 5), sample=AWAY),
+    saves=SAVES_OUTPUT,  # -y^2
 )
 
 ERF = _op(
@@ -613,6 +654,7 @@ ERF = _op(
     erf_backward,
     case("erf", "Erf", X(2, 3, 4)),
     case("erf_2d", "Erf", X(6, 7)),
+    saves=SAVES_INPUTS,
     workspace=_erf_workspace,
 )
 
@@ -625,6 +667,7 @@ GELU = _op(
     case("gelu", "Gelu", X(2, 3, 4), opset=20),
     case("gelu_tanh", "Gelu", X(3, 5), opset=20, approximate="tanh"),
     case("gelu_none_explicit", "Gelu", X(4, 3), opset=20, approximate="none"),
+    saves=SAVES_INPUTS,
     workspace=_gelu_workspace,
 )
 

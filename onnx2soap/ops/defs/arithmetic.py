@@ -8,7 +8,19 @@ input: the executor may accumulate into them in place."""
 
 from __future__ import annotations
 
-from onnx2soap.ops.base import C, CaseInput, InputKind, NoAttrs, OpDef, Sample, W, X, case
+from onnx2soap.ops.base import (
+    SAVES_INPUTS,
+    SAVES_NOTHING,
+    C,
+    CaseInput,
+    InputKind,
+    NoAttrs,
+    OpDef,
+    Sample,
+    W,
+    X,
+    case,
+)
 from onnx2soap.ops.context import NodeContext, elementwise, one_kind
 from onnx2soap.ops.kernel_util import unbroadcast
 
@@ -125,6 +137,7 @@ ADD = OpDef(
     convert=convert_binary,
     forward=add_forward,
     backward=add_backward,
+    saves=SAVES_NOTHING,  # the operands' shapes and dtypes only
     cases=(*_cases("Add"), *_int_cases("Add")),
 )
 
@@ -134,6 +147,7 @@ SUB = OpDef(
     convert=convert_binary,
     forward=sub_forward,
     backward=sub_backward,
+    saves=SAVES_NOTHING,
     cases=(*_cases("Sub"), *_int_cases("Sub")),
 )
 
@@ -143,6 +157,7 @@ MUL = OpDef(
     convert=convert_binary,
     forward=mul_forward,
     backward=mul_backward,
+    saves=SAVES_INPUTS,  # each operand scales the other's gradient
     cases=(*_cases("Mul"), *_int_cases("Mul")),
 )
 
@@ -152,6 +167,7 @@ DIV = OpDef(
     convert=convert_binary,
     forward=div_forward,
     backward=div_backward,
+    saves=SAVES_INPUTS,  # a and b, not the output
     # Divisors near 0 would make central differences meaningless.
     cases=(
         *_cases("Div", Sample.AWAY_FROM_ZERO),

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from onnx2soap.ir import Binding, Operand, identity
-from onnx2soap.ops.base import OpDef, Sample, Statistics, W, X, case, output_copies
+from onnx2soap.ops.base import OpDef, Sample, Saved, Statistics, W, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 
@@ -194,6 +194,9 @@ BATCH_NORMALIZATION = OpDef(
     forward=forward,
     backward=backward,
     workspace=output_copies(2.2, 2.2),
+    # x and the scale (xhat is recomputed), the running statistics it normalizes with in
+    # inference; the backward's partial sums read the same. Not the bias, nor y.
+    saves=Saved(inputs=(0, 1, 3, 4), output=False),
     statistics=Statistics(
         forward=partial_forward,
         backward=partial_backward,

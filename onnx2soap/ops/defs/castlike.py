@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from onnx2soap.ir import DType
-from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, CaseInput, InputKind, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, elementwise, text
 from onnx2soap.ops.defs.clip_pow_cast import (
     ROUND_MODES,
@@ -77,6 +77,7 @@ CAST_LIKE = OpDef(
     convert=convert,
     forward=cast_forward,
     backward=cast_backward,
+    saves=SAVES_NOTHING,  # the input's dtype only
     cases=(
         case("castlike_float", "CastLike", X(2, 3, 4), C(0.0, dtype="float32")),
         # the run computes in one float dtype: a cast to double is the identity there

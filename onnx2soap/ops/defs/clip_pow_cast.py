@@ -16,7 +16,18 @@ import numpy as np
 import onnx
 
 from onnx2soap.ir import DType
-from onnx2soap.ops.base import NONE, C, CaseInput, InputKind, OpDef, Sample, X, case
+from onnx2soap.ops.base import (
+    NONE,
+    SAVES_INPUTS,
+    SAVES_NOTHING,
+    C,
+    CaseInput,
+    InputKind,
+    OpDef,
+    Sample,
+    X,
+    case,
+)
 from onnx2soap.ops.context import NodeContext, elementwise, text
 
 
@@ -210,6 +221,7 @@ CLIP = OpDef(
     convert=convert_clip,
     forward=clip_forward,
     backward=clip_backward,
+    saves=SAVES_INPUTS,  # x against the bounds
     # Bounds away from where a finite-difference step could cross them (or, at 0, data
     # drawn away from 0).
     cases=(
@@ -228,6 +240,7 @@ POW = OpDef(
     convert=convert_pow,
     forward=pow_forward,
     backward=pow_backward,
+    saves=SAVES_INPUTS,
     cases=(
         case("pow_square", "Pow", X(2, 3, 4), _f(2.0)),
         case("pow_int_exponent", "Pow", X(3, 4), C(3)),
@@ -246,6 +259,7 @@ CAST = OpDef(
     convert=convert_cast,
     forward=cast_forward,
     backward=cast_backward,
+    saves=SAVES_NOTHING,  # the input's dtype only
     # The harness declares a float32 output, so every case casts to FLOAT.
     cases=(
         case("cast_ids_to_float", "Cast", _ids(2, 5), to=onnx.TensorProto.FLOAT),

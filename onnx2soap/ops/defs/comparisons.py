@@ -13,7 +13,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, CaseInput, InputKind, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, elementwise
 
 
@@ -38,7 +38,8 @@ def forward(xp, attrs: CompareAttrs, inputs, args):
 
 
 def backward(xp, attrs, inputs, output, grad_output, args):
-    return tuple(xp.zeros_like(x) if x.dtype.kind == "f" else None for x in inputs)
+    # zeros of the operands' shapes: their values are not needed (SAVES_NOTHING)
+    return tuple(xp.zeros(x.shape, dtype=x.dtype) if x.dtype.kind == "f" else None for x in inputs)
 
 
 def _ids(*shape: int) -> CaseInput:
@@ -53,6 +54,7 @@ def _definition(name: str, compare: Callable, versions: tuple[int, ...]) -> OpDe
         convert=_converter(compare),
         forward=forward,
         backward=backward,
+        saves=SAVES_NOTHING,
         cases=(
             case(f"{lower}_const", name, X(2, 3, 4), C(0.25, dtype="float32"), output="bool"),
             case(f"{lower}_weight", name, X(3, 4), W(4), output="bool"),

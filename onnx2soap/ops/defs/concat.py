@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onnx2soap.ir import Affine, Operand, identity
-from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, CaseInput, InputKind, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op, one_kind
 
 
@@ -66,6 +66,7 @@ CONCAT = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the parts' extents and dtypes only
     cases=(
         case("concat_middle", "Concat", W(2, 2, 4), X(2, 3, 4), W(2, 1, 4), axis=1),
         case("concat_last", "Concat", X(2, 3, 2), W(2, 3, 3), W(2, 3, 1), axis=-1),

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from onnx2soap.ir import AxisMap, Grouped, Operand, identity
-from onnx2soap.ops.base import OpDef, W, X, case
+from onnx2soap.ops.base import OpDef, Saved, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names
 from onnx2soap.ops.kernel_util import check_window_buffer, flat_shifts, window_taps
 from onnx2soap.ops.windows import window, window_axes, window_outputs
@@ -322,6 +322,7 @@ CONV = OpDef(
     forward=forward,
     backward=backward,
     workspace=workspace,
+    saves=Saved(inputs=(0, 1), output=False),  # X and W; the bias's shape only
     cases=(
         case("conv2d", "Conv", X(2, 3, 6, 7), W(4, 3, 3, 3), W(4), pads=[1, 1, 1, 1]),
         case(

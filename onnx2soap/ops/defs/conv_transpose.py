@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from onnx2soap.ir import AxisMap, Operand, Whole, identity
-from onnx2soap.ops.base import OpDef, W, X, case
+from onnx2soap.ops.base import OpDef, Saved, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names, text
 from onnx2soap.ops.kernel_util import window_taps
 from onnx2soap.ops.windows import int_list
@@ -315,6 +315,7 @@ CONV_TRANSPOSE = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=Saved(inputs=(0, 1), output=False),  # X and W; the bias's shape only
     cases=(
         case("convtranspose2d", "ConvTranspose", X(2, 3, 4, 3), W(3, 4, 3, 3), W(4)),
         case(

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onnx2soap.ir import Operand, Whole, identity
-from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, CaseInput, InputKind, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 
@@ -95,6 +95,7 @@ CUMSUM = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the opposite scan of the gradient; the input's dtype only
     cases=(
         case("cumsum", "CumSum", X(2, 5, 3), C(1)),
         case("cumsum_last_negative", "CumSum", X(2, 3, 4), C(-1)),

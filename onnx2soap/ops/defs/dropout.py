@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx2soap.ir import DType
-from onnx2soap.ops.base import NONE, C, OpDef, RandomKey, X, case, output_copies
+from onnx2soap.ops.base import NONE, SAVES_NOTHING, C, OpDef, RandomKey, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, elementwise
 from onnx2soap.ops.random_bits import float_stream, uniform
 
@@ -150,7 +150,8 @@ def random_uniform_like_forward(xp, attrs, inputs, args):
 
 def random_uniform_like_backward(xp, attrs, inputs, output, grad_output, args):
     # The output does not depend on the input's values: the exact derivative is zero.
-    return (xp.zeros_like(inputs[0]),)
+    x = inputs[0]
+    return (xp.zeros(x.shape, dtype=x.dtype),)  # its shape and dtype alone: SAVES_NOTHING
 
 
 # --- definitions ----------------------------------------------------------------------------
@@ -164,6 +165,7 @@ DROPOUT = OpDef(
     convert=convert_dropout,
     forward=dropout_forward,
     backward=dropout_backward,
+    saves=SAVES_NOTHING,  # the mask is drawn again from the step's key
     workspace=output_copies(5, 5),
     cases=(
         # Identities (ORT-comparable): no optionals, training_mode False, ratio 0.
@@ -199,6 +201,7 @@ RANDOM_UNIFORM_LIKE = OpDef(
     convert=convert_random_uniform_like,
     forward=random_uniform_like_forward,
     backward=random_uniform_like_backward,
+    saves=SAVES_NOTHING,
     cases=(
         case("random_uniform_like", "RandomUniformLike", X(2, 3, 4), deterministic=False),
         case(

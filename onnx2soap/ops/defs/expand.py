@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onnx2soap.ops.base import C, OpDef, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, OpDef, X, case
 from onnx2soap.ops.context import (
     NodeContext,
     axis_names,
@@ -55,6 +55,7 @@ EXPAND = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the input's shape only
     cases=(
         case("expand_middle", "Expand", X(2, 1, 4), C([2, 3, 4])),
         case("expand_ones_keep", "Expand", X(3, 1, 5, 1), C([1, 4, 1, 2])),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from onnx2soap.ir import Affine, AxisMap, Operand, TensorRole, Whole, identity
-from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case, output_copies
+from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, Saved, W, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, make_op
 from onnx2soap.ops.kernel_util import scatter_add
 
@@ -171,9 +171,11 @@ def backward(xp, attrs: GatherAttrs, inputs, output, grad_output, args):
     # gathered axis of the gradient first too, then add each row where its id points.
     g = xp.moveaxis(grad_output, tuple(range(a, a + k)), tuple(range(k)))
     g = g.reshape(-1, *g.shape[k:])
-    grad = xp.zeros_like(xp.moveaxis(data, a, 0))
-    scatter_add(xp, grad, ids.reshape(-1), g)
-    grads = [xp.ascontiguousarray(xp.moveaxis(grad, 0, a))]
+    # data's shape and dtype alone (Saved): the gradient in data's layout, seen with the
+    # gathered axis first
+    grad = xp.zeros(data.shape, dtype=data.dtype)
+    scatter_add(xp, xp.moveaxis(grad, a, 0), ids.reshape(-1), g)
+    grads = [grad]
     if attrs.indices is None:
         grads.append(None)
     return tuple(grads)
@@ -196,6 +198,7 @@ GATHER = OpDef(
     forward=forward,
     backward=backward,
     workspace=output_copies(2.2, 2.2),
+    saves=Saved(inputs=(1,), output=False),  # the ids (an operand); data's shape only
     id_bound=id_bound,
     cases=(
         # an embedding: a weight [vocabulary, width] read by token ids [batch, positions]

@@ -37,7 +37,7 @@ from enum import Enum
 import numpy as np
 
 from onnx2soap.ir import Affine, AxisMap, Operand, Tensor, Whole, identity
-from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, W, X, case
+from onnx2soap.ops.base import C, CaseInput, InputKind, OpDef, Saved, W, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op, one_kind, text
 from onnx2soap.ops.kernel_util import scatter_add
 
@@ -172,6 +172,12 @@ def _apply_grads(xp, how: Reduction, grad_output, dest, dummy: int):
     return table[:dummy].reshape(grad_output.shape), picked
 
 
+# The backwards read the indices where they are an operand (input 1), and only the shapes
+# and dtypes of data and updates. Constant indices are no operand: a scatter's input 1 is
+# then its updates, kept needlessly (one Saved serves every node of the op type).
+_SAVES_INDICES = Saved(inputs=(1,), output=False)
+
+
 def _float_grad(buffer, grad):
     """Integer operands (ids gathered or scattered) take no gradient."""
     return grad if buffer.dtype.kind == "f" else None
@@ -253,6 +259,7 @@ GATHER_ELEMENTS = OpDef(
     convert=convert_gather_elements,
     forward=forward_gather_elements,
     backward=backward_gather_elements,
+    saves=_SAVES_INDICES,
     id_bound=id_bound_gather_elements,
     cases=(
         case(
@@ -358,8 +365,9 @@ def convert_gather_nd(ctx: NodeContext, *, batch_dims=0):
 
 
 def _gather_nd_rows(xp, attrs: GatherNDAttrs, inputs, args):
-    """(data as [batch, indexed positions, trailing], the flat row of each output in it,
-    the tile's [batch, lookups, trailing] shape)."""
+    """(the shape of data as [batch * indexed positions, trailing], the flat row of each
+    output in it, the tile's [batch, lookups, trailing] shape), from data's shape alone:
+    the backward reads no values of data (Saved)."""
     data = inputs[0]
     b, k = attrs.batch_dims, len(attrs.sizes)
     q = len(attrs.indices_shape)
@@ -382,19 +390,18 @@ def _gather_nd_rows(xp, attrs: GatherNDAttrs, inputs, args):
     ]
     within = _flat(xp, coords, extents)
     rows = xp.arange(batch, dtype=np.int64).reshape(batch, 1) * positions + within
-    table = data.reshape(batch * positions, trail)
-    return table, rows.reshape(-1), (batch, lookups, trail)
+    return (batch * positions, trail), rows.reshape(-1), (batch, lookups, trail)
 
 
 def forward_gather_nd(xp, attrs: GatherNDAttrs, inputs, args):
-    table, rows, _ = _gather_nd_rows(xp, attrs, inputs, args)
-    return table[rows].reshape(args.out_shape)
+    table_shape, rows, _ = _gather_nd_rows(xp, attrs, inputs, args)
+    return inputs[0].reshape(table_shape)[rows].reshape(args.out_shape)
 
 
 def backward_gather_nd(xp, attrs: GatherNDAttrs, inputs, output, grad_output, args):
     data = inputs[0]
-    table, rows, (batch, lookups, trail) = _gather_nd_rows(xp, attrs, inputs, args)
-    grad = xp.zeros(table.shape, dtype=data.dtype)
+    table_shape, rows, (batch, lookups, trail) = _gather_nd_rows(xp, attrs, inputs, args)
+    grad = xp.zeros(table_shape, dtype=data.dtype)
     values = grad_output.reshape(batch * lookups, trail).astype(data.dtype)
     scatter_add(xp, grad, rows, values)
     grads = [_float_grad(data, grad.reshape(data.shape))]
@@ -415,6 +422,7 @@ GATHER_ND = OpDef(
     convert=convert_gather_nd,
     forward=forward_gather_nd,
     backward=backward_gather_nd,
+    saves=_SAVES_INDICES,
     id_bound=id_bound_gather_nd,
     cases=(
         # whole elements: k == rank
@@ -548,6 +556,7 @@ SCATTER_ELEMENTS = OpDef(
     convert=convert_scatter_elements,
     forward=forward_scatter_elements,
     backward=backward_scatter_elements,
+    saves=_SAVES_INDICES,
     id_bound=id_bound_scatter_elements,
     cases=(
         case(
@@ -721,6 +730,7 @@ SCATTER_ND = OpDef(
     convert=convert_scatter_nd,
     forward=forward_scatter_nd,
     backward=backward_scatter_nd,
+    saves=_SAVES_INDICES,
     id_bound=id_bound_scatter_nd,
     cases=(
         # whole elements: k == rank

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from onnx2soap.ir import Operand, identity
-from onnx2soap.ops.base import OpDef, W, X, case
+from onnx2soap.ops.base import OpDef, Saved, W, X, case
 from onnx2soap.ops.context import NodeContext, broadcast_operand, broadcast_shape, make_op
 from onnx2soap.ops.kernel_util import matmul, unbroadcast
 
@@ -94,6 +94,7 @@ GEMM = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=Saved(inputs=(0, 1), output=False),  # A and B; C's shape only
     cases=(
         case("gemm", "Gemm", X(4, 3), W(3, 5)),
         case("gemm_bias1d", "Gemm", X(4, 3), W(3, 5), W(5)),

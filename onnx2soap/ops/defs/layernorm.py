@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, Whole, identity
-from onnx2soap.ops.base import OpDef, Sample, W, X, case, output_copies
+from onnx2soap.ops.base import OpDef, Sample, Saved, W, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 from onnx2soap.ops.kernel_util import unbroadcast
 
@@ -136,6 +136,7 @@ LAYER_NORMALIZATION = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=Saved(inputs=(0, 1), output=False),  # x and the scale; B's shape only
     workspace=output_copies(2.2, 3.5),
     cases=(
         _ln("layernorm_last", X(3, 4, 6), W(6), W(6)),

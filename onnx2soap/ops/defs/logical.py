@@ -17,7 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from onnx2soap.ir import DType, Tensor
-from onnx2soap.ops.base import C, CaseInput, InputKind, NoAttrs, OpDef, Sample, W, X, case
+from onnx2soap.ops.base import (
+    SAVES_NOTHING,
+    C,
+    CaseInput,
+    InputKind,
+    NoAttrs,
+    OpDef,
+    Sample,
+    Saved,
+    W,
+    X,
+    case,
+)
 from onnx2soap.ops.context import NodeContext, elementwise, one_kind
 from onnx2soap.ops.kernel_util import unbroadcast
 
@@ -45,8 +57,9 @@ def _out_dtype(inputs):
 
 
 def _no_grad(xp, x):
-    """A mask's gradient: zeros for a float buffer, None for an integer one."""
-    return xp.zeros_like(x) if x.dtype.kind == "f" else None
+    """A mask's gradient: zeros for a float buffer, None for an integer one (from its
+    shape and dtype alone: Saved)."""
+    return xp.zeros(x.shape, dtype=x.dtype) if x.dtype.kind == "f" else None
 
 
 def _zero_grads(xp, attrs, inputs, output, grad_output, args):
@@ -174,6 +187,7 @@ WHERE = OpDef(
     convert=convert_where,
     forward=where_forward,
     backward=where_backward,
+    saves=Saved(inputs=(0,), output=False),  # the condition; X's and Y's shapes only
     cases=(
         case("where_const_cond", "Where", _bools(3, 4), X(2, 3, 4), W(3, 4)),
         case("where_const_fill", "Where", _bools(1, 4), X(2, 3, 4), C(-3.5, dtype="float32")),
@@ -206,6 +220,7 @@ NOT = OpDef(
     convert=_logic_converter(1),
     forward=not_forward,
     backward=_zero_grads,
+    saves=SAVES_NOTHING,
     cases=(case("not_mask", "Not", _mask_input(2, 3, 4), output="bool"),),
 )
 
@@ -218,6 +233,7 @@ def _binary_logic(name: str, function: str) -> OpDef:
         convert=_logic_converter(2),
         forward=_binary_forward(function),
         backward=_zero_grads,
+        saves=SAVES_NOTHING,
         cases=(
             case(f"{lower}_const", name, _mask_input(2, 3, 4), _bools(4), output="bool"),
             case(f"{lower}_const_first", name, _bools(3, 1), _mask_input(2, 3, 4), output="bool"),
@@ -231,6 +247,7 @@ ISNAN = OpDef(
     convert=convert_isnan,
     forward=isnan_forward,
     backward=_zero_grads,
+    saves=SAVES_NOTHING,
     cases=(
         case("isnan", "IsNaN", X(2, 3, 4), output="bool"),
         case("isnan_opset20", "IsNaN", X(3, 5), output="bool", opset=20),
@@ -243,6 +260,7 @@ ISINF = OpDef(
     convert=convert_isinf,
     forward=isinf_forward,
     backward=_zero_grads,
+    saves=SAVES_NOTHING,
     cases=(
         case("isinf", "IsInf", X(2, 3, 4), output="bool"),
         case("isinf_positive", "IsInf", X(2, 5), output="bool", detect_negative=0),

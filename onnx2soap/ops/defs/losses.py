@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx2soap.ir import Operand, Tensor, identity
-from onnx2soap.ops.base import LABELS, OpDef, X, case
+from onnx2soap.ops.base import LABELS, SAVES_INPUTS, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op, text
 
 CROSS_ENTROPY_NAME = "SoftmaxCrossEntropyLoss"
@@ -166,6 +166,7 @@ CROSS_ENTROPY = OpDef(
     convert=convert_cross_entropy,
     forward=cross_entropy_forward,
     backward=cross_entropy_backward,
+    saves=SAVES_INPUTS,  # the scores and the labels, not the loss
     loss_scale=cross_entropy_scale,
     workspace=cross_entropy_workspace,
     cases=(
@@ -186,6 +187,7 @@ MSE = OpDef(
     convert=convert_mse,
     forward=mse_forward,
     backward=mse_backward,
+    saves=SAVES_INPUTS,  # the prediction and the target, not the loss
     loss_scale=mse_scale,
     cases=(case("mse", MSE_NAME, X(4, 3), LABELS(4, 3, dtype="float32")),),
 )

@@ -12,7 +12,7 @@ import math
 from dataclasses import replace
 
 from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, identity
-from onnx2soap.ops.base import NoAttrs, OpDef, W, X, case
+from onnx2soap.ops.base import SAVES_INPUTS, NoAttrs, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, broadcast_shape, make_op
 from onnx2soap.ops.kernel_util import matmul, unbroadcast
 
@@ -90,6 +90,7 @@ MATMUL = OpDef(
     forward=forward,
     backward=backward,
     workspace=workspace,
+    saves=SAVES_INPUTS,  # each operand multiplies the other's gradient
     cases=(
         case("matmul_2d", "MatMul", X(4, 3), W(3, 5)),
         case("matmul_weight_2d", "MatMul", X(2, 3, 4, 5), W(5, 6)),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from enum import Enum
 
 from onnx2soap.ir import Affine, AxisMap, Operand, identity
-from onnx2soap.ops.base import NONE, C, NoAttrs, OpDef, X, case
+from onnx2soap.ops.base import NONE, SAVES_NOTHING, C, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op, text
 from onnx2soap.ops.defs.transpose import int_values, normalized_axes
 
@@ -93,6 +93,7 @@ PAD = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,
     cases=(
         case("pad_spatial", "Pad", X(2, 3, 4, 5), C([0, 0, 1, 2, 0, 0, 3, 1])),
         case("pad_crop", "Pad", X(2, 6, 5), C([0, -2, 1, 0, 1, -3])),

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx2soap.ir import Operand, identity
-from onnx2soap.ops.base import Interval, OpDef, Sample, TaskArgs, X, case
+from onnx2soap.ops.base import (
+    SAVES_INPUTS,
+    SAVES_NOTHING,
+    Interval,
+    OpDef,
+    Sample,
+    TaskArgs,
+    X,
+    case,
+)
 from onnx2soap.ops.context import NodeContext, make_op, spatial_names
 from onnx2soap.ops.kernel_util import check_window_buffer, flat_shifts, window_taps
 from onnx2soap.ops.windows import window, window_axes, window_outputs
@@ -264,15 +273,16 @@ def averagepool_backward(xp, attrs: PoolAttrs, inputs, output, grad_output, args
     x = inputs[0]
     out_spatial = _out_spatial(attrs, x, args, "AveragePool")
     share = grad_output / _divisor(xp, attrs, x, out_spatial, args.valid[0])
+    # x's shape and dtype alone (Saved): its values do not enter the gradient
     if _wide(attrs, out_spatial):
-        grid = xp.zeros_like(x)  # the garbage positions have no gradient
+        grid = xp.zeros(x.shape, dtype=x.dtype)  # the garbage positions have no gradient
         grid[_corner(out_spatial)] = share
         share = grid.reshape(-1)
         grad_x = share.copy()  # the first shift is 0
         for off in flat_shifts(attrs, x.shape[2:])[1:]:
             grad_x[off:] += share[: share.size - off]
         return (grad_x.reshape(x.shape),)
-    grad_x = xp.zeros_like(x)
+    grad_x = xp.zeros(x.shape, dtype=x.dtype)
     for sl in window_taps(attrs, out_spatial):
         grad_x[(*_LEAD, *sl)] += share
     return (grad_x,)
@@ -302,6 +312,7 @@ MAXPOOL = OpDef(
     convert=convert_maxpool,
     forward=maxpool_forward,
     backward=maxpool_backward,
+    saves=SAVES_INPUTS,  # x: the windows' first maxima are found again
     workspace=maxpool_workspace,
     cases=tuple(
         case(id, "MaxPool", X(*shape), sample=Sample.DISTINCT, **attrs)
@@ -335,6 +346,7 @@ AVERAGEPOOL = OpDef(
     convert=convert_averagepool,
     forward=averagepool_forward,
     backward=averagepool_backward,
+    saves=SAVES_NOTHING,  # x's shape only
     workspace=averagepool_workspace,
     cases=(
         _avg("avgpool2d", (2, 3, 7, 7), kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4),

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from onnx2soap.ir import Operand, identity
-from onnx2soap.ops.base import C, NoAttrs, OpDef, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, elementwise, make_op, spatial_names
 
 
@@ -37,7 +37,7 @@ def global_average_forward(xp, attrs, inputs, args):
 def global_average_backward(xp, attrs, inputs, output, grad_output, args):
     x = inputs[0]
     count = math.prod(x.shape[2:])
-    return (xp.zeros_like(x) + grad_output / count,)
+    return (xp.zeros(x.shape, dtype=x.dtype) + grad_output / count,)  # x's shape only
 
 
 def convert_reduce_mean(ctx: NodeContext, *, axes=None, keepdims=1, noop_with_empty_axes=0):
@@ -70,7 +70,7 @@ def reduce_mean_backward(xp, attrs, inputs, output, grad_output, args):
         return (grad_output.copy(),)
     kept = tuple(1 if a in attrs.axes else s for a, s in enumerate(x.shape))
     count = math.prod(x.shape[a] for a in attrs.axes)
-    return (xp.zeros_like(x) + grad_output.reshape(kept) / count,)
+    return (xp.zeros(x.shape, dtype=x.dtype) + grad_output.reshape(kept) / count,)
 
 
 GLOBAL_AVERAGE_POOL = OpDef(
@@ -79,6 +79,7 @@ GLOBAL_AVERAGE_POOL = OpDef(
     convert=convert_global_average,
     forward=global_average_forward,
     backward=global_average_backward,
+    saves=SAVES_NOTHING,  # x's shape only
     cases=(
         case("globalavgpool2d", "GlobalAveragePool", X(2, 3, 4, 5)),
         case("globalavgpool1d", "GlobalAveragePool", X(3, 2, 5)),
@@ -91,6 +92,7 @@ REDUCE_MEAN = OpDef(
     convert=convert_reduce_mean,
     forward=reduce_mean_forward,
     backward=reduce_mean_backward,
+    saves=SAVES_NOTHING,  # x's shape only
     cases=(
         case("reducemean_spatial", "ReduceMean", X(2, 3, 4, 5), axes=[2, 3]),
         case("reducemean_dropped", "ReduceMean", X(2, 3, 4, 5), axes=[-1, 1], keepdims=0),

@@ -32,7 +32,18 @@ from enum import Enum
 import numpy as np
 
 from onnx2soap.ir import Operand, identity
-from onnx2soap.ops.base import NONE, C, OpDef, Sample, X, case
+from onnx2soap.ops.base import (
+    NONE,
+    SAVES_ALL,
+    SAVES_INPUTS,
+    SAVES_NOTHING,
+    C,
+    OpDef,
+    Sample,
+    Saved,
+    X,
+    case,
+)
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 
@@ -221,7 +232,7 @@ def backward(xp, attrs: ReductionAttrs, inputs, output, grad_output, args):
     kept = _kept_shape(attrs, x.shape)
     g = grad_output.reshape(kept)  # broadcasts over the reduced axes
     if kind is ReduceKind.SUM or (not attrs.axes and kind in _IDENTITY_WHEN_NOOP):
-        return (xp.zeros_like(x) + g,)
+        return (xp.zeros(x.shape, dtype=x.dtype) + g,)  # x's shape only
     if kind is ReduceKind.SUM_SQUARE:
         return (2 * x * g,)
     if kind is ReduceKind.L1:
@@ -269,6 +280,7 @@ REDUCE_SUM = OpDef(
     convert=convert_sum,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # x's shape only
     cases=(
         case("reducesum_spatial", "ReduceSum", X(2, 3, 4, 5), C([2, 3])),
         case("reducesum_dropped", "ReduceSum", X(2, 3, 4), C([-1, 1]), opset=13, keepdims=0),
@@ -292,6 +304,7 @@ REDUCE_SUM_SQUARE = OpDef(
     convert=_converter(ReduceKind.SUM_SQUARE),
     forward=forward,
     backward=backward,
+    saves=SAVES_INPUTS,  # 2 x
     cases=(
         case("reducesumsquare_attr", "ReduceSumSquare", X(2, 3, 4), axes=[1, 2]),
         case("reducesumsquare_dropped", "ReduceSumSquare", X(2, 3, 4), axes=[-2], keepdims=0),
@@ -313,6 +326,7 @@ REDUCE_MAX = OpDef(
     convert=_converter(ReduceKind.MAX),
     forward=forward,
     backward=backward,
+    saves=SAVES_INPUTS,  # x: each block's first maximum is found again
     cases=_extremum_cases("ReduceMax", "reducemax"),
 )
 
@@ -322,11 +336,14 @@ REDUCE_MIN = OpDef(
     convert=_converter(ReduceKind.MIN),
     forward=forward,
     backward=backward,
+    saves=SAVES_INPUTS,
     cases=_extremum_cases("ReduceMin", "reducemin"),
 )
 
 
-def _reduction(name: str, kind: ReduceKind, versions: tuple[int, ...], *cases) -> OpDef:
+def _reduction(
+    name: str, kind: ReduceKind, versions: tuple[int, ...], *cases, saves: Saved
+) -> OpDef:
     return OpDef(
         name=name,
         versions=versions,
@@ -334,6 +351,7 @@ def _reduction(name: str, kind: ReduceKind, versions: tuple[int, ...], *cases) -
         forward=forward,
         backward=backward,
         cases=cases,
+        saves=saves,
     )
 
 
@@ -352,6 +370,7 @@ REDUCE_L1 = _reduction(
     case(
         "reducel1_noop", "ReduceL1", X(2, 3), EMPTY, sample=AWAY, opset=18, noop_with_empty_axes=1
     ),
+    saves=SAVES_INPUTS,  # sign(x)
 )
 
 REDUCE_L2 = _reduction(
@@ -365,6 +384,7 @@ REDUCE_L2 = _reduction(
     case(
         "reducel2_noop", "ReduceL2", X(2, 3), EMPTY, sample=AWAY, opset=18, noop_with_empty_axes=1
     ),
+    saves=SAVES_ALL,  # x / |x|: x and the norm
 )
 
 REDUCE_LOG_SUM = _reduction(
@@ -385,6 +405,7 @@ REDUCE_LOG_SUM = _reduction(
         opset=18,
         noop_with_empty_axes=1,
     ),
+    saves=SAVES_INPUTS,  # 1 / sum(x)
 )
 
 REDUCE_LOG_SUM_EXP = _reduction(
@@ -406,6 +427,7 @@ REDUCE_LOG_SUM_EXP = _reduction(
     case(
         "reducelogsumexp_noop", "ReduceLogSumExp", X(2, 3), EMPTY, opset=18, noop_with_empty_axes=1
     ),
+    saves=SAVES_ALL,  # exp(x - y): x and the output
 )
 
 REDUCE_PROD = _reduction(
@@ -416,6 +438,7 @@ REDUCE_PROD = _reduction(
     case("reduceprod_dropped", "ReduceProd", X(2, 3, 4), axes=[-1, 1], keepdims=0),
     case("reduceprod_middle", "ReduceProd", X(3, 4, 2, 3), C([1, 3]), opset=18),
     case("reduceprod_noop", "ReduceProd", X(2, 3), EMPTY, opset=18, noop_with_empty_axes=1),
+    saves=SAVES_INPUTS,  # the products of the others
 )
 
 DEFINITIONS = (

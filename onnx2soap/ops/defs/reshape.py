@@ -39,7 +39,7 @@ from onnx2soap.ir import (
     Whole,
     identity,
 )
-from onnx2soap.ops.base import C, NoAttrs, OpDef, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, make_op
 
 Group = tuple[tuple[int, ...], tuple[int, ...]]  # (input axes, output axes)
@@ -279,6 +279,7 @@ FLATTEN = OpDef(
     convert=convert_flatten,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the input's shape only
     cases=(
         case("flatten", "Flatten", X(2, 3, 4, 5)),
         case("flatten_negative_axis", "Flatten", X(2, 3, 4), axis=-2),
@@ -294,6 +295,7 @@ RESHAPE = OpDef(
     convert=convert_reshape,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the input's shape only
     cases=(
         case("reshape", "Reshape", X(2, 3, 4, 5), C([0, -1, 5])),
         # attention's heads: [N, T, H*D] <-> [N, T, H, D]

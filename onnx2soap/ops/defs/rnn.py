@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from onnx2soap.ir import AxisMap, Binding, Operand, Tensor, TensorRole, Whole, identity
-from onnx2soap.ops.base import NONE, C, OpDef, W, X, case
+from onnx2soap.ops.base import NONE, SAVES_INPUTS, C, OpDef, W, X, case
 from onnx2soap.ops.context import NodeContext, make_op, text
 
 
@@ -636,6 +636,7 @@ LSTM = OpDef(
     forward=forward,
     backward=backward,
     workspace=workspace,
+    saves=SAVES_INPUTS,  # the recurrence is run again from the inputs: Y is not read
     cases=(
         case("lstm", "LSTM", X(3, 2, 4), W(1, 12, 4), W(1, 12, 3), hidden_size=3),
         case(
@@ -705,6 +706,7 @@ GRU = OpDef(
     forward=forward,
     backward=backward,
     workspace=workspace,
+    saves=SAVES_INPUTS,  # the recurrence is run again from the inputs: Y is not read
     cases=(
         case("gru", "GRU", X(3, 2, 4), W(1, 9, 4), W(1, 9, 3), W(1, 18), hidden_size=3),
         case(

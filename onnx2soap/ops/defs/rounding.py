@@ -13,7 +13,7 @@ halves to even included, is checked in tests/ops/test_kernel_specifics.py).
 
 from __future__ import annotations
 
-from onnx2soap.ops.base import NoAttrs, OpDef, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, elementwise
 
 
@@ -37,7 +37,8 @@ def round_forward(xp, attrs, inputs, args):
 
 
 def zero_backward(xp, attrs, inputs, output, grad_output, args):
-    return (xp.zeros_like(inputs[0]),)
+    x = inputs[0]
+    return (xp.zeros(x.shape, dtype=x.dtype),)  # its shape and dtype alone (Saved)
 
 
 def _definition(name: str, forward, versions: tuple[int, ...], *cases) -> OpDef:
@@ -47,6 +48,7 @@ def _definition(name: str, forward, versions: tuple[int, ...], *cases) -> OpDef:
         convert=convert,
         forward=forward,
         backward=zero_backward,
+        saves=SAVES_NOTHING,
         cases=cases,
     )
 

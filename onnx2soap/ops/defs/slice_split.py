@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from onnx2soap.ir import Affine, AxisMap, Operand, Tensor, identity
-from onnx2soap.ops.base import NONE, C, OpDef, X, case
+from onnx2soap.ops.base import NONE, SAVES_NOTHING, C, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 from onnx2soap.ops.defs.transpose import int_values, normalized_axes
 from onnx2soap.ops.kernel_util import strided
@@ -110,7 +110,8 @@ def slice_forward(xp, attrs: SliceAttrs, inputs, args):
 
 def slice_backward(xp, attrs: SliceAttrs, inputs, output, grad_output, args):
     index = tuple(strided(0, n, s) for n, s in zip(args.out_shape, attrs.steps, strict=True))
-    grad = xp.zeros_like(inputs[0])  # the skipped elements (steps > 1) take no gradient
+    x = inputs[0]  # its shape and dtype alone (Saved)
+    grad = xp.zeros(x.shape, dtype=x.dtype)  # the skipped elements (steps > 1) take none
     grad[index] = grad_output
     return (grad,)
 
@@ -173,6 +174,7 @@ SLICE = OpDef(
     convert=convert_slice,
     forward=slice_forward,
     backward=slice_backward,
+    saves=SAVES_NOTHING,
     cases=(
         case("slice_middle", "Slice", X(2, 6, 5), C([1, 1]), C([5, 4]), C([1, 2])),
         case(
@@ -216,6 +218,7 @@ SPLIT = OpDef(
     convert=convert_split,
     forward=split_forward,
     backward=split_backward,
+    saves=SAVES_NOTHING,
     # The op test harness builds one-output nodes: one part, the whole axis.
     cases=(
         case("split_one_part", "Split", X(2, 4, 3), axis=1),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx2soap.ir import AxisMap, Operand, Whole, identity
-from onnx2soap.ops.base import OpDef, Sample, X, case
+from onnx2soap.ops.base import SAVES_INPUTS, OpDef, Sample, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 
@@ -107,6 +107,9 @@ SOFTMAX = OpDef(
     convert=convert_softmax,
     forward=softmax_forward,
     backward=softmax_backward,
+    # x: the backward recomputes y from it (reading the output tile instead would change
+    # the gradient in mixed precision, where the output is rounded to the half format)
+    saves=SAVES_INPUTS,
     cases=_cases("Softmax", "softmax"),
 )
 
@@ -116,6 +119,7 @@ LOG_SOFTMAX = OpDef(
     convert=convert_log_softmax,
     forward=log_softmax_forward,
     backward=log_softmax_backward,
+    saves=SAVES_INPUTS,  # softmax(x), recomputed
     cases=_cases("LogSoftmax", "logsoftmax"),
 )
 

@@ -10,7 +10,7 @@ kind follows it through the maps).
 from __future__ import annotations
 
 from onnx2soap.ir import AxisMap, Broadcast, Operand, identity
-from onnx2soap.ops.base import C, NoAttrs, OpDef, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, C, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 from onnx2soap.ops.defs.transpose import int_values, normalized_axes
 
@@ -64,6 +64,7 @@ SQUEEZE = OpDef(
     convert=convert_squeeze,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the input's shape only
     cases=(
         case("squeeze_middle", "Squeeze", X(2, 1, 3, 1), C([1])),
         case("squeeze_negative_axes", "Squeeze", X(2, 3, 1, 4, 1), C([-1, -3])),
@@ -80,6 +81,7 @@ UNSQUEEZE = OpDef(
     convert=convert_unsqueeze,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the input's shape only
     cases=(
         case("unsqueeze_middle", "Unsqueeze", X(2, 3, 4), C([1])),
         case("unsqueeze_several", "Unsqueeze", X(2, 3), C([3, 1])),

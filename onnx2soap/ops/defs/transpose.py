@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from onnx2soap.ir import Operand, Tensor, identity
-from onnx2soap.ops.base import OpDef, X, case
+from onnx2soap.ops.base import SAVES_NOTHING, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 # --- shared by the layout ops --------------------------------------------------------------
@@ -93,6 +93,7 @@ TRANSPOSE = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the inverse permutation of the gradient
     cases=(
         case("transpose_nhwc", "Transpose", X(2, 3, 4, 5), perm=[0, 2, 3, 1]),
         case("transpose_swap_last", "Transpose", X(3, 4, 2), perm=[0, 2, 1]),

@@ -9,7 +9,7 @@ carries no batch and takes no gradient from the model, but a gradient is still d
 
 from __future__ import annotations
 
-from onnx2soap.ops.base import NoAttrs, OpDef, X, case
+from onnx2soap.ops.base import SAVES_INPUTS, NoAttrs, OpDef, X, case
 from onnx2soap.ops.context import NodeContext, elementwise
 
 # 22 only adds bfloat16 to the types: the float semantics are 7's.
@@ -49,6 +49,7 @@ SIN = OpDef(
     convert=convert,
     forward=sin_forward,
     backward=sin_backward,
+    saves=SAVES_INPUTS,  # cos(x)
     cases=(
         case("sin", "Sin", X(2, 3, 4)),
         case("sin_opset22", "Sin", X(3, 5), opset=22),
@@ -61,6 +62,7 @@ COS = OpDef(
     convert=convert,
     forward=cos_forward,
     backward=cos_backward,
+    saves=SAVES_INPUTS,  # sin(x)
     cases=(
         case("cos", "Cos", X(2, 3, 4)),
         case("cos_opset22", "Cos", X(3, 5), opset=22),

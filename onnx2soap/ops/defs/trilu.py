@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onnx2soap.ops.base import NONE, C, CaseInput, InputKind, OpDef, Sample, X, case
+from onnx2soap.ops.base import NONE, SAVES_NOTHING, C, CaseInput, InputKind, OpDef, Sample, X, case
 from onnx2soap.ops.context import NodeContext, elementwise
 
 
@@ -78,6 +78,7 @@ TRILU = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
+    saves=SAVES_NOTHING,  # the tile's triangle, from args; the input's dtype only
     cases=(
         case("trilu_upper", "Trilu", X(2, 4, 5)),
         case("trilu_lower", "Trilu", X(2, 5, 4), upper=0),
