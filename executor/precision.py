@@ -29,8 +29,8 @@ def round_bf16(xp, x) -> None:
     nan = xp.isnan(x)
     odd = (bits >> xp.uint32(16)) & xp.uint32(1)
     rounded = (bits + (odd + xp.uint32(0x7FFF))) & xp.uint32(0xFFFF0000)
-    rounded[nan] = _BF16_NAN
-    bits[...] = rounded
+    # ``where``, not an indexed store: on a 0-d array the arithmetic gives a scalar.
+    bits[...] = xp.where(nan, xp.uint32(_BF16_NAN), rounded)
 
 
 def round_fp16(xp, x) -> None:
