@@ -2,10 +2,10 @@
 
 For each local task: how each input buffer is filled (a weight shard, a constant cut
 once, rows of a data input, a local producer's whole tile or a whole received piece used
-as it is, or a buffer made once whose pieces are copied in every step), and how its
+as it is, or a buffer the step makes and copies the pieces into), and how its
 output gradient is gathered (a local consumer's gradient or one received piece used as
-it is, or a buffer summed from pieces). Buffers made here are reused by every step; their
-padding is written once.
+it is, or an array summed from pieces, which the step makes). Buffers made here are
+reused by every step; their padding is written once.
 """
 
 from __future__ import annotations
@@ -76,8 +76,19 @@ class Copy:
 
 @dataclass(frozen=True)
 class Assembled:
-    buffer: object
+    """An input buffer for ``region`` the step makes (padding written) and fills from
+    pieces; it lives while the task's forward runs, or to its backward where that reads
+    it (``executor/lifetimes.py``)."""
+
+    region: Region
+    dtype: object
     copies: tuple[Copy, ...]
+
+    def make(self, xp):
+        """A fresh buffer: the pieces cover the data, so only padding needs a value."""
+        if self.region.buffer == self.region.data:
+            return xp.empty(rect_shape(self.region.buffer), dtype=self.dtype)
+        return empty_buffer(xp, self.region, self.dtype)
 
 
 InputSource = Fixed | Rows | Alias | Received | Assembled
@@ -93,9 +104,10 @@ class GradAlias:
 
 @dataclass(frozen=True)
 class GradSum:
-    """The output gradient summed from pieces into ``buffer`` (zeroed every step)."""
+    """The output gradient summed from pieces into a zeroed array of ``shape``, made by
+    the step that gathers it and dropped after the task's backward."""
 
-    buffer: object
+    shape: tuple[int, ...]
     copies: tuple[Copy, ...]
 
 
@@ -142,7 +154,7 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
         )
         for p in mine
     )
-    return Assembled(empty_buffer(rt.xp, region, rt.dtype_of(name)), copies)
+    return Assembled(region, rt.dtype_of(name), copies)
 
 
 def _cut_constant(rt, name: str, region: Region):
@@ -169,4 +181,4 @@ def grad_source(rt, key: TaskKey, pieces: tuple[Piece, ...]) -> GradSource:
         )
         for p in pieces
     )
-    return GradSum(rt.xp.zeros(rect_shape(output), dtype=rt.dtype), copies)
+    return GradSum(rect_shape(output), copies)

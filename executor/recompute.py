@@ -21,22 +21,13 @@ key, so the recomputed tile equals the forward's bit for bit.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from executor.layout import Alias, Assembled, TaskKey
+from executor.layout import Alias, TaskKey
+from executor.lifetimes import Event, compute_event, send_event, tiles_read
 from executor.program import Compute, Phase, Send, phase_of
 from onnx2soap.soap.recompute import recomputes
-
-# What a forward instruction is known by: ("compute", op, task) or ("send", transfer id).
-Event = tuple
-
-
-def compute_event(key: TaskKey) -> Event:
-    return ("compute", *key)
-
-
-def send_event(transfer: int) -> Event:
-    return ("send", transfer)
+from onnx2soap.soap.saved import kept_for_backward
 
 
 @dataclass(frozen=True)
@@ -46,6 +37,11 @@ class RecomputePlan:
     ops: frozenset[int]  # op indices recomputed on this rank
     drop_after: dict[Event, tuple[TaskKey, ...]]
     alias_readers: dict[TaskKey, tuple[tuple[TaskKey, int], ...]]
+    # of ``ops``, those whose own backward reads their output tile
+    own_output: frozenset[int] = frozenset()
+    # a tile made again for its readers' backwards goes after the last of them, by
+    # the task whose backward that is (``release_after``)
+    release_after: dict[TaskKey, tuple[TaskKey, ...]] = field(default_factory=dict)
 
 
 def recomputed_ops(rt, names: frozenset[str]) -> frozenset[int]:
@@ -65,7 +61,7 @@ def recompute_plan(rt, names: frozenset[str]) -> RecomputePlan | None:
             key = (ins.op, ins.task)
             events.append(compute_event(key))
             read = [key] if ins.op in ops else []
-            read += [p for p in _local_reads(rt.buffers.inputs.get(key, ())) if p[0] in ops]
+            read += [p for p in tiles_read(rt.buffers.inputs.get(key, ())) if p[0] in ops]
         elif isinstance(ins, Send):
             events.append(send_event(ins.transfer.id))
             producer = ins.transfer.producer
@@ -84,11 +80,35 @@ def recompute_plan(rt, names: frozenset[str]) -> RecomputePlan | None:
         for k, source in enumerate(sources):
             if isinstance(source, Alias) and source.producer in last:
                 readers[source.producer].append((consumer, k))
+    own = frozenset(i for i in ops if kept_for_backward(rt.graph, rt.graph.ops[i], False)[1])
     return RecomputePlan(
         ops,
         {e: tuple(keys) for e, keys in drop_after.items()},
         {p: tuple(r) for p, r in readers.items()},
+        own,
+        _release_after(rt, ops, own, frozenset(last)),
     )
+
+
+def _release_after(rt, ops, own, dropped) -> dict[TaskKey, tuple[TaskKey, ...]]:
+    """After which task's backward each dropped tile made again goes: the last, in the
+    backward's order, of the tasks that make it again for their backward (a reader
+    that keeps it, read in place, or a recomputed reader, which runs its forward again
+    from it); for an op whose own backward reads it, that backward (``Step._drop``)."""
+    last: dict[TaskKey, TaskKey] = {}
+    for ins in rt.program.instructions:
+        if not isinstance(ins, Compute) or ins.microbatch or ins.phase is not Phase.BACKWARD:
+            continue
+        key = (ins.op, ins.task)
+        kept = kept_for_backward(rt.graph, rt.graph.ops[ins.op], ins.op in ops)[0]
+        for k, source in enumerate(rt.buffers.inputs.get(key, ())):
+            if isinstance(source, Alias) and source.producer in dropped and k in kept:
+                last[source.producer] = key
+    after: dict[TaskKey, list[TaskKey]] = defaultdict(list)
+    for producer, key in last.items():
+        if producer[0] not in own:
+            after[key].append(producer)
+    return {key: tuple(tiles) for key, tiles in after.items()}
 
 
 def _one_forward(program):
@@ -101,14 +121,3 @@ def _one_forward(program):
         and ins.microbatch == 0
         and phase_of(ins) is Phase.FORWARD
     )
-
-
-def _local_reads(sources) -> list[TaskKey]:
-    """The local tasks whose output tiles a task's forward reads."""
-    read = []
-    for source in sources:
-        if isinstance(source, Alias):
-            read.append(source.producer)
-        elif isinstance(source, Assembled):
-            read += [c.peer for c in source.copies if c.transfer is None]
-    return read

@@ -36,6 +36,7 @@ from executor.layout import (
     grad_source,
     input_source,
 )
+from executor.lifetimes import lifetimes
 from executor.optim import OptimizerConfig, apply_update
 from executor.precision import Rounding
 from executor.program import (
@@ -177,6 +178,7 @@ class Runtime:
             self.slot_buffers = tuple(_Buffers(self, grads) for _ in range(slots))
             self.buffers = self.slot_buffers[0]
             self.recompute = recompute_plan(self, recompute) if recompute else None
+            self.lifetimes = lifetimes(self, self.recompute.ops if self.recompute else frozenset())
             # The optimizer's state, shaped and sharded like each trainable shard (under
             # ZeRO like the rank's rows of it).
             self.slots = {

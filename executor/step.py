@@ -17,6 +17,7 @@ import numpy as np
 from executor.batch import Batch, loss_scale
 from executor.buffers import global_slices, local_slices
 from executor.layout import Alias, Copy, Fixed, GradAlias, Received, Rows, TaskKey
+from executor.lifetimes import compute_event, gather_event, send_event
 from executor.program import (
     AllReduce,
     Close,
@@ -32,10 +33,9 @@ from executor.program import (
     SumOutputs,
     Wait,
 )
-from executor.recompute import compute_event, send_event
 from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
-from onnx2soap.ops.base import RandomKey
+from onnx2soap.ops.base import RandomKey, Released, released
 from onnx2soap.soap.partition import Rect, SumGroup, rect_shape
 from onnx2soap.soap.zero import ZeroStage
 
@@ -74,7 +74,7 @@ class Step:
         self.xp = rt.xp
         self.outputs: dict[TaskKey, object] = {}
         self.inputs: dict[TaskKey, list] = {}
-        self.input_grads: dict[TaskKey, tuple] = {}
+        self.input_grads: dict[TaskKey, list] = {}
         self.grad_outputs: dict[TaskKey, object] = {}
         self.partials: dict[tuple[Phase, int, int], object] = {}
         self.totals: dict[tuple[Phase, int, int], object] = {}
@@ -164,7 +164,13 @@ class Step:
             staging[...] = tile
             tile = staging
         self.rt.transport.send(tile, t.dst)
-        if self.recompute and t.phase is Phase.FORWARD:
+        if not self.training:
+            return
+        if t.phase is Phase.BACKWARD:
+            self._drop_grads(self.rt.lifetimes.grads_after.get(send_event(t.id), ()))
+            return
+        self._drop_tiles(self.rt.lifetimes.tiles_after.get(send_event(t.id), ()))
+        if self.recompute:
             self._drop(self.recompute.drop_after.get(send_event(t.id), ()))
 
     def _source(self, copy: Copy, forward: bool):
@@ -186,9 +192,10 @@ class Step:
             elif isinstance(source, Rows):
                 buffers.append(self._rows(source))
             else:
+                buffer = source.make(self.xp)
                 for copy in source.copies:
-                    source.buffer[copy.into] = self._source(copy, forward=True)
-                buffers.append(source.buffer)
+                    buffer[copy.into] = self._source(copy, forward=True)
+                buffers.append(buffer)
         return buffers
 
     def _rows(self, source: Rows):
@@ -208,6 +215,21 @@ class Step:
         return source.buffer
 
     def _grad_output(self, key: TaskKey):
+        """The task's output gradient, gathered from its readers' input gradients; those
+        read here for the last time on the rank are dropped (executor/lifetimes.py)."""
+        grad = self._gather_grad(key)
+        if self.training:
+            self._drop_grads(self.rt.lifetimes.grads_after.get(gather_event(key), ()))
+        return grad
+
+    def _drop_grads(self, keys) -> None:
+        for consumer, k in keys:
+            grads = self.input_grads[consumer]
+            grads[k] = None
+            if all(g is None for g in grads):
+                del self.input_grads[consumer]
+
+    def _gather_grad(self, key: TaskKey):
         op = self.rt.graph.ops[key[0]]
         if op.is_loss:
             return self.xp.full((), self.grad_seed, dtype=self.rt.dtype)
@@ -216,10 +238,10 @@ class Step:
             return self.input_grads[source.consumer][source.operand]
         if isinstance(source, Received):
             return self.buf.received[source.transfer]
-        source.buffer.fill(0)
+        grad = self.xp.zeros(source.shape, dtype=self.rt.dtype)
         for copy in source.copies:
-            source.buffer[copy.into] += self._source(copy, forward=False)
-        return source.buffer
+            grad[copy.into] += self._source(copy, forward=False)
+        return grad
 
     # -- computing --------------------------------------------------------------------
 
@@ -265,7 +287,8 @@ class Step:
                 self._rematerialize(key)
             grad = self.grad_outputs[key] = self._grad_output(key)
             args = self._args(key)
-            partial = stats.backward(xp, op.attrs, self.inputs[key], self.outputs[key], grad, args)
+            out = self._saved_output(key)
+            partial = stats.backward(xp, op.attrs, self.inputs[key], out, grad, args)
         self.partials[(ins.phase, *key)] = xp.ascontiguousarray(partial, dtype=self.rt.dtype)
 
     def _local(self, op_index: int, tasks) -> list[int]:
@@ -394,6 +417,13 @@ class Step:
                     self.rt.shards[shard][...] = value
         if op.is_loss:
             self.losses.append(out)
+        if not self.training:
+            return
+        kept, _ = self.rt.lifetimes.keeps[ins.op]
+        for k, buffer in enumerate(buffers):
+            if k not in kept and buffer is not None:
+                buffers[k] = released(buffer)  # its backward reads the shape alone
+        self._drop_tiles(self.rt.lifetimes.tiles_after.get(compute_event(key), ()))
         if self.recompute:
             self._drop(self.recompute.drop_after.get(compute_event(key), ()))
 
@@ -405,43 +435,72 @@ class Step:
         shared = op.nest.sync_dims or self.rt.pg.sums[op.name]
         grad_out = self.grad_outputs.pop(key) if shared else self._grad_output(key)
         grads = definition(op.type).backward(
-            self.xp, op.attrs, self.inputs[key], self.outputs[key], grad_out, self._args(key)
+            self.xp, op.attrs, self.inputs[key], self._saved_output(key), grad_out, self._args(key)
         )
         if self.rounding.active:
             grads = tuple(self._rounded(g, key) for g in grads)
         for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
             if role is TensorRole.WEIGHT:
                 self._weight_grad((name, task.inputs[k].data), grads[k], grad_out, key)
-        # Keep only what producers still collect: activation gradients.
-        self.input_grads[key] = tuple(
+        # Keep only what producers still collect: activation gradients, until their last
+        # reader on the rank (executor/lifetimes.py).
+        kept = [
             g if role is TensorRole.ACTIVATION else None
             for g, role in zip(grads, self.rt.roles[ins.op], strict=True)
-        )
-        if self.recompute and ins.op in self.recompute.ops:
-            self._drop((key,))  # its consumers' backwards are done: they come first
+        ]
+        if any(g is not None for g in kept):
+            self.input_grads[key] = kept
+        if self.recompute:
+            if ins.op in self.recompute.ops:
+                self._drop((key,))  # its consumers' backwards are done: they come first
+            for tile in self.recompute.release_after.get(key, ()):
+                self.outputs.pop(tile, None)  # made again for backwards all done now
+        # Nothing reads its buffers or its tile any more: its consumers' backwards came
+        # first (a reader that kept the tile in place holds its own reference).
+        self.inputs.pop(key, None)
+        self.outputs.pop(key, None)
+
+    # -- lifetimes (executor/lifetimes.py) -------------------------------------------------
+
+    def _drop_tiles(self, keys) -> None:
+        """Let go of tiles whose last forward reader on the rank has run."""
+        for key in keys:
+            self.outputs.pop(key, None)
+
+    def _saved_output(self, key: TaskKey):
+        """The task's output tile for its backward: the tile, or where its op's backward
+        does not read it (and it is gone), its shape and dtype."""
+        out = self.outputs.get(key)
+        if out is not None:
+            return out
+        op = self.rt.graph.ops[key[0]]
+        return Released(rect_shape(self.rt.output_rect(key)), self.rt.dtype_of(op.output))
 
     # -- recomputation (executor/recompute.py) ----------------------------------------------
 
     def _drop(self, keys) -> None:
-        """Let go of recomputed tiles and of every reference a consumer kept to them."""
+        """Let go of recomputed tiles and of every reference a consumer kept to them (a
+        consumer that released it reads its shape alone)."""
         for key in keys:
             self.outputs.pop(key, None)
             for consumer, k in self.recompute.alias_readers.get(key, ()):
                 inputs = self.inputs.get(consumer)
-                if inputs is not None:
+                if inputs is not None and not isinstance(inputs[k], Released):
                     inputs[k] = None
 
-    def _rematerialize(self, key: TaskKey) -> None:
-        """Before a task's backward: its inputs and, if recomputed, its output, computed
-        again where they were dropped (their producers' first, recursively)."""
+    def _rematerialize(self, key: TaskKey, for_readers: bool = False) -> None:
+        """Before a task's backward: its inputs and, if recomputed, its output where its
+        backward reads it, computed again where they were dropped (their producers'
+        first, recursively: ``for_readers``, a reader needs the output)."""
         inputs = self.inputs[key]
         for k, buffer in enumerate(inputs):
             if buffer is None:
                 producer = self.buf.inputs[key][k].producer  # only an Alias is dropped
                 if producer not in self.outputs:
-                    self._rematerialize(producer)
+                    self._rematerialize(producer, for_readers=True)
                 inputs[k] = self.outputs[producer]
-        if key[0] in self.recompute.ops and key not in self.outputs:
+        needed = for_readers or key[0] in self.recompute.own_output
+        if key[0] in self.recompute.ops and key not in self.outputs and needed:
             op = self.rt.graph.ops[key[0]]
             out = definition(op.type).forward(self.xp, op.attrs, inputs, self._args(key))
             if _owns(out, inputs):  # rounded as the forward rounded it

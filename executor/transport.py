@@ -305,7 +305,11 @@ class MpiTransport:
         self._group_bells: dict[tuple[int, ...], GroupBell] = {}
         self._made: set[tuple[int, ...]] = set()
         self._rings = _RingQueues()
-        self._sends: list[tuple[MPI.Request, Array]] = []
+        # Every send, with what it sends from, until the step ends: the MPI request's
+        # buffer, and the array the step gave it (staged: its device array, held as NCCL
+        # holds it, so that a sent tile lives as long whatever the transport:
+        # sim/memory.py prices one lifetime).
+        self._sends: list[tuple[MPI.Request, Array, Array]] = []
         self._pool = _HostPool(device)
         self._direct_device = not staged and device.xp is not np
 
@@ -335,7 +339,7 @@ class MpiTransport:
     def send(self, array: Array, dest: int) -> None:
         payload = self._host(array)
         self._counter.bytes += array.nbytes
-        self._sends.append((self.comm.Isend(payload, dest=dest), payload))
+        self._sends.append((self.comm.Isend(payload, dest=dest), payload, array))
         if self.bell is not None:
             self.bell.ring(dest)
         self._rings.progress()
@@ -388,7 +392,7 @@ class MpiTransport:
         wait_patiently(
             lambda: not self._rings.busy(), self._rings.progress, self.nap, bell=self.bell
         )
-        sends = [request for request, _ in self._sends]
+        sends = [request for request, _, _ in self._sends]
         wait_patiently(lambda: MPI.Request.Testall(sends), nap=self.nap, bell=self.bell)
         self._sends.clear()
         self._pool.release()

@@ -153,7 +153,16 @@ class Simulator:
                 for op in pg.graph.ops
             }
             price = price_pipeline(
-                pg, self.pipeline, tg, lay, slots, memory, ops, self.itemsize, self.host_objects
+                pg,
+                self.pipeline,
+                tg,
+                lay,
+                slots,
+                memory,
+                ops,
+                self.itemsize,
+                self.host_objects,
+                self.recompute,
             )
             step, moved, memory = price.step_time_s, price.bytes_moved, price.peak_memory_bytes
             report = price.report

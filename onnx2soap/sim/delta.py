@@ -26,13 +26,15 @@ from onnx2soap.ir import TensorRole
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.memory import (
+    EdgeMemory,
     OpMemory,
     Pieces,
     _edge_bytes,
     _op_bytes,
     batch_bytes,
-    consumers_of,
+    edge_totals,
     memory_key,
+    order_of,
     total,
 )
 from onnx2soap.sim.simulate import Timeline, Wakes, run_task
@@ -51,6 +53,7 @@ from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, 
 from onnx2soap.soap.partition import SumGroup, stat_groups
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
+from onnx2soap.soap.saved import kept_for_backward
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class DeltaState:
     moved: list[int]  # per slot: bytes moved
     bytes_moved: int
     op_memory: list[OpMemory]  # per op: held and transient (device, bytes)
-    edge_memory: list[Pieces]  # per edge: (device, bytes)
+    edge_memory: list[EdgeMemory]  # per edge
     batch: tuple[int, ...]
     held: tuple[int, ...]  # per device: bytes held to the end of the step
     peak: tuple[int, ...]  # per device: peak memory (held + the largest transient)
@@ -117,7 +120,7 @@ class DeltaSimulator:
         tensors = [graph.ops[p].output for p, _, _ in self.lay.edges]
         self.sole = [tensors.count(t) == 1 for t in tensors]  # a tensor's only reader
         roles = (TensorRole.INPUT, TensorRole.LABELS)
-        self.consumers = consumers_of(graph)  # how long a recomputed tile lives
+        self.order = order_of(graph)  # how long recomputed tiles and gradients live
         self.readers = tuple(
             i
             for i, op in enumerate(graph.ops)
@@ -208,18 +211,29 @@ class DeltaSimulator:
             )
         return memo[key]
 
-    def _edge_memory(self, j: int, strategy: Strategy) -> Pieces:
+    def _edge_memory(self, j: int, strategy: Strategy) -> EdgeMemory:
         p, c, _ = self.lay.edges[j]
         ops = self.graph.ops
         pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
         # by the edge's kind: the same edge of every layer holds the same bytes
-        key = (self.kinds.edges[j], *edge_configs(pconf, cconf, self.sums(p, strategy)))
+        sim = self.simulator
+        consumer = ops[c]
+        redone = recomputes(consumer, self.sums(c, strategy), sim.recompute)
+        keeps = self.lay.edges[j][2] in kept_for_backward(self.graph, consumer, redone)[0]
+        configs = edge_configs(pconf, cconf, self.sums(p, strategy))
+        key = (self.kinds.edges[j], keeps, *configs)
         if key not in self.edge_memory_memo:
             edge = self.edge(j, strategy)
             ptasks, ctasks = self.parts(p, pconf).tasks, self.parts(c, cconf).tasks
-            sim = self.simulator
             self.edge_memory_memo[key] = _edge_bytes(
-                self.graph, edge, ptasks, ctasks, sim.itemsize, self.sole[j], sim.host_objects
+                self.graph,
+                edge,
+                ptasks,
+                ctasks,
+                sim.itemsize,
+                self.sole[j],
+                sim.host_objects,
+                keeps,
             )
         return self.edge_memory_memo[key]
 
@@ -368,7 +382,7 @@ class DeltaSimulator:
             em = [self._edge_memory(j, strategy) for j in range(len(self.lay.edges))]
             batch = self._batch(strategy)
             held = list(batch)
-            for part in (*(m.held for m in ops), *em):
+            for part in (*(m.held for m in ops), *(e.held for e in em)):
                 for d, n in part:
                     held[d] += n
             return self._with_peak(state, ops, em, batch, held)
@@ -379,7 +393,7 @@ class DeltaSimulator:
             ops[i] = new
         for j in edges:
             new = self._edge_memory(j, strategy)
-            _shift(held, em[j], new)
+            _shift(held, em[j].held, new.held)
             em[j] = new
         batch = self._batch(strategy)
         for d in range(devices):
@@ -388,7 +402,9 @@ class DeltaSimulator:
 
     def _with_peak(self, state, ops, em, batch, held) -> DeltaState:
         # The largest transient is a max over all ops: O(ops), exact, no bookkeeping.
-        peak = total(held, ops, self.consumers)
+        lay = self.lay.edges
+        edges = edge_totals((lay[j][0], lay[j][1], lay[j][2], m) for j, m in enumerate(em))
+        peak = total(held, ops, self.order, edges)
         return replace(
             state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held), peak=peak
         )

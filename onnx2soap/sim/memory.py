@@ -1,8 +1,8 @@
 """Per-device peak memory of one training step, as the executor allocates it.
 
-A step frees nothing before it ends, so a rank's peak is in its backward, over all it
-holds but the gradients the backward (in reverse graph order) has yet to make, or in its
-forward, over what it holds before and during one kernel:
+A rank's peak is in its backward, over all it holds but the gradients the backward (in
+reverse graph order) has yet to make or has let go of, or in its forward, over what it
+holds before and during one kernel:
 
 - made once, before the first step (``executor/layout.py``, ``runtime.py``): every
   weight and state Rect it holds, once, with the optimizer's state per trainable one
@@ -14,9 +14,12 @@ forward, over what it holds before and during one kernel:
   or a received piece; a receive buffer per transfer; a staging copy per strided tile
   sent; the partial sums' slots;
 - made by each step: the batch rows its tasks read (the labels and the constants whole),
-  every task's output tile and the gradients of its activation inputs, kept until the
-  step ends, and each trainable Rect's gradient: the first backward kernel's fresh
-  array, which later ones are summed into, kept until the update;
+  every task's output tile, kept until the step ends; the gradients of its activation
+  inputs, from its backward until their producer's backward has gathered them (a piece
+  sent as a view of one keeps it, with the transport, until the step ends); each task's
+  gathered output gradient while its backward runs (``executor/lifetimes.py``); and each
+  trainable Rect's gradient: the first backward kernel's fresh array, which later ones
+  are summed into, kept until the update;
 - under ZeRO (soap/zero.py), a sharded group's optimizer state is the member's rows
   only; at stage 2 so is its gradient once the reduce-scatter is done: the full-size
   gradient counts in its op's backward kernels (their peak) and stays, in flight,
@@ -52,7 +55,7 @@ all-reduces) or the edge (sends, receives, waits, pieces) they belong to.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.ops import definition
@@ -71,6 +74,7 @@ from onnx2soap.soap.partition import (
 )
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
+from onnx2soap.soap.saved import kept_for_backward
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
 # Arrays of optimizer state per trainable shard (the executor's ``--optimizer``).
@@ -109,7 +113,7 @@ class OpMemory:
 
     held: Pieces
     outputs: Pieces
-    grads: Pieces  # the gradients its backward makes: its weights' and its inputs'
+    grads: Pieces  # the weight gradients its backward makes, held until the update
     forward: Pieces
     backward: Pieces
     # ZeRO-2: the full-size gradient's bytes beyond the rank's rows of the op's last
@@ -125,6 +129,75 @@ class OpMemory:
     # of ``held``, the Python objects of its instructions that every microbatch of a
     # pipeline has its own of (all but the weight gradients' all-reduce)
     instructions: Pieces = ()
+    # the gradients of its activation inputs, (operand, device, bytes): made by its
+    # backward, kept until their producer's backward has gathered them
+    act_grads: tuple[tuple[int, int, int], ...] = ()
+    # its tasks' output gradients gathered from their readers' pieces (``GradSum``):
+    # each made where its task's backward begins and dropped after it (the largest of a
+    # device's tasks)
+    grad_out: Pieces = ()
+    # (executor/lifetimes.py) output tiles its backward reads, from its forward to its
+    # backward; those only its readers' forwards read, until the last of them (longer
+    # where a reader keeps one in place or a send holds it: ``EdgeMemory.extend``)
+    kept_tiles: Pieces = ()
+    read_tiles: Pieces = ()
+    # the input buffers the step makes for its activation operands: those its backward
+    # reads, from its forward to its backward; the others, while its forward runs
+    kept_inputs: Pieces = ()
+    read_inputs: Pieces = ()
+
+
+@dataclass(frozen=True)
+class EdgeMemory:
+    """What one edge adds per device: ``held`` through the step (receive buffers, staging
+    copies, objects, less the input buffers read in place); ``grad_out``, a change to
+    the producer's gathered output gradient (negative where a received piece is it
+    whole); ``sent_grads``, of the consumer's input gradient, the arrays a piece of which
+    the transport holds, as a view, until the step ends."""
+
+    held: Pieces
+    grad_out: Pieces = ()
+    sent_grads: Pieces = ()
+    # changes to the consumer's input buffers (``OpMemory.kept_inputs``, ``read_inputs``):
+    # none is made where it reads a piece in place
+    kept_inputs: Pieces = ()
+    read_inputs: Pieces = ()
+    # the producer's tile held longer: by a consumer that reads it in place and keeps it
+    # for its backward (``kept_by``), by the transport where a piece of it is sent as a
+    # view, until the step ends (``sent_tiles``)
+    kept_by: Pieces = ()
+    sent_tiles: Pieces = ()
+    # a consumer task reads a producer's whole tile in place (``layout.Alias``): where
+    # the producer is recomputed, that reader needs it made again
+    aliased: bool = False
+
+
+@dataclass(frozen=True)
+class Order:
+    """Per op (graph order), the ops that read its output and, per operand, the op that
+    made it (None: a graph input, weight or constant): when tiles and gradients go."""
+
+    consumers: tuple[tuple[int, ...], ...]
+    producers: tuple[tuple[int | None, ...], ...]
+    # per op, the readers whose backward reads its tile (``soap/saved.py``; () where
+    # not known: every reader with a backward), and whether its own backward does
+    keepers: tuple[frozenset[int], ...] = ()
+    own: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
+class EdgeTotals:
+    """The edges' ``grad_out`` summed per producer op, their ``sent_grads`` per
+    (consumer op, operand), their input buffer changes summed per consumer op, and per
+    producer op and device the latest its tile is held to (``until``: the op whose
+    backward ends it, -1 for the step's end) and its bytes, for ``total``."""
+
+    grad_out: dict[int, Pieces]
+    sent: dict[tuple[int, int], Pieces]
+    kept_inputs: dict[int, Pieces] = field(default_factory=dict)
+    read_inputs: dict[int, Pieces] = field(default_factory=dict)
+    until: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    aliased: frozenset[tuple[int, int]] | None = None  # (producer, consumer) read in place
 
 
 def _width(t, itemsize: int) -> int:
@@ -178,6 +251,13 @@ def _op_bytes(
     weight_grads: dict[int, int] = {}
     update: dict[int, int] = {}
     weights: dict[int, int] = {}
+    keeps_inputs, keeps_output = kept_for_backward(graph, op, recompute)
+    kept_tiles: dict[int, int] = {}  # output tiles its backward reads
+    read_tiles: dict[int, int] = {}  # output tiles only its readers' forwards read
+    kept_inputs: dict[int, int] = {}  # activation input buffers its backward reads
+    read_inputs: dict[int, int] = {}  # the others: while its forward runs
+    act_grads: dict[tuple[int, int], int] = {}  # (operand, device): activation gradients
+    grad_out: dict[int, int] = {}  # gathered output gradients, while its backward runs
     temporaries = UPDATE_TEMPORARIES.get(optimizer_slots, 0)
     backward = graph.differentiable(op.output)
     recompute = recompute and backward  # nothing to recompute for without a backward
@@ -242,11 +322,16 @@ def _op_bytes(
         if recompute:
             _add(redone, t.device, tile)
             tile = 0
+        elif not (sums or op.is_loss):  # a partial sum's tiles and the losses stay
+            _add(kept_tiles if keeps_output else read_tiles, t.device, tile)
+            tile = 0
         _add(outputs, t.device, tile)
         own = rect_volume(chunks[t.index]) * out_width if t.index in chunks else out
-        total = tile + (own if t.index in graded else 0)
+        if t.index in graded:
+            grad_out[t.device] = max(grad_out.get(t.device, 0), own)  # one task at a time
+        total = tile
         dropped = 0  # gradients a backward kernel returns and the runtime sums or drops
-        for tensor, region in zip(tensors, t.inputs, strict=True):
+        for k, (tensor, region) in enumerate(zip(tensors, t.inputs, strict=True)):
             n = rect_volume(region.buffer)
             grad = backward and graph.differentiable(tensor.name)
             if tensor.role in (TensorRole.WEIGHT, TensorRole.STATE):
@@ -257,10 +342,14 @@ def _op_bytes(
                     dropped += n * itemsize
                 adopted.add(shard)
                 continue
-            total += n * _width(tensor, itemsize)  # the input buffer
+            if tensor.role is TensorRole.ACTIVATION:  # the step makes its buffer
+                kept = kept_inputs if k in keeps_inputs else read_inputs
+                _add(kept, t.device, n * _width(tensor, itemsize))
+            else:  # rows, labels and constants: made once
+                total += n * _width(tensor, itemsize)
             if tensor.role is TensorRole.ACTIVATION and grad:
-                total += n * itemsize  # its gradient, kept for the producer
-                _add(grads, t.device, n * itemsize)
+                # its gradient, kept for the producer's backward
+                act_grads[(k, t.device)] = act_grads.get((k, t.device), 0) + n * itemsize
             elif tensor.role is TensorRole.INPUT:
                 dropped += n * itemsize if grad else 0
         _add(held, t.device, total)
@@ -305,7 +394,9 @@ def _op_bytes(
         redone,
         instructions,
     )
-    return OpMemory(*(tuple(x.items()) for x in parts))
+    made = tuple((k, d, n) for (k, d), n in act_grads.items())
+    lives = (grad_out, kept_tiles, read_tiles, kept_inputs, read_inputs)
+    return OpMemory(*(tuple(x.items()) for x in parts), made, *(tuple(x.items()) for x in lives))
 
 
 def op_held(
@@ -318,10 +409,13 @@ def op_held(
     objects: bool = True,
     rounding: int = 0,
 ) -> Pieces:
-    """What one op under one config holds per device until the step ends (its share of
-    every device's peak, as ``peak_memory`` counts it, less its kernels' workspace and
-    its edges' buffers): a solver's memory rows (search/ilp.py)."""
-    return _op_bytes(graph, op, tasks, groups, itemsize, slots, objects, rounding).held
+    """What one op under one config holds per device where the forward turns into the
+    backward (its share of every device's peak, as ``peak_memory`` counts it, less its
+    kernels' workspace, its gradients and its edges' buffers): what it holds through
+    the step and the tiles and input buffers its backward reads: a solver's memory rows
+    (search/ilp.py)."""
+    m = _op_bytes(graph, op, tasks, groups, itemsize, slots, objects, rounding)
+    return tuple(_plus(m.held, m.kept_tiles, m.kept_inputs).items())
 
 
 def _graded(tasks: tuple[Task, ...], sums: tuple[SumGroup, ...]) -> tuple[Task, ...]:
@@ -341,20 +435,33 @@ def _edge_bytes(
     itemsize: int,
     sole: bool,
     objects: bool = True,
-) -> Pieces:
+    keeps: bool = True,
+) -> EdgeMemory:
     """What one edge adds per device: receive buffers and staging copies where a piece
     crosses devices (both ways when a gradient flows back); minus the input buffer of a
     consumer whose one piece is its whole buffer, read in place: a local producer's whole
     tile, or a received piece (then its receive buffer is the input buffer, counted once);
-    and, where the edge is the tensor's ``sole`` reader and the producer task sends it one
-    piece, the producer's gradient buffer that piece stands in for: a local consumer's
-    whole input gradient, or a received piece covering the producer's whole tile
-    (``executor/layout.py``: ``Alias``, ``Received``, ``GradAlias``)."""
+    and, where the edge is the tensor's ``sole`` reader and the producer task receives
+    one piece covering its whole tile, the output gradient it would gather, which the
+    receive buffer stands in for (``executor/layout.py``: ``Alias``, ``Received``). A
+    local consumer's whole input gradient read as the output gradient (``GradAlias``)
+    needs no change: it is counted as that, the input gradient gone by then. A piece of
+    a consumer's input gradient sent as a view keeps the whole array with the transport
+    until the step ends (``sent_grads``). ``keeps``: whether the consumer keeps the
+    operand for its backward (``soap/saved.py``): its buffer, or the producer's tile it
+    reads in place, lives until then; a tile a piece of which is sent as a view stays
+    with the transport until the step ends."""
     width = _width(graph.tensors[edge.tensor], itemsize)
     grad = graph.differentiable(edge.tensor)
     feeds = Counter(o.dst_task for o in edge.overlaps)
     sends = Counter(o.src_task for o in edge.overlaps)
     held: dict[int, int] = {}
+    grad_out: dict[int, int] = {}
+    inputs: dict[int, int] = {}  # the consumer's input buffers not made
+    kept_by: dict[int, int] = {}
+    sent_tiles: dict[int, int] = {}
+    viewed: set[int] = set()  # consumer tasks whose input gradient a send views
+    aliased = False
     instruction, piece = (PER_INSTRUCTION, PER_PIECE) if objects else (0, 0)
     for o in edge.overlaps:
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
@@ -370,21 +477,45 @@ def _edge_bytes(
         if p.device != c.device:
             # The receive buffer, unless it is the consumer's whole input buffer (its one
             # piece, no padding around it), which the executor then does not make.
-            inplace = o.rect == buffer and feeds[o.dst_task] == 1
-            _add(held, c.device, 0 if inplace else o.volume * width)
+            _add(held, c.device, o.volume * width)  # made once
+            if o.rect == buffer and feeds[o.dst_task] == 1:
+                _add(inputs, c.device, -o.volume * width)
             source = edge.source(p)
-            _add(held, p.device, 0 if rect_contiguous(o.rect, source) else o.volume * width)
-            if grad:  # likewise the producer's whole output gradient, if it is one piece
-                inplace = o.rect == source and sole and sends[o.src_task] == 1
-                _add(held, p.device, 0 if inplace else o.volume * itemsize)
-                _add(held, c.device, 0 if rect_contiguous(o.rect, buffer) else o.volume * itemsize)
+            if rect_contiguous(o.rect, source):
+                tile = rect_volume(source) * width
+                sent_tiles[p.device] = max(sent_tiles.get(p.device, 0), tile)
+            else:
+                _add(held, p.device, o.volume * width)  # staged, made once
+            if grad:  # the gradient piece's receive buffer, made once
+                _add(held, p.device, o.volume * itemsize)
+                if o.rect == source and sole and sends[o.src_task] == 1:
+                    _add(grad_out, p.device, -o.volume * itemsize)  # read in place
+                if rect_contiguous(o.rect, buffer):
+                    viewed.add(o.dst_task)
+                else:
+                    _add(held, c.device, o.volume * itemsize)  # staged before it is sent
             continue
         whole = o.rect == buffer == edge.source(p)
         if whole and feeds[o.dst_task] == 1:
-            _add(held, c.device, -o.volume * width)
-        if whole and grad and sole and sends[o.src_task] == 1:
-            _add(held, p.device, -o.volume * itemsize)
-    return tuple(held.items())
+            aliased = True
+            _add(inputs, c.device, -o.volume * width)
+            if keeps:
+                kept_by[p.device] = max(kept_by.get(p.device, 0), o.volume * width)
+    sent: dict[int, int] = {}
+    for index in viewed:
+        c = ctasks[index]
+        _add(sent, c.device, rect_volume(c.inputs[edge.operand].buffer) * itemsize)
+    changed = tuple(inputs.items())
+    return EdgeMemory(
+        tuple(held.items()),
+        tuple(grad_out.items()),
+        tuple(sent.items()),
+        changed if keeps else (),
+        () if keeps else changed,
+        tuple(kept_by.items()),
+        tuple(sent_tiles.items()),
+        aliased,
+    )
 
 
 def _batch_bytes(pg: PartitionedGraph, device: int, itemsize: int) -> int:
@@ -417,25 +548,80 @@ def _rows_bytes(pg: PartitionedGraph, rows: dict, whole: int, itemsize: int) -> 
     return held
 
 
-def add_edges(held: list[int], pg: PartitionedGraph, itemsize: int, objects: bool) -> None:
+def add_edges(
+    held: list[int],
+    pg: PartitionedGraph,
+    itemsize: int,
+    objects: bool,
+    recompute: frozenset[str] = frozenset(),
+) -> EdgeTotals:
     """Add to ``held`` (per device) what every edge holds through the step: its receive
     and assembly buffers, staging copies and their objects (``_edge_bytes``), found once
-    per kind of edge and configs (``op_kinds_held``: the same edge of every layer)."""
+    per kind of edge and configs (``op_kinds_held``: the same edge of every layer); the
+    rest of what they change, for ``total``. ``recompute``: the plan's recomputed ops,
+    which keep every input."""
     count = readers(pg.edges)
     kinds = op_kinds_held(pg.graph, frozenset())
-    found: dict[tuple, Pieces] = {}
+    index = {op.name: i for i, op in enumerate(pg.graph.ops)}
+    found: dict[tuple, EdgeMemory] = {}
+    pieces_of: list[tuple[int, int, int, EdgeMemory]] = []
     for edge in pg.edges:
         p, c = edge.producer, edge.consumer
         sole = count[edge.tensor] == 1
+        consumer = pg.graph.ops[index[c]]
+        redone = recomputes(consumer, pg.sums[c], recompute)
+        keeps = edge.operand in kept_for_backward(pg.graph, consumer, redone)[0]
         configs = edge_configs(pg.strategy[p], pg.strategy[c], pg.sums[p])
-        key = (kinds[p], kinds[c], edge.operand, sole, *configs)
+        key = (kinds[p], kinds[c], edge.operand, sole, keeps, *configs)
         pieces = found.get(key)
         if pieces is None:
             ptasks, ctasks = pg.tasks[p], pg.tasks[c]
-            pieces = _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects)
+            pieces = _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects, keeps)
             found[key] = pieces
-        for d, n in pieces:
+        for d, n in pieces.held:
             held[d] += n
+        pieces_of.append((index[p], index[c], edge.operand, pieces))
+    return edge_totals(pieces_of)
+
+
+def _sum_into(into: dict[int, dict[int, int]], op: int, pieces: Pieces) -> None:
+    if pieces:
+        row = into.setdefault(op, {})
+        for d, n in pieces:
+            row[d] = row.get(d, 0) + n
+
+
+def edge_totals(edges) -> EdgeTotals:
+    """``EdgeTotals`` from (producer op, consumer op, operand, ``EdgeMemory``) per edge.
+    A tile held by several edges is held to the latest of them: the step's end where a
+    send holds it, else the backward of the earliest reader (in graph order) keeping it."""
+    grad_out: dict[int, dict[int, int]] = {}
+    kept: dict[int, dict[int, int]] = {}
+    read: dict[int, dict[int, int]] = {}
+    sent: dict[tuple[int, int], Pieces] = {}
+    until: dict[int, dict[int, tuple[int, int]]] = {}
+    aliased: set[tuple[int, int]] = set()
+    for p, c, k, m in edges:
+        if m.aliased:
+            aliased.add((p, c))
+        _sum_into(grad_out, p, m.grad_out)
+        _sum_into(kept, c, m.kept_inputs)
+        _sum_into(read, c, m.read_inputs)
+        if m.sent_grads:
+            sent[(c, k)] = m.sent_grads
+        for at, pieces in ((c, m.kept_by), (-1, m.sent_tiles)):
+            for d, n in pieces:
+                row = until.setdefault(p, {})
+                old_at, old_n = row.get(d, (at, n))
+                row[d] = (min(at, old_at), max(n, old_n))
+    return EdgeTotals(
+        {p: tuple(x.items()) for p, x in grad_out.items()},
+        sent,
+        {c: tuple(x.items()) for c, x in kept.items()},
+        {c: tuple(x.items()) for c, x in read.items()},
+        until,
+        frozenset(aliased),
+    )
 
 
 def readers(edges) -> Counter:
@@ -444,82 +630,218 @@ def readers(edges) -> Counter:
     return Counter(e.tensor for e in edges)
 
 
-def consumers_of(graph: Graph) -> tuple[tuple[int, ...], ...]:
-    """Per op (graph order), the ops that read its output: how long a recomputed tile
-    lives (``total``)."""
+def order_of(graph: Graph) -> Order:
+    """Per op (graph order), the ops that read its output (how long a recomputed tile
+    lives) and the op that made each operand (how long its gradient lives): ``total``."""
     producer = {op.output: i for i, op in enumerate(graph.ops)}
     readers: list[set[int]] = [set() for _ in graph.ops]
     for c, op in enumerate(graph.ops):
         for name in op.inputs:
             if name in producer:
                 readers[producer[name]].add(c)
-    return tuple(tuple(sorted(r)) for r in readers)
+    made_by = tuple(tuple(producer.get(name) for name in op.inputs) for op in graph.ops)
+    keepers: list[set[int]] = [set() for _ in graph.ops]
+    for c, op in enumerate(graph.ops):
+        for k in kept_for_backward(graph, op, False)[0]:
+            p = made_by[c][k]
+            if p is not None:
+                keepers[p].add(c)
+    own = tuple(kept_for_backward(graph, op, False)[1] for op in graph.ops)
+    return Order(
+        tuple(tuple(sorted(r)) for r in readers),
+        made_by,
+        tuple(frozenset(r) for r in keepers),
+        own,
+    )
 
 
-def rematerialized_at(ops: list[OpMemory], consumers: tuple[tuple[int, ...], ...]) -> list[int]:
+def rematerialized_at(
+    ops: list[OpMemory],
+    consumers: tuple[tuple[int, ...], ...],
+    keepers: tuple[frozenset[int], ...] = (),
+    own: tuple[bool, ...] = (),
+    aliased: frozenset[tuple[int, int]] | None = None,
+) -> list[int | None]:
     """Per op, the op before whose backward the executor makes its recomputed tile again
     (``executor/step.py``'s ``_rematerialize``): the first, in the backward's (reverse
-    graph) order, of itself, a kept reader and a recomputed reader's own such op (the
-    reader's rematerialization needs its inputs; a reader without a backward, ids'
-    arithmetic, needs nothing). An op that is kept: itself."""
-    at = list(range(len(ops)))
+    graph) order, of itself where its own backward reads it (``own``; without it,
+    always), a kept reader whose backward reads it (``keepers``; without them, every
+    reader with a backward) and a recomputed reader's own such op (the reader's
+    rematerialization needs its inputs; a reader without a backward, ids' arithmetic,
+    needs nothing), of those only readers that read it in place (``aliased``, where
+    known: one that copied it keeps its own buffer); None where nothing needs it again.
+    An op that is kept: itself."""
+    at: list[int | None] = list(range(len(ops)))
     for i in reversed(range(len(ops))):
         if ops[i].redone and consumers:
-            needs = (at[c] for c in consumers[i] if ops[c].backward or ops[c].redone)
-            at[i] = max(i, *needs)
+            readers = _needing(ops, consumers, keepers, i, aliased)
+            needs = [c if at[c] is None else at[c] for c in readers]
+            if not own or own[i]:
+                needs.append(i)
+            at[i] = max((n for n in needs if n is not None), default=None)
     return at
 
 
+def _needing(ops, consumers, keepers, i: int, aliased=None) -> list[int]:
+    """The readers of a recomputed op's tile whose backward needs it made again."""
+    reads = keepers[i] if keepers else {c for c in consumers[i] if ops[c].backward}
+    return [
+        c
+        for c in consumers[i]
+        if (c in reads or ops[c].redone) and (aliased is None or (i, c) in aliased)
+    ]
+
+
+def _redone_until(ops, consumers, keepers, own, at, aliased) -> dict[int, list[int]]:
+    """Op -> the recomputed ops whose tile made again goes after its backward: the op's
+    own where its backward reads it, else its last (in the backward's order) reader
+    that needed it (``executor/recompute.py``'s ``release_after``)."""
+    until: dict[int, list[int]] = {}
+    for i, a in enumerate(at):
+        if not ops[i].redone or a is None:
+            continue
+        readers = _needing(ops, consumers, keepers, i, aliased) if consumers else []
+        last = i if (not own or own[i] or not readers) else min(readers)
+        until.setdefault(last, []).append(i)
+    return until
+
+
 def total(
-    held: list[int], ops: list[OpMemory], consumers: tuple[tuple[int, ...], ...] = ()
+    held: list[int],
+    ops: list[OpMemory],
+    order: Order | None = None,
+    edges: EdgeTotals | None = None,
 ) -> tuple[int, ...]:
-    """The peak per device from what it holds at the end of the step and each op's
-    kernels (in graph order): the larger of the backward's peak and the forward's, over
-    the output tiles of the ops before and the kernel's own. The backward runs in reverse
-    graph order, so while an op's backward kernel runs, the gradients of the ops before
-    it are not yet made: its peak is everything held at the end but those, and the
-    kernel's own (resnet18's largest backward kernel, the last block's second Conv, runs
-    early: counted over every gradient, model parallelism's rank 1 was predicted 6.25
-    MB against 5.23 measured). The update runs once the step's output tiles and input
+    """The peak per device from what it holds through the step (``held``) and what each
+    op's kernels and the lifetimes of its tiles, buffers and gradients add (in graph
+    order): the larger of the forward's peak (``_forward_peaks``), the backward's
+    (``_backward_peaks``) and the update's. ``held`` counts every weight gradient and
+    every tile kept to the step's end (``OpMemory.outputs``); the forward has made none
+    of the gradients and only the tiles of the ops before, the backward only the
+    gradients of the ops after. The update runs once the step's tiles and input
     gradients are gone, its weight gradients still held: its peak is that and the
-    optimizer's temporaries on the largest shard. A recomputed op's tiles (``redone``)
-    live in the forward until its last reader's kernel (``consumers``: per op, its
-    readers) and in the backward from their rematerialization (``rematerialized_at``)
-    to the end of the op's own backward; without ``consumers``, in its kernels only."""
+    optimizer's temporaries on the largest shard. Without ``order`` (hand-made tests),
+    a recomputed tile lives in its kernels only, a read tile to the step's end and a
+    gradient from its backward to the step's end."""
     devices = len(held)
-    made, forward, backward = [0] * devices, [0] * devices, [0] * devices
-    later = [0] * devices  # the backward's gradients
-    kept, update = [0] * devices, [0] * devices  # weight gradients, update temporaries
-    live = [0] * devices  # recomputed tiles whose readers' forwards are yet to run
-    until: dict[int, list[int]] = {}  # reader's index -> recomputed ops it is the last of
-    for i, m in enumerate(ops):
+    edges = edges or EdgeTotals({}, {})
+    later, kept, update = [0] * devices, [0] * devices, [0] * devices
+    for m in ops:
         for d, n in m.grads:
             later[d] += n
         for d, n in m.weight_grads:
             kept[d] += n
         for d, n in m.update:
             update[d] = max(update[d], n)
+    made, forward, saved, free = _forward_peaks(devices, ops, order, edges)
+    backward = _backward_peaks(devices, ops, later, order, edges, saved, free)
+    return tuple(
+        h + max(b, f - o - g, u - o - (g - k))
+        for h, b, f, o, g, k, u in zip(
+            held, backward, forward, made, later, kept, update, strict=True
+        )
+    )
+
+
+def _plus(*parts: Pieces) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for pieces in parts:
+        for d, n in pieces:
+            out[d] = out.get(d, 0) + n
+    return out
+
+
+def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges: EdgeTotals):
+    """(the tiles kept to the step's end made by the forward, its peak per device over
+    them and what lives beside them, what still lives when it ends, and per op what
+    its backward lets go of). Over an op's kernel live: the tiles of the ops before it
+    still read or kept, the input buffers kept for their backwards, its own input
+    buffers and its kernel's workspace, then its tile. A tile only readers' forwards
+    read goes after its last reader's (``order.consumers``), or where a reader keeps it
+    in place or a send holds it, later (``EdgeTotals.until``); a recomputed op's tiles
+    (``redone``) live until its last reader's kernel."""
+    consumers = order.consumers if order is not None else ()
+    made, forward = [0] * devices, [0] * devices
+    live = [0] * devices  # tiles and buffers of the forward, besides ``made``
+    free: dict[int, dict[int, int]] = {}  # op -> what goes after its backward
+    gone: dict[int, list[Pieces]] = {}  # op -> read tiles that go after its forward
+    for i, m in enumerate(ops):
+        kept_in = _plus(m.kept_inputs, edges.kept_inputs.get(i, ()))
+        read_in = _plus(m.read_inputs, edges.read_inputs.get(i, ()))
+        for x in (kept_in, read_in):
+            for d, n in x.items():
+                live[d] += n
         for d, n in m.forward:
             forward[d] = max(forward[d], made[d] + live[d] + n)
         for d, n in m.outputs:
             made[d] += n
+        for d, n in (*m.kept_tiles, *m.read_tiles):
+            live[d] += n
+        for d, _ in (*m.outputs, *m.kept_tiles, *m.read_tiles, *m.redone):
             forward[d] = max(forward[d], made[d] + live[d])
-        for j in until.pop(i, ()):  # this reader was the tile's last
-            for d, n in ops[j].redone:
+        for d, n in read_in.items():
+            live[d] -= n
+        until = edges.until.get(i, {})
+        after = free.setdefault(i, {})
+        for d, n in kept_in.items():
+            after[d] = after.get(d, 0) + n
+        for d, n in m.kept_tiles:
+            if until.get(d, (0, 0))[0] != -1:  # a send holds it to the step's end
+                after[d] = after.get(d, 0) + n
+        short = []
+        for d, n in m.read_tiles:
+            at = until.get(d, (None, 0))[0]
+            if at is None:
+                short.append((d, n))
+            elif at >= 0:  # a reader keeps it in place until its backward
+                free.setdefault(at, {})[d] = free.get(at, {}).get(d, 0) + n
+        if order is not None and short:
+            last = max(consumers[i], default=i)
+            gone.setdefault(last, []).append(tuple(short))
+        for d, n in m.redone:  # made by its kernel, read until its last reader's
+            live[d] += n  # (a send holds it to the step's end)
+        if m.redone:
+            last = max(consumers[i], default=i) if consumers else i
+            read = tuple((d, n) for d, n in m.redone if until.get(d, (0, 0))[0] != -1)
+            gone.setdefault(last, []).append(read)
+        for pieces in gone.pop(i, ()):
+            for d, n in pieces:
                 live[d] -= n
-        last = max(consumers[i], default=i) if consumers and m.redone else i
-        if last > i:
-            until.setdefault(last, []).append(i)
-            for d, n in m.redone:
-                live[d] += n
-    at = rematerialized_at(ops, consumers)
+    return made, forward, live, free
+
+
+def _backward_peaks(
+    devices: int,
+    ops: list[OpMemory],
+    later: list[int],
+    order: Order | None,
+    edges: EdgeTotals,
+    saved: list[int],
+    free: dict[int, dict[int, int]],
+) -> list[int]:
+    """Per device, the most its backward kernels hold beyond what is held through the
+    step, less the weight gradients not yet made: the kernel's own, what the forward
+    left (``saved``: tiles and buffers kept for backwards, each gone after its op's,
+    ``free``), the recomputed tiles made again, ZeRO-2's gradient in flight, the
+    activation gradients whose producer's backward has yet to gather them (those the
+    op gathers go before its kernel runs; pieces sent as views stay with the transport),
+    and the op's gathered output gradients (``executor/lifetimes.py``)."""
+    consumers = order.consumers if order is not None else ()
+    keepers = order.keepers if order is not None else ()
+    own = order.own if order is not None else ()
+    producers = order.producers if order is not None else ()
+    at = rematerialized_at(ops, consumers, keepers, own, edges.aliased)
     made_again: dict[int, list[int]] = {}
     for i, a in enumerate(at):
-        if ops[i].redone:
+        if ops[i].redone and a is not None:
             made_again.setdefault(a, []).append(i)
-    live = [0] * devices  # recomputed tiles made again, their op's backward not yet done
+    redone_until = _redone_until(ops, consumers, keepers, own, at, edges.aliased)
+    backward = [0] * devices
+    live = list(saved)  # and recomputed tiles made again, their op's backward not done
     unmade = list(later)  # no gradient exists when the backward begins
     pending = [0] * devices  # ZeRO-2: the full gradient of the reduce-scatter in flight
+    grads = [0] * devices  # activation gradients not yet gathered, or with the transport
+    gather: dict[int, list[tuple[int, int]]] = {}  # producer -> (consumer, operand)
     for i in reversed(range(len(ops))):
         m = ops[i]
         for j in made_again.get(i, ()):
@@ -527,18 +849,39 @@ def total(
                 live[d] += n
         for d, n in m.grads:  # its own, made by its kernel: part of the kernel's peak
             unmade[d] -= n
+        for c, k in gather.pop(i, ()):  # gathered into its output gradient
+            _release(grads, ops[c], k, edges.sent.get((c, k), ()))
+        gathered = _plus(m.grad_out, edges.grad_out.get(i, ()))
+        for _, d, n in m.act_grads:  # made by its kernel
+            grads[d] += n
         for d, n in m.backward:
-            backward[d] = max(backward[d], n + live[d] + pending[d] - unmade[d])
-        for d, n in m.redone:  # dropped after its own backward
+            extra = grads[d] + max(gathered.get(d, 0), 0)
+            backward[d] = max(backward[d], n + live[d] + pending[d] - unmade[d] + extra)
+        for k in {k for k, _, _ in m.act_grads}:
+            p = producers[i][k] if producers else None
+            if p is None or p >= i:  # no producer to gather it (or no order): kept
+                if producers:
+                    _release(grads, m, k, edges.sent.get((i, k), ()))
+                continue
+            gather.setdefault(p, []).append((i, k))
+        for j in redone_until.get(i, ()):  # made again for backwards now done
+            for d, n in ops[j].redone:
+                live[d] -= n
+        for d, n in free.get(i, {}).items():  # kept for its backward, done now
             live[d] -= n
         for d, n in m.inflight:  # its reduce-scatter completes the one before it
             pending[d] = n
-    return tuple(
-        h + max(b, f - o - g, u - o - (g - k))
-        for h, b, f, o, g, k, u in zip(
-            held, backward, forward, made, later, kept, update, strict=True
-        )
-    )
+    return backward
+
+
+def _release(grads: list[int], m: OpMemory, k: int, sent: Pieces) -> None:
+    """Its producer has gathered the gradients of operand ``k`` of an op: they go, but
+    for the arrays a send holds as a view until the step ends."""
+    for kk, d, n in m.act_grads:
+        if kk == k:
+            grads[d] -= n
+    for d, n in sent:
+        grads[d] += n
 
 
 def peak_memory(
@@ -588,5 +931,5 @@ def peak_memory(
         for d, n in memo[key].held:
             held[d] += n
         parts.append(memo[key])
-    add_edges(held, pg, itemsize, objects)
-    return total(held, parts, consumers_of(graph))
+    edges = add_edges(held, pg, itemsize, objects, recompute)
+    return total(held, parts, order_of(graph), edges)

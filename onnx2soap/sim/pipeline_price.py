@@ -49,7 +49,7 @@ from onnx2soap.sim.memory import (
     OpMemory,
     add_edges,
     batch_bytes,
-    consumers_of,
+    order_of,
     total,
 )
 from onnx2soap.sim.pipeline_schedule import PipelineTiming, StageTimes, time_pipeline
@@ -246,18 +246,24 @@ def held_activations(
     itemsize: int,
     devices: int,
     objects: bool,
+    recompute: frozenset[str] = frozenset(),
 ) -> Held:
-    """Per device, what one microbatch holds between its forward and its backward: its
-    output tiles (none for recomputed ops), and what its slot of buffers holds: all the
-    plain model holds for the step (``OpMemory.held`` and the edges' buffers) but the
-    weights' share (``OpMemory.weights``), the activations' gradients its backward has
-    yet to make and the output tiles: the input, gradient and receive buffers
-    (executor/program.py)."""
+    """Per device, what one microbatch holds between its forward and its backward: the
+    tiles and input buffers its ops' backwards read, the tiles a reader keeps in place or
+    a send holds, and the partial sums' tiles (executor/lifetimes.py; nothing for
+    recomputed ops but their inputs); and what its slot of buffers holds: all the plain
+    model holds for the step (``OpMemory.held`` and the edges' buffers) but the weights'
+    share (``OpMemory.weights``), the weight gradients and the output tiles: the receive
+    buffers, rows and staging copies (executor/program.py)."""
     outputs, held = [0] * devices, [0] * devices
-    for op in pg.graph.ops:
+    edges = add_edges(held, pg, itemsize, objects, recompute)
+    for i, op in enumerate(pg.graph.ops):
         m = memory[op.name]
-        for d, n in m.outputs:
+        until = edges.until.get(i, {})
+        for d, n in (*m.outputs, *m.kept_tiles, *m.kept_inputs, *edges.kept_inputs.get(i, ())):
             outputs[d] += n
+        for d, n in m.read_tiles:
+            outputs[d] += n if d in until else 0
         for pieces, sign in (
             (m.held, 1),
             (m.weights, -1),
@@ -267,7 +273,6 @@ def held_activations(
         ):
             for d, n in pieces:
                 held[d] += sign * n
-    add_edges(held, pg, itemsize, objects)
     return Held(outputs, held)
 
 
@@ -277,6 +282,7 @@ def later_microbatch(
     itemsize: int,
     devices: int,
     objects: bool,
+    recompute: frozenset[str] = frozenset(),
 ) -> tuple[int, ...]:
     """Per device, the plain model's peak of a step's microbatch after the first: every
     weight gradient is made already (the first microbatch's backward made them; later
@@ -295,8 +301,8 @@ def later_microbatch(
         for d, n in weight.items():
             backward[d] = backward.get(d, 0) + n
         ops.append(replace(m, grads=grads, backward=tuple(backward.items()), weight_grads=()))
-    add_edges(held, pg, itemsize, objects)
-    return total(held, ops, consumers_of(pg.graph))
+    edges = add_edges(held, pg, itemsize, objects, recompute)
+    return total(held, ops, order_of(pg.graph), edges)
 
 
 def microbatch_instructions(
@@ -375,6 +381,7 @@ def price_memory(
     memory: Mapping[str, OpMemory],
     itemsize: int,
     objects: bool,
+    recompute: frozenset[str] = frozenset(),
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(peak per device, held microbatches per stage): the plain peak of one
     microbatch's step (of a later one's, which finds every weight gradient made), the
@@ -386,12 +393,12 @@ def price_memory(
     held = tuple(held_at_most(schedule, s, count, m) for s in range(count))
     slots = tuple(open_at_most(schedule, s, count, m) for s in range(count))
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
-    extra = held_activations(pg, memory, itemsize, len(plain), objects)
+    extra = held_activations(pg, memory, itemsize, len(plain), objects, recompute)
     sent = sent_per_microbatch(pg, memory, itemsize, len(plain))
     peak = list(plain)
     instructions = microbatch_instructions(pg, memory, len(plain), objects)
     if m > 1:
-        later = later_microbatch(pg, memory, itemsize, len(plain), objects)
+        later = later_microbatch(pg, memory, itemsize, len(plain), objects, recompute)
         peak = [max(a, b) for a, b in zip(plain, later, strict=True)]
     for s, devs in enumerate(stage_devices(pipeline, configs)):
         moments = backward_moments(schedule, s, count, m)
@@ -417,6 +424,7 @@ def price_pipeline(
     memory: Mapping[str, OpMemory],
     itemsize: int,
     objects: bool = False,
+    recompute: frozenset[str] = frozenset(),
 ) -> PipelinePrice:
     """The step, bytes moved, per-device peak and per-stage report of a pipeline plan
     (``memory``: each op's ``OpMemory`` under the plan, by op name; ``objects``: the
@@ -426,7 +434,7 @@ def price_pipeline(
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
     devices = stage_devices(pipeline, configs)
     times, timing, moved = price_time(tg, lay, slot_of_task, pipeline, stage, devices)
-    peak, held = price_memory(pg, pipeline, plain_memory, memory, itemsize, objects)
+    peak, held = price_memory(pg, pipeline, plain_memory, memory, itemsize, objects, recompute)
     stages = tuple(
         StageReport(devs, t, h, bubble)
         for devs, t, h, bubble in zip(devices, times, held, timing.bubble, strict=True)

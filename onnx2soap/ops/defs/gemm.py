@@ -82,7 +82,9 @@ def backward(xp, attrs: GemmAttrs, inputs, output, grad_output, args):
     if len(inputs) > 2:
         c = inputs[2]
         if _first_slice(args):
-            grads.append(unbroadcast(xp, grad_output * attrs.beta, c.shape))
+            # beta 1 (every linear layer): no tile-sized product before the sum
+            scaled = grad_output if attrs.beta == 1.0 else grad_output * attrs.beta
+            grads.append(unbroadcast(xp, scaled, c.shape))
         else:
             grads.append(xp.zeros(c.shape, dtype=grad_output.dtype))
     return tuple(grads)
