@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from executor.buffers import empty_buffer, local_slices, slice_from_full
+from executor.precision import HalfStorage
 from executor.program import Piece
 from onnx2soap.ir import TensorRole
 from onnx2soap.soap.partition import Rect, Region, Task, rect_shape
@@ -83,12 +84,13 @@ class Assembled:
     region: Region
     dtype: object
     copies: tuple[Copy, ...]
+    half: HalfStorage
 
     def make(self, xp):
         """A fresh buffer: the pieces cover the data, so only padding needs a value."""
         if self.region.buffer == self.region.data:
             return xp.empty(rect_shape(self.region.buffer), dtype=self.dtype)
-        return empty_buffer(xp, self.region, self.dtype)
+        return _padded(xp, self.half, self.region, self.dtype)
 
 
 InputSource = Fixed | Rows | Alias | Received | Assembled
@@ -127,14 +129,16 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
     if role is TensorRole.CONSTANT:
         return Fixed(_cut_constant(rt, name, region))
     if role in (TensorRole.INPUT, TensorRole.LABELS):
-        dtype = rt.dtype_of(name)
-        buffer = empty_buffer(rt.xp, region, dtype)
+        # the rows come in the run's dtype; the buffer holds them as the step stores them
+        dtype, stored = rt.dtype_of(name), rt.storage_of(name)
+        buffer = padded_buffer(rt, region, stored)
         into = local_slices(region.data, region.buffer)
         if rt.xp is np:
             return Rows(name, region.data, buffer, into)
         shape = rect_shape(region.data)
         host = rt.device.host_empty(shape, dtype)
-        staged = None if region.data == region.buffer else rt.xp.empty(shape, dtype=dtype)
+        direct = region.data == region.buffer and stored == dtype
+        staged = None if direct else rt.xp.empty(shape, dtype=dtype)
         return Rows(name, region.data, buffer, into, host, staged)
     mine = [p for p in pieces if p.operand == k]
     if len(mine) == 1 and _whole(mine[0].rect, region.buffer):
@@ -154,7 +158,18 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
         )
         for p in mine
     )
-    return Assembled(region, rt.dtype_of(name), copies)
+    return Assembled(region, rt.storage_of(name), copies, rt.half)
+
+
+def padded_buffer(rt, region: Region, dtype):
+    """A buffer for ``region`` in ``dtype``, its padding the pad value as stored."""
+    return _padded(rt.xp, rt.half, region, dtype)
+
+
+def _padded(xp, half: HalfStorage, region: Region, dtype):
+    if half.active and dtype == half.dtype and region.pad_value:  # -inf's bits, say
+        return half.narrow(empty_buffer(xp, region, np.float32))
+    return empty_buffer(xp, region, dtype)
 
 
 def _cut_constant(rt, name: str, region: Region):

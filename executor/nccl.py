@@ -61,6 +61,10 @@ class NcclTransport:
             "float32": nccl.NCCL_FLOAT32,
             "float64": nccl.NCCL_FLOAT64,
             "int64": nccl.NCCL_INT64,
+            # mixed precision's stored tiles and pieces (only sent, never summed): float16,
+            # and bfloat16 kept as its bits in uint16 (CuPy has no bfloat16)
+            "float16": nccl.NCCL_FLOAT16,
+            "uint16": nccl.NCCL_FLOAT16,
         }
 
     def _communicator(self, comm: MPI.Comm):

@@ -1,11 +1,14 @@
-"""Mixed precision on the executor: values rounded to bf16 or fp16, and fp16's loss scale.
+"""Mixed precision on the executor: half-format storage, rounding, and fp16's loss scale.
 
-Kernels compute in float32 on values that are representable in the half format: every
-float array a kernel makes (outputs, gradients), the data rows and each weight's compute
-copy are rounded to the nearest half value, ties to even, as a cast to bfloat16 or
-float16 and back would. numpy has no fast half-precision arithmetic, and CuPy no
-bfloat16, so this is how both compute; the master weights, the summed weight gradients,
-the optimizer's state, losses and statistics stay float32.
+Kernels compute in float32, as torch.autocast's do inside. What the step stores between
+them is in the half format, 2 bytes an element (``HalfStorage``): output tiles, their
+input buffers and gradients, the data rows and each weight's compute copy; a kernel's
+result is narrowed to it (round to nearest, ties to even, as a cast to bfloat16 or
+float16) and a stored array widened to float32 for the next kernel (exact). numpy has no
+fast half-precision arithmetic and CuPy no bfloat16 (its bits are kept in uint16 there),
+so this is how both compute. The master weights, weight gradients (rounded to the half
+format's values, ``Rounding``, then summed in float32), the optimizer's state, losses,
+statistics and partial sums' arithmetic stay float32.
 
 ``LossScaler`` is torch.amp.GradScaler's dynamic loss scale: the backward starts from
 the scale instead of 1, a step whose gradients hold an infinity or NaN on any rank is
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
+from onnx2soap.ops.base import Released
 from onnx2soap.precision import Precision
 
 _BF16_NAN = 0x7FC00000  # the quiet NaN a bfloat16 cast gives for any NaN (as torch's)
@@ -56,6 +61,59 @@ class Rounding:
             round_bf16(self.xp, x)
         else:
             round_fp16(self.xp, x)
+
+
+@dataclass(frozen=True)
+class HalfStorage:
+    """How a mixed-precision step stores the arrays between kernels (float32 where the
+    run is not mixed: then ``narrow`` and ``widen`` return what they are given)."""
+
+    xp: object
+    precision: Precision
+
+    @property
+    def active(self) -> bool:
+        return self.precision.mixed
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The stored dtype: float16, bfloat16 (its bits in uint16 on a GPU), or float32."""
+        if self.precision is Precision.FP16:
+            return np.dtype(np.float16)
+        if self.precision is Precision.BF16:
+            return np.dtype(ml_dtypes.bfloat16 if self.xp is np else np.uint16)
+        return np.dtype(np.float32)
+
+    def narrow(self, x):
+        """A float32 array (a kernel's result) as a new stored array; anything else as it
+        is. bfloat16's NaN is the quiet one torch's cast gives, whatever its sign."""
+        if not self.active or getattr(x, "dtype", None) != np.float32:
+            return x
+        xp = self.xp
+        if self.precision is Precision.FP16:
+            return x.astype(xp.float16)
+        if xp is np:
+            out = x.astype(ml_dtypes.bfloat16)
+            nan = np.isnan(x)
+            if nan.any():
+                out.view(np.uint16)[nan] = _BF16_NAN >> 16
+            return out
+        rounded = xp.array(x, dtype=xp.float32)  # bfloat16 bits by hand: CuPy has none
+        round_bf16(xp, rounded)
+        return (rounded.view(xp.uint32) >> xp.uint32(16)).astype(xp.uint16)
+
+    def widen(self, x):
+        """A stored array as float32 for a kernel (exact); anything else as it is."""
+        if not self.active or getattr(x, "dtype", None) != self.dtype:
+            return x
+        if isinstance(x, Released):  # its shape, as a float32 array's
+            return Released(x.shape, np.dtype(np.float32))
+        if self.dtype == np.uint16:
+            return (x.astype(self.xp.uint32) << self.xp.uint32(16)).view(self.xp.float32)
+        return x.astype(np.float32)
+
+    def widen_all(self, arrays) -> list:
+        return [self.widen(x) for x in arrays] if self.active else arrays
 
 
 @dataclass

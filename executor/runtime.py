@@ -38,7 +38,7 @@ from executor.layout import (
 )
 from executor.lifetimes import lifetimes
 from executor.optim import OptimizerConfig, apply_update
-from executor.precision import Rounding
+from executor.precision import HalfStorage, Rounding
 from executor.program import (
     Compute,
     Partial,
@@ -55,6 +55,7 @@ from executor.trace import Tracer, task_name
 from executor.transport import Transport
 from onnx2soap.errors import UserError
 from onnx2soap.importer.weights import StoredTensor
+from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph, analyze
@@ -106,7 +107,8 @@ class Runtime:
         self.seed = seed
         self.optimizer = optimizer or OptimizerConfig()
         self.tracer: Tracer | None = None  # set to time every instruction (--trace)
-        self.rounding = Rounding(self.xp, precision)
+        self.rounding = Rounding(self.xp, precision)  # weight gradients' values
+        self.half = HalfStorage(self.xp, precision)  # what the step stores
         # fp16 on a GPU: matrix products on tensor cores (CuPy has float16, not bfloat16).
         half = precision is Precision.FP16 and self.xp is not np
         self.matmul_dtype = self.xp.float16 if half else None
@@ -137,14 +139,13 @@ class Runtime:
                         self.zero[key] = sharded
         # Updated in this order (the shards' own: graph order), every step.
         self.trainable_order = tuple(k for k in self.shards if k in self.trainable)
-        # Mixed precision: the kernels read each trainable weight rounded to the half
-        # format, a copy remade after every update; the shard stays the float32 master.
+        # Mixed precision: the kernels read each trainable weight in the half format, a
+        # copy remade after every update; the shard stays the float32 master.
         self.compute_copies: dict[WeightKey, object] = {}
-        if self.rounding.active:
+        if self.half.active:
             with self.device.compute():
                 for key in self.trainable_order:
-                    self.compute_copies[key] = self.xp.array(self.shards[key])
-                    self.rounding(self.compute_copies[key])
+                    self.compute_copies[key] = self.half.narrow(self.shards[key])
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
         # floats in the run's dtype, ids int64.
         with self.device.compute():
@@ -226,6 +227,16 @@ class Runtime:
         """Float tensors in the run's dtype; ids stay int64."""
         return self.dtype if self.graph.differentiable(tensor) else np.dtype(np.int64)
 
+    def storage_of(self, tensor: str) -> np.dtype:
+        """What the step stores a tensor's tiles, buffers and pieces in: activations and
+        data in the half format under mixed precision (``HalfStorage``); labels,
+        constants and ids as ``dtype_of``."""
+        role = self.graph.tensors[tensor].role
+        stored = role is TensorRole.ACTIVATION or role is TensorRole.INPUT
+        if stored and self.half.active and self.graph.differentiable(tensor):
+            return self.half.dtype
+        return self.dtype_of(tensor)
+
     def task(self, key: TaskKey) -> Task:
         return self.tasks[key[0]][key[1]]
 
@@ -259,7 +270,7 @@ class Runtime:
         } | set(self.held)  # every chunk of a reduce-scattered sum: each holder has one
         tiles = tuple(
             {
-                (names[op], task): self.device.to_host(tile)
+                (names[op], task): self.device.to_host(self.half.widen(tile))
                 for (op, task), tile in state.outputs.items()
                 if (op, task) in owned and (ops is None or names[op] in ops)
             }
@@ -364,8 +375,7 @@ class Runtime:
         """Remake a weight's half-format copy from its master (after it changed)."""
         copy = self.compute_copies.get(key)
         if copy is not None:
-            copy[...] = self.shards[key]
-            self.rounding(copy)
+            copy[...] = self.half.narrow(self.shards[key])
 
     def _run(self, steps: list[Step], instructions, names: tuple[tuple[str, str], ...]) -> None:
         # Local, not on the step: bound methods held by the step would make it a cycle
@@ -408,7 +418,7 @@ class _Buffers:
         # Every microbatch runs the same instructions: the first one's tell the buffers.
         first = [ins for ins in rt.program.instructions if ins.microbatch == 0]
         self.received = {
-            t.id: xp.empty(rect_shape(t.rect), dtype=rt.dtype_of(_tensor(rt, t)))
+            t.id: xp.empty(rect_shape(t.rect), dtype=rt.storage_of(_tensor(rt, t)))
             for t in (ins.transfer for ins in first if isinstance(ins, Recv))
         }
         self.inputs: dict[TaskKey, tuple[InputSource, ...]] = {}

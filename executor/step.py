@@ -70,6 +70,7 @@ class Step:
         self.microbatch = microbatch
         self.grad_seed = grad_seed
         self.rounding = rt.rounding
+        self.half = rt.half
         self.buf = buffers if buffers is not None else rt.buffers
         self.xp = rt.xp
         self.outputs: dict[TaskKey, object] = {}
@@ -202,16 +203,16 @@ class Step:
         held, first = self.batch.rows(source.name, self.rt.graph.labels)
         (lo, hi), *rest = source.data
         rows = held[(slice(lo - first, hi - first), *global_slices(tuple(rest)))]
+        stored = source.buffer.dtype != rows.dtype  # data in the half format; targets not
         if source.host is None:  # numpy: straight into the buffer
-            source.buffer[source.into] = rows
+            source.buffer[source.into] = self.half.narrow(rows) if stored else rows
         else:
             np.copyto(source.host, rows)
             target = source.buffer if source.staged is None else source.staged
             self.rt.device.to_device(source.host, out=target)
             if source.staged is not None:
-                source.buffer[source.into] = source.staged
-        if source.name != self.rt.graph.labels:  # data in the half format; targets not
-            self.rounding(source.buffer)
+                staged = source.staged
+                source.buffer[source.into] = self.half.narrow(staged) if stored else staged
         return source.buffer
 
     def _grad_output(self, key: TaskKey):
@@ -238,9 +239,9 @@ class Step:
             return self.input_grads[source.consumer][source.operand]
         if isinstance(source, Received):
             return self.buf.received[source.transfer]
-        grad = self.xp.zeros(source.shape, dtype=self.rt.dtype)
+        grad = self.xp.zeros(source.shape, dtype=self.rt.dtype)  # summed in float32
         for copy in source.copies:
-            grad[copy.into] += self._source(copy, forward=False)
+            grad[copy.into] += self.half.widen(self._source(copy, forward=False))
         return grad
 
     # -- computing --------------------------------------------------------------------
@@ -281,14 +282,15 @@ class Step:
         xp = self.xp
         if ins.phase is Phase.FORWARD:
             self.inputs[key] = self._assemble_inputs(key)
-            partial = stats.forward(xp, op.attrs, self.inputs[key], self._args(key))
+            inputs = self.half.widen_all(self.inputs[key])
+            partial = stats.forward(xp, op.attrs, inputs, self._args(key))
         else:
             if self.recompute:
                 self._rematerialize(key)
             grad = self.grad_outputs[key] = self._grad_output(key)
             args = self._args(key)
-            out = self._saved_output(key)
-            partial = stats.backward(xp, op.attrs, self.inputs[key], out, grad, args)
+            inputs, out, grad = self._widened(key, grad)
+            partial = stats.backward(xp, op.attrs, inputs, out, grad, args)
         self.partials[(ins.phase, *key)] = xp.ascontiguousarray(partial, dtype=self.rt.dtype)
 
     def _local(self, op_index: int, tasks) -> list[int]:
@@ -314,10 +316,15 @@ class Step:
         first = self.outputs[(ins.op, mine[0])]
         total = self._slots(("sum", ins.op, ins.group), first.shape)
         for t in mine:
-            total += self.outputs[(ins.op, t)]
+            total += self.half.widen(self.outputs[(ins.op, t)])
         if len(group.devices) > 1:
             self.rt.transport.wait(self.rt.transport.allreduce(total, group.devices))
-        self.rounding(total)  # the op's output, as one task's would be
+        # the op's output, as one task's would be: stored in the half format (a copy),
+        # or rounded to its values in place
+        if self.half.active:
+            self.outputs[(ins.op, group.holder(self.rt.rank))] = self.half.narrow(total)
+            return
+        self.rounding(total)
         self.outputs[(ins.op, group.holder(self.rt.rank))] = total
 
     def _scatter_outputs(self, ins: SumOutputs, group: SumGroup) -> None:
@@ -327,13 +334,14 @@ class Step:
         full-size buffer goes at once: a member holds 1/k of the sum)."""
         xp, axis = self.xp, group.scatter.axis
         mine = self._local(ins.op, group.tasks)
-        moved = xp.moveaxis(self.outputs[(ins.op, mine[0])], axis, 0)
-        # Summed in place where the kernel made the partial tile afresh and the layout
-        # is already the ring's; else into a copy (never into an input of the kernel).
-        fresh = self._owned_output(ins.op, mine[0]) and moved.flags.c_contiguous
-        total = moved if fresh else moved.copy()
+        moved = xp.moveaxis(self.half.widen(self.outputs[(ins.op, mine[0])]), axis, 0)
+        # Summed in place where the kernel made the partial tile afresh (or it was
+        # widened from the half format) and the layout is already the ring's; else into
+        # a copy (never into an input of the kernel).
+        owned = self.half.active or self._owned_output(ins.op, mine[0])
+        total = moved if owned and moved.flags.c_contiguous else xp.ascontiguousarray(moved)
         for t in mine[1:]:
-            total += xp.moveaxis(self.outputs[(ins.op, t)], axis, 0)
+            total += xp.moveaxis(self.half.widen(self.outputs[(ins.op, t)]), axis, 0)
         runs = group.scatter.runs(group.tile)
         self.rt.transport.wait(self.rt.transport.reduce_scatter(total, group.devices, runs))
         holder = group.holder(self.rt.rank)
@@ -341,7 +349,10 @@ class Step:
         chunk = rect_shape(group.held(self.rt.rank))
         first = (chunk[axis], *chunk[:axis], *chunk[axis + 1 :])
         part = xp.moveaxis(total.reshape(-1)[lo:hi].reshape(first), 0, axis).copy()
-        self.rounding(part)  # the op's output, as one task's would be
+        if self.half.active:  # the op's output, as one task's would be
+            self.outputs[(ins.op, holder)] = self.half.narrow(part)
+            return
+        self.rounding(part)
         self.outputs[(ins.op, holder)] = part
 
     def _owned_output(self, op: int, task: int) -> bool:
@@ -359,7 +370,7 @@ class Step:
         if group.scatter is None:
             shape = rect_shape(self.rt.task(holder).output)
             grad = self._slots(("share", ins.op, ins.group), shape)
-            grad += self._grad_output(holder)
+            grad += self.half.widen(self._grad_output(holder))
             if len(group.devices) > 1:
                 self.rt.transport.wait(self.rt.transport.allreduce(grad, group.devices))
         else:
@@ -369,7 +380,7 @@ class Step:
             gathered = self._slots(("share", ins.op, ins.group), moved)
             runs = group.scatter.runs(group.tile)
             lo, hi = runs[group.devices.index(self.rt.rank)]
-            own = self.xp.moveaxis(self._grad_output(holder), axis, 0)
+            own = self.xp.moveaxis(self.half.widen(self._grad_output(holder)), axis, 0)
             gathered.reshape(-1)[lo:hi] = own.reshape(-1)
             pending = self.rt.transport.all_gather(gathered, group.devices, runs)
             self.rt.transport.wait(pending)
@@ -402,13 +413,14 @@ class Step:
         buffers = self.inputs[key] if synced else self._assemble_inputs(key)
         args = self._args(key)
         d = definition(op.type)
-        out = d.forward(self.xp, op.attrs, buffers, args)
-        if not op.is_loss and _owns(out, buffers):  # a view holds rounded values already
-            self.rounding(out)
+        wide = self.half.widen_all(buffers)
+        out = d.forward(self.xp, op.attrs, wide, args)
+        if not op.is_loss:
+            out = self._stored(out, wide)
         self.inputs[key], self.outputs[key] = buffers, out
         if synced and self.training:
             task = self.rt.task(key)
-            for k, value in d.statistics.update(self.xp, op.attrs, buffers, args):
+            for k, value in d.statistics.update(self.xp, op.attrs, wide, args):
                 # Every copy of the state gets the same sums, so replicas stay identical;
                 # the rank's other tasks on the same channels must not update it again.
                 shard = (op.inputs[k], task.inputs[k].data)
@@ -434,19 +446,25 @@ class Step:
             self._rematerialize(key)
         shared = op.nest.sync_dims or self.rt.pg.sums[op.name]
         grad_out = self.grad_outputs.pop(key) if shared else self._grad_output(key)
+        inputs, out, wide_grad = self._widened(key, grad_out)
         grads = definition(op.type).backward(
-            self.xp, op.attrs, self.inputs[key], self._saved_output(key), grad_out, self._args(key)
+            self.xp, op.attrs, inputs, out, wide_grad, self._args(key)
         )
-        if self.rounding.active:
-            grads = tuple(self._rounded(g, key) for g in grads)
-        for k, (name, role) in enumerate(zip(op.inputs, self.rt.roles[ins.op], strict=True)):
-            if role is TensorRole.WEIGHT:
-                self._weight_grad((name, task.inputs[k].data), grads[k], grad_out, key)
+        roles = self.rt.roles[ins.op]
+        weights = [role is TensorRole.WEIGHT for role in roles]
+        if self.rounding.active:  # a weight's rounded, summed in float32; others stored
+            grads = tuple(
+                self._rounded(g, key) if w else self.half.narrow(g) if act else None
+                for g, w, act in zip(grads, weights, self._activations(roles), strict=True)
+            )
+        for k, (name, weight) in enumerate(zip(op.inputs, weights, strict=True)):
+            if weight:
+                self._weight_grad((name, task.inputs[k].data), grads[k], wide_grad, key)
         # Keep only what producers still collect: activation gradients, until their last
         # reader on the rank (executor/lifetimes.py).
         kept = [
             g if role is TensorRole.ACTIVATION else None
-            for g, role in zip(grads, self.rt.roles[ins.op], strict=True)
+            for g, role in zip(grads, roles, strict=True)
         ]
         if any(g is not None for g in kept):
             self.input_grads[key] = kept
@@ -466,6 +484,26 @@ class Step:
         """Let go of tiles whose last forward reader on the rank has run."""
         for key in keys:
             self.outputs.pop(key, None)
+
+    @staticmethod
+    def _activations(roles) -> list[bool]:
+        return [role is TensorRole.ACTIVATION for role in roles]
+
+    def _stored(self, out, inputs):
+        """A kernel's result as the step keeps it: in the half format (a copy), or
+        rounded to its values in place where the kernel made it afresh (a view of an
+        input holds rounded values already)."""
+        if self.half.active:
+            return self.half.narrow(out)
+        if _owns(out, inputs):
+            self.rounding(out)
+        return out
+
+    def _widened(self, key: TaskKey, grad_out):
+        """A backward kernel's arguments in float32: the task's inputs, its output (or
+        its stand-in) and its output gradient."""
+        inputs = self.half.widen_all(self.inputs[key])
+        return inputs, self.half.widen(self._saved_output(key)), self.half.widen(grad_out)
 
     def _saved_output(self, key: TaskKey):
         """The task's output tile for its backward: the tile, or where its op's backward
@@ -502,10 +540,9 @@ class Step:
         needed = for_readers or key[0] in self.recompute.own_output
         if key[0] in self.recompute.ops and key not in self.outputs and needed:
             op = self.rt.graph.ops[key[0]]
-            out = definition(op.type).forward(self.xp, op.attrs, inputs, self._args(key))
-            if _owns(out, inputs):  # rounded as the forward rounded it
-                self.rounding(out)
-            self.outputs[key] = out
+            wide = self.half.widen_all(inputs)
+            out = definition(op.type).forward(self.xp, op.attrs, wide, self._args(key))
+            self.outputs[key] = self._stored(out, wide)  # as the forward stored it
 
     def _rounded(self, grad, key: TaskKey):
         """A kernel's gradient in the half format: rounded in place where the kernel made

@@ -98,6 +98,12 @@ class Simulator:
         return self.optimizer_slots + (1 if self.precision.mixed else 0)
 
     @property
+    def stored_itemsize(self) -> int:
+        """Bytes an element of what the executor stores between kernels: the half
+        format's 2 under mixed precision (``executor/precision.py``), else ``itemsize``."""
+        return 2 if self.precision.mixed else self.itemsize
+
+    @property
     def rounding_bytes(self) -> int:
         """Temporaries per element of rounding an array to the half format: a NaN mask
         and two uint32 arrays for bf16, a float16 copy for fp16."""
@@ -143,6 +149,7 @@ class Simulator:
             self.zero,
             self.optimizer_slots,
             self.recompute,
+            self.stored_itemsize,
         )
         if self.pipeline is None:
             step, moved, report = simulate(tg).makespan, int(tg.nbytes.sum()), None
@@ -163,6 +170,7 @@ class Simulator:
                 self.itemsize,
                 self.host_objects,
                 self.recompute,
+                self.stored_itemsize,
             )
             step, moved, memory = price.step_time_s, price.bytes_moved, price.peak_memory_bytes
             report = price.report

@@ -208,6 +208,7 @@ class DeltaSimulator:
                 sim.optimizer_slots,
                 recomputes(op, parts.sums, sim.recompute),
                 sums,
+                sim.stored_itemsize,
             )
         return memo[key]
 
@@ -234,6 +235,7 @@ class DeltaSimulator:
                 self.sole[j],
                 sim.host_objects,
                 keeps,
+                sim.stored_itemsize,
             )
         return self.edge_memory_memo[key]
 

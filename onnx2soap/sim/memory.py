@@ -228,6 +228,7 @@ def _op_bytes(
     optimizer_slots: int = 0,
     recompute: bool = False,
     sums: tuple[SumGroup, ...] | None = None,
+    stored: int = 0,
 ) -> OpMemory:
     """What one op holds per device, counting every activation input buffer and output
     gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place).
@@ -239,7 +240,12 @@ def _op_bytes(
     tiles are not held from its forward to its backward, only while its forward kernel
     runs and again while its backward reruns the forward and runs (``_recomputed_tile``).
     ``sums``: the op's sum groups as ``Partitioner.sums`` decides them (None: as
-    ``sum_groups`` makes them, all-reduced)."""
+    ``sum_groups`` makes them, all-reduced). ``stored``: bytes an element of what the
+    step stores between kernels (mixed precision's half format, ``executor/precision.py``:
+    tiles, their buffers and gradients, data rows, weights' compute copies; 0: as
+    ``itemsize``); a kernel then holds float32 copies of its stored operands and its
+    float32 result (``_conversions``)."""
+    stored = stored or itemsize
     sums = sum_groups(op, tasks) if sums is None else sums
     held: dict[int, int] = {}
     outputs: dict[int, int] = {}
@@ -271,12 +277,13 @@ def _op_bytes(
             continue
         sharded = zero_group(group, zero)
         own = n if sharded is None else sharded.numel(d) * itemsize
-        _add(held, d, n + (slots - optimizer_slots) * n + optimizer_slots * own)
+        copy = (slots - optimizer_slots) * rect_volume(rect) * stored  # the compute copy
+        _add(held, d, n + copy + optimizer_slots * own)
         # Its gradient: the first backward kernel's own, until the update; at ZeRO-2 the
         # rank's rows of it, once the reduce-scatter is done.
         grad = own if zero is ZeroStage.GRADIENTS else n
         _add(held, d, grad)
-        _add(weights, d, n + (slots - optimizer_slots) * n + optimizer_slots * own + grad)
+        _add(weights, d, n + copy + optimizer_slots * own + grad)
         _add(grads, d, grad)
         _add(weight_grads, d, grad)
         update[d] = max(update.get(d, 0), temporaries * own)
@@ -289,7 +296,7 @@ def _op_bytes(
     holders = {t for g in sums for t in g.holders}
     chunks = held_rects(sums)  # a reduce-scattering holder's output and its gradient
     graded = {t.index for t in _graded(tasks, sums)} if backward and not op.is_loss else set()
-    out_width = _width(graph.tensors[op.output], itemsize)
+    out_width = _width(graph.tensors[op.output], stored)
     workspace = definition(op.type).workspace
     tensors = [graph.tensors[name] for name in op.inputs]
     # Instructions: forward and backward Compute per task, a Partial before each where
@@ -344,12 +351,13 @@ def _op_bytes(
                 continue
             if tensor.role is TensorRole.ACTIVATION:  # the step makes its buffer
                 kept = kept_inputs if k in keeps_inputs else read_inputs
-                _add(kept, t.device, n * _width(tensor, itemsize))
-            else:  # rows, labels and constants: made once
-                total += n * _width(tensor, itemsize)
+                _add(kept, t.device, n * _width(tensor, stored))
+            else:  # rows (stored as activations), labels and constants: made once
+                width = stored if tensor.role is TensorRole.INPUT else itemsize
+                total += n * _width(tensor, width)
             if tensor.role is TensorRole.ACTIVATION and grad:
                 # its gradient, kept for the producer's backward
-                act_grads[(k, t.device)] = act_grads.get((k, t.device), 0) + n * itemsize
+                act_grads[(k, t.device)] = act_grads.get((k, t.device), 0) + n * stored
             elif tensor.role is TensorRole.INPUT:
                 dropped += n * itemsize if grad else 0
         _add(held, t.device, total)
@@ -357,15 +365,22 @@ def _op_bytes(
         fw, bw = (
             workspace(op.attrs, shapes, rect_shape(t.output), itemsize) if workspace else (0, 0)
         )
-        fw = max(fw, rect_volume(t.output) * rounding)
-        widest = max((rect_volume(r.buffer) for r in t.inputs), default=0) * rounding
+        if stored < itemsize:  # mixed precision: float32 copies beside the kernel's own
+            conv_fw, conv_bw = _conversions(op, t, tensors, keeps_inputs, keeps_output, itemsize)
+            weights_in = [r for x, r in zip(tensors, t.inputs, strict=True) if x.role is WEIGHT]
+            widest = max((rect_volume(r.buffer) for r in weights_in), default=0) * rounding
+            fw, bw = fw + conv_fw, max(bw + conv_bw, widest)
         forward[t.device] = max(forward.get(t.device, 0), fw)
         if backward:
-            backward_[t.device] = max(backward_.get(t.device, 0), max(bw, widest) + dropped)
+            backward_[t.device] = max(backward_.get(t.device, 0), bw + dropped)
+    slot_width = _width(graph.tensors[op.output], itemsize)  # sums are float32
     for group in sums:
-        n = group.numel * out_width
+        n = group.numel * slot_width
         for d in group.devices:  # the summed tile (or chunk), and its shared gradient
-            _add(held, d, group.held_numel(d) * out_width + (n if backward else 0))
+            chunk = group.held_numel(d)
+            # the sum's slot, and in the half format the holder's output besides
+            mine = chunk * slot_width + (chunk * out_width if out_width < slot_width else 0)
+            _add(held, d, mine + (n if backward else 0))
             if group.scatter is not None:
                 # The ring's buffer, the local partial tiles summed, until the chunk is
                 # copied out of it (only while the op's sum runs): the partial tile
@@ -397,6 +412,29 @@ def _op_bytes(
     made = tuple((k, d, n) for (k, d), n in act_grads.items())
     lives = (grad_out, kept_tiles, read_tiles, kept_inputs, read_inputs)
     return OpMemory(*(tuple(x.items()) for x in parts), made, *(tuple(x.items()) for x in lives))
+
+
+WEIGHT = TensorRole.WEIGHT
+STORED = (TensorRole.ACTIVATION, TensorRole.INPUT, TensorRole.WEIGHT)  # in the half format
+
+
+def _conversions(op, task, tensors, keeps_inputs, keeps_output, itemsize: int) -> tuple[int, int]:
+    """Under mixed precision, the float32 copies a task's kernels hold besides their own
+    temporaries (``executor/step.py``: ``HalfStorage.widen`` and ``narrow``): forward,
+    its stored operands widened and its result before it is narrowed; backward, the
+    operands it keeps and its output widened, its output gradient widened, and its
+    activation inputs' gradients before they are narrowed."""
+    out = rect_volume(task.output)
+    stored = [
+        (k, rect_volume(r.buffer), x.role)
+        for k, (x, r) in enumerate(zip(tensors, task.inputs, strict=True))
+        if x.role in STORED and x.dtype.is_float
+    ]
+    forward = sum(n for _, n, _ in stored) + out
+    kept = sum(n for k, n, _ in stored if k in keeps_inputs)
+    grads = sum(n for _, n, role in stored if role is TensorRole.ACTIVATION)
+    backward = kept + (out if keeps_output else 0) + out + grads
+    return forward * itemsize, backward * itemsize
 
 
 def op_held(
@@ -436,6 +474,7 @@ def _edge_bytes(
     sole: bool,
     objects: bool = True,
     keeps: bool = True,
+    stored: int = 0,
 ) -> EdgeMemory:
     """What one edge adds per device: receive buffers and staging copies where a piece
     crosses devices (both ways when a gradient flows back); minus the input buffer of a
@@ -450,7 +489,9 @@ def _edge_bytes(
     until the step ends (``sent_grads``). ``keeps``: whether the consumer keeps the
     operand for its backward (``soap/saved.py``): its buffer, or the producer's tile it
     reads in place, lives until then; a tile a piece of which is sent as a view stays
-    with the transport until the step ends."""
+    with the transport until the step ends. ``stored``: bytes an element of the pieces
+    and gradients moved (mixed precision's half format; 0: ``itemsize``)."""
+    itemsize = stored or itemsize  # what every buffer here holds
     width = _width(graph.tensors[edge.tensor], itemsize)
     grad = graph.differentiable(edge.tensor)
     feeds = Counter(o.dst_task for o in edge.overlaps)
@@ -554,12 +595,13 @@ def add_edges(
     itemsize: int,
     objects: bool,
     recompute: frozenset[str] = frozenset(),
+    stored: int = 0,
 ) -> EdgeTotals:
     """Add to ``held`` (per device) what every edge holds through the step: its receive
     and assembly buffers, staging copies and their objects (``_edge_bytes``), found once
     per kind of edge and configs (``op_kinds_held``: the same edge of every layer); the
     rest of what they change, for ``total``. ``recompute``: the plan's recomputed ops,
-    which keep every input."""
+    which keep every input; ``stored``: as ``_edge_bytes``."""
     count = readers(pg.edges)
     kinds = op_kinds_held(pg.graph, frozenset())
     index = {op.name: i for i, op in enumerate(pg.graph.ops)}
@@ -576,7 +618,9 @@ def add_edges(
         pieces = found.get(key)
         if pieces is None:
             ptasks, ctasks = pg.tasks[p], pg.tasks[c]
-            pieces = _edge_bytes(pg.graph, edge, ptasks, ctasks, itemsize, sole, objects, keeps)
+            pieces = _edge_bytes(
+                pg.graph, edge, ptasks, ctasks, itemsize, sole, objects, keeps, stored
+            )
             found[key] = pieces
         for d, n in pieces.held:
             held[d] += n
@@ -895,9 +939,10 @@ def peak_memory(
     zero: ZeroStage = ZeroStage.NONE,
     optimizer_slots: int = 0,
     recompute: frozenset[str] = frozenset(),
+    stored: int = 0,
 ) -> tuple[int, ...]:
     """``memo`` must belong to one (itemsize, slots, objects, rounding, zero,
-    recompute), as a Simulator's does; it holds each op's memory by ``memory_key`` and
+    recompute, stored), as a Simulator's does; it holds each op's memory by ``memory_key`` and
     by its kind (``op_kinds_held``) in its stead. ``recompute``: the ops whose output tiles the
     backward recomputes. ``objects``: count the runtime's Python objects, which share the
     memory of CPU ranks (a GPU's memory holds arrays only). ``zero``, ``optimizer_slots``:
@@ -927,9 +972,10 @@ def peak_memory(
                 optimizer_slots,
                 recomputes(op, pg.sums[op.name], recompute),
                 pg.sums[op.name],
+                stored,
             )
         for d, n in memo[key].held:
             held[d] += n
         parts.append(memo[key])
-    edges = add_edges(held, pg, itemsize, objects, recompute)
+    edges = add_edges(held, pg, itemsize, objects, recompute, stored)
     return total(held, parts, order_of(graph), edges)

@@ -247,6 +247,7 @@ def held_activations(
     devices: int,
     objects: bool,
     recompute: frozenset[str] = frozenset(),
+    stored: int = 0,
 ) -> Held:
     """Per device, what one microbatch holds between its forward and its backward: the
     tiles and input buffers its ops' backwards read, the tiles a reader keeps in place or
@@ -256,7 +257,7 @@ def held_activations(
     share (``OpMemory.weights``), the weight gradients and the output tiles: the receive
     buffers, rows and staging copies (executor/program.py)."""
     outputs, held = [0] * devices, [0] * devices
-    edges = add_edges(held, pg, itemsize, objects, recompute)
+    edges = add_edges(held, pg, itemsize, objects, recompute, stored)
     for i, op in enumerate(pg.graph.ops):
         m = memory[op.name]
         until = edges.until.get(i, {})
@@ -283,6 +284,7 @@ def later_microbatch(
     devices: int,
     objects: bool,
     recompute: frozenset[str] = frozenset(),
+    stored: int = 0,
 ) -> tuple[int, ...]:
     """Per device, the plain model's peak of a step's microbatch after the first: every
     weight gradient is made already (the first microbatch's backward made them; later
@@ -301,7 +303,7 @@ def later_microbatch(
         for d, n in weight.items():
             backward[d] = backward.get(d, 0) + n
         ops.append(replace(m, grads=grads, backward=tuple(backward.items()), weight_grads=()))
-    edges = add_edges(held, pg, itemsize, objects, recompute)
+    edges = add_edges(held, pg, itemsize, objects, recompute, stored)
     return total(held, ops, order_of(pg.graph), edges)
 
 
@@ -382,6 +384,7 @@ def price_memory(
     itemsize: int,
     objects: bool,
     recompute: frozenset[str] = frozenset(),
+    stored: int = 0,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(peak per device, held microbatches per stage): the plain peak of one
     microbatch's step (of a later one's, which finds every weight gradient made), the
@@ -393,12 +396,12 @@ def price_memory(
     held = tuple(held_at_most(schedule, s, count, m) for s in range(count))
     slots = tuple(open_at_most(schedule, s, count, m) for s in range(count))
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
-    extra = held_activations(pg, memory, itemsize, len(plain), objects, recompute)
-    sent = sent_per_microbatch(pg, memory, itemsize, len(plain))
+    extra = held_activations(pg, memory, itemsize, len(plain), objects, recompute, stored)
+    sent = sent_per_microbatch(pg, memory, stored or itemsize, len(plain))
     peak = list(plain)
     instructions = microbatch_instructions(pg, memory, len(plain), objects)
     if m > 1:
-        later = later_microbatch(pg, memory, itemsize, len(plain), objects, recompute)
+        later = later_microbatch(pg, memory, itemsize, len(plain), objects, recompute, stored)
         peak = [max(a, b) for a, b in zip(plain, later, strict=True)]
     for s, devs in enumerate(stage_devices(pipeline, configs)):
         moments = backward_moments(schedule, s, count, m)
@@ -425,6 +428,7 @@ def price_pipeline(
     itemsize: int,
     objects: bool = False,
     recompute: frozenset[str] = frozenset(),
+    stored: int = 0,
 ) -> PipelinePrice:
     """The step, bytes moved, per-device peak and per-stage report of a pipeline plan
     (``memory``: each op's ``OpMemory`` under the plan, by op name; ``objects``: the
@@ -434,7 +438,9 @@ def price_pipeline(
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
     devices = stage_devices(pipeline, configs)
     times, timing, moved = price_time(tg, lay, slot_of_task, pipeline, stage, devices)
-    peak, held = price_memory(pg, pipeline, plain_memory, memory, itemsize, objects, recompute)
+    peak, held = price_memory(
+        pg, pipeline, plain_memory, memory, itemsize, objects, recompute, stored
+    )
     stages = tuple(
         StageReport(devs, t, h, bubble)
         for devs, t, h, bubble in zip(devices, times, held, timing.bubble, strict=True)
