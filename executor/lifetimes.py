@@ -2,14 +2,15 @@
 
 A task's output tile is read by its local consumers' forwards and by the ``Send``s of
 its pieces; unless its op's backward reads it (``OpDef.saves``), the step drops it
-after the last of those on the rank. A consumer keeps, from its forward to its
+after the last of those on the rank. An op with partial sums has its tasks' partial
+tiles summed by its ``SumOutputs``, which lets them go; the sum, each member's holder's
+output, then lives as any tile. A consumer keeps, from its forward to its
 backward, only the input buffers its backward reads; the others become ``Released``
 (shape and dtype) once its forward has run, so an input it read in place (``Alias``)
 lives only as long as its producer or another reader keeps it, and an assembled one
 (made by the step) goes at once. After its backward a task keeps nothing. A piece sent
-as a view keeps its whole tile with the transport until the step ends. Ops with partial
-sums keep their tiles to the end of the microbatch (their ``SumOutputs`` reads them),
-and recomputed ops follow ``executor/recompute.py``.
+as a view keeps its whole tile with the transport until the step ends. Recomputed ops
+follow ``executor/recompute.py``.
 
 An activation gradient (a consumer task's gradient of one of its inputs) is read by the
 producer tasks that gather their output gradient from it (a local piece copied, or the
@@ -34,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from executor.layout import Alias, Assembled, GradAlias, GradSum, TaskKey
-from executor.program import Compute, Partial, Phase, Send, ShareGrad, phase_of
+from executor.program import Compute, Partial, Phase, Send, ShareGrad, SumOutputs, phase_of
 from onnx2soap.soap.saved import kept_for_backward
 
 Event = tuple
@@ -51,6 +52,10 @@ def send_event(transfer: int) -> Event:
 
 def compute_event(key: TaskKey) -> Event:
     return ("compute", *key)
+
+
+def sum_event(op: int, group: int) -> Event:
+    return ("sum", op, group)
 
 
 @dataclass(frozen=True)
@@ -88,14 +93,17 @@ def _tiles_after(rt, keeps, recomputed) -> dict[Event, tuple[TaskKey, ...]]:
         elif isinstance(ins, Send):
             events.append(send_event(ins.transfer.id))
             read = [ins.transfer.producer]
+        elif isinstance(ins, SumOutputs):  # the partial tiles, the holder's then the sum
+            events.append(sum_event(ins.op, ins.group))
+            group = rt.pg.sums[rt.graph.ops[ins.op].name][ins.group]
+            read = [(ins.op, t) for t in group.tasks if rt.task((ins.op, t)).device == rt.rank]
         else:
             continue
         for key in read:
             last[key] = len(events) - 1
     after: dict[Event, list[TaskKey]] = defaultdict(list)
     for key, at in last.items():
-        op = rt.graph.ops[key[0]]
-        if key[0] in recomputed or keeps[key[0]][1] or rt.pg.sums[op.name]:
+        if key[0] in recomputed or keeps[key[0]][1]:
             continue
         after[events[at]].append(key)
     return {e: tuple(keys) for e, keys in after.items()}

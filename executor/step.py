@@ -17,7 +17,7 @@ import numpy as np
 from executor.batch import Batch, loss_scale
 from executor.buffers import global_slices, local_slices
 from executor.layout import Alias, Copy, Fixed, GradAlias, Received, Rows, TaskKey
-from executor.lifetimes import compute_event, gather_event, send_event
+from executor.lifetimes import compute_event, gather_event, send_event, sum_event
 from executor.program import (
     AllReduce,
     Close,
@@ -314,18 +314,21 @@ class Step:
             return
         mine = self._local(ins.op, group.tasks)
         first = self.outputs[(ins.op, mine[0])]
-        total = self._slots(("sum", ins.op, ins.group), first.shape)
+        total = self.xp.zeros(first.shape, dtype=self.rt.dtype)  # the step's, float32
         for t in mine:
-            total += self.half.widen(self.outputs[(ins.op, t)])
+            total += self.half.widen(self.outputs.pop((ins.op, t)))  # summed: gone
         if len(group.devices) > 1:
             self.rt.transport.wait(self.rt.transport.allreduce(total, group.devices))
         # the op's output, as one task's would be: stored in the half format (a copy),
-        # or rounded to its values in place
+        # or rounded to its values in place; it lives as any tile (executor/lifetimes.py)
+        holder = (ins.op, group.holder(self.rt.rank))
         if self.half.active:
-            self.outputs[(ins.op, group.holder(self.rt.rank))] = self.half.narrow(total)
-            return
-        self.rounding(total)
-        self.outputs[(ins.op, group.holder(self.rt.rank))] = total
+            self.outputs[holder] = self.half.narrow(total)
+        else:
+            self.rounding(total)
+            self.outputs[holder] = total
+        if self.training:
+            self._drop_tiles(self.rt.lifetimes.tiles_after.get(sum_event(ins.op, ins.group), ()))
 
     def _scatter_outputs(self, ins: SumOutputs, group: SumGroup) -> None:
         """Reduce-scatter: the local partial tiles summed into a buffer of the step's
@@ -344,6 +347,8 @@ class Step:
             total += xp.moveaxis(self.half.widen(self.outputs[(ins.op, t)]), axis, 0)
         runs = group.scatter.runs(group.tile)
         self.rt.transport.wait(self.rt.transport.reduce_scatter(total, group.devices, runs))
+        for t in mine:  # summed: the partial tiles go (``total`` may be the first's)
+            self.outputs.pop((ins.op, t))
         holder = group.holder(self.rt.rank)
         lo, hi = runs[group.devices.index(self.rt.rank)]
         chunk = rect_shape(group.held(self.rt.rank))
@@ -351,9 +356,11 @@ class Step:
         part = xp.moveaxis(total.reshape(-1)[lo:hi].reshape(first), 0, axis).copy()
         if self.half.active:  # the op's output, as one task's would be
             self.outputs[(ins.op, holder)] = self.half.narrow(part)
-            return
-        self.rounding(part)
-        self.outputs[(ins.op, holder)] = part
+        else:
+            self.rounding(part)
+            self.outputs[(ins.op, holder)] = part
+        if self.training:
+            self._drop_tiles(self.rt.lifetimes.tiles_after.get(sum_event(ins.op, ins.group), ()))
 
     def _owned_output(self, op: int, task: int) -> bool:
         out = self.outputs[(op, task)]
@@ -368,16 +375,17 @@ class Step:
         mine = self._local(ins.op, group.tasks)
         holder = (ins.op, group.holder(self.rt.rank))
         if group.scatter is None:
-            shape = rect_shape(self.rt.task(holder).output)
-            grad = self._slots(("share", ins.op, ins.group), shape)
-            grad += self.half.widen(self._grad_output(holder))
+            source = self._grad_output(holder)
+            grad = self.half.widen(source)  # a float32 array of the step's own, summed
+            if grad is source:  # in place by the ring: a copy, not a reader's gradient
+                grad = self.xp.array(source, dtype=self.rt.dtype)
             if len(group.devices) > 1:
                 self.rt.transport.wait(self.rt.transport.allreduce(grad, group.devices))
         else:
             axis = group.scatter.axis
             tile = rect_shape(group.tile)
             moved = (tile[axis], *tile[:axis], *tile[axis + 1 :])
-            gathered = self._slots(("share", ins.op, ins.group), moved)
+            gathered = self.xp.empty(moved, dtype=self.rt.dtype)  # the ring fills it
             runs = group.scatter.runs(group.tile)
             lo, hi = runs[group.devices.index(self.rt.rank)]
             own = self.xp.moveaxis(self.half.widen(self._grad_output(holder)), axis, 0)

@@ -263,6 +263,7 @@ def _op_bytes(
     kept_inputs: dict[int, int] = {}  # activation input buffers its backward reads
     read_inputs: dict[int, int] = {}  # the others: while its forward runs
     act_grads: dict[tuple[int, int], int] = {}  # (operand, device): activation gradients
+    partials: dict[int, int] = {}  # partial sums' tiles, until the op's sum
     grad_out: dict[int, int] = {}  # gathered output gradients, while its backward runs
     temporaries = UPDATE_TEMPORARIES.get(optimizer_slots, 0)
     backward = graph.differentiable(op.output)
@@ -293,7 +294,6 @@ def _op_bytes(
             # groups in order): the op's last one stays in flight after it.
             last[d] = n - grad
     adopted: set[tuple] = set()  # (weight, rect, device) whose first gradient is made
-    holders = {t for g in sums for t in g.holders}
     chunks = held_rects(sums)  # a reduce-scattering holder's output and its gradient
     graded = {t.index for t in _graded(tasks, sums)} if backward and not op.is_loss else set()
     out_width = _width(graph.tensors[op.output], stored)
@@ -325,11 +325,14 @@ def _op_bytes(
         out = rect_volume(t.output) * out_width
         # The tile and its gradient buffer; a holder's partial tile gives way to the sum
         # (the step keeps the summed slot, counted with its group below).
-        tile = 0 if t.index in holders else out
-        if recompute:
+        tile = out
+        if sums:  # a partial tile, summed into the holder's output while the sum runs
+            _add(partials, t.device, tile)
+            tile = 0
+        elif recompute:
             _add(redone, t.device, tile)
             tile = 0
-        elif not (sums or op.is_loss):  # a partial sum's tiles and the losses stay
+        elif not op.is_loss:  # the losses stay to the step's end
             _add(kept_tiles if keeps_output else read_tiles, t.device, tile)
             tile = 0
         _add(outputs, t.device, tile)
@@ -374,23 +377,27 @@ def _op_bytes(
         if backward:
             backward_[t.device] = max(backward_.get(t.device, 0), bw + dropped)
     slot_width = _width(graph.tensors[op.output], itemsize)  # sums are float32
+    half = out_width < slot_width
     for group in sums:
         n = group.numel * slot_width
-        for d in group.devices:  # the summed tile (or chunk), and its shared gradient
-            chunk = group.held_numel(d)
-            # the sum's slot, and in the half format the holder's output besides
-            mine = chunk * slot_width + (chunk * out_width if out_width < slot_width else 0)
-            _add(held, d, mine + (n if backward else 0))
-            if group.scatter is not None:
-                # The ring's buffer, the local partial tiles summed, until the chunk is
-                # copied out of it (only while the op's sum runs): the partial tile
-                # itself, or where the ring's layout is not the tile's, a copy beside it.
-                in_place = group.scatter.in_place(group.tile)
-                forward[d] = max(forward.get(d, 0), n if in_place else 2 * n)
-                if backward and not in_place:
-                    # The tasks read the gathered gradient strided, through a view of
-                    # the ring's layout: a product may copy it while it runs.
-                    _add(backward_, d, n)
+        for d in group.devices:
+            # The sum (or the chunk of it) the holder keeps as the op's output, a tile
+            # like any other (executor/lifetimes.py); its gradient, shared by the
+            # group's tasks, while the op's backward runs.
+            chunk = group.held_numel(d) * out_width
+            _add(kept_tiles if keeps_output else read_tiles, d, chunk)
+            if backward:
+                _add(grad_out, d, n)
+            # While the sum runs: the partial tiles, the step's float32 sum (where the
+            # group reduce-scatters and the ring's layout is not the tile's, a copy
+            # beside it) and, in the half format, the output narrowed from it.
+            in_place = group.scatter is None or group.scatter.in_place(group.tile)
+            ring = (n if in_place else 2 * n) + (chunk if half else 0)
+            forward[d] = max(forward.get(d, 0), partials.get(d, 0) + ring)
+            if backward and not in_place:
+                # The tasks read the gathered gradient strided, through a view of the
+                # ring's layout (a reduce-scatter's): a product may copy it while it runs.
+                _add(backward_, d, n)
     if backward:  # ZeRO-2: the whole gradient exists from the op's backward kernels on
         for d, n in excess.items():
             _add(backward_, d, n)

@@ -110,14 +110,15 @@ def all_reduced(graph: Graph, pg: PartitionedGraph) -> PartitionedGraph:
 
 
 def held(pg: PartitionedGraph) -> list[int]:
-    """Bytes each device holds to the step's end for the Gemm and its edge."""
+    """Bytes each device holds for the Gemm and its edge: through the step, and its sum
+    kept as the op's output (a tile like any other)."""
     graph, gemm = pg.graph, pg.graph.ops[0]
     total = [0] * K
     memory = _op_bytes(
         graph, gemm, pg.tasks[gemm.name], pg.groups[gemm.name], ITEM, sums=pg.sums[gemm.name]
     )
     count = readers(pg.edges)
-    pieces = [*memory.held]
+    pieces = [*memory.held, *memory.kept_tiles, *memory.read_tiles]
     for e in pg.edges:
         if e.producer == gemm.name:
             ptasks, ctasks = pg.tasks[e.producer], pg.tasks[e.consumer]
@@ -128,11 +129,10 @@ def held(pg: PartitionedGraph) -> list[int]:
 
 
 def test_each_member_holds_its_chunk_of_the_sum_and_of_its_gradient(graph) -> None:
-    """Through the step, all-reduced, a member holds the summed tile and the tile's
-    shared gradient; reduce-scattered, its chunk (a quarter of the tile) and the gathered
-    gradient: 96 bytes fewer per member. (Its reader reads the chunk in place, which
-    needs no buffer of the reader's own: ``OpMemory.read_inputs``, while its forward
-    runs; the holder's gathered output gradient lives only while its backward runs.)"""
+    """All-reduced, a member keeps the summed tile as the op's output; reduce-scattered,
+    its chunk (a quarter of the tile): 96 bytes fewer per member. (Its reader reads the
+    chunk in place, which needs no buffer of the reader's own: ``OpMemory.read_inputs``,
+    while its forward runs; the shared gradient lives only while the backward runs.)"""
     pg = Partitioner(graph).partition(configs(graph, relu_split=True))
     before, after = held(all_reduced(graph, pg)), held(pg)
     assert [b - a for b, a in zip(before, after, strict=True)] == [TILE - TILE // K] * K
