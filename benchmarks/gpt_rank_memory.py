@@ -45,7 +45,7 @@ def _cli(*args: str) -> list[str]:
 
 def _plan(model: Path, out: Path, batch: int, devices: int, *extra: str) -> None:
     argv = _cli("plan", str(model), "--batch", str(batch), "--devices", str(devices))
-    subprocess.run([*argv, *extra, "--quiet", "-o", str(out)], check=True)
+    subprocess.run([*argv, *extra, "--quiet", "-o", str(out)], check=True, capture_output=True)
 
 
 def _priced(plan: Path) -> list[int]:
