@@ -24,8 +24,8 @@ from onnx2soap.search.pipeline_rule import (
     check_shape,
     default_microbatches,
     default_shape,
-    full_recompute,
     pipeline_plan,
+    recompute_list,
 )
 from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator
 from onnx2soap.soap import Partitioner, Strategy, analyze
@@ -34,7 +34,7 @@ from onnx2soap.soap.pipeline import SCHEDULES, Pipeline, Schedule, check_pipelin
 from onnx2soap.soap.plan import MAX_BATCH, MAX_DEVICES
 from onnx2soap.soap.zero import ZeroStage
 
-RECOMPUTE = ("none", "all")
+RECOMPUTE = ("none", "all", "selective")
 
 
 def add_pipeline_options(p: argparse.ArgumentParser) -> None:
@@ -64,7 +64,9 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "recomputation keeps each layer's input), or without repeated blocks about sqrt(n) "
         "ops evenly spaced by simulated time (Chen et al. 2016), and recompute every other "
         "op but the loss: each segment's activations are made again during its backward. "
-        "Less memory, one more forward per step",
+        "Less memory, one more forward per step. selective: keep the products' outputs "
+        "(MatMul, Gemm, Conv) and recompute the cheap ops between them (norms, "
+        "activations, dropout, elementwise), as Megatron-LM's selective recomputation",
     )
 
 
@@ -90,8 +92,8 @@ def check_options(args: argparse.Namespace, searching: bool) -> None:
 def recompute_names(
     args: argparse.Namespace, graph: Graph, space: Space, simulator: Simulator
 ) -> tuple[str, ...]:
-    """The ops the plan recomputes: ``pipeline_rule.full_recompute`` under ``all``."""
-    return full_recompute(graph, space, simulator) if args.recompute == "all" else ()
+    """The ops the plan recomputes under ``--recompute`` (``pipeline_rule.recompute_list``)."""
+    return recompute_list(args.recompute, graph, space, simulator)
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def plan_pipeline(
     stages: int,
     microbatches: int,
     schedule: Schedule,
-    recompute: bool,
+    recompute: str,
 ) -> Piped:
     """The pipeline rule's plan for ``graph`` (the model at the step's batch), priced.
     ``costs``: taken into the step by ``graph``'s calibration (``for_graph``), made at
@@ -136,7 +138,7 @@ def plan_pipeline(
     space = analyze(micro)
     model = costs.model
     plain = make_simulator(machine, model, slots, precision)
-    names = full_recompute(micro, space, plain) if recompute else ()
+    names = recompute_list(recompute, micro, space, plain)
     built = pipeline_plan(micro, space, plain, stages, microbatches, schedule, frozenset(names))
     validate_strategy(micro, space, built.strategy)
     check_pipeline_plan(built.pipeline, micro, built.strategy.configs, machine.size)

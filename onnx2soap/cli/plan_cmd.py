@@ -377,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
                 stages,
                 microbatches,
                 schedule,
-                args.recompute == "all",
+                args.recompute,
             )
         chosen_by = make_simulator(
             machine, costs.model, slots, precision, zero, recompute=recompute

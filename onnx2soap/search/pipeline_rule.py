@@ -179,6 +179,40 @@ def default_microbatches(devices: int, batch: int, stages: int) -> int | None:
     return max(fitting) if fitting else None
 
 
+# Ops whose outputs selective recomputation keeps: the products, costly to make again
+# (Megatron-LM's selective recomputation keeps them and remakes the cheap ops between).
+COSTLY = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "LSTM", "GRU"})
+
+
+def selective_recompute(graph: Graph) -> tuple[str, ...]:
+    """``--recompute selective``: every op but the products (``COSTLY``) and the loss, in
+    graph order: the normalizations, activations, dropout and elementwise ops between
+    products are made again in the backward from the products' outputs, which are kept,
+    as Megatron-LM's selective recomputation and torchtitan's per-op policy do. A model
+    without a product has nothing to keep: refused in one line."""
+    costly = [op.name for op in graph.ops if op.type in COSTLY]
+    if not costly:
+        raise UserError(
+            "--recompute selective keeps the outputs of the products (MatMul, Gemm, Conv, "
+            "ConvTranspose, LSTM, GRU) and the model has none: use --recompute all"
+        )
+    loss = graph.loss_op
+    kept = set(costly) | ({loss.name} if loss is not None else set())
+    return tuple(op.name for op in graph.ops if op.name not in kept)
+
+
+def recompute_list(
+    mode: str, graph: Graph, space: Space | None = None, simulator: Simulator | None = None
+) -> tuple[str, ...]:
+    """The ops a plan recomputes under ``--recompute``'s ``mode``: none, all (checkpoints
+    kept, ``full_recompute``) or selective (products kept, ``selective_recompute``)."""
+    if mode == "all":
+        return full_recompute(graph, space, simulator)
+    if mode == "selective":
+        return selective_recompute(graph)
+    return ()
+
+
 def full_recompute(
     graph: Graph, space: Space | None = None, simulator: Simulator | None = None
 ) -> tuple[str, ...]:

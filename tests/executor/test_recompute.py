@@ -19,7 +19,7 @@ from executor.train import RunOptions, train
 from onnx2soap.cli import main as onnx2soap_main
 from onnx2soap.importer import load_model
 from onnx2soap.ir import DType
-from onnx2soap.search.pipeline_rule import full_recompute
+from onnx2soap.search.pipeline_rule import full_recompute, selective_recompute
 from onnx2soap.soap import load_plan
 from tests.executor.mpi import assert_same_training, make_plan, mpirun, reference
 from tests.optional import cupy_or_skip
@@ -90,6 +90,27 @@ def test_checkpointed_ranks_train_like_one_device(plans, tmp_path: Path) -> None
     args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
     run = mpirun(checkpointed, 3, tmp_path, *args)
     assert_same_training(run, losses, weights, rtol=1e-10)
+
+
+@pytest.mark.mpi
+def test_selective_ranks_train_like_one_device(plans, tmp_path: Path) -> None:
+    """``--recompute selective``'s list (``pipeline_rule.selective_recompute``: the
+    products kept, BatchNorm, Relu and the rest made again) on a random plan of 3 ranks,
+    against one device without recomputation."""
+    plain, _ = plans("bnnet")
+    losses, weights = reference(plain, STEPS, DType.FLOAT64, LR)
+    random, _ = plans("bnnet", 3, "random", 5)
+    graph = load_model(load_plan(random).model_path, BATCH["bnnet"]).graph
+    names = list(selective_recompute(graph))
+    assert names and not any(graph.ops[i].type in ("Conv", "Gemm") for i in _indices(graph, names))
+    selective = with_recompute(random, tmp_path / "selective.json", names)
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64")
+    run = mpirun(selective, 3, tmp_path, *args)
+    assert_same_training(run, losses, weights, rtol=1e-10)
+
+
+def _indices(graph, names) -> list[int]:
+    return [i for i, op in enumerate(graph.ops) if op.name in set(names)]
 
 
 def _step_peak(plan: Path, trace: Path) -> int:

@@ -5,9 +5,11 @@ all``'s checkpoints, on GPT-shaped decoders.
 Plans come from ``plan --recompute all`` on ``cpu:2``: a checkpoint per transformer layer
 (its output, and the first layer's input), the rest recomputed, under data parallelism
 and 1F1B and GPipe pipelines of two stages of one rank and four microbatches (the executor
-rematerializes a layer's inside at its first backward need and holds each tile to its
-own backward; a held microbatch keeps its checkpoints; a slot of buffers per
-microbatch open at once; the transport holds every sent piece to the step's end).
+rematerializes a layer's inside at its first backward need and holds each tile until
+the last backward that reads it; a held microbatch keeps its checkpoints; a slot of
+buffers per microbatch open at once; the transport holds every sent piece to the step's
+end); and from ``--recompute selective`` (the products kept, the ops between them made
+again), data parallel and 1F1B.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ LAYERS = 2
 SHAPE = GptShape(LAYERS, 64, 4, 256, 64)  # layers, width, heads, vocabulary, tokens
 BATCH = 8
 PIPELINE = ("--strategy", "pipeline", "--stages", "2", "--microbatches", "4")
-CASES = {
-    "data parallel": ("--strategy", "data-parallel"),
-    "1f1b": (*PIPELINE, "--schedule", "1f1b"),
-    "gpipe": (*PIPELINE, "--schedule", "gpipe"),
+CASES = {  # the rule, and what it recomputes
+    "data parallel": ("--strategy", "data-parallel", "--recompute", "all"),
+    "1f1b": (*PIPELINE, "--schedule", "1f1b", "--recompute", "all"),
+    "gpipe": (*PIPELINE, "--schedule", "gpipe", "--recompute", "all"),
+    "selective": ("--strategy", "data-parallel", "--recompute", "selective"),
+    "selective 1f1b": (*PIPELINE, "--schedule", "1f1b", "--recompute", "selective"),
 }
 
 
@@ -44,7 +48,7 @@ def gpt(tmp_path_factory) -> Path:
 
 def _plan(model: Path, plan: Path, rule: tuple[str, ...]) -> dict:
     argv = ["plan", str(model), "--batch", str(BATCH), "--machine", "cpu:2", *rule]
-    assert onnx2soap_main([*argv, "--recompute", "all", "--quiet", "-o", str(plan)]) == 0
+    assert onnx2soap_main([*argv, "--quiet", "-o", str(plan)]) == 0
     return json.loads(plan.read_text())
 
 
