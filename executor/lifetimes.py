@@ -101,10 +101,14 @@ def _tiles_after(rt, keeps, recomputed) -> dict[Event, tuple[TaskKey, ...]]:
             continue
         for key in read:
             last[key] = len(events) - 1
-    after: dict[Event, list[TaskKey]] = defaultdict(list)
+    kept = {key for key in last if key[0] in recomputed or keeps[key[0]][1]}
+    return after_last({k: at for k, at in last.items() if k not in kept}, events)
+
+
+def after_last(last: dict, events: list[Event]) -> dict[Event, tuple]:
+    """Event -> what goes after it, from each thing's last reading event (its index)."""
+    after: dict[Event, list] = defaultdict(list)
     for key, at in last.items():
-        if key[0] in recomputed or keeps[key[0]][1]:
-            continue
         after[events[at]].append(key)
     return {e: tuple(keys) for e, keys in after.items()}
 
@@ -138,10 +142,7 @@ def _grads_after(rt) -> dict[Event, tuple[GradKey, ...]]:
             continue
         for key in read:
             last[key] = len(events) - 1
-    after: dict[Event, list[GradKey]] = defaultdict(list)
-    for key, at in last.items():
-        after[events[at]].append(key)
-    return {e: tuple(keys) for e, keys in after.items()}
+    return after_last(last, events)
 
 
 def _gatherer(rt, ins) -> TaskKey | None:

@@ -3,19 +3,20 @@
 A recomputed op's output tile is dropped as soon as the last forward instruction of
 the rank that reads it has run (a local consumer's ``Compute``, or the ``Send`` of a
 piece of it), together with every reference a consumer kept to it for its backward
-(an ``Alias`` input). Before a backward instruction that needs it (the op's own, or a
-consumer's that aliased it) the tile is computed again from its inputs, recursively
-where those were dropped too, and after the op's own backward it is dropped again (its
-consumers' backwards come before it: the backward runs the ops in reverse order). On a
-pipeline every microbatch has its ``Step`` and runs the same forward instructions: the
-same plan serves each.
+(an ``Alias`` input). Before a backward instruction that needs it (the op's own where
+its backward reads its output, or a consumer's that aliased it and keeps it, or a
+recomputed consumer's, which runs its forward again from it) the tile is computed again
+from its inputs, recursively where those were dropped too, and after the last such
+backward it is dropped again (``release_after``; the op's own comes after its
+consumers': the backward runs the ops in reverse order). On a pipeline every microbatch
+has its ``Step`` and runs the same forward instructions: the same plan serves each.
 
-Recomputing needs no message: an op's other inputs are buffers that keep their forward
-values until the next step (weights, constants, data rows, received pieces, assembled
-buffers). So an op with partial sums (its output is an all-reduce over its group) is
-kept, as is the loss; an op with batch statistics is recomputed with the statistics
-its forward summed (kept for its backward anyway), and Dropout with the same random
-key, so the recomputed tile equals the forward's bit for bit.
+Recomputing needs no message: a recomputed op keeps every input buffer to its backward
+(weights, constants, data rows, received pieces, assembled buffers). So an op with
+partial sums (its output is an all-reduce over its group) is kept, as is the loss; an
+op with batch statistics is recomputed with the statistics its forward summed (kept for
+its backward anyway), and Dropout with the same random key, so the recomputed tile
+equals the forward's bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from executor.layout import Alias, TaskKey
-from executor.lifetimes import Event, compute_event, send_event, tiles_read
+from executor.lifetimes import Event, after_last, compute_event, send_event, tiles_read
 from executor.program import Compute, Phase, Send, phase_of
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import kept_for_backward
@@ -72,9 +73,6 @@ def recompute_plan(rt, names: frozenset[str]) -> RecomputePlan | None:
             last[key] = len(events) - 1
     if not last:
         return None
-    drop_after: dict[Event, list[TaskKey]] = defaultdict(list)
-    for key, at in last.items():
-        drop_after[events[at]].append(key)
     readers: dict[TaskKey, list[tuple[TaskKey, int]]] = defaultdict(list)
     for consumer, sources in rt.buffers.inputs.items():
         for k, source in enumerate(sources):
@@ -83,7 +81,7 @@ def recompute_plan(rt, names: frozenset[str]) -> RecomputePlan | None:
     own = frozenset(i for i in ops if kept_for_backward(rt.graph, rt.graph.ops[i], False)[1])
     return RecomputePlan(
         ops,
-        {e: tuple(keys) for e, keys in drop_after.items()},
+        after_last(last, events),
         {p: tuple(r) for p, r in readers.items()},
         own,
         _release_after(rt, ops, own, frozenset(last)),

@@ -6,20 +6,25 @@ holds before and during one kernel:
 
 - made once, before the first step (``executor/layout.py``, ``runtime.py``): every
   weight and state Rect it holds, once, with the optimizer's state per trainable one
-  (none for SGD, one array for momentum, two for Adam); per task,
-  an input buffer per operand (data rows, labels at their own width, a constant's cut),
-  except where one piece fills it whole (read in place): a local producer's whole tile,
-  or a received piece, whose receive buffer is then the input buffer; an output gradient
-  buffer, except where one piece is it whole: a local consumer's whole input gradient,
-  or a received piece; a receive buffer per transfer; a staging copy per strided tile
-  sent; the partial sums' slots;
-- made by each step: the batch rows its tasks read (the labels and the constants whole),
-  every task's output tile, kept until the step ends; the gradients of its activation
-  inputs, from its backward until their producer's backward has gathered them (a piece
-  sent as a view of one keeps it, with the transport, until the step ends); each task's
-  gathered output gradient while its backward runs (``executor/lifetimes.py``); and each
-  trainable Rect's gradient: the first backward kernel's fresh array, which later ones
-  are summed into, kept until the update;
+  (none for SGD, one array for momentum, two for Adam) and mixed precision's half-format
+  copy; per task, the buffers of its data rows, labels (at their own width) and
+  constants' cuts; a receive buffer per transfer; a staging copy per strided tile sent;
+- made by each step, each living as long as something reads it
+  (``executor/lifetimes.py``; what an op's backward reads: ``soap/saved.py``): the
+  batch rows its tasks read (the labels and the constants whole); every task's output
+  tile, to its op's backward where that reads it, else to its last reader's forward
+  (longer where a reader keeps it in place, or a send holds it as a view: ``EdgeMemory``),
+  a partial sum's partial tiles while the sum runs and the sum then as any tile; its
+  activation inputs' buffers, to its backward where that reads them, else while its
+  forward runs, none where one piece fills one whole (a local producer's whole tile, or
+  a received piece, whose receive buffer is then the input buffer); the gradients of
+  its activation inputs, from its backward until their producer's backward has gathered
+  them (a piece sent as a view of one keeps it, with the transport, until the step
+  ends); each task's gathered output gradient while its backward runs; the losses; and
+  each trainable Rect's gradient: the first backward kernel's fresh array, which later
+  ones are summed into, kept until the update. Under mixed precision every stored array
+  is 2 bytes an element (``stored``) and a kernel holds float32 copies of its stored
+  operands and result (``_conversions``);
 - under ZeRO (soap/zero.py), a sharded group's optimizer state is the member's rows
   only; at stage 2 so is its gradient once the reduce-scatter is done: the full-size
   gradient counts in its op's backward kernels (their peak) and stays, in flight,
@@ -28,16 +33,18 @@ holds before and during one kernel:
 - on top of that, what a kernel holds while it runs (``OpDef.workspace``: Conv's
   columns, MaxPool's tap copies), in the backward with the fresh gradients of data
   inputs (and of weights already given one) it returns before they are summed or
-  dropped. The forward peak counts the output tiles of the ops before in graph order;
-  the backward one counts everything;
+  dropped. The forward scan counts the tiles and buffers alive at each kernel, the
+  backward scan what the forward left less what each backward lets go of
+  (``_forward_peaks``, ``_backward_peaks``);
 - a recomputed op (the plan's ``recompute``) keeps no output tile from its forward to
   its backward, as ``executor/recompute.py`` drops it: in the forward the tile lives
-  from its kernel to its last reader's; in the backward from its rematerialization to
-  the end of its own backward. It is rematerialized before the backward of the first
-  op, in the backward's (reverse graph) order, that needs it: itself, a reader that
-  is kept, or (recursively) a recomputed reader's rematerialization; so a segment of
-  recomputed ops between checkpoints is made again whole at its last op's reader's
-  backward and shrinks as its ops' backwards run (``total``: ``consumers``);
+  from its kernel to its last reader's; in the backward from its rematerialization
+  until the last backward that reads it. It is rematerialized before the backward of
+  the first op, in the backward's (reverse graph) order, that needs it: itself where
+  its backward reads its output, a kept reader that reads it in place and keeps it, or
+  (recursively) a recomputed reader's rematerialization; so a segment of recomputed
+  ops between checkpoints is made again whole at its last op's reader's backward and
+  shrinks as its ops' backwards run (``rematerialized_at``, ``_redone_until``);
 - the update, once the step's output tiles and input gradients are gone (its weight
   gradients still held): the optimizer's temporaries on the largest shard it updates
   (``UPDATE_TEMPORARIES``: Adam's three arrays of its size, momentum's one; under ZeRO
