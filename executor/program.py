@@ -43,8 +43,8 @@ all-reduce likewise waits for members that each reach it once everything before 
 the order is done.
 
 A rank holds a microbatch from its first instruction (often a receive posted early) to
-its last, after which a ``Close`` drops its arrays; its buffers (made once: receive,
-input and gradient buffers) are a slot's, one slot per microbatch the rank holds at
+its last, after which a ``Close`` drops its arrays; its buffers made once (receive,
+data rows' and statistics buffers) are a slot's, one slot per microbatch the rank holds at
 once (1F1B: at most ``held_at_most`` plus the receives posted ahead; GPipe: every
 microbatch). A microbatch that takes a slot an earlier one of the step used starts with
 a ``Reopen``.

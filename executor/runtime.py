@@ -5,10 +5,12 @@ shared by the rank's tasks of a replica group), the data rows they read, their i
 buffers, output tiles and gradients. What it moves, and where to, comes from the
 compiled program.
 
-Everything that can be is made once, before the first step (executor/layout.py): input
-buffers with their padding, receive buffers, gradient accumulators, statistics slots,
-the kernels' fixed arguments. A step (executor/step.py) then fills those buffers, calls
-the kernels (whose results cupy takes from its memory pool) and moves tiles; on a GPU
+What every step reuses is made once, before the first step (executor/layout.py): the
+data rows' buffers with their padding, receive buffers, staging buffers, statistics
+slots, the kernels' fixed arguments. A step (executor/step.py) then fills those
+buffers, makes what lives less than a step (assembled inputs, gathered gradients,
+partial sums' arrays: executor/lifetimes.py), calls the kernels (whose results cupy
+takes from its memory pool) and moves tiles; on a GPU
 the host waits for nothing but the loss at the end of the step (and, in a pipeline's
 step, for a microbatch's work before a later one reuses its buffers: ``Reopen``).
 
