@@ -251,8 +251,8 @@ def held_activations(
 ) -> Held:
     """Per device, what one microbatch holds between its forward and its backward: the
     tiles and input buffers its ops' backwards read, the tiles a reader keeps in place or
-    a send holds, and the partial sums' tiles (executor/lifetimes.py; nothing for
-    recomputed ops but their inputs); and what its slot of buffers holds: all the plain
+    a send holds, and the losses (executor/lifetimes.py; nothing for recomputed ops but
+    their inputs); and what its slot of buffers holds: all the plain
     model holds for the step (``OpMemory.held`` and the edges' buffers) but the weights'
     share (``OpMemory.weights``), the weight gradients and the output tiles: the receive
     buffers, rows and staging copies (executor/program.py)."""
