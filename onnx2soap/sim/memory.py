@@ -114,9 +114,10 @@ PER_PIECE = 950
 
 @dataclass(frozen=True)
 class OpMemory:
-    """One op's share of every device's peak: ``held`` until the step ends (its output
-    tiles, ``outputs``, and its inputs' gradients, ``grads``, are part of it), and the
-    most one of its ``forward`` and one of its ``backward`` kernels holds at once besides."""
+    """One op's share of every device's peak: ``held`` until the step ends (the tiles it
+    keeps to the end, ``outputs``, and its weight gradients, ``grads``, are part of it),
+    the most one of its ``forward`` and one of its ``backward`` kernels holds at once
+    besides, and what lives less than the step (below)."""
 
     held: Pieces
     outputs: Pieces
@@ -127,7 +128,6 @@ class OpMemory:
     # sharded group, held while its reduce-scatter is in flight (after the op's
     # backward, until the rank's next reduce-scatter)
     inflight: Pieces = ()
-    weight_grads: Pieces = ()  # of ``grads``, its weights': what the update still holds
     update: Pieces = ()  # the optimizer's temporaries while it updates the op's largest shard
     # of ``held``, its weights' share: shards, state, optimizer state, half copies and
     # weight gradients (what a pipeline's stage holds once, however many microbatches)
@@ -237,10 +237,10 @@ def _op_bytes(
     sums: tuple[SumGroup, ...] | None = None,
     stored: int = 0,
 ) -> OpMemory:
-    """What one op holds per device, counting every activation input buffer and output
-    gradient buffer (``_edge_bytes`` takes back the ones the executor reads in place).
-    ``rounding``: bytes per element mixed precision's rounding of a kernel's result
-    holds while it runs (its temporaries), after the kernel's own are gone. ``zero``:
+    """What one op holds per device, and for how long, counting every activation input
+    buffer and output gradient (``_edge_bytes`` takes back the ones the executor reads
+    in place). ``rounding``: bytes per element mixed precision's rounding of a weight
+    gradient holds while it runs (its temporaries). ``zero``:
     the plan's ZeRO stage; ``optimizer_slots`` of the ``slots`` (the optimizer's, not
     mixed precision's weight copy) are then the member's rows only, and the update's
     temporaries (``UPDATE_TEMPORARIES``) follow them. ``recompute``: the op's output
@@ -261,7 +261,6 @@ def _op_bytes(
     backward_: dict[int, int] = {}
     excess: dict[int, int] = {}  # ZeRO-2: full-size gradients beyond the rank's rows
     last: dict[int, int] = {}  # ZeRO-2: of them, the op's last group's, per device
-    weight_grads: dict[int, int] = {}
     update: dict[int, int] = {}
     weights: dict[int, int] = {}
     keeps_inputs, keeps_output = kept_for_backward(graph, op, recompute)
@@ -293,7 +292,6 @@ def _op_bytes(
         _add(held, d, grad)
         _add(weights, d, n + copy + optimizer_slots * own + grad)
         _add(grads, d, grad)
-        _add(weight_grads, d, grad)
         update[d] = max(update.get(d, 0), temporaries * own)
         if n > grad:
             _add(excess, d, n - grad)
@@ -417,7 +415,6 @@ def _op_bytes(
         forward,
         backward_,
         last if backward else {},
-        weight_grads,
         update,
         weights,
         redone,
@@ -777,27 +774,23 @@ def total(
     every tile kept to the step's end (``OpMemory.outputs``); the forward has made none
     of the gradients and only the tiles of the ops before, the backward only the
     gradients of the ops after. The update runs once the step's tiles and input
-    gradients are gone, its weight gradients still held: its peak is that and the
-    optimizer's temporaries on the largest shard. Without ``order`` (hand-made tests),
+    gradients are gone, its weight gradients still held (``held``): its peak is that and
+    the optimizer's temporaries on the largest shard. Without ``order`` (hand-made tests),
     a recomputed tile lives in its kernels only, a read tile to the step's end and a
     gradient from its backward to the step's end."""
     devices = len(held)
     edges = edges or EdgeTotals({}, {})
-    later, kept, update = [0] * devices, [0] * devices, [0] * devices
+    later, update = [0] * devices, [0] * devices
     for m in ops:
         for d, n in m.grads:
             later[d] += n
-        for d, n in m.weight_grads:
-            kept[d] += n
         for d, n in m.update:
             update[d] = max(update[d], n)
     made, forward, saved, free = _forward_peaks(devices, ops, order, edges)
     backward = _backward_peaks(devices, ops, later, order, edges, saved, free)
     return tuple(
-        h + max(b, f - o - g, u - o - (g - k))
-        for h, b, f, o, g, k, u in zip(
-            held, backward, forward, made, later, kept, update, strict=True
-        )
+        h + max(b, f - o - g, u - o)
+        for h, b, f, o, g, u in zip(held, backward, forward, made, later, update, strict=True)
     )
 
 

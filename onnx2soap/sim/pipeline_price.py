@@ -252,10 +252,10 @@ def held_activations(
     """Per device, what one microbatch holds between its forward and its backward: the
     tiles and input buffers its ops' backwards read, the tiles a reader keeps in place or
     a send holds, and the losses (executor/lifetimes.py; nothing for recomputed ops but
-    their inputs); and what its slot of buffers holds: all the plain
-    model holds for the step (``OpMemory.held`` and the edges' buffers) but the weights'
-    share (``OpMemory.weights``), the weight gradients and the output tiles: the receive
-    buffers, rows and staging copies (executor/program.py)."""
+    their inputs); and what its slot of buffers holds: all the plain model holds for the
+    step (``OpMemory.held`` and the edges' buffers) but the weights' share, their
+    gradients included (``OpMemory.weights``), and the losses: the receive buffers, rows
+    and staging copies (executor/program.py)."""
     outputs, held = [0] * devices, [0] * devices
     edges = add_edges(held, pg, itemsize, objects, recompute, stored)
     for i, op in enumerate(pg.graph.ops):
@@ -268,8 +268,6 @@ def held_activations(
         for pieces, sign in (
             (m.held, 1),
             (m.weights, -1),
-            (m.grads, -1),
-            (m.weight_grads, 1),
             (m.outputs, -1),
         ):
             for d, n in pieces:
@@ -297,12 +295,10 @@ def later_microbatch(
         m = memory[op.name]
         for d, n in m.held:
             held[d] += n
-        weight = dict(m.weight_grads)
-        grads = tuple((d, n - weight.get(d, 0)) for d, n in m.grads)
         backward = dict(m.backward)
-        for d, n in weight.items():
+        for d, n in m.grads:  # made already: the kernel's fresh one, summed, then dropped
             backward[d] = backward.get(d, 0) + n
-        ops.append(replace(m, grads=grads, backward=tuple(backward.items()), weight_grads=()))
+        ops.append(replace(m, grads=(), backward=tuple(backward.items())))
     edges = add_edges(held, pg, itemsize, objects, recompute, stored)
     return total(held, ops, order_of(pg.graph), edges)
 

@@ -62,9 +62,6 @@ class _Alone:
     def make_groups(self, groups) -> None:
         list(groups)
 
-    def end_step(self) -> None:
-        pass
-
 
 def _runtime(tmp_path: Path, recompute: frozenset[str] = frozenset()) -> Runtime:
     model = load_model(_model(tmp_path / "chain.onnx"), BATCH)
