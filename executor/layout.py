@@ -57,8 +57,8 @@ class Alias:
 @dataclass(frozen=True)
 class Received:
     """The operand's whole buffer (or the task's whole output gradient) is exactly one
-    received piece: read the receive buffer of transfer ``transfer`` without a copy.
-    Kernels never write their inputs, and only the next step's receive rewrites it."""
+    received piece: read the receive buffer of transfer ``transfer`` without a copy
+    (kernels never write their inputs). The step makes it when it posts the receive."""
 
     transfer: int
 

@@ -95,6 +95,9 @@ class NcclTransport:
 
     def recv(self, buffer, source: int):
         stream = self.device.comm_stream()
+        # The step makes each receive buffer when it posts the receive (executor/step.py),
+        # from the compute stream's pool: memory kernels issued before may still read.
+        self.device.wait_event(self.device.record(), stream)
         self.world.recv(buffer.data.ptr, buffer.size, self._type(buffer), source, stream.ptr)
         return self.device.record(stream)
 

@@ -6,10 +6,10 @@ buffers, output tiles and gradients. What it moves, and where to, comes from the
 compiled program.
 
 What every step reuses is made once, before the first step (executor/layout.py): the
-data rows' buffers with their padding, receive buffers, staging buffers, statistics
-slots, the kernels' fixed arguments. A step (executor/step.py) then fills those
-buffers, makes what lives less than a step (assembled inputs, gathered gradients,
-partial sums' arrays: executor/lifetimes.py), calls the kernels (whose results cupy
+data rows' buffers with their padding, staging buffers, statistics slots, the kernels'
+fixed arguments. A step (executor/step.py) then fills those buffers, makes what lives
+less than a step (receive buffers, assembled inputs, gathered gradients, partial sums'
+arrays: executor/lifetimes.py), calls the kernels (whose results cupy
 takes from its memory pool) and moves tiles; on a GPU
 the host waits for nothing but the loss at the end of the step (and, in a pipeline's
 step, for a microbatch's work before a later one reuses its buffers: ``Reopen``).
@@ -410,7 +410,6 @@ class _Buffers:
     microbatch open on the rank), the weight gradients (``grads``) shared by all."""
 
     def __init__(self, rt: Runtime, grads: dict) -> None:
-        xp = rt.xp
         # Each trainable shard's gradient in the step, from its first backward kernel to
         # the update (``Step._weight_grad``), summed over the microbatches; none between
         # steps.
@@ -419,8 +418,10 @@ class _Buffers:
         self._dtype = rt.dtype
         # Every microbatch runs the same instructions: the first one's tell the buffers.
         first = [ins for ins in rt.program.instructions if ins.microbatch == 0]
-        self.received = {
-            t.id: xp.empty(rect_shape(t.rect), dtype=rt.storage_of(_tensor(rt, t)))
+        # Each receive's buffer, (shape, dtype): made by the step that posts it, dropped
+        # once read (executor/step.py), so that it lives only while it is in flight.
+        self.receives = {
+            t.id: (rect_shape(t.rect), rt.storage_of(_tensor(rt, t)))
             for t in (ins.transfer for ins in first if isinstance(ins, Recv))
         }
         self.inputs: dict[TaskKey, tuple[InputSource, ...]] = {}

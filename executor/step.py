@@ -81,6 +81,9 @@ class Step:
         self.totals: dict[tuple[Phase, int, int], object] = {}
         self.updated: set[WeightKey] = set()  # state shards this microbatch has written
         self.pending: dict[int, object] = {}
+        # receive buffers, by transfer: made when posted, dropped once read (assembled,
+        # summed, or taken as the input buffer or output gradient they are whole)
+        self.received: dict[int, object] = {}
         # The plan's recomputed ops (executor/recompute.py); a forward-only pass keeps all.
         self.recompute = rt.recompute if training else None
         if first is not None:
@@ -143,7 +146,9 @@ class Step:
 
     def recv(self, ins: Recv) -> None:
         t = ins.transfer
-        self.pending[t.id] = self.rt.transport.recv(self.buf.received[t.id], t.src)
+        shape, dtype = self.buf.receives[t.id]
+        buffer = self.received[t.id] = self.xp.empty(shape, dtype=dtype)
+        self.pending[t.id] = self.rt.transport.recv(buffer, t.src)
 
     def wait(self, ins: Wait) -> None:
         self.rt.transport.wait(self.pending.pop(ins.transfer.id))
@@ -176,7 +181,7 @@ class Step:
 
     def _source(self, copy: Copy, forward: bool):
         if copy.transfer is not None:
-            return self.buf.received[copy.transfer]
+            return self.received.pop(copy.transfer)  # read once: copied, then gone
         if forward:
             return self.outputs[copy.peer][copy.source]
         return self.input_grads[copy.peer][copy.operand][copy.source]
@@ -189,7 +194,7 @@ class Step:
             elif isinstance(source, Alias):
                 buffers.append(self.outputs[source.producer])
             elif isinstance(source, Received):
-                buffers.append(self.buf.received[source.transfer])
+                buffers.append(self.received.pop(source.transfer))
             elif isinstance(source, Rows):
                 buffers.append(self._rows(source))
             else:
@@ -238,7 +243,7 @@ class Step:
         if isinstance(source, GradAlias):
             return self.input_grads[source.consumer][source.operand]
         if isinstance(source, Received):
-            return self.buf.received[source.transfer]
+            return self.received.pop(source.transfer)
         grad = self.xp.zeros(source.shape, dtype=self.rt.dtype)  # summed in float32
         for copy in source.copies:
             grad[copy.into] += self.half.widen(self._source(copy, forward=False))

@@ -8,7 +8,7 @@ holds before and during one kernel:
   weight and state Rect it holds, once, with the optimizer's state per trainable one
   (none for SGD, one array for momentum, two for Adam) and mixed precision's half-format
   copy; per task, the buffers of its data rows, labels (at their own width) and
-  constants' cuts; a receive buffer per transfer; a staging copy per strided tile sent;
+  constants' cuts; a staging copy per strided tile sent;
 - made by each step, each living as long as something reads it
   (``executor/lifetimes.py``; what an op's backward reads: ``soap/saved.py``): the
   batch rows its tasks read (the labels and the constants whole); every task's output
@@ -17,7 +17,10 @@ holds before and during one kernel:
   a partial sum's partial tiles while the sum runs and the sum then as any tile; its
   activation inputs' buffers, to its backward where that reads them, else while its
   forward runs, none where one piece fills one whole (a local producer's whole tile, or
-  a received piece, whose receive buffer is then the input buffer); the gradients of
+  a received piece, whose receive buffer is then the input buffer); each receive
+  buffer, from the producer's send to the consumer's forward (a gradient's, from the
+  consumer's backward to the producer's gather, or to the end of its backward where it
+  is the output gradient whole); the gradients of
   its activation inputs, from its backward until their producer's backward has gathered
   them (a piece sent as a view of one keeps it, with the transport, until the step
   ends); each task's gathered output gradient while its backward runs; the losses; and
@@ -156,8 +159,8 @@ class OpMemory:
 
 @dataclass(frozen=True)
 class EdgeMemory:
-    """What one edge adds per device: ``held`` through the step (receive buffers, staging
-    copies, objects, less the input buffers read in place); ``grad_out``, a change to
+    """What one edge adds per device: ``held`` through the step (staging copies,
+    objects); ``grad_out``, a change to
     the producer's gathered output gradient (negative where a received piece is it
     whole); ``sent_grads``, of the consumer's input gradient, the arrays a piece of which
     the transport holds, as a view, until the step ends."""
@@ -177,6 +180,15 @@ class EdgeMemory:
     # a consumer task reads a producer's whole tile in place (``layout.Alias``): where
     # the producer is recomputed, that reader needs it made again
     aliased: bool = False
+    # receive buffers, made where the receive is posted and dropped once read
+    # (executor/step.py): the forward's pieces on the consumer's device, from the
+    # producer's send to the consumer's assembly (one it reads whole is then its input
+    # buffer); the gradient's on the producer's device, from the consumer's backward to
+    # the producer's gather (``recv_grads``), or, read in place as the output gradient,
+    # to the end of its backward (``recv_grad_out``)
+    recv_tiles: Pieces = ()
+    recv_grads: Pieces = ()
+    recv_grad_out: Pieces = ()
 
 
 @dataclass(frozen=True)
@@ -205,6 +217,13 @@ class EdgeTotals:
     read_inputs: dict[int, Pieces] = field(default_factory=dict)
     until: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
     aliased: frozenset[tuple[int, int]] | None = None  # (producer, consumer) read in place
+    # receive buffers in flight (``EdgeMemory.recv_tiles``): posted after each producer
+    # op's forward, read by each consumer op's
+    posted: dict[int, Pieces] = field(default_factory=dict)
+    landed: dict[int, Pieces] = field(default_factory=dict)
+    # the gradient's, per (consumer op, operand): posted after the consumer's backward
+    recv_grads: dict[tuple[int, int], Pieces] = field(default_factory=dict)
+    recv_grad_out: dict[tuple[int, int], Pieces] = field(default_factory=dict)
 
 
 def _width(t, itemsize: int) -> int:
@@ -487,13 +506,13 @@ def _edge_bytes(
     keeps: bool = True,
     stored: int = 0,
 ) -> EdgeMemory:
-    """What one edge adds per device: receive buffers and staging copies where a piece
-    crosses devices (both ways when a gradient flows back); minus the input buffer of a
-    consumer whose one piece is its whole buffer, read in place: a local producer's whole
-    tile, or a received piece (then its receive buffer is the input buffer, counted once);
-    and, where the edge is the tensor's ``sole`` reader and the producer task receives
-    one piece covering its whole tile, the output gradient it would gather, which the
-    receive buffer stands in for (``executor/layout.py``: ``Alias``, ``Received``). A
+    """What one edge adds per device: receive buffers in flight and staging copies where
+    a piece crosses devices (both ways when a gradient flows back); minus the input
+    buffer of a consumer whose one piece is a local producer's whole tile, read in place
+    (a received piece that fills the whole buffer is that buffer, counted as it once
+    landed); and, where the edge is the tensor's ``sole`` reader and the producer task
+    receives one piece covering its whole tile, the output gradient it would gather,
+    which the receive buffer stands in for (``executor/layout.py``: ``Alias``, ``Received``). A
     local consumer's whole input gradient read as the output gradient (``GradAlias``)
     needs no change: it is counted as that, the input gradient gone by then. A piece of
     a consumer's input gradient sent as a view keeps the whole array with the transport
@@ -513,6 +532,9 @@ def _edge_bytes(
     kept_by: dict[int, int] = {}
     sent_tiles: dict[int, int] = {}
     viewed: set[int] = set()  # consumer tasks whose input gradient a send views
+    recv_tiles: dict[int, int] = {}
+    recv_grads: dict[int, int] = {}
+    recv_grad_out: dict[int, int] = {}
     aliased = False
     instruction, piece = (PER_INSTRUCTION, PER_PIECE) if objects else (0, 0)
     for o in edge.overlaps:
@@ -527,21 +549,22 @@ def _edge_bytes(
             _add(held, p.device, piece + 2 * crossing)
             _add(held, c.device, crossing)
         if p.device != c.device:
-            # The receive buffer, unless it is the consumer's whole input buffer (its one
-            # piece, no padding around it), which the executor then does not make.
-            _add(held, c.device, o.volume * width)  # made once
-            if o.rect == buffer and feeds[o.dst_task] == 1:
-                _add(inputs, c.device, -o.volume * width)
+            # The receive buffer, in flight until the consumer's forward copies it into
+            # its input buffer, or, its one piece and no padding around it, takes it as
+            # that buffer (then counted as the consumer's input buffer).
+            _add(recv_tiles, c.device, o.volume * width)
             source = edge.source(p)
             if rect_contiguous(o.rect, source):
                 tile = rect_volume(source) * width
                 sent_tiles[p.device] = max(sent_tiles.get(p.device, 0), tile)
             else:
                 _add(held, p.device, o.volume * width)  # staged, made once
-            if grad:  # the gradient piece's receive buffer, made once
-                _add(held, p.device, o.volume * itemsize)
+            if grad:  # the gradient piece's receive buffer, in flight until gathered
                 if o.rect == source and sole and sends[o.src_task] == 1:
                     _add(grad_out, p.device, -o.volume * itemsize)  # read in place
+                    _add(recv_grad_out, p.device, o.volume * itemsize)
+                else:
+                    _add(recv_grads, p.device, o.volume * itemsize)
                 if rect_contiguous(o.rect, buffer):
                     viewed.add(o.dst_task)
                 else:
@@ -567,6 +590,9 @@ def _edge_bytes(
         tuple(kept_by.items()),
         tuple(sent_tiles.items()),
         aliased,
+        tuple(recv_tiles.items()),
+        tuple(recv_grads.items()),
+        tuple(recv_grad_out.items()),
     )
 
 
@@ -608,8 +634,8 @@ def add_edges(
     recompute: frozenset[str] = frozenset(),
     stored: int = 0,
 ) -> EdgeTotals:
-    """Add to ``held`` (per device) what every edge holds through the step: its receive
-    and assembly buffers, staging copies and their objects (``_edge_bytes``), found once
+    """Add to ``held`` (per device) what every edge holds through the step: its staging
+    copies and their objects (``_edge_bytes``), found once
     per kind of edge and configs (``op_kinds_held``: the same edge of every layer); the
     rest of what they change, for ``total``. ``recompute``: the plan's recomputed ops,
     which keep every input; ``stored``: as ``_edge_bytes``."""
@@ -656,9 +682,19 @@ def edge_totals(edges) -> EdgeTotals:
     sent: dict[tuple[int, int], Pieces] = {}
     until: dict[int, dict[int, tuple[int, int]]] = {}
     aliased: set[tuple[int, int]] = set()
+    posted: dict[int, dict[int, int]] = {}
+    landed: dict[int, dict[int, int]] = {}
+    recv_grads: dict[tuple[int, int], Pieces] = {}
+    recv_grad_out: dict[tuple[int, int], Pieces] = {}
     for p, c, k, m in edges:
         if m.aliased:
             aliased.add((p, c))
+        _sum_into(posted, p, m.recv_tiles)
+        _sum_into(landed, c, m.recv_tiles)
+        if m.recv_grads:
+            recv_grads[(c, k)] = m.recv_grads
+        if m.recv_grad_out:
+            recv_grad_out[(c, k)] = m.recv_grad_out
         _sum_into(grad_out, p, m.grad_out)
         _sum_into(kept, c, m.kept_inputs)
         _sum_into(read, c, m.read_inputs)
@@ -676,6 +712,10 @@ def edge_totals(edges) -> EdgeTotals:
         {c: tuple(x.items()) for c, x in read.items()},
         until,
         frozenset(aliased),
+        {p: tuple(x.items()) for p, x in posted.items()},
+        {c: tuple(x.items()) for c, x in landed.items()},
+        recv_grads,
+        recv_grad_out,
     )
 
 
@@ -822,6 +862,9 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
         for x in (kept_in, read_in):
             for d, n in x.items():
                 live[d] += n
+        for d, n in edges.landed.get(i, ()):  # copied into its input buffers: gone
+            forward[d] = max(forward[d], made[d] + live[d])
+            live[d] -= n
         for d, n in m.forward:
             forward[d] = max(forward[d], made[d] + live[d] + n)
         for d, n in m.outputs:
@@ -858,6 +901,8 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
         for pieces in gone.pop(i, ()):
             for d, n in pieces:
                 live[d] -= n
+        for d, n in edges.posted.get(i, ()):  # its readers' receives, posted at its sends
+            live[d] += n
     return made, forward, live, free
 
 
@@ -893,6 +938,9 @@ def _backward_peaks(
     pending = [0] * devices  # ZeRO-2: the full gradient of the reduce-scatter in flight
     grads = [0] * devices  # activation gradients not yet gathered, or with the transport
     gather: dict[int, list[tuple[int, int]]] = {}  # producer -> (consumer, operand)
+    posts: dict[int, list[tuple[int, int]]] = {}  # consumer -> its gradients' receives
+    for c, k in (*edges.recv_grads, *edges.recv_grad_out):
+        posts.setdefault(c, []).append((c, k))
     for i in reversed(range(len(ops))):
         m = ops[i]
         for j in made_again.get(i, ()):
@@ -900,15 +948,24 @@ def _backward_peaks(
                 live[d] += n
         for d, n in m.grads:  # its own, made by its kernel: part of the kernel's peak
             unmade[d] -= n
+        read_whole = []  # received output gradients its kernel reads in place
         for c, k in gather.pop(i, ()):  # gathered into its output gradient
             _release(grads, ops[c], k, edges.sent.get((c, k), ()))
+            for d, n in edges.recv_grads.get((c, k), ()):
+                grads[d] -= n
+            read_whole += edges.recv_grad_out.get((c, k), ())
         gathered = _plus(m.grad_out, edges.grad_out.get(i, ()))
         for _, d, n in m.act_grads:  # made by its kernel
             grads[d] += n
         for d, n in m.backward:
             extra = grads[d] + max(gathered.get(d, 0), 0)
             backward[d] = max(backward[d], n + live[d] + pending[d] - unmade[d] + extra)
-        for k in {k for k, _, _ in m.act_grads}:
+        for d, n in read_whole:
+            grads[d] -= n
+        for key in posts.get(i, ()):  # its gradients' pieces, on their way
+            for d, n in (*edges.recv_grads.get(key, ()), *edges.recv_grad_out.get(key, ())):
+                grads[d] += n
+        for k in {k for k, _, _ in m.act_grads} | {k for _, k in posts.get(i, ())}:
             p = producers[i][k] if producers else None
             if p is None or p >= i:  # no producer to gather it (or no order): kept
                 if producers:

@@ -54,6 +54,16 @@ def _transfers(rt: Runtime) -> dict:
     return {t.id: t for t in rt.program.receives}
 
 
+def _name(rt: Runtime, t) -> str:
+    return rt.graph.ops[t.producer[0]].output
+
+
+def _posted(rt: Runtime, t):
+    """The buffer a step makes as it posts the receive of ``t`` (``Step.recv``)."""
+    shape, dtype = rt.buffers.receives[t.id]
+    return rt.xp.empty(shape, dtype=dtype)
+
+
 def test_a_received_whole_input_is_the_receive_buffer(runtimes: list[Runtime]) -> None:
     found = 0
     for rt in runtimes:
@@ -72,8 +82,15 @@ def test_a_received_whole_input_is_the_receive_buffer(runtimes: list[Runtime]) -
                 t = transfers[source.transfer]
                 assert t.phase is Phase.FORWARD and t.consumer == key and t.operand == k
                 assert t.rect == rt.task(key).inputs[k].buffer
-                # What the kernel gets is the receive buffer itself, not a copy.
-                assert step._assemble_inputs(key)[k] is rt.buffers.received[t.id]
+                # What the kernel gets is the receive buffer itself, not a copy; the
+                # step made it when it posted the receive, and lets go of it once read.
+                assert rt.buffers.receives[t.id] == (
+                    rect_shape(t.rect),
+                    rt.storage_of(_name(rt, t)),
+                )
+                posted = step.received[t.id] = _posted(rt, t)
+                assert step._assemble_inputs(key)[k] is posted
+                assert t.id not in step.received
     assert found, "the plan should move some whole tile across ranks"
 
 
@@ -90,6 +107,8 @@ def test_a_received_whole_output_gradient_is_the_receive_buffer(
             t = transfers[source.transfer]
             assert t.phase is Phase.BACKWARD and t.producer == key
             assert t.rect == rt.task(key).output
-            assert step._grad_output(key) is rt.buffers.received[t.id]
-            assert rect_shape(t.rect) == rt.buffers.received[t.id].shape
+            posted = step.received[t.id] = _posted(rt, t)
+            assert rect_shape(t.rect) == posted.shape
+            assert step._grad_output(key) is posted
+            assert t.id not in step.received  # read: the step holds it no more
     assert found, "the plan should send some whole output gradient across ranks"

@@ -126,11 +126,12 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
     next microbatch opens with the receive stage 0's forward posts), 4 under GPipe.
 
     A held microbatch's activations: on device 0 g1's tile [2, 2] (16 bytes); on device
-    1 g2's tile [2, 4] (32) and the loss's scalar (4): 36. A slot's buffers: on device 0
-    g1's output-gradient buffer (16: the receive buffer of its one piece) and x's input
-    buffer [2, 8] (64): 80; on device 1 y's input buffer (16: the receive buffer of its
-    one piece) and the labels [2] (int64, 16): 32 (g2's gradient buffer is the loss's
-    input gradient, made by its backward).
+    1 g2's tile [2, 4] (32), the loss's scalar (4) and y's input buffer (16: the receive
+    buffer of its one piece, made by the step that posts the receive and kept for g2's
+    backward): 52. A slot's buffers: on device 0 x's input buffer [2, 8] (64; g1's
+    output gradient arrives in a receive buffer the step makes); on device 1 the labels
+    [2] (int64, 16) (g2's gradient buffer is the loss's input gradient, made by its
+    backward).
 
     A microbatch after the first finds every weight gradient made (the first's backward
     made them) and its backward kernel's fresh one is summed into it, then dropped: the
@@ -141,7 +142,7 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
     step's end: y (16 bytes) from device 0, its gradient (16) from device 1. At each
     backward pass, the other microbatches held and those closed: under 1F1B stage 0's
     B0..B3 see (1, 0), (1, 1), (1, 2), (0, 3): at most 16 + 2 * 16 = 48 = 3 * 16; stage
-    1's (0, k): 3 * 16 = 48. Under GPipe (3 - k, k): 3 * 16 on device 0, 3 * 36 on 1."""
+    1's (0, k): 3 * 16 = 48. Under GPipe (3 - k, k): 3 * 16 on device 0, 3 * 52 on 1."""
     pg, stages = _two_stages(_graph(tmp_path))
     plain = make_simulator(round_machine(2), RooflineCost()).evaluate(pg).peak_memory_bytes
     peaks = {}
@@ -150,10 +151,10 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
         sim = make_simulator(round_machine(2), RooflineCost(), pipeline=pipeline)
         peaks[schedule] = sim.evaluate(pg).peak_memory_bytes
     gpipe, one = peaks[Schedule.GPIPE], peaks[Schedule.ONE_F_ONE_B]
-    assert one[0] == plain[0] + 64 + 3 * 16 + (2 - 1) * 80
-    assert one[1] == plain[1] + 32 + 3 * 16 + (2 - 1) * 32
-    assert gpipe[0] == plain[0] + 64 + 3 * 16 + (4 - 1) * 80
-    assert gpipe[1] == plain[1] + 32 + 3 * 36 + (4 - 1) * 32
+    assert one[0] == plain[0] + 64 + 3 * 16 + (2 - 1) * 64
+    assert one[1] == plain[1] + 32 + 3 * 16 + (2 - 1) * 16
+    assert gpipe[0] == plain[0] + 64 + 3 * 16 + (4 - 1) * 64
+    assert gpipe[1] == plain[1] + 32 + 3 * 52 + (4 - 1) * 16
 
 
 @pytest.mark.parametrize(
