@@ -63,6 +63,7 @@ from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.soap.dims import DimKind
 from onnx2soap.soap.partition import Rect, Task, held_rects, owners, rect_shape
+from onnx2soap.soap.saved import wanted_gradients
 from onnx2soap.soap.zero import ZeroGroup, ZeroStage, zero_group
 
 WeightKey = tuple[str, Rect]
@@ -476,6 +477,7 @@ def _fixed_args(rt: Runtime, key: TaskKey, task: Task) -> TaskArgs:
         float_dtype=rt.dtype,
         box=task.box,
         matmul_dtype=rt.matmul_dtype,
+        wanted=wanted_gradients(rt.graph, op),
     )
 
 

@@ -54,6 +54,9 @@ class TaskArgs:
     matmul_dtype: the dtype matrix products multiply in (``kernel_util.matmul``):
                 float16 on a GPU in fp16 mixed precision (tensor cores, float32 sums);
                 None: the operands' own.
+    wanted:     per operand, whether the step uses its gradient (weights and float
+                activations; not data, labels or constants): a backward whose
+                ``Saved.only_for`` released an operand skips the gradients that read it.
     """
 
     out_shape: tuple[int, ...]
@@ -67,6 +70,12 @@ class TaskArgs:
     float_dtype: Any = None
     box: tuple[Interval, ...] = ()  # the task's box of iteration dims (global)
     matmul_dtype: Any = None
+    wanted: tuple[bool, ...] = ()  # per operand, whether its gradient is used; (): all
+
+
+def wants(args: TaskArgs, k: int) -> bool:
+    """Whether the step uses the gradient of operand ``k`` (``Saved.only_for``)."""
+    return not args.wanted or args.wanted[k]
 
 
 @dataclass(frozen=True)
@@ -98,9 +107,19 @@ class Saved:
 
     inputs: tuple[int, ...] | None = None
     output: bool = True
+    # (input, the operands whose gradients alone read it): kept only where one of those
+    # takes a gradient, as autograd saves x of x * c only where c requires grad. The
+    # backward then gets ``TaskArgs.wanted`` and makes no gradient the step does not use
+    # (``wants``): an operand's gradient that reads a released buffer is never made.
+    only_for: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
-    def keeps_input(self, k: int) -> bool:
-        return self.inputs is None or k in self.inputs
+    def keeps_input(self, k: int, wanted: frozenset[int] | None = None) -> bool:
+        """Whether the backward reads input ``k``, given the operands that take a
+        gradient (None: every one)."""
+        if self.inputs is not None and k not in self.inputs:
+            return False
+        readers = dict(self.only_for).get(k)
+        return wanted is None or readers is None or any(r in wanted for r in readers)
 
 
 SAVES_ALL = Saved()
@@ -330,6 +349,11 @@ class OpDef:
     # What the backward reads of the forward (``Saved``): the rest is freed after its
     # last forward reader. Everything unless declared.
     saves: Saved = SAVES_ALL
+    # attrs -> whether the output is input 0 itself wherever their dtypes agree (Identity,
+    # a Cast of floats to the run's float dtype): the importer reads an activation's
+    # input in such an op's stead, as torch's ``.to`` of the same dtype returns self,
+    # so no step makes or keeps a copy.
+    passes_input: Callable[[Any], bool] | None = None
 
     @property
     def is_loss(self) -> bool:

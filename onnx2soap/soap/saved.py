@@ -2,15 +2,30 @@
 (``executor/lifetimes.py``) and the memory model (``sim/memory.py``).
 
 An op keeps the input buffers and the output tile its definition says its backward
-reads (``OpDef.saves``); one that is recomputed keeps every input (its forward runs
-again from them) and no output; one whose output takes no gradient (ids, masks) has no
-backward and keeps nothing.
+reads (``OpDef.saves``), less those read only for the gradients of operands that take
+none (``Saved.only_for``: x of x * c for a constant c); one that is recomputed keeps every
+input (its forward runs again from them) and no output; one whose output takes no
+gradient (ids, masks) has no backward and keeps nothing.
 """
 
 from __future__ import annotations
 
-from onnx2soap.ir import Graph, Op
+from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.ops import definition
+
+
+def takes_gradient(graph: Graph, tensor: str) -> bool:
+    """Whether the step uses ``tensor``'s gradient: a weight's, or a float activation's
+    (flowing on to the ops that made it); never data's, labels', constants' or state's."""
+    role = graph.tensors[tensor].role
+    return role is TensorRole.WEIGHT or (
+        role is TensorRole.ACTIVATION and graph.differentiable(tensor)
+    )
+
+
+def wanted_gradients(graph: Graph, op: Op) -> tuple[bool, ...]:
+    """Per operand of ``op``, ``takes_gradient`` (``TaskArgs.wanted``)."""
+    return tuple(takes_gradient(graph, t) for t in op.inputs)
 
 
 def kept_for_backward(graph: Graph, op: Op, recomputed: bool) -> tuple[frozenset[int], bool]:
@@ -20,4 +35,6 @@ def kept_for_backward(graph: Graph, op: Op, recomputed: bool) -> tuple[frozenset
     if not graph.differentiable(op.output):
         return frozenset(), False
     saves = definition(op.type).saves
-    return frozenset(k for k in range(len(op.inputs)) if saves.keeps_input(k)), saves.output
+    wanted = frozenset(k for k, w in enumerate(wanted_gradients(graph, op)) if w)
+    kept = frozenset(k for k in range(len(op.inputs)) if saves.keeps_input(k, wanted))
+    return kept, saves.output

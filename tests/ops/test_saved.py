@@ -11,6 +11,7 @@ A declaration that says too little fails here, with the ``TypeError`` (or
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from onnx2soap.ops.base import (
     released,
 )
 from onnx2soap.soap.partition import rect_shape
+from onnx2soap.soap.saved import wanted_gradients
 from tests.ops.harness import (
     CaseLoader,
     all_task_args,
@@ -55,8 +57,13 @@ def _assert_same(got, want, what: str) -> None:
             assert np.array_equal(g, w, equal_nan=True), f"{what} {k}"
 
 
+@pytest.mark.parametrize("as_graph", [False, True], ids=["every-gradient", "graphs-gradients"])
 @pytest.mark.parametrize("c", CASES, ids=str)
-def test_backward_reads_only_what_its_op_saves(load: CaseLoader, c) -> None:
+def test_backward_reads_only_what_its_op_saves(load: CaseLoader, c, as_graph: bool) -> None:
+    """Every gradient wanted (a kernel called alone), and only those the case's graph
+    takes (its weights' and float activations', not data's or constants':
+    ``Saved.only_for`` may then release more): the wanted ones are exactly those of the
+    backward run with everything, the others not made."""
     model = load(c)[1]
     graph, op = model.graph, op_of(model)
     d = definition(op.type)
@@ -68,12 +75,15 @@ def test_backward_reads_only_what_its_op_saves(load: CaseLoader, c) -> None:
     grad_output = np.asarray(rng.standard_normal(rect_shape(task.output)))
     # one task's args; an op with statistics gets its forward and backward sums
     args = all_task_args(graph, op, config, arrays, None if op.is_loss else grad_output)[0]
+    mask = wanted_gradients(graph, op) if as_graph else ()
+    wanted = frozenset(k for k, w in enumerate(mask) if w) if as_graph else None
     bufs = buffers(task, arrays)
     out = d.forward(np, op.attrs, bufs, args)
 
     def kept() -> tuple[list, object]:
         held = [
-            copy.deepcopy(b) if saves.keeps_input(k) else released(b) for k, b in enumerate(bufs)
+            copy.deepcopy(b) if saves.keeps_input(k, wanted) else released(b)
+            for k, b in enumerate(bufs)
         ]
         return held, copy.deepcopy(out) if saves.output else released(out)
 
@@ -81,13 +91,29 @@ def test_backward_reads_only_what_its_op_saves(load: CaseLoader, c) -> None:
         return copy.deepcopy(bufs), copy.deepcopy(out)
 
     want = d.backward(np, op.attrs, *everything(), grad_output.copy(), args)
-    got = d.backward(np, op.attrs, *kept(), grad_output.copy(), args)
+    got = d.backward(np, op.attrs, *kept(), grad_output.copy(), replace(args, wanted=mask))
+    if as_graph:  # an unwanted gradient may be made or not; it is never used
+        want = tuple(w if mask[k] else None for k, w in enumerate(want))
+        got = tuple(g if mask[k] else None for k, g in enumerate(got))
     _assert_same(got, want, f"{op.type} gradient")
     if d.statistics is not None and op.nest.sync_dims:  # the backward's partial sums too
         partial = d.statistics.backward
         want = partial(np, op.attrs, *everything(), grad_output.copy(), args)
-        got = partial(np, op.attrs, *kept(), grad_output.copy(), args)
+        got = partial(np, op.attrs, *kept(), grad_output.copy(), replace(args, wanted=mask))
         _assert_same([got], [want], f"{op.type} backward statistics")
+
+
+def test_a_constant_factor_is_not_kept_for_the_other_operands_gradient() -> None:
+    """x * c keeps c (x's gradient reads it), not x (c takes no gradient); x * w keeps
+    both; a linear's data input is kept for its weight's gradient, the weight for no
+    gradient of data (held by the rank anyway)."""
+    mul, div, matmul = (definition(n).saves for n in ("Mul", "Div", "MatMul"))
+    assert [mul.keeps_input(k, frozenset({0})) for k in (0, 1)] == [False, True]
+    assert [mul.keeps_input(k, frozenset({0, 1})) for k in (0, 1)] == [True, True]
+    assert [div.keeps_input(k, frozenset({0})) for k in (0, 1)] == [False, True]
+    assert [div.keeps_input(k, frozenset({1})) for k in (0, 1)] == [True, True]
+    assert [matmul.keeps_input(k, frozenset({1})) for k in (0, 1)] == [True, False]
+    assert [matmul.keeps_input(k) for k in (0, 1)] == [True, True]  # None: every one
 
 
 @pytest.mark.parametrize("d", DEFINITIONS, ids=lambda d: d.name)

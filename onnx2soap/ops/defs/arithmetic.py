@@ -9,7 +9,6 @@ input: the executor may accumulate into them in place."""
 from __future__ import annotations
 
 from onnx2soap.ops.base import (
-    SAVES_INPUTS,
     SAVES_NOTHING,
     C,
     CaseInput,
@@ -17,9 +16,11 @@ from onnx2soap.ops.base import (
     NoAttrs,
     OpDef,
     Sample,
+    Saved,
     W,
     X,
     case,
+    wants,
 )
 from onnx2soap.ops.context import NodeContext, elementwise, one_kind
 from onnx2soap.ops.kernel_util import unbroadcast
@@ -67,8 +68,9 @@ def mul_forward(xp, attrs, inputs, args):
 
 
 def mul_backward(xp, attrs, inputs, output, grad_output, args):
-    a, b = inputs
-    return _grad(xp, grad_output * b, a), _grad(xp, grad_output * a, b)
+    a, b = inputs  # each is read for the other's gradient only (it may be released)
+    grad_a = _grad(xp, grad_output * b, a) if wants(args, 0) else None
+    return grad_a, _grad(xp, grad_output * a, b) if wants(args, 1) else None
 
 
 def div_forward(xp, attrs, inputs, args):
@@ -82,11 +84,12 @@ def div_forward(xp, attrs, inputs, args):
 def div_backward(xp, attrs, inputs, output, grad_output, args):
     # d(a/b)/da = 1/b, d(a/b)/db = -a/b^2; both from the inputs (not the output, which a
     # broadcast a may not cover).
-    a, b = inputs
+    a, b = inputs  # a is read for b's gradient only (it may be released)
     if a.dtype.kind != "f":
         return None, None
     grad_a = grad_output / b
-    return unbroadcast(xp, grad_a, a.shape), unbroadcast(xp, -grad_a * a / b, b.shape)
+    grad_b = unbroadcast(xp, -grad_a * a / b, b.shape) if wants(args, 1) else None
+    return unbroadcast(xp, grad_a, a.shape) if wants(args, 0) else None, grad_b
 
 
 def _cases(op: str, sample: Sample = Sample.NORMAL):
@@ -157,7 +160,8 @@ MUL = OpDef(
     convert=convert_binary,
     forward=mul_forward,
     backward=mul_backward,
-    saves=SAVES_INPUTS,  # each operand scales the other's gradient
+    # each operand scales the other's gradient: x of x * c is not kept for a constant c
+    saves=Saved(inputs=None, output=False, only_for=((0, (1,)), (1, (0,)))),
     cases=(*_cases("Mul"), *_int_cases("Mul")),
 )
 
@@ -167,7 +171,8 @@ DIV = OpDef(
     convert=convert_binary,
     forward=div_forward,
     backward=div_backward,
-    saves=SAVES_INPUTS,  # a and b, not the output
+    # a and b, not the output; a only where b takes a gradient (a constant divisor: none)
+    saves=Saved(inputs=None, output=False, only_for=((0, (1,)),)),
     # Divisors near 0 would make central differences meaningless.
     cases=(
         *_cases("Div", Sample.AWAY_FROM_ZERO),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from onnx2soap.ir import Operand, identity
-from onnx2soap.ops.base import OpDef, Saved, W, X, case
+from onnx2soap.ops.base import OpDef, Saved, W, X, case, wants
 from onnx2soap.ops.context import NodeContext, broadcast_operand, broadcast_shape, make_op
 from onnx2soap.ops.kernel_util import matmul, unbroadcast
 
@@ -71,13 +71,18 @@ def forward(xp, attrs: GemmAttrs, inputs, args):
 def backward(xp, attrs: GemmAttrs, inputs, output, grad_output, args):
     a, b = inputs[0], inputs[1]
     g = grad_output * attrs.alpha if attrs.alpha != 1.0 else grad_output
-    ta = a.T if attrs.trans_a else a  # A' (M, K)
-    tb = b.T if attrs.trans_b else b  # B' (K, N)
-    # dA' = g B'^T, dB' = A'^T g; a transposed operand takes the transposed product,
-    # computed directly so that the result is contiguous in the buffer's layout.
+    # dA' = g B'^T, dB' = A'^T g (A' (M, K), B' (K, N)); a transposed operand takes the
+    # transposed product, computed directly so that the result is contiguous in the
+    # buffer's layout. Each of A and B is read for the other's gradient only (it may be
+    # released).
     low = args.matmul_dtype
-    grad_a = matmul(xp, tb, g.T, low) if attrs.trans_a else matmul(xp, g, tb.T, low)
-    grad_b = matmul(xp, g.T, ta, low) if attrs.trans_b else matmul(xp, ta.T, g, low)
+    grad_a = grad_b = None
+    if wants(args, 0):
+        tb = b.T if attrs.trans_b else b
+        grad_a = matmul(xp, tb, g.T, low) if attrs.trans_a else matmul(xp, g, tb.T, low)
+    if wants(args, 1):
+        ta = a.T if attrs.trans_a else a
+        grad_b = matmul(xp, g.T, ta, low) if attrs.trans_b else matmul(xp, ta.T, g, low)
     grads = [grad_a, grad_b]
     if len(inputs) > 2:
         c = inputs[2]
@@ -96,7 +101,8 @@ GEMM = OpDef(
     convert=convert,
     forward=forward,
     backward=backward,
-    saves=Saved(inputs=(0, 1), output=False),  # A and B; C's shape only
+    # A and B, each only where the other takes a gradient; C's shape only
+    saves=Saved(inputs=(0, 1), output=False, only_for=((0, (1,)), (1, (0,)))),
     cases=(
         case("gemm", "Gemm", X(4, 3), W(3, 5)),
         case("gemm_bias1d", "Gemm", X(4, 3), W(3, 5), W(5)),

@@ -12,7 +12,7 @@ import math
 from dataclasses import replace
 
 from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, identity
-from onnx2soap.ops.base import SAVES_INPUTS, NoAttrs, OpDef, W, X, case
+from onnx2soap.ops.base import NoAttrs, OpDef, Saved, W, X, case, wants
 from onnx2soap.ops.context import NodeContext, broadcast_shape, make_op
 from onnx2soap.ops.kernel_util import matmul, unbroadcast
 
@@ -63,10 +63,15 @@ def _reduced(xp, product, shape):
 
 
 def backward(xp, attrs, inputs, output, grad_output, args):
-    a, b = inputs
-    grad_a = matmul(xp, grad_output, xp.swapaxes(b, -1, -2), args.matmul_dtype)
-    grad_b = matmul(xp, xp.swapaxes(a, -1, -2), grad_output, args.matmul_dtype)
-    return _reduced(xp, grad_a, a.shape), _reduced(xp, grad_b, b.shape)
+    a, b = inputs  # each is read for the other's gradient only (it may be released)
+    grad_a = grad_b = None
+    if wants(args, 0):
+        grad_a = matmul(xp, grad_output, xp.swapaxes(b, -1, -2), args.matmul_dtype)
+        grad_a = _reduced(xp, grad_a, a.shape)
+    if wants(args, 1):
+        grad_b = matmul(xp, xp.swapaxes(a, -1, -2), grad_output, args.matmul_dtype)
+        grad_b = _reduced(xp, grad_b, b.shape)
+    return grad_a, grad_b
 
 
 def workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
@@ -90,7 +95,9 @@ MATMUL = OpDef(
     forward=forward,
     backward=backward,
     workspace=workspace,
-    saves=SAVES_INPUTS,  # each operand multiplies the other's gradient
+    # each operand multiplies the other's gradient: a linear's data input is not kept
+    # for its weight, nor the weight for data, which takes no gradient
+    saves=Saved(inputs=None, output=False, only_for=((0, (1,)), (1, (0,)))),
     cases=(
         case("matmul_2d", "MatMul", X(4, 3), W(3, 5)),
         case("matmul_weight_2d", "MatMul", X(2, 3, 4, 5), W(5, 6)),
