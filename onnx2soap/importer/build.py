@@ -219,6 +219,9 @@ class _Builder:
         except ModelError as e:
             raise ModelError(f"{self.p.path}: {e}") from e
         ops = made if isinstance(made, tuple) else (made,)
+        if self._passes_input(ops, definition):
+            self.aliases[node.output[0]] = ops[0].inputs[0]
+            return
         self._extra_outputs(node, name, len(ops))
         for op in ops:
             self._register_int_constants(op)
@@ -231,6 +234,19 @@ class _Builder:
             operands = [self._batch_at(self.tensors[o.tensor]) for o in op.nest.inputs]
             carried = batch_dims(op.nest, operands, self.p.batch)
             self.where[op.output] = output_batch(op.nest, carried)
+
+    def _passes_input(self, ops: tuple[Op, ...], definition: OpDef) -> bool:
+        """Whether the node's one op outputs its activation input 0 unchanged
+        (``OpDef.passes_input``): a copy nothing needs, which every step would make and
+        a reader could keep for its backward beside the original."""
+        if len(ops) != 1 or definition.passes_input is None:
+            return False
+        op = ops[0]
+        source = self.tensors.get(op.inputs[0]) if op.inputs else None
+        if source is None or source.role is not TensorRole.ACTIVATION:
+            return False
+        same = output_tensor(op, self.tensors).dtype == source.dtype
+        return same and definition.passes_input(op.attrs)
 
     def _register_int_constants(self, op: Op) -> None:
         """Integer constants an op reads as operands (``ctx.operand``) become tensors."""

@@ -162,8 +162,28 @@ def test_integer_ops_take_integer_constants_as_operands(tmp_path: Path) -> None:
     ]
     graph = load_model(_ids_model(tmp_path / "positions.onnx", nodes, inits), 2).graph
     ints = [op for op in graph.ops if not graph.tensors[op.output].dtype.is_float]
-    assert [op.type for op in ints] == ["Equal", "Not", "Cast", "CumSum", "Mul", "Add"]
+    # the Cast of the 0/1 mask to int64 is the mask itself: read in its stead
+    assert [op.type for op in ints] == ["Equal", "Not", "CumSum", "Mul", "Add"]
     assert all(not graph.differentiable(op.output) for op in ints)
     assert graph.tensors["pad"].role is TensorRole.CONSTANT  # an int64 operand, read whole
     (gather,) = (op for op in graph.ops if op.type == "Gather")
     assert graph.differentiable(gather.output)
+
+
+def test_an_activation_passed_on_unchanged_is_read_in_the_copy_s_stead(tmp_path: Path) -> None:
+    """Identity of an activation and a Cast of floats to FLOAT are the activation itself
+    (torch's ``.to`` of the same dtype returns self): no op, so no step makes or keeps a
+    copy; the readers read the original. An Identity of a weight was so already; a
+    Cast of floats to the run's float dtype too; a graph output reached through one is
+    the original's."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Identity", ["r"], ["copy"], name="clone"),
+        helper.make_node("Cast", ["copy"], ["cast"], to=onnx.TensorProto.FLOAT, name="cast"),
+        helper.make_node("MatMul", ["cast", "W"], ["h"], name="fc"),
+        helper.make_node("Identity", ["h"], ["y"], name="out"),
+    ]
+    graph = load_model(save(tmp_path / "m.onnx", nodes, [weight("W")]), batch=2).graph
+    relu, fc, loss = graph.ops
+    assert (relu.name, fc.name) == ("relu", "fc") and loss.is_loss
+    assert fc.inputs[0] == relu.output and loss.inputs[0] == fc.output

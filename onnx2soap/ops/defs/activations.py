@@ -497,6 +497,7 @@ IDENTITY = replace(
         saves=SAVES_NOTHING,  # the input's dtype only
     ),
     moves_values=True,  # ids copied keep the bound of whoever reads them
+    passes_input=lambda attrs: True,
 )
 
 NEG = _op(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx2soap.ir import AxisMap, Operand, Whole, identity
-from onnx2soap.ops.base import SAVES_INPUTS, OpDef, Sample, X, case
+from onnx2soap.ops.base import SAVES_INPUTS, SAVES_OUTPUT, OpDef, Sample, X, case
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 
 
@@ -73,8 +73,9 @@ def softmax_forward(xp, attrs: SoftmaxAttrs, inputs, args):
 
 
 def softmax_backward(xp, attrs: SoftmaxAttrs, inputs, output, grad_output, args):
-    # dx = y * (g - sum(g * y)), the Jacobian-vector product of softmax.
-    y = softmax_forward(xp, attrs, inputs, args)
+    # dx = y * (g - sum(g * y)), the Jacobian-vector product of softmax, from the output
+    # tile as autograd's (in mixed precision, as stored: as Megatron-LM's fused softmax)
+    y = output
     inner = (grad_output * y).sum(axis=attrs.axis, keepdims=True)
     return (y * (grad_output - inner),)
 
@@ -107,9 +108,9 @@ SOFTMAX = OpDef(
     convert=convert_softmax,
     forward=softmax_forward,
     backward=softmax_backward,
-    # x: the backward recomputes y from it (reading the output tile instead would change
-    # the gradient in mixed precision, where the output is rounded to the half format)
-    saves=SAVES_INPUTS,
+    # y, not x: the input goes after its last forward reader (attention's masked scores),
+    # the output is what the attention product keeps anyway
+    saves=SAVES_OUTPUT,
     cases=_cases("Softmax", "softmax"),
 )
 
