@@ -79,12 +79,16 @@ class Copy:
 class Assembled:
     """An input buffer for ``region`` the step makes (padding written) and fills from
     pieces; it lives while the task's forward runs, or to its backward where that reads
-    it (``executor/lifetimes.py``)."""
+    it (``executor/lifetimes.py``). Every local task that assembles the same ``region``
+    of the same tensor reads one such buffer (``share``): the first to run makes it
+    (attention's query, key and value projections, all reading the gathered input)."""
 
     region: Region
     dtype: object
     copies: tuple[Copy, ...]
     half: HalfStorage
+    # (tensor, region): what makes two the same; None: its own (padding only)
+    share: tuple[str, Region] | None = None
 
     def make(self, xp):
         """A fresh buffer: the pieces cover the data, so only padding needs a value."""
@@ -158,7 +162,8 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
         )
         for p in mine
     )
-    return Assembled(region, rt.storage_of(name), copies, rt.half)
+    share = (name, region) if copies else None
+    return Assembled(region, rt.storage_of(name), copies, rt.half, share)
 
 
 def padded_buffer(rt, region: Region, dtype):

@@ -23,6 +23,7 @@ backward; the update follows once per step.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 
@@ -32,6 +33,7 @@ from executor.batch import Batch, loss_scale  # noqa: F401  (re-exported: the ru
 from executor.buffers import global_slices
 from executor.device import CpuDevice, Device
 from executor.layout import (
+    Assembled,
     GradSource,
     InputSource,
     TaskKey,
@@ -432,6 +434,14 @@ class _Buffers:
         self.staging: dict[int, object] = {}  # strided tiles to send, by transfer
         for ins in first:
             self._prepare(rt, ins)
+        # How many local tasks read each assembled buffer (layout.Assembled.share): the
+        # step lets go of a shared one after the last of them has taken it.
+        self.readers: Counter = Counter(
+            s.share
+            for sources in self.inputs.values()
+            for s in sources
+            if isinstance(s, Assembled) and s.share is not None
+        )
 
     def gradient(self, key, xp):
         """The shard's gradient this step: zeros where no kernel made one."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from executor.batch import Batch, loss_scale
 from executor.buffers import global_slices, local_slices
-from executor.layout import Alias, Copy, Fixed, GradAlias, Received, Rows, TaskKey
+from executor.layout import Alias, Assembled, Copy, Fixed, GradAlias, Received, Rows, TaskKey
 from executor.lifetimes import compute_event, gather_event, send_event, sum_event
 from executor.program import (
     AllReduce,
@@ -84,6 +84,9 @@ class Step:
         # receive buffers, by transfer: made when posted, dropped once read (assembled,
         # summed, or taken as the input buffer or output gradient they are whole)
         self.received: dict[int, object] = {}
+        # assembled input buffers more than one local task reads, until the last has
+        # taken it: (tensor, region) -> [buffer, readers still to take it]
+        self.assembled: dict[tuple, list] = {}
         # The plan's recomputed ops (executor/recompute.py); a forward-only pass keeps all.
         self.recompute = rt.recompute if training else None
         if first is not None:
@@ -198,11 +201,30 @@ class Step:
             elif isinstance(source, Rows):
                 buffers.append(self._rows(source))
             else:
-                buffer = source.make(self.xp)
-                for copy in source.copies:
-                    buffer[copy.into] = self._source(copy, forward=True)
-                buffers.append(buffer)
+                buffers.append(self._assembled(source))
         return buffers
+
+    def _assembled(self, source: Assembled):
+        """The buffer, made and filled by the first local task that reads it, the same
+        array for the others (kernels never write their inputs); their own pieces are
+        dropped unread."""
+        readers = self.buf.readers[source.share] if source.share is not None else 1
+        entry = self.assembled.get(source.share) if readers > 1 else None
+        if entry is None:
+            buffer = source.make(self.xp)
+            for copy in source.copies:
+                buffer[copy.into] = self._source(copy, forward=True)
+            entry = [buffer, readers]
+            if readers > 1:
+                self.assembled[source.share] = entry
+        else:
+            for copy in source.copies:
+                if copy.transfer is not None:
+                    self.received.pop(copy.transfer)
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.assembled.pop(source.share, None)
+        return entry[0]
 
     def _rows(self, source: Rows):
         held, first = self.batch.rows(source.name, self.rt.graph.labels)

@@ -72,6 +72,7 @@ from onnx2soap.ops import definition
 from onnx2soap.soap import Edge, PartitionedGraph
 from onnx2soap.soap.partition import (
     ParallelConfig,
+    Region,
     ReplicaGroup,
     SumGroup,
     Task,
@@ -189,6 +190,12 @@ class EdgeMemory:
     recv_tiles: Pieces = ()
     recv_grads: Pieces = ()
     recv_grad_out: Pieces = ()
+    # where the tensor has other readers: per device and region, the bytes of the input
+    # buffer its consumer tasks assemble (a local task of another reader that assembles
+    # the same region reads the same one: ``edge_totals``), and whether the consumer
+    # keeps it for its backward
+    assembled: tuple[tuple[int, Region, int], ...] = ()
+    keeps: bool = True
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,11 @@ class EdgeTotals:
     # the gradient's, per (consumer op, operand): posted after the consumer's backward
     recv_grads: dict[tuple[int, int], Pieces] = field(default_factory=dict)
     recv_grad_out: dict[tuple[int, int], Pieces] = field(default_factory=dict)
+    # an input buffer several readers share, made by the first (an op that does not
+    # keep it): op -> (the op whose backward ends it, device, bytes), or (the last
+    # reader, whose forward ends it, device, bytes) where none keeps it
+    shared_to_backward: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+    shared_to_forward: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
 
 
 def _width(t, itemsize: int) -> int:
@@ -536,6 +548,7 @@ def _edge_bytes(
     recv_grads: dict[int, int] = {}
     recv_grad_out: dict[int, int] = {}
     aliased = False
+    in_place: set[int] = set()  # consumer tasks whose one piece is their input buffer
     instruction, piece = (PER_INSTRUCTION, PER_PIECE) if objects else (0, 0)
     for o in edge.overlaps:
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
@@ -553,6 +566,8 @@ def _edge_bytes(
             # its input buffer, or, its one piece and no padding around it, takes it as
             # that buffer (then counted as the consumer's input buffer).
             _add(recv_tiles, c.device, o.volume * width)
+            if o.rect == buffer and feeds[o.dst_task] == 1:
+                in_place.add(o.dst_task)
             source = edge.source(p)
             if rect_contiguous(o.rect, source):
                 tile = rect_volume(source) * width
@@ -573,9 +588,24 @@ def _edge_bytes(
         whole = o.rect == buffer == edge.source(p)
         if whole and feeds[o.dst_task] == 1:
             aliased = True
+            in_place.add(o.dst_task)
             _add(inputs, c.device, -o.volume * width)
             if keeps:
                 kept_by[p.device] = max(kept_by.get(p.device, 0), o.volume * width)
+    # Consumer tasks on one device that assemble the same region read one buffer (the
+    # first's: executor/layout.py's ``Assembled.share``); other readers' too, where the
+    # tensor has them (``edge_totals``).
+    first: dict[tuple[int, Region], int] = {}
+    for index in feeds:
+        if index in in_place:
+            continue
+        c = ctasks[index]
+        region = c.inputs[edge.operand]
+        n = rect_volume(region.buffer) * width
+        if (c.device, region) in first:
+            _add(inputs, c.device, -n)
+        else:
+            first[(c.device, region)] = n
     sent: dict[int, int] = {}
     for index in viewed:
         c = ctasks[index]
@@ -593,6 +623,8 @@ def _edge_bytes(
         tuple(recv_tiles.items()),
         tuple(recv_grads.items()),
         tuple(recv_grad_out.items()),
+        () if sole else tuple((d, region, n) for (d, region), n in first.items()),
+        keeps,
     )
 
 
@@ -686,9 +718,12 @@ def edge_totals(edges) -> EdgeTotals:
     landed: dict[int, dict[int, int]] = {}
     recv_grads: dict[tuple[int, int], Pieces] = {}
     recv_grad_out: dict[tuple[int, int], Pieces] = {}
+    readers: dict[tuple[int, int, Region], list[tuple[int, int, bool]]] = {}
     for p, c, k, m in edges:
         if m.aliased:
             aliased.add((p, c))
+        for d, region, n in m.assembled:
+            readers.setdefault((p, d, region), []).append((c, n, m.keeps))
         _sum_into(posted, p, m.recv_tiles)
         _sum_into(landed, c, m.recv_tiles)
         if m.recv_grads:
@@ -705,6 +740,7 @@ def edge_totals(edges) -> EdgeTotals:
                 row = until.setdefault(p, {})
                 old_at, old_n = row.get(d, (at, n))
                 row[d] = (min(at, old_at), max(n, old_n))
+    to_backward, to_forward = _shared_buffers(readers, kept, read)
     return EdgeTotals(
         {p: tuple(x.items()) for p, x in grad_out.items()},
         sent,
@@ -716,6 +752,37 @@ def edge_totals(edges) -> EdgeTotals:
         {c: tuple(x.items()) for c, x in landed.items()},
         recv_grads,
         recv_grad_out,
+        to_backward,
+        to_forward,
+    )
+
+
+def _shared_buffers(readers, kept, read) -> tuple[dict, dict]:
+    """Where readers of one tensor on one device assemble the same region, the first (in
+    graph order) makes the buffer and the others read it (executor/layout.py's
+    ``Assembled.share``): theirs are taken off ``kept``/``read`` (per op and device),
+    and the first's lives until the earliest keeper's backward, or, where none keeps
+    it, the last reader's forward (``EdgeTotals.shared_to_backward``, ``_forward``)."""
+    to_backward: dict[int, list[tuple[int, int, int]]] = {}
+    to_forward: dict[int, list[tuple[int, int, int]]] = {}
+    for (_, d, _), entries in readers.items():
+        if len(entries) < 2:
+            continue
+        entries.sort(key=lambda e: e[0])
+        (first, n, keeps), rest = entries[0], entries[1:]
+        for c, m, k in rest:
+            _sum_into(kept if k else read, c, ((d, -m),))
+        if keeps:
+            continue  # its own backward, the last of theirs, ends it
+        _sum_into(read, first, ((d, -n),))
+        keepers = [c for c, _, k in rest if k]
+        if keepers:
+            to_backward.setdefault(first, []).append((min(keepers), d, n))
+        else:
+            to_forward.setdefault(first, []).append((max(c for c, _, _ in rest), d, n))
+    return (
+        {op: tuple(x) for op, x in to_backward.items()},
+        {op: tuple(x) for op, x in to_forward.items()},
     )
 
 
@@ -862,6 +929,12 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
         for x in (kept_in, read_in):
             for d, n in x.items():
                 live[d] += n
+        for until, d, n in edges.shared_to_backward.get(i, ()):  # made here, read later
+            live[d] += n
+            free.setdefault(until, {})[d] = free.get(until, {}).get(d, 0) + n
+        for until, d, n in edges.shared_to_forward.get(i, ()):
+            live[d] += n
+            gone.setdefault(until, []).append(((d, n),))
         for d, n in edges.landed.get(i, ()):  # copied into its input buffers: gone
             forward[d] = max(forward[d], made[d] + live[d])
             live[d] -= n

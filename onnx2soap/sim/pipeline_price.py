@@ -265,6 +265,8 @@ def held_activations(
             outputs[d] += n
         for d, n in m.read_tiles:
             outputs[d] += n if d in until else 0
+        for _, d, n in edges.shared_to_backward.get(i, ()):  # a shared buffer a later
+            outputs[d] += n  # reader keeps
         for pieces, sign in (
             (m.held, 1),
             (m.weights, -1),
