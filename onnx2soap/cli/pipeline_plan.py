@@ -20,6 +20,7 @@ from onnx2soap.options import int_in
 from onnx2soap.precision import Precision
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.search.pipeline_rule import (
+    Recompute,
     Space,
     check_shape,
     default_microbatches,
@@ -34,7 +35,7 @@ from onnx2soap.soap.pipeline import SCHEDULES, Pipeline, Schedule, check_pipelin
 from onnx2soap.soap.plan import MAX_BATCH, MAX_DEVICES
 from onnx2soap.soap.zero import ZeroStage
 
-RECOMPUTE = ("none", "all", "selective")
+RECOMPUTE = tuple(m.value for m in Recompute)
 
 
 def add_pipeline_options(p: argparse.ArgumentParser) -> None:
@@ -93,7 +94,7 @@ def recompute_names(
     args: argparse.Namespace, graph: Graph, space: Space, simulator: Simulator
 ) -> tuple[str, ...]:
     """The ops the plan recomputes under ``--recompute`` (``pipeline_rule.recompute_list``)."""
-    return recompute_list(args.recompute, graph, space, simulator)
+    return recompute_list(Recompute(args.recompute), graph, space, simulator)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def plan_pipeline(
     stages: int,
     microbatches: int,
     schedule: Schedule,
-    recompute: str,
+    recompute: Recompute,
 ) -> Piped:
     """The pipeline rule's plan for ``graph`` (the model at the step's batch), priced.
     ``costs``: taken into the step by ``graph``'s calibration (``for_graph``), made at
@@ -170,7 +171,15 @@ def more_baselines(
     if default is not None:
         try:
             piped = plan_pipeline(
-                args, graph, machine, costs, slots, precision, *default, Schedule.ONE_F_ONE_B, False
+                args,
+                graph,
+                machine,
+                costs,
+                slots,
+                precision,
+                *default,
+                Schedule.ONE_F_ONE_B,
+                Recompute.NONE,
             )
         except UserError:  # e.g. a model whose batch is fixed: no microbatch to load
             return out

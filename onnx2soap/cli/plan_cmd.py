@@ -44,6 +44,7 @@ from onnx2soap.search.mcmc import (
     unfit_message,
 )
 from onnx2soap.search.pipeline_choice import Candidate, Choice, Pricing, pipeline_choice
+from onnx2soap.search.pipeline_rule import Recompute
 from onnx2soap.search.pipeline_walk import PipelineWalk
 from onnx2soap.sim import Evaluation, Simulator, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
@@ -377,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
                 stages,
                 microbatches,
                 schedule,
-                args.recompute,
+                Recompute(args.recompute),
             )
         chosen_by = make_simulator(
             machine, costs.model, slots, precision, zero, recompute=recompute
@@ -502,6 +503,7 @@ def _choice_doc(choice: Choice | None) -> dict:
             "microbatches": c.shape.microbatches,
             "schedule": c.shape.schedule.value if c.shape.schedule else None,
             "recompute": c.shape.recompute,
+            "selective": c.selective,  # a plain plan recomputing all but the products
             "zero_stage": int(c.zero_stage),
             "of": c.of or None,  # a plain plan's: "walk", a rule's name, or "zero"
             "walked": c is walked,  # the walk inside a pipeline's best, not a rule's plan
@@ -546,7 +548,7 @@ def _pipeline_walk_doc(walk: PipelineWalk | None) -> dict | None:
         ],
         "microbatches": layout.microbatches,
         "zero_stage": int(layout.zero),
-        "recompute": list(layout.recompute),  # per stage
+        "recompute": [mode.value for mode in layout.recompute],  # per stage
         "kept": [
             {"move": k.move, "step_time_s": k.step_time_s, "overflow_bytes": k.overflow}
             for k in walk.kept
@@ -595,7 +597,8 @@ def _candidate_words(c: Candidate) -> str:
         )
     if c.recompute:
         whose = "the walk's plan" if c.of == "walk" else c.of
-        return f"{whose} recomputing {len(c.recompute)} ops"
+        how = " selectively (the products kept)" if c.selective else ""
+        return f"{whose} recomputing {len(c.recompute)} ops{how}"
     return f"data parallel under ZeRO-{int(c.zero_stage)}"
 
 

@@ -11,8 +11,9 @@ built by the pipeline rule and full recomputation, priced over a small grid.
   (the example CNN on cpu:4): it is priced at the fastest fitting 1F1B shape, one
   more plan, and kept where it is faster there.
 - Recomputation of the walk's best: where that plan does not fit, it is priced with
-  ``--recompute all``'s list under its own ZeRO stage; and of the rules users pair with
-  it, Megatron-LM and ZeRO-2 data parallelism (``rules_recomputing``).
+  ``--recompute all``'s list and with ``selective``'s (the products kept: faster than
+  all where it fits) under its own ZeRO stage; and of the rules users pair with it,
+  Megatron-LM and ZeRO-2 data parallelism (``rules_recomputing``), both ways.
 - The walk inside the best pipeline priced (``pipeline_walk``): stage boundaries, each
   stage's tensor parallelism, microbatches, ZeRO, recomputation per stage and single
   ops' configs, its best among the plans chosen from.
@@ -41,6 +42,7 @@ from onnx2soap.search.pipeline_rule import (
     default_microbatches,
     default_shape,
     full_recompute,
+    kept_products,
     pipeline_plan,
     shape_accepted,
 )
@@ -135,15 +137,41 @@ def price_recompute(
     of: str = "walk",
     names: tuple[str, ...] | None = None,
     simulators: Simulators | None = None,
+    selective: bool = False,
 ) -> Candidate:
     """``strategy`` (the walk's best, or a rule's: ``of``) with ``--recompute all``'s
-    list (``names`` where known), under ``zero``."""
+    list (``names`` where known; ``selective``: ``--recompute selective``'s), under
+    ``zero``."""
     if names is None:
         names = full_recompute(graph, space, pricing.simulator(cost))
     priced = (simulators or Simulators(pricing)).get(graph, cost, zero, names)
     evaluation = priced.evaluate(Partitioner(graph).partition(strategy))
     shape = Shape(0, 1, None, True)
-    return Candidate(shape, strategy, graph, space, None, names, zero, evaluation, of)
+    return Candidate(shape, strategy, graph, space, None, names, zero, evaluation, of, selective)
+
+
+def recomputing(
+    graph: Graph,
+    space: Space,
+    cost: CostModel,
+    pricing: Pricing,
+    strategy: Strategy,
+    zero: ZeroStage,
+    of: str,
+    lists: tuple[tuple[str, ...], tuple[str, ...]],
+    simulators: Simulators | None = None,
+) -> list[Candidate]:
+    """``strategy`` recomputing all (``lists[0]``) and selectively (``lists[1]``, the
+    products kept: less time, more memory; none offered for a model without products)."""
+    full, selective = lists
+    found = [price_recompute(graph, space, cost, pricing, strategy, zero, of, full, simulators)]
+    if selective:
+        found.append(
+            price_recompute(
+                graph, space, cost, pricing, strategy, zero, of, selective, simulators, True
+            )
+        )
+    return found
 
 
 def rules_recomputing(
@@ -153,12 +181,14 @@ def rules_recomputing(
     pricing: Pricing,
     names: tuple[str, ...],
     simulators: Simulators | None = None,
+    selective: tuple[str, ...] = (),
 ) -> list[Candidate]:
-    """The rules users pair with recomputation, recomputing: Megatron-LM (its activation
-    checkpointing) and data parallelism under ZeRO-2 (DeepSpeed's). The walk prices
-    plans without recomputation, so a rule that fits only recomputing (Megatron on
-    GPT-1.3B over 64 H100s: 95 GiB plain, 67 recomputing, the fastest that fits) is
-    found here or nowhere."""
+    """The rules users pair with recomputation, recomputing all (``names``) and
+    selectively (``selective``, where given): Megatron-LM (its activation checkpointing
+    and selective recomputation) and data parallelism under ZeRO-2 (DeepSpeed's). The
+    walk prices plans without recomputation, so a rule that fits only recomputing
+    (Megatron on GPT-1.3B over 64 H100s: 95 GiB plain, 67 recomputing, the fastest
+    that fits) is found here or nowhere."""
     devices = pricing.machine.size
     if devices == 1:
         return []
@@ -167,8 +197,11 @@ def rules_recomputing(
         ("data-parallel", data_parallel(graph, space, devices), ZeroStage.GRADIENTS),
     ]
     return [
-        price_recompute(graph, space, cost, pricing, strategy, zero, name, names, simulators)
+        c
         for name, strategy, zero in plans
+        for c in recomputing(
+            graph, space, cost, pricing, strategy, zero, name, (names, selective), simulators
+        )
     ]
 
 
@@ -283,11 +316,11 @@ def pipeline_choice(
         tried.append(moved)
     if graph.batch not in redo_names:
         redo_names[graph.batch] = full_recompute(graph, space, pricing.simulator(cost))
-    whole = redo_names[graph.batch]
+    whole, selective = redo_names[graph.batch], kept_products(graph)
     if not best_evaluation.fits:
-        redone = price_recompute(graph, space, cost, pricing, best, zero, "walk", whole, simulators)
-        tried.append(redone)
-    tried += rules_recomputing(graph, space, cost, pricing, whole, simulators)
+        lists = (whole, selective)
+        tried += recomputing(graph, space, cost, pricing, best, zero, "walk", lists, simulators)
+    tried += rules_recomputing(graph, space, cost, pricing, whole, simulators, selective)
     baselines = {}
     if default is not None:
         rule = Shape(*default, Schedule.ONE_F_ONE_B, False)

@@ -18,8 +18,10 @@ from onnx2soap.search.groups import Groups, find_groups
 from onnx2soap.search.mcmc import NOWHERE, Cost, cost_in
 from onnx2soap.search.megatron import megatron_at, node_size
 from onnx2soap.search.pipeline_rule import (
+    Recompute,
     Space,
     full_recompute,
+    kept_products,
     stage_groups,
     task_seconds,
 )
@@ -41,13 +43,13 @@ EVEN_POSITIONS = 32  # boundary positions besides the starts of repeated blocks
 class Layout:
     """A pipeline plan of the walk: each stage's first op (graph order, the same at
     every microbatch size; ``cuts[0]`` is 0), each stage's tensor-parallel degree, the
-    ZeRO stage, per stage whether its backward recomputes (its ops of ``--recompute
-    all``'s list), and the microbatch count."""
+    ZeRO stage, per stage what its backward recomputes (none, its ops of ``--recompute
+    all``'s list, or of ``selective``'s), and the microbatch count."""
 
     cuts: tuple[int, ...]
     degrees: tuple[int, ...]
     zero: ZeroStage
-    recompute: tuple[bool, ...]
+    recompute: tuple[Recompute, ...]
     microbatches: int
     # ops whose config is their own, not their stage's degree's (name order); one whose
     # devices leave its stage (a boundary moved past it) takes its stage's again
@@ -128,12 +130,23 @@ class StageSpace:
                 own[n] = chosen
         return replace(at, overrides=tuple(sorted(own.items(), key=lambda kv: kv[0])))
 
-    def recomputed(self, layout: Layout, names: tuple[str, ...]) -> tuple[str, ...]:
-        """Of ``names`` (``--recompute all``'s list), those in stages that recompute."""
-        if all(layout.recompute) or not any(layout.recompute):
-            return names if layout.recompute and layout.recompute[0] else ()
+    def recomputed(
+        self, layout: Layout, full: tuple[str, ...], selective: tuple[str, ...] = ()
+    ) -> tuple[str, ...]:
+        """The ops each stage recomputes: of ``full`` (``--recompute all``'s list) those
+        in stages that recompute all, of ``selective`` those in stages that recompute
+        selectively; in graph order."""
+        lists = {Recompute.NONE: (), Recompute.ALL: full, Recompute.SELECTIVE: selective}
+        if len(set(layout.recompute)) == 1:
+            return tuple(lists[layout.recompute[0]])
         index = {op.name: i for i, op in enumerate(self.micro.ops)}
-        return tuple(n for n in names if layout.recompute[bisect_right(layout.cuts, index[n]) - 1])
+        stage_of = lambda n: bisect_right(layout.cuts, index[n]) - 1  # noqa: E731
+        chosen = {n for mode, names in lists.items() for n in names}
+        return tuple(
+            op.name
+            for op in self.micro.ops
+            if op.name in chosen and op.name in lists[layout.recompute[stage_of(op.name)]]
+        )
 
     def balanced(self, degree: int, pricing: Pricing, cost: CostModel, redo) -> tuple[int, ...]:
         """The cuts balancing the stages' ops' times with every stage at ``degree``, as
@@ -174,6 +187,7 @@ class Microbatched:
     partitioner: Partitioner
     cost: CostModel
     redo_names: tuple[str, ...]  # ``--recompute all``'s list
+    selective_names: tuple[str, ...] = ()  # ``--recompute selective``'s, () without products
 
 
 # microbatch count -> the model at its size (None where it cannot be loaded: a batch
@@ -215,12 +229,11 @@ class LayoutPricer:
             check_zero(layout.zero, (g for gs in pg.groups.values() for g in gs), "walk")
         except PlanError:
             return None
-        names = at.stages.recomputed(layout, at.redo_names)
+        names = at.stages.recomputed(layout, at.redo_names, at.selective_names)
         # durations and memory depend on what is recomputed, not on where stages end
         simulator = self.simulators.get(micro, at.cost, layout.zero, names, pipeline)
-        shape = replace(
-            at.stages.shape, microbatches=layout.microbatches, recompute=any(layout.recompute)
-        )
+        redo = any(r is not Recompute.NONE for r in layout.recompute)
+        shape = replace(at.stages.shape, microbatches=layout.microbatches, recompute=redo)
         evaluation = simulator.evaluate(pg)
         return Candidate(shape, strategy, micro, space, pipeline, names, layout.zero, evaluation)
 
@@ -233,7 +246,7 @@ def layout_of(stages: StageSpace, start: Candidate) -> Layout:
     index = {op.name: i for i, op in enumerate(stages.micro.ops)}
     cuts = tuple(min(index[n] for n in ops) for ops in start.pipeline.stages)
     degrees = (1,) * len(cuts)
-    redo = (start.shape.recompute,) * len(cuts)
+    redo = (Recompute.ALL if start.shape.recompute else Recompute.NONE,) * len(cuts)
     return Layout(cuts, degrees, start.zero_stage, redo, start.shape.microbatches)
 
 
@@ -279,4 +292,4 @@ def _microbatched(
     if graph.batch not in redo:
         redo[graph.batch] = full_recompute(graph, space, pricing.simulator(cost))
     stages = StageSpace(graph, space, pricing, shape)
-    return Microbatched(stages, Partitioner(graph), cost, redo[graph.batch])
+    return Microbatched(stages, Partitioner(graph), cost, redo[graph.batch], kept_products(graph))

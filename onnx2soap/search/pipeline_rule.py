@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
@@ -184,6 +185,24 @@ def default_microbatches(devices: int, batch: int, stages: int) -> int | None:
 COSTLY = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "LSTM", "GRU"})
 
 
+class Recompute(Enum):
+    """What a plan (or a pipeline's stage) recomputes in its backward: nothing, every
+    op but the checkpoints (``full_recompute``), or every op but the products
+    (``selective_recompute``)."""
+
+    NONE = "none"
+    ALL = "all"
+    SELECTIVE = "selective"
+
+
+def kept_products(graph: Graph) -> tuple[str, ...]:
+    """``selective_recompute``'s list, or () for a model without a product (nothing for
+    a search to offer there)."""
+    if not any(op.type in COSTLY for op in graph.ops):
+        return ()
+    return selective_recompute(graph)
+
+
 def selective_recompute(graph: Graph) -> tuple[str, ...]:
     """``--recompute selective``: every op but the products (``COSTLY``) and the loss, in
     graph order: the normalizations, activations, dropout and elementwise ops between
@@ -202,13 +221,13 @@ def selective_recompute(graph: Graph) -> tuple[str, ...]:
 
 
 def recompute_list(
-    mode: str, graph: Graph, space: Space | None = None, simulator: Simulator | None = None
+    mode: Recompute, graph: Graph, space: Space | None = None, simulator: Simulator | None = None
 ) -> tuple[str, ...]:
     """The ops a plan recomputes under ``--recompute``'s ``mode``: none, all (checkpoints
     kept, ``full_recompute``) or selective (products kept, ``selective_recompute``)."""
-    if mode == "all":
+    if mode is Recompute.ALL:
         return full_recompute(graph, space, simulator)
-    if mode == "selective":
+    if mode is Recompute.SELECTIVE:
         return selective_recompute(graph)
     return ()
 

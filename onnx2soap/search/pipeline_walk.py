@@ -15,9 +15,11 @@ a ``Layout`` (``pipeline_layout.py``):
   of the stage's devices;
 - every stage to one degree at once, its boundaries cut again balanced by the ops'
   times under it (``pipeline_stages.balanced_stages``), as the rule cuts them;
-- the ZeRO stage, and recomputation (``--recompute all``'s list) in each stage, or in
-  all of them, on or off (1F1B holds more microbatches on early stages: recomputing
-  there alone may be enough to fit);
+- the ZeRO stage, and recomputation in each stage, or in all of them: none, all
+  (``--recompute all``'s list) or selective (the products kept, the ops between them
+  made again: less memory than none for less time than all), as Megatron-LM and
+  torchtitan choose per block (1F1B holds more microbatches on early stages:
+  recomputing there alone may be enough to fit);
 - the microbatch count, among the batch's divisors up to 8 a stage (a stage split by
   tensor parallelism needs fewer samples a microbatch than the rule's data
   parallelism, so more microbatches and a smaller bubble become possible);
@@ -51,6 +53,7 @@ from onnx2soap.search.pipeline_layout import (
     StageSpace,
     layout_of,
 )
+from onnx2soap.search.pipeline_rule import Recompute
 from onnx2soap.search.priced import Candidate, Pricing, Simulators
 from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage
 
@@ -108,9 +111,14 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
         return [replace(at, zero=z) for z in (ZeroStage.NONE, *ZERO_STAGES) if z != at.zero]
 
     def recompute(at: Layout) -> list[Layout]:
-        flips = [_set(at.recompute, s, not at.recompute[s]) for s in range(count)]
-        every = [(v,) * count for v in (False, True)]
-        options = dict.fromkeys([*every, *flips])  # in order, once each
+        every = [(mode,) * count for mode in Recompute]
+        each = [
+            _set(at.recompute, s, mode)
+            for s in range(count)
+            for mode in Recompute
+            if mode is not at.recompute[s]
+        ]
+        options = dict.fromkeys([*every, *each])  # in order, once each
         return [replace(at, recompute=r) for r in options if r != at.recompute]
 
     def microbatches(at: Layout) -> list[Layout]:
@@ -194,7 +202,7 @@ def walk_pipeline(
 
     def balance(at: Layout, degree: int) -> tuple[int, ...]:
         m = models(at.microbatches) or first
-        redo = frozenset(m.stages.recomputed(at, m.redo_names))
+        redo = frozenset(m.stages.recomputed(at, m.redo_names, m.selective_names))
         return m.stages.balanced(degree, pricing, m.cost, redo)
 
     def out_of_time() -> bool:

@@ -38,6 +38,7 @@ class Candidate:
     zero_stage: ZeroStage
     evaluation: Evaluation
     of: str = ""  # a plain plan's origin: "walk", or the rule's name; "" for a pipeline
+    selective: bool = False  # a plain plan recomputing all but the products
 
 
 @dataclass(frozen=True)

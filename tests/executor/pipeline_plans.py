@@ -73,6 +73,7 @@ def walked_plan(
     inside the stage), 1F1B; then ``changes`` of the walk's random changes of an op's
     config inside its stage (``StageSpace.propose``, seeded), kept whatever they cost."""
     from onnx2soap.precision import Precision
+    from onnx2soap.search.pipeline_rule import Recompute
     from onnx2soap.search.pipeline_walk import Layout, StageSpace
     from onnx2soap.search.priced import Pricing, Shape
     from onnx2soap.sim import RooflineCost, resolve_machine
@@ -83,7 +84,7 @@ def walked_plan(
     shape = Shape(len(degrees), microbatches, Schedule.ONE_F_ONE_B, False)
     stages = StageSpace(graph, space, pricing, shape)
     cuts = stages.balanced(1, pricing, RooflineCost(), frozenset())
-    layout = Layout(cuts, degrees, zero, (False,) * len(degrees), microbatches)
+    layout = Layout(cuts, degrees, zero, (Recompute.NONE,) * len(degrees), microbatches)
     rng = np.random.default_rng(0)
     for _ in range(changes):
         layout = stages.propose(layout, rng)

@@ -182,3 +182,39 @@ def test_the_rules_recomputing_are_priced_as_plan_prices_them(
     assert doc.get("zero_stage", 0) == int(got.zero_stage)
     assert math.isclose(doc["predicted"]["step_time_s"], got.evaluation.step_time_s, rel_tol=1e-9)
     assert max(doc["predicted"]["peak_memory_bytes"]) == max(got.evaluation.peak_memory_bytes)
+
+
+@pytest.mark.parametrize(
+    ("rule", "strategy"), [("megatron", "megatron"), ("data-parallel", "zero")]
+)
+def test_the_rules_recomputing_selectively_are_priced_as_plan_prices_them(
+    example_onnx, tmp_path, rule: str, strategy: str
+) -> None:
+    """Each rule is also offered recomputing selectively (the products kept): priced
+    as ``plan --strategy megatron|zero --recompute selective`` prices it, between the
+    plain plan and the one recomputing all in time (one forward of the cheap ops, not
+    of every op)."""
+    import json
+
+    from onnx2soap.cli import main as cli
+    from onnx2soap.search.pipeline_choice import rules_recomputing
+    from onnx2soap.search.pipeline_rule import selective_recompute
+
+    machine = resolve_machine("cpu:4")
+    graph = load_model(example_onnx, 8).graph
+    space = analyze(graph)
+    pricing = Pricing(machine, 0, Precision.FP32)
+    names = full_recompute(graph, space, pricing.simulator(RooflineCost()))
+    selective = selective_recompute(graph)
+    found = rules_recomputing(graph, space, RooflineCost(), pricing, names, None, selective)
+    (full,) = [c for c in found if c.of == rule and not c.selective]
+    (got,) = [c for c in found if c.of == rule and c.selective]
+    assert got.recompute == selective and set(got.recompute) < {op.name for op in graph.ops}
+    out = tmp_path / "r.json"
+    argv = ["plan", str(example_onnx), "--batch", "8", "--devices", "4", "--costs", "roofline"]
+    assert cli([*argv, "--strategy", strategy, "--recompute", "selective", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["recompute"] == list(got.recompute)
+    assert math.isclose(doc["predicted"]["step_time_s"], got.evaluation.step_time_s, rel_tol=1e-9)
+    assert max(doc["predicted"]["peak_memory_bytes"]) == max(got.evaluation.peak_memory_bytes)
+    assert got.evaluation.step_time_s <= full.evaluation.step_time_s

@@ -25,7 +25,7 @@ from onnx2soap.search.mcmc import cost_in
 from onnx2soap.search.megatron import megatron_at
 from onnx2soap.search.pipeline_choice import price_pipeline
 from onnx2soap.search.pipeline_layout import Layout, Models, StageSpace, model_source
-from onnx2soap.search.pipeline_rule import Space, full_recompute
+from onnx2soap.search.pipeline_rule import Recompute, Space, full_recompute, selective_recompute
 from onnx2soap.search.pipeline_walk import PipelineWalk, microbatch_counts, walk_pipeline
 from onnx2soap.search.priced import Candidate, Pricing, Shape
 from onnx2soap.sim import RooflineCost, resolve_machine
@@ -103,7 +103,16 @@ def _cost(s: Setup, layout: Layout):
     micro, space = _fresh(s.model, s.batch // layout.microbatches)
     stages = StageSpace(micro, space, s.pricing, s.shape)
     strategy, pipeline = stages.build(layout)
-    redo = tuple(n for n in at.redo_names if layout.recompute[_stage_of(stages, layout, n)])
+    lists = {
+        Recompute.NONE: (),
+        Recompute.ALL: at.redo_names,
+        Recompute.SELECTIVE: selective_recompute(micro),
+    }
+    redo = tuple(
+        op.name
+        for op in micro.ops
+        if op.name in lists[layout.recompute[_stage_of(stages, layout, op.name)]]
+    )
     simulator = s.pricing.simulator(s.cost, zero=layout.zero, pipeline=pipeline, recompute=redo)
     evaluation = simulator.evaluate(Partitioner(micro).partition(strategy))
     return cost_in(evaluation, [d.memory for d in s.pricing.machine.devices])
@@ -130,8 +139,9 @@ def test_the_walk_finds_the_exhaustive_optimum_of_two_stages(gpt2: Path, spec: s
         if zero is not walk.layout.zero:
             assert found <= _cost(s, replace(walk.layout, zero=zero))
     for i in range(2):
-        flipped = tuple(not r if j == i else r for j, r in enumerate(walk.layout.recompute))
-        assert found <= _cost(s, replace(walk.layout, recompute=flipped))
+        for mode in Recompute:
+            changed = tuple(mode if j == i else r for j, r in enumerate(walk.layout.recompute))
+            assert found <= _cost(s, replace(walk.layout, recompute=changed))
     for m in microbatch_counts(batch, 2):
         if m != walk.layout.microbatches:
             assert found <= _cost(s, replace(walk.layout, microbatches=m))
@@ -143,7 +153,7 @@ def test_a_stage_at_a_degree_runs_megatron_on_its_own_devices(gpt2: Path) -> Non
     stages = StageSpace(micro, s.space, s.pricing, s.shape)
     assert stages.degrees == ((1, 2), (1, 2))  # 2 ranks a stage, all in one node
     cuts = (0, len(micro.ops) // 2)
-    layout = Layout(cuts, (2, 1), ZeroStage.NONE, (False, False), MICROBATCHES)
+    layout = Layout(cuts, (2, 1), ZeroStage.NONE, (Recompute.NONE,) * 2, MICROBATCHES)
     strategy, pipeline = stages.build(layout)
     check_pipeline_plan(pipeline, micro, strategy.configs, 4)
     inside = megatron_at(micro, s.space, 2, 2)
