@@ -1,5 +1,5 @@
-"""A GPT on 4 CPU ranks, Megatron's plan in float32 and bf16: each rank's peak RSS next to
-the memory the plan is priced at.
+"""A GPT on 4 CPU ranks, Megatron's plan and ZeRO-3 in float32 and bf16: each rank's peak
+RSS next to the memory the plan is priced at.
 
     python -m benchmarks.gpt_rank_memory [--layers 4 --width 512 --tokens 256 --batch 8]
 
@@ -32,6 +32,9 @@ from benchmarks.gpt_onnx import GptShape, write_gpt
 MB = 1 << 20
 RANKS = 4
 STEPS = 3
+# (label, plan --strategy ...): tensor parallelism over the 4 ranks, and ZeRO-3 data
+# parallelism (each rank a quarter of every weight, gathered for each op)
+STRATEGIES = (("megatron", ("megatron",)), ("zero-3", ("zero", "--zero-stage", "3")))
 
 
 def _mpiexec() -> str:
@@ -80,30 +83,32 @@ def main(argv: list[str] | None = None) -> int:
         model = write_gpt(work, shape)
         _plan(model, work / "one.json", args.batch, 2, "--strategy", "single-device")
         idle = _peaks(work / "one.json", 2, work / "one.jsonl")[1]
-        print(f"GPT {shape}, batch {args.batch}, {RANKS} ranks, Megatron, Adam, {STEPS} steps")
+        print(f"GPT {shape}, batch {args.batch}, {RANKS} ranks, Adam, {STEPS} steps")
         print(f"idle rank: {idle / MB:.0f} MB")
-        print("| precision | peak RSS per rank MB | beyond idle MB | priced MB | beyond / priced |")
-        print("|---|---|---|---|---|")
-        beyond_of = {}
-        for precision in ("fp32", "bf16"):
-            plan = work / f"{precision}.json"
-            _plan(
-                model, plan, args.batch, RANKS, "--strategy", "megatron", "--precision", precision
-            )
-            peaks = _peaks(plan, RANKS, work / f"{precision}.jsonl")
-            priced = _priced(plan)
-            beyond = [p - idle for p in peaks]
-            beyond_of[precision] = max(beyond)
-            ratios = " / ".join(f"{b / p:.2f}" for b, p in zip(beyond, priced, strict=True))
-            print(
-                f"| {precision} | {' / '.join(f'{p / MB:.0f}' for p in peaks)} "
-                f"| {' / '.join(f'{b / MB:.0f}' for b in beyond)} "
-                f"| {' / '.join(f'{p / MB:.0f}' for p in priced)} | {ratios} |",
-                flush=True,
-            )
         print(
-            f"bf16 / fp32 beyond idle (largest rank): {beyond_of['bf16'] / beyond_of['fp32']:.2f}"
+            "| plan | precision | peak RSS per rank MB | beyond idle MB | priced MB "
+            "| beyond / priced |"
         )
+        print("|---|---|---|---|---|---|")
+        for label, strategy in STRATEGIES:
+            beyond_of = {}
+            for precision in ("fp32", "bf16"):
+                plan = work / f"{label}-{precision}.json"
+                extra = ("--strategy", *strategy, "--precision", precision)
+                _plan(model, plan, args.batch, RANKS, *extra)
+                peaks = _peaks(plan, RANKS, work / f"{label}-{precision}.jsonl")
+                priced = _priced(plan)
+                beyond = [p - idle for p in peaks]
+                beyond_of[precision] = max(beyond)
+                ratios = " / ".join(f"{b / p:.2f}" for b, p in zip(beyond, priced, strict=True))
+                print(
+                    f"| {label} | {precision} | {' / '.join(f'{p / MB:.0f}' for p in peaks)} "
+                    f"| {' / '.join(f'{b / MB:.0f}' for b in beyond)} "
+                    f"| {' / '.join(f'{p / MB:.0f}' for p in priced)} | {ratios} |",
+                    flush=True,
+                )
+            ratio = beyond_of["bf16"] / beyond_of["fp32"]
+            print(f"{label}: bf16 / fp32 beyond idle (largest rank): {ratio:.2f}")
     return 0
 
 

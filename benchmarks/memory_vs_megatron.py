@@ -20,6 +20,10 @@ by the down projection (8sbf/t). The sources' own accounting is the reference; a
 within 1.25x of it is what the memory model aims at (issue "Memory as the big runs hold
 it").
 
+And ZeRO-3 data parallelism over the machine's 8 devices (a sequence each; weights,
+gradients and Adam's state sharded 8 ways, each weight gathered for its op), next to
+the same count at one sequence and t = 1 with the 18 bytes a parameter over 8.
+
 Models are exported shape-only by ``benchmarks/suite_models.py`` (torch, transformers),
 or read from ``--models-dir`` where that wrote them (``NAME.onnx``).
 """
@@ -38,10 +42,12 @@ from dataclasses import dataclass
 
 from onnx2soap.importer import load_model
 from onnx2soap.precision import Precision
+from onnx2soap.search.baselines import data_parallel
 from onnx2soap.search.megatron import megatron_at
 from onnx2soap.sim import RooflineCost, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.soap import Partitioner, analyze
+from onnx2soap.soap.zero import ZeroStage
 
 GB = 1e9
 DEGREES = (1, 2, 4, 8)
@@ -101,21 +107,29 @@ def _row(row: Row, path: Path) -> list[str]:
     space = analyze(graph)
     machine = resolve_machine(row.machine)
     params = sum(t.numel for t in graph.weights)
-    cells = []
     partitioner = Partitioner(graph)
-    for t in DEGREES:
-        pg = partitioner.partition(megatron_at(graph, space, t, t))
-        sim = make_simulator(
-            machine,
-            RooflineCost(),
-            optimizer_slots=OPTIMIZER_SLOTS["adam"],
-            precision=row.precision,
-        )
-        priced = max(sim.evaluate(pg).peak_memory_bytes)
-        formula = row.shape.activations(BATCH, t) + 18 * params / t
+
+    def cell(strategy, zero: ZeroStage, formula: float) -> str:
+        sim = make_simulator(machine, RooflineCost(), OPTIMIZER_SLOTS["adam"], row.precision, zero)
+        priced = max(sim.evaluate(partitioner.partition(strategy)).peak_memory_bytes)
         fits = "fits" if priced <= machine.devices[0].memory else "over"
-        cells.append(f"{priced / GB:7.1f} / {formula / GB:5.1f} = {priced / formula:4.2f}x {fits}")
+        return f"{priced / GB:7.1f} / {formula / GB:5.1f} = {priced / formula:4.2f}x {fits}"
+
+    cells = [
+        cell(megatron_at(graph, space, t, t), ZeroStage.NONE, _count(row, params, BATCH, t))
+        for t in DEGREES
+    ]
+    # ZeRO-3 over the machine's devices: a sequence each, every state / devices
+    n = machine.size
+    zero3 = data_parallel(graph, space, n)
+    cells.append(cell(zero3, ZeroStage.PARAMETERS, _count(row, params, BATCH // n, 1, n)))
     return cells
+
+
+def _count(row: Row, params: int, batch: int, t: int, shards: int | None = None) -> float:
+    """Megatron-LM's count for one device: activations at tensor-parallel degree ``t``,
+    18 bytes a parameter over ``t`` (or, under ZeRO-3, over the ``shards`` replicas)."""
+    return row.shape.activations(batch, t) + 18 * params / (shards or t)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wanted = set(args.models.split(","))
     print(f"batch {BATCH}, Adam; per device: priced GB / Megatron-LM's count GB = ratio")
-    header = " | ".join(f"{'t = ' + str(t):^28}" for t in DEGREES)
+    header = " | ".join(f"{label:^28}" for label in (*(f"t = {t}" for t in DEGREES), "ZeRO-3"))
     print(f"{'model':10} {'machine':12} {'precision':9} | {header}")
     with tempfile.TemporaryDirectory() as scratch:
         for row in ROWS:

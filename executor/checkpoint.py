@@ -104,8 +104,9 @@ def _owned_arrays(rt: Runtime) -> list[tuple[str, str, Rect, object]]:
             key = (group.weight, group.rect)
             if rt.rank not in group.devices:
                 continue
-            if group.devices[0] == rt.rank:
-                out.append((group.weight, VALUE, group.rect, rt.shards[key]))
+            for device, rect in rt.written(group):  # ZeRO-3: every member its rows
+                if device == rt.rank:
+                    out.append((group.weight, VALUE, rect, rt.shards[key]))
             if group.devices[0] != rt.rank and key not in rt.zero:
                 continue
             for slot, array in rt.slots.get(key, {}).items():
@@ -244,7 +245,8 @@ def restore(rt: Runtime, manifest: Manifest, path: Path) -> None:
         by_key.setdefault((entry.tensor, entry.kind), []).append(entry)
     try:
         for (tensor, rect), shard in rt.shards.items():
-            values = _assemble(path, by_key.get((tensor, VALUE), []), rect, rt.dtype)
+            held = rt.held_rect((tensor, rect))  # under ZeRO-3 the rank's rows only
+            values = _assemble(path, by_key.get((tensor, VALUE), []), held, rt.dtype)
             rt.device.to_device(values, out=shard)
             rt.refresh_compute_copy((tensor, rect))
             owned = rt.slot_rect((tensor, rect))  # under ZeRO the rank's rows only

@@ -32,6 +32,15 @@ class Fixed:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """ZeRO-3: a weight shard the rank holds rows of; the step's ``GatherWeight`` gathers
+    it whole before each phase of the op (executor/step.py). Never kept from the forward
+    to the backward: gathered again."""
+
+    key: tuple[str, Rect]
+
+
+@dataclass(frozen=True)
 class Rows:
     """A data input or the labels: the task's rows copied from the batch every step into
     ``buffer`` (made once, padding included) at ``into``; ``data`` is the global rect.
@@ -97,7 +106,7 @@ class Assembled:
         return _padded(xp, self.half, self.region, self.dtype)
 
 
-InputSource = Fixed | Rows | Alias | Received | Assembled
+InputSource = Fixed | Gathered | Rows | Alias | Received | Assembled
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,8 @@ def input_source(rt, key: TaskKey, task: Task, k: int, pieces: list[Piece]) -> I
     op = rt.graph.ops[key[0]]
     name, role, region = op.inputs[k], rt.roles[key[0]][k], task.inputs[k]
     if role in (TensorRole.WEIGHT, TensorRole.STATE):
+        if (name, region.data) in rt.zero3:
+            return Gathered((name, region.data))
         return Fixed(rt.weight_values((name, region.data)))
     if role is TensorRole.CONSTANT:
         return Fixed(_cut_constant(rt, name, region))

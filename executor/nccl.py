@@ -134,7 +134,10 @@ class NcclTransport:
             comm.broadcast(ptr, ptr, count, kind, root, stream.ptr)
 
         stream = self._per_shard(array, devices, chunks, broadcast)
-        return self._started(array, devices, chunks, all_gather_steps, stream)
+        # Not held to the next step: the step waits for this event before any kernel
+        # reads the array (ZeRO-1/2: the weight, held anyway; ZeRO-3: a gathered weight
+        # the step drops after its op's kernels, which the compute stream runs after).
+        return self._started(array, devices, chunks, all_gather_steps, stream, hold=False)
 
     def _per_shard(self, array, devices, chunks, call):
         """``call`` once per shard (its run of ``array``, rooted at its owner), in one

@@ -15,6 +15,8 @@ microbatch. Within a pass:
                                     microbatch's gradient is accumulated, all-reduce the
                                     op's weight replica groups (under ZeRO,
                                     reduce-scatter the sharded ones);
+    under ZeRO-3 each phase of an op first all-gathers its sharded weights
+    (``GatherWeight``) on their groups' members;
     then the update (under ZeRO, each sharded group's all-gather after its update:
     executor/runtime.py).
 
@@ -198,6 +200,19 @@ class ReduceScatter:
 
 
 @dataclass(frozen=True)
+class GatherWeight:
+    """ZeRO-3: every member all-gathers a sharded replica group's whole Rect from the
+    members' rows, before the op's tasks of ``phase`` on it read it (soap/zero.py); the
+    rank lets go of it once they have run."""
+
+    phase: Phase
+    op: int
+    group: int  # index into PartitionedGraph.groups[op name]
+    devices: tuple[int, ...]
+    microbatch: int = 0
+
+
+@dataclass(frozen=True)
 class Reopen:
     """Microbatch ``microbatch`` takes buffers (a slot) that an earlier microbatch of
     the step used on this rank: on a GPU that one's kernels and transfers must be done
@@ -225,6 +240,7 @@ Instruction = (
     | Wait
     | AllReduce
     | ReduceScatter
+    | GatherWeight
     | Reopen
     | Close
 )
@@ -398,10 +414,17 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
 def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync: bool) -> list:
     """One phase of one op for one microbatch; after the backward, where ``sync`` (the
     stage's last backward), the op's weight-gradient sums."""
+    # ZeRO-3: the sharded weights, gathered before the phase's first instruction
+    order = [
+        (d, GatherWeight(phase, i, g, group.devices))
+        for g, group in enumerate(pg.groups[op.name])
+        if zero.shards_weights and zero_group(group, zero) is not None
+        for d in group.devices
+    ]
     if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
-        order = _summed_op(pg, phase, i, op, *links)
+        order += _summed_op(pg, phase, i, op, *links)
     else:
-        order = _plain_op(pg, phase, i, op, *links)
+        order += _plain_op(pg, phase, i, op, *links)
     if phase is Phase.BACKWARD and sync:
         # The op's weight gradients are complete: all-reduce them now, while the rest
         # of the backward pass is still ahead (as the simulator schedules it).
@@ -513,7 +536,7 @@ def forward_program(program: Program) -> Program:
 
 
 def phase_of(ins: Instruction) -> Phase:
-    if isinstance(ins, Compute | Partial | ReduceStats):
+    if isinstance(ins, Compute | Partial | ReduceStats | GatherWeight):
         return ins.phase
     if isinstance(ins, SumOutputs):
         return Phase.FORWARD

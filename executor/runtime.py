@@ -132,16 +132,22 @@ class Runtime:
         # ZeRO: the rank's sharded groups; it updates, and keeps optimizer state for,
         # its own rows of each (``slot_rect``).
         self.zero: dict[WeightKey, ZeroGroup] = {}
+        # ZeRO-3: the rank holds its rows of these alone (``held_rect``); a step gathers
+        # the whole Rect for each op that reads it (``Step.gather_weight``).
+        self.zero3: dict[WeightKey, ZeroGroup] = {}
         for op in self.graph.ops:
             for group in pg.groups[op.name]:
                 if self.rank in group.devices:
                     key = (group.weight, group.rect)
-                    self.shards[key] = self._shard(weights[group.weight], key, refuse_nonfinite)
-                    if group.trainable:
-                        self.trainable.add(key)
                     sharded = zero_group(group, zero)
                     if sharded is not None:
                         self.zero[key] = sharded
+                        if zero.shards_weights:
+                            self.zero3[key] = sharded
+                    held = (group.weight, self.held_rect(key))
+                    self.shards[key] = self._shard(weights[group.weight], held, refuse_nonfinite)
+                    if group.trainable:
+                        self.trainable.add(key)
         # Updated in this order (the shards' own: graph order), every step.
         self.trainable_order = tuple(k for k in self.shards if k in self.trainable)
         # Mixed precision: the kernels read each trainable weight in the half format, a
@@ -150,7 +156,8 @@ class Runtime:
         if self.half.active:
             with self.device.compute():
                 for key in self.trainable_order:
-                    self.compute_copies[key] = self.half.narrow(self.shards[key])
+                    if key not in self.zero3:  # a gathered weight is narrowed as gathered
+                        self.compute_copies[key] = self.half.narrow(self.shards[key])
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
         # floats in the run's dtype, ids int64.
         with self.device.compute():
@@ -171,6 +178,9 @@ class Runtime:
             if len(g.devices) > 1
         )
         self.forward_program = forward_program(program)  # evaluation's
+        # ZeRO-3: the weights a step gathered for an op's phase go after the op's last
+        # task of the phase on the rank: (phase, op, task) -> their keys
+        self.gathered_until = _gathered_until(self, program) if self.zero3 else {}
         # A pipeline's microbatches: each random op's sample axis (its draws are those
         # of its samples in the whole batch: executor/step.py).
         self.random_axes = random_axes(self.graph) if program.microbatches > 1 else {}
@@ -211,6 +221,21 @@ class Runtime:
         with self.device.compute():
             return self.device.to_device(host)
 
+    def held_rect(self, key: WeightKey) -> Rect:
+        """The Rect of a weight or state shard the rank holds between steps: the shard,
+        or under ZeRO-3 the rank's rows of it."""
+        sharded = self.zero3.get(key)
+        return key[1] if sharded is None else sharded.shard(self.rank)
+
+    def written(self, group) -> list[tuple[int, Rect]]:
+        """Who writes a replica group's values, and which Rect of them (each Rect of a
+        tensor once): the group's lowest device the whole shard, or under ZeRO-3 every
+        member its rows. From the plan alone: the same on every rank, member or not."""
+        sharded = zero_group(group, self.zero_stage) if self.zero_stage.shards_weights else None
+        if sharded is None:
+            return [(group.devices[0], group.rect)]
+        return list(zip(group.devices, sharded.shards, strict=True))
+
     def slot_rect(self, key: WeightKey) -> Rect:
         """The Rect of a trainable shard this rank updates and keeps optimizer state for:
         the shard, or under ZeRO the rank's rows of it."""
@@ -223,7 +248,7 @@ class Runtime:
         ZeRO-2 the array ``Step`` kept of them."""
         grad = self.buffers.gradient(key, self.xp)
         sharded = self.zero.get(key)
-        if sharded is None or self.zero_stage is ZeroStage.GRADIENTS:
+        if sharded is None or self.zero_stage.shards_gradients:
             return grad
         lo, hi = sharded.rows(self.rank)
         return grad[lo:hi]
@@ -346,7 +371,7 @@ class Runtime:
         if grad_scale != 1.0:
             grad *= grad_scale
         slots, sharded = self.slots[key], self.zero.get(key)
-        if sharded is None:
+        if sharded is None or key in self.zero3:  # the whole shard, or ZeRO-3's rows
             apply_update(self.xp, self.optimizer, self.shards[key], grad, slots, lr, self.updates)
             self.refresh_compute_copy(key)
             return []
@@ -417,7 +442,7 @@ class _Buffers:
         # the update (``Step._weight_grad``), summed over the microbatches; none between
         # steps.
         self.grads = grads
-        self._shapes = {k: v.shape for k, v in rt.shards.items() if k in rt.trainable}
+        self._shapes = {k: rect_shape(k[1]) for k in rt.trainable}  # the whole Rect's
         self._dtype = rt.dtype
         # Every microbatch runs the same instructions: the first one's tell the buffers.
         first = [ins for ins in rt.program.instructions if ins.microbatch == 0]
@@ -469,6 +494,22 @@ class _Buffers:
             group = rt.pg.sums[rt.graph.ops[ins.op].name][ins.group]
             key = (ins.op, group.holder(rt.rank))
             self.grad_outputs[key] = grad_source(rt, key, ins.pieces)
+
+
+def _gathered_until(rt: Runtime, program: Program) -> dict[tuple, tuple[WeightKey, ...]]:
+    """Per op and phase with ZeRO-3 weights, its last ``Compute`` on the rank (the same
+    for every microbatch) -> the weights gathered for it."""
+    last: dict[tuple, tuple] = {}
+    for ins in program.instructions:
+        if isinstance(ins, Compute) and ins.microbatch == 0:
+            last[(ins.phase, ins.op)] = (ins.phase, ins.op, ins.task)
+    out: dict[tuple, tuple[WeightKey, ...]] = {}
+    for (_, op), at in last.items():
+        groups = rt.pg.groups[rt.graph.ops[op].name]
+        keys = tuple((g.weight, g.rect) for g in groups if (g.weight, g.rect) in rt.zero3)
+        if keys:
+            out[at] = keys
+    return out
 
 
 def _tensor(rt: Runtime, t: Transfer) -> str:

@@ -16,12 +16,23 @@ import numpy as np
 
 from executor.batch import Batch, loss_scale
 from executor.buffers import global_slices, local_slices
-from executor.layout import Alias, Assembled, Copy, Fixed, GradAlias, Received, Rows, TaskKey
+from executor.layout import (
+    Alias,
+    Assembled,
+    Copy,
+    Fixed,
+    Gathered,
+    GradAlias,
+    Received,
+    Rows,
+    TaskKey,
+)
 from executor.lifetimes import compute_event, gather_event, send_event, sum_event
 from executor.program import (
     AllReduce,
     Close,
     Compute,
+    GatherWeight,
     Partial,
     Phase,
     Recv,
@@ -37,7 +48,6 @@ from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey, Released, released
 from onnx2soap.soap.partition import Rect, SumGroup, rect_shape
-from onnx2soap.soap.zero import ZeroStage
 
 WeightKey = tuple[str, Rect]
 
@@ -81,6 +91,8 @@ class Step:
         self.totals: dict[tuple[Phase, int, int], object] = {}
         self.updated: set[WeightKey] = set()  # state shards this microbatch has written
         self.pending: dict[int, object] = {}
+        # ZeRO-3: weights gathered whole for the op whose phase runs (``gather_weight``)
+        self.gathered: dict[WeightKey, object] = {}
         # receive buffers, by transfer: made when posted, dropped once read (assembled,
         # summed, or taken as the input buffer or output gradient they are whole)
         self.received: dict[int, object] = {}
@@ -115,6 +127,7 @@ class Step:
             Wait: self.wait,
             AllReduce: self.allreduce,
             ReduceScatter: self.reduce_scatter,
+            GatherWeight: self.gather_weight,
             Reopen: self.reopen,
             Close: self.close,
         }
@@ -194,6 +207,8 @@ class Step:
         for source in self.buf.inputs[key]:
             if isinstance(source, Fixed):
                 buffers.append(source.array)
+            elif isinstance(source, Gathered):
+                buffers.append(self.gathered[source.key])
             elif isinstance(source, Alias):
                 buffers.append(self.outputs[source.producer])
             elif isinstance(source, Received):
@@ -300,6 +315,28 @@ class Step:
             self.forward(ins)
         else:
             self.backward(ins)
+        for key in self.rt.gathered_until.get((ins.phase, ins.op, ins.task), ()):
+            del self.gathered[key]  # the op's last task of the phase on the rank has run
+
+    def gather_weight(self, ins: GatherWeight) -> None:
+        """ZeRO-3: a sharded group's whole Rect from the members' rows, for the op's tasks
+        of the phase on the rank (in the half format where the kernels read it so)."""
+        group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
+        key = (group.weight, group.rect)
+        sharded = self.rt.zero3[key]
+        full = self.xp.empty(rect_shape(group.rect), dtype=self.rt.dtype)
+        lo, hi = sharded.rows(self.rt.rank)
+        full[lo:hi] = self.rt.shards[key]
+        self.rt.transport.wait(self.rt.transport.all_gather(full, ins.devices, sharded.chunks))
+        self.gathered[key] = self.half.narrow(full)
+
+    def _regathered(self, key: TaskKey) -> None:
+        """ZeRO-3: the task's weights as gathered again for its backward (its forward
+        kept none of them)."""
+        held = self.inputs[key]
+        for k, source in enumerate(self.buf.inputs[key]):
+            if isinstance(source, Gathered):
+                held[k] = self.gathered[source.key]
 
     def partial(self, ins: Partial) -> None:
         """First half of an op with statistics: assemble, then the task's partial sums."""
@@ -314,6 +351,8 @@ class Step:
         else:
             if self.recompute:
                 self._rematerialize(key)
+            if self.gathered:
+                self._regathered(key)
             grad = self.grad_outputs[key] = self._grad_output(key)
             args = self._args(key)
             inputs, out, grad = self._widened(key, grad)
@@ -467,6 +506,10 @@ class Step:
         if not self.training:
             return
         kept, _ = self.rt.lifetimes.keeps[ins.op]
+        if self.rt.zero3 and not (self.recompute and ins.op in self.recompute.ops):
+            # ZeRO-3: a gathered weight is gathered again for the backward, not kept
+            sources = self.buf.inputs[key]
+            kept = {k for k in kept if not isinstance(sources[k], Gathered)}
         for k, buffer in enumerate(buffers):
             if k not in kept and buffer is not None:
                 buffers[k] = released(buffer)  # its backward reads the shape alone
@@ -479,12 +522,18 @@ class Step:
         op, task = self.rt.graph.ops[ins.op], self.rt.task(key)
         if self.recompute:
             self._rematerialize(key)
+        if self.gathered:
+            self._regathered(key)
         shared = op.nest.sync_dims or self.rt.pg.sums[op.name]
         grad_out = self.grad_outputs.pop(key) if shared else self._grad_output(key)
         inputs, out, wide_grad = self._widened(key, grad_out)
         grads = definition(op.type).backward(
             self.xp, op.attrs, inputs, out, wide_grad, self._args(key)
         )
+        passed = [g is wide_grad for g in grads]  # the output gradient itself, passed on
+        # the float32 copies go before rounding makes its temporaries (as the memory
+        # model prices a kernel's conversions and rounding's at different moments)
+        del inputs, out, wide_grad
         roles = self.rt.roles[ins.op]
         weights = [role is TensorRole.WEIGHT for role in roles]
         if self.rounding.active:  # a weight's rounded, summed in float32; others stored
@@ -494,7 +543,7 @@ class Step:
             )
         for k, (name, weight) in enumerate(zip(op.inputs, weights, strict=True)):
             if weight:
-                self._weight_grad((name, task.inputs[k].data), grads[k], wide_grad, key)
+                self._weight_grad((name, task.inputs[k].data), grads[k], passed[k], key)
         # Keep only what producers still collect: activation gradients, until their last
         # reader on the rank (executor/lifetimes.py).
         kept = [
@@ -589,12 +638,13 @@ class Step:
         self.rounding(grad)
         return grad
 
-    def _weight_grad(self, shard, grad, grad_out, key: TaskKey) -> None:
+    def _weight_grad(self, shard, grad, passed: bool, key: TaskKey) -> None:
         """Sum a task's weight gradient into the shard's. The first one this step becomes
         the shard's gradient as it is, when the kernel made it afresh (no accumulator is
         kept between steps: a weight-sized buffer fewer at the peak, no zeroing, no sum).
         Else it is copied, in C order: the all-reduce sums it in place through a flat
-        view (a view of another array, or the kernel's own arguments, are not its to own)."""
+        view (a view of another array, or the kernel's own arguments, are not its to own;
+        ``passed``: it is the output gradient the kernel was given)."""
         summed = self.buf.grads.get(shard)
         if summed is not None:
             summed += grad
@@ -603,7 +653,7 @@ class Step:
             _owns(grad, self.inputs[key])
             and grad.dtype == self.rt.dtype
             and grad.flags.c_contiguous
-            and grad is not grad_out
+            and not passed
         )
         if not fresh:
             grad = self.xp.array(grad, dtype=self.rt.dtype, order="C")
@@ -633,7 +683,7 @@ class Step:
         rank's rows of each gradient (a copy: a view would keep the whole buffer)."""
         for key, pending in self.scatters:
             self.rt.transport.wait(pending)
-            if self.rt.zero_stage is ZeroStage.GRADIENTS:
+            if self.rt.zero_stage.shards_gradients:
                 lo, hi = self.rt.zero[key].rows(self.rt.rank)
                 self.buf.grads[key] = self.buf.grads[key][lo:hi].copy()
         self.scatters.clear()

@@ -36,6 +36,7 @@ from executor.program import (
     AllReduce,
     Close,
     Compute,
+    GatherWeight,
     Partial,
     Phase,
     Recv,
@@ -78,6 +79,10 @@ def task_name(pg, ins) -> tuple[str, str]:
     if isinstance(ins, ReduceScatter):
         weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
         return f"reduce-scatter {weight}", "allreduce"
+    if isinstance(ins, GatherWeight):
+        weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
+        tag = "fwd" if ins.phase is Phase.FORWARD else "bwd"
+        return f"all-gather {weight} {tag}", "allreduce"
     t = ins.transfer
     tensor = graph.ops[t.producer[0]].output
     verb = "send" if t.phase is Phase.FORWARD else "grad"

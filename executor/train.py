@@ -215,16 +215,17 @@ def gather_weights(comm: MPI.Comm, rt: Runtime, graph: Graph) -> dict[str, np.nd
     full = {w.name: np.empty(w.shape, dtype=rt.dtype) for w in held} if rank == 0 else {}
     for op in graph.ops:
         for group in rt.pg.groups[op.name]:
-            owner, key = group.devices[0], (group.weight, group.rect)
-            where = tuple(slice(lo, hi) for lo, hi in group.rect)
-            if rank == 0 and owner == 0:
-                full[group.weight][where] = rt.device.to_host(rt.shards[key])
-            elif rank == 0:
-                buf = np.empty(rect_shape(group.rect), dtype=rt.dtype)
-                comm.Recv(buf, source=owner)
-                full[group.weight][where] = buf
-            elif rank == owner:
-                comm.Send(np.ascontiguousarray(rt.device.to_host(rt.shards[key])), dest=0)
+            key = (group.weight, group.rect)
+            for owner, rect in rt.written(group):
+                where = tuple(slice(lo, hi) for lo, hi in rect)
+                if rank == 0 and owner == 0:
+                    full[group.weight][where] = rt.device.to_host(rt.shards[key])
+                elif rank == 0:
+                    buf = np.empty(rect_shape(rect), dtype=rt.dtype)
+                    comm.Recv(buf, source=owner)
+                    full[group.weight][where] = buf
+                elif rank == owner:
+                    comm.Send(np.ascontiguousarray(rt.device.to_host(rt.shards[key])), dest=0)
     return full if rank == 0 else None
 
 

@@ -30,9 +30,10 @@ def owned_shards(rt: Runtime, names: set[str]) -> Iterator[tuple[str, Rect, np.n
     Made one at a time, so a GPU rank holds one host copy at a time."""
     for op in rt.graph.ops:
         for group in rt.pg.groups[op.name]:
-            if group.devices[0] == rt.rank and group.weight in names:
-                shard = rt.shards[(group.weight, group.rect)]
-                yield group.weight, group.rect, rt.device.to_host(shard)
+            for device, rect in rt.written(group):  # ZeRO-3: every member its rows
+                if device == rt.rank and group.weight in names:
+                    shard = rt.shards[(group.weight, group.rect)]
+                    yield group.weight, rect, rt.device.to_host(shard)
 
 
 def shard_file(comm: MPI.Comm, target: Path) -> Path:

@@ -82,7 +82,8 @@ def register(sub) -> None:
         type=int,
         choices=[int(z) for z in ZERO_STAGES],
         help="with --strategy zero: 1 shards the optimizer's state across the data-parallel "
-        "replicas, 2 (the default) also the summed gradients",
+        "replicas, 2 (the default) also the summed gradients, 3 also the weights (each "
+        "gathered before the ops that read it, as FSDP)",
     )
     add_pipeline_options(p)
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
@@ -276,7 +277,7 @@ def _refusal(unfit: str, walk: SearchResult, choice: Choice, pricing: Pricing) -
 
 
 def _zero_stage(args, rule: Rule | None) -> ZeroStage:
-    """``--strategy zero``'s stage (2 unless ``--zero-stage`` says 1); else none."""
+    """``--strategy zero``'s stage (2 unless ``--zero-stage`` says 1 or 3); else none."""
     if rule is not Rule.ZERO:
         return ZeroStage.NONE
     return ZeroStage(args.zero_stage or ZeroStage.GRADIENTS)

@@ -17,7 +17,7 @@ from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
-from onnx2soap.soap.zero import check_zero
+from onnx2soap.soap.zero import ZeroStage, check_zero
 
 
 def register(sub) -> None:
@@ -168,7 +168,11 @@ def model_sha256(path) -> str:
 
 
 def _zero(plan: Plan) -> str:
-    shards = "optimizer state and gradients" if plan.zero_stage >= 2 else "optimizer state"
+    shards = {
+        ZeroStage.OPTIMIZER: "optimizer state",
+        ZeroStage.GRADIENTS: "optimizer state and gradients",
+        ZeroStage.PARAMETERS: "optimizer state, gradients and weights (gathered for each use)",
+    }[plan.zero_stage]
     return f"stage {int(plan.zero_stage)}: {shards} sharded across data-parallel replicas"
 
 

@@ -658,14 +658,14 @@ class _Zeroed:
 
 def _could_fit(search: _Search, strategy: Strategy, stage: ZeroStage, simulator: Simulator) -> bool:
     """Whether ``stage`` could bring ``strategy`` within every device's memory: what it
-    shards (the optimizer's state, at stage 2 the gradient: the rows of every replicated
-    trainable Rect but the device's own) bounds what it saves. False where it shards
-    nothing (``check_zero``)."""
+    shards (the optimizer's state, at stage 2 the gradient, at 3 the weight too: the rows
+    of every replicated trainable Rect but the device's own) bounds what it saves. False
+    where it shards nothing (``check_zero``)."""
     pg = search.evaluate.partitioner.partition(strategy)
     groups = [g for gs in pg.groups.values() for g in gs]
     if stage is ZeroStage.NONE or not data_parallel_groups(groups):
         return False
-    arrays = simulator.optimizer_slots + (1 if stage is ZeroStage.GRADIENTS else 0)
+    arrays = simulator.optimizer_slots + stage.shards_gradients + stage.shards_weights
     saved = [0] * len(search.memory)
     for group in groups:
         sharded = zero_group(group, stage)
@@ -686,8 +686,9 @@ def _with_zero(
     reduce-scatter and an all-gather of the same bytes, and updates a shard). The walk
     itself prices plans without ZeRO; a stage applies only to plans with a weight
     replicated over devices (``check_zero``). Every finalist (``_finalists``) is priced
-    under the highest stage (the least memory, at the same rings and updates), the one
-    it makes fastest then under the lower ones too, the lowest kept that costs no more."""
+    under the highest stage (the least memory; at stage 3 an all-gather more, before
+    each use), the one it makes fastest then under the lower ones too, the lowest kept
+    that costs no more."""
     best = search.best
     plain = search.evaluate(best) if best is not None else None
     chosen = _Zeroed(best, ZeroStage.NONE, search.best_cost, plain)

@@ -29,7 +29,9 @@ holds before and during one kernel:
   is 2 bytes an element (``stored``) and a kernel holds float32 copies of its stored
   operands and result (``_conversions``);
 - under ZeRO (soap/zero.py), a sharded group's optimizer state is the member's rows
-  only; at stage 2 so is its gradient once the reduce-scatter is done: the full-size
+  only; at stage 3 so is its weight, gathered whole (in the half format where the
+  kernels read it so) for the kernels of each phase of its op;
+  at stage 2 and 3 so is its gradient once the reduce-scatter is done: the full-size
   gradient counts in its op's backward kernels (their peak) and stays, in flight,
   through the backward of the ops after it in the backward's order until the rank's
   next reduce-scatter starts (``executor/step.py`` completes one before the next);
@@ -307,6 +309,7 @@ def _op_bytes(
     recompute = recompute and backward  # nothing to recompute for without a backward
     redone: dict[int, int] = {}  # recomputed tiles per device, live only in its kernels
     shards = {(g.weight, g.rect, d): g for g in groups for d in g.devices}
+    gathered: dict[int, int] = {}  # ZeRO-3: elements gathered whole for each phase
     for (_, rect, d), group in shards.items():
         n = rect_volume(rect) * itemsize
         if not group.trainable:
@@ -315,13 +318,19 @@ def _op_bytes(
             continue
         sharded = zero_group(group, zero)
         own = n if sharded is None else sharded.numel(d) * itemsize
-        copy = (slots - optimizer_slots) * rect_volume(rect) * stored  # the compute copy
-        _add(held, d, n + copy + optimizer_slots * own)
+        # the master (ZeRO-3: the rank's rows; the whole Rect is gathered for each phase,
+        # in the half format where the kernels read it so: no compute copy kept)
+        whole = sharded is None or not zero.shards_weights
+        master = n if whole else own
+        copy = (slots - optimizer_slots) * rect_volume(rect) * stored if whole else 0
+        if not whole:
+            _add(gathered, d, rect_volume(rect))
+        _add(held, d, master + copy + optimizer_slots * own)
         # Its gradient: the first backward kernel's own, until the update; at ZeRO-2 the
         # rank's rows of it, once the reduce-scatter is done.
-        grad = own if zero is ZeroStage.GRADIENTS else n
+        grad = own if zero.shards_gradients else n
         _add(held, d, grad)
-        _add(weights, d, n + copy + optimizer_slots * own + grad)
+        _add(weights, d, master + copy + optimizer_slots * own + grad)
         _add(grads, d, grad)
         update[d] = max(update.get(d, 0), temporaries * own)
         if n > grad:
@@ -412,6 +421,13 @@ def _op_bytes(
         forward[t.device] = max(forward.get(t.device, 0), fw)
         if backward:
             backward_[t.device] = max(backward_.get(t.device, 0), bw + dropped)
+    for d, n in gathered.items():
+        # ZeRO-3: the gathered weights through the phase's kernels; as each is gathered,
+        # its float32 array beside its half-format copy
+        at_gather = n * itemsize + (n * stored if stored < itemsize else 0)
+        forward[d] = max(forward.get(d, 0) + n * stored, at_gather)
+        if backward:
+            backward_[d] = max(backward_.get(d, 0) + n * stored, at_gather)
     slot_width = _width(graph.tensors[op.output], itemsize)  # sums are float32
     half = out_width < slot_width
     for group in sums:

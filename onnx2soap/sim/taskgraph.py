@@ -456,12 +456,19 @@ def _sum_ring(costs, b, group: SumGroup, ready, what: str, backward: bool) -> tu
     return (b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what),)
 
 
-def _summed_forward(costs, b, parts, seconds) -> tuple[list, list]:
+def _summed_forward(costs, b, parts, seconds, after) -> tuple[list, list]:
     """Forward of an op with partial sums: every task, then per group a ring of the
     partial tiles and a gate (no duration) on each holder: its tile is ready after it."""
     op, tasks = parts.op, parts.tasks
     starts = [
-        b.add(TaskKind.FORWARD, s, (t.device,), (), 0, lambda t=t: f"fwd {op.name}[{t.index}]")
+        b.add(
+            TaskKind.FORWARD,
+            s,
+            (t.device,),
+            after[t.index],
+            0,
+            lambda t=t: f"fwd {op.name}[{t.index}]",
+        )
         for t, s in zip(tasks, seconds, strict=True)
     ]
     ends = list(starts)
@@ -510,16 +517,54 @@ def _plain_phase(b, parts, kind, seconds, after) -> tuple[list, list]:
     return tasks, list(tasks)
 
 
+def _weight_gathers(costs: Costs, b, parts: OpParts, after: list) -> tuple[list, list]:
+    """ZeRO-3: the op's phase begins with an all-gather of each sharded group's Rect,
+    one after another (executor/step.py's ``gather_weight``, synchronous, before the
+    phase's tasks): ``after`` (per task, its predecessors) with its device's last
+    gather, and per task the gather its inputs reach first (None: no gather on its
+    device), which then takes the edges' feeds in the task's stead."""
+    if not costs.zero.shards_weights:
+        return after, []
+    first: dict[int, Ref] = {}
+    last: dict[int, Ref] = {}
+    for group in parts.groups:
+        sharded = zero_group(group, costs.zero)
+        if sharded is None:
+            continue
+        seconds, links, nbytes = costs.half_ring(group.devices, sharded.chunks, all_gather_steps)
+        before = tuple(dict.fromkeys(last[d] for d in group.devices if d in last))
+        what = f"all-gather {group.weight}"
+        ring = b.add(TaskKind.ALLREDUCE, seconds, links, before, nbytes, what)
+        for d in group.devices:
+            first.setdefault(d, ring)
+            last[d] = ring
+    if not first:
+        return after, []
+    tasks = parts.tasks
+    after = [
+        (*a, last[t.device]) if t.device in last else a for a, t in zip(after, tasks, strict=True)
+    ]
+    return after, [first.get(t.device) for t in tasks]
+
+
+def _gated(starts: list, gates: list) -> list:
+    """The tasks the edges' feeds reach: a task's first weight gather where it has one."""
+    if not gates:
+        return starts
+    return [s if g is None else g for s, g in zip(starts, gates, strict=True)]
+
+
 def forward_segment(costs: Costs, slot: int, parts: OpParts, names: bool) -> Segment:
     b = _SegmentBuilder(slot, names, costs.turns)
     seconds, _ = costs.durations(parts)
-    none = [()] * len(parts.tasks)
+    none, gates = _weight_gathers(costs, b, parts, [()] * len(parts.tasks))
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.FORWARD, seconds, none)
     elif parts.sums:  # a split partial dim
-        starts, ends = _summed_forward(costs, b, parts, seconds)
+        starts, ends = _summed_forward(costs, b, parts, seconds, none)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.FORWARD, seconds, none)
+    starts = _gated(starts, gates)
     return b.segment([x[1] for x in starts], [x[1] for x in ends])
 
 
@@ -538,14 +583,15 @@ def backward_segment(
     redo = _recomputed(b, parts, forward, after) if recomputed else None
     if redo is not None:
         after = [(r,) for r in redo]
+    after, gates = _weight_gathers(costs, b, parts, after)
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.BACKWARD, seconds, after)
     elif parts.sums:  # a split partial dim
         starts, ends = _summed_backward(costs, b, parts, seconds, after)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.BACKWARD, seconds, after)
-    if redo is not None:  # the output gradient arrives before the forward is rerun
-        starts = redo
+    # the output gradient arrives before the forward is rerun, or before the gathers
+    starts = redo if redo is not None else _gated(starts, gates)
     return b.segment([x[1] for x in starts], [x[1] for x in ends])
 
 
@@ -756,7 +802,8 @@ def update_segment(
 ) -> Segment:
     """An SGD update per trainable weight shard and device, after its ring (or its own
     device's backward tasks when the shard has one copy); under ZeRO each member updates
-    its rows, and an all-gather after every member's update gives them to all."""
+    its rows, and an all-gather after every member's update gives them to all (at
+    ZeRO-3 none: each phase of the op gathers the Rect before its tasks, ``_weight_gathers``)."""
     b = _SegmentBuilder(slot, names, costs.turns)
     ring = 0
     for group in parts.groups:
@@ -774,7 +821,7 @@ def update_segment(
             updates.append(
                 b.add(TaskKind.UPDATE, seconds, (d,), ready[d], 0, f"update {group.weight}")
             )
-        if sharded is not None:
+        if sharded is not None and not costs.zero.shards_weights:  # ZeRO-3: before uses
             seconds, links, nbytes = costs.half_ring(
                 group.devices, sharded.chunks, all_gather_steps
             )

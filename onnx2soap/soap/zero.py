@@ -1,5 +1,5 @@
-"""ZeRO stages 1 and 2 (DeepSpeed): a data-parallel replica group shards what its copies
-would each hold whole.
+"""ZeRO stages 1, 2 and 3 (DeepSpeed; stage 3 is PyTorch's FSDP): a data-parallel replica
+group shards what its copies would each hold whole.
 
 A plan's ``zero_stage`` applies to every trainable replica group over k > 1 devices:
 
@@ -8,7 +8,11 @@ A plan's ``zero_stage`` applies to every trainable replica group over k > 1 devi
   buffer stays allocated until the update, as ZeRO-1 keeps full gradients), the member
   updates its shard and an all-gather gives every member the whole updated Rect;
 - stage 2: as stage 1, but once the reduce-scatter is done the member keeps only its
-  shard's gradient.
+  shard's gradient;
+- stage 3: as stage 2, and the member keeps only its shard of the weight itself: before
+  each forward and each backward of an op that reads it, every member all-gathers the
+  whole Rect, which goes once the op's tasks on the member have run; after the update
+  nothing is gathered (the next forward does).
 
 The reduce-scatter and the all-gather together move the bytes of the ring all-reduce
 they replace (``collectives.py``); the all-gather runs after the update.
@@ -39,19 +43,30 @@ class ZeroStage(IntEnum):
     NONE = 0
     OPTIMIZER = 1  # the optimizer's state
     GRADIENTS = 2  # and the summed gradient
+    PARAMETERS = 3  # and the weights, gathered for each use
 
     @property
     def label(self) -> str:
         return "none" if self is ZeroStage.NONE else f"ZeRO-{int(self)}"
 
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether a member keeps only its rows of the summed gradient (stages 2, 3)."""
+        return self >= ZeroStage.GRADIENTS
 
-ZERO_STAGES = (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS)
+    @property
+    def shards_weights(self) -> bool:
+        """Whether a member keeps only its rows of the weight (stage 3)."""
+        return self is ZeroStage.PARAMETERS
+
+
+ZERO_STAGES = (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
 
 
 def zero_stage(value: int) -> ZeroStage:
-    """A stage a plan or an option may name (1 or 2); ``ValueError`` otherwise."""
+    """A stage a plan or an option may name (1, 2 or 3); ``ValueError`` otherwise."""
     if isinstance(value, bool) or value not in [int(s) for s in ZERO_STAGES]:
-        raise ValueError(f"a ZeRO stage is 1 or 2, got {value!r}")
+        raise ValueError(f"a ZeRO stage is 1, 2 or 3, got {value!r}")
     return ZeroStage(value)
 
 

@@ -41,6 +41,11 @@ def test_zero_plans_are_data_parallel_with_a_stage(model: Path, tmp_path: Path, 
         assert max(z["predicted"]["peak_memory_bytes"]) < max(dp["predicted"]["peak_memory_bytes"])
     # every plan is compared with ZeRO-2 data parallelism
     assert dp["predicted"]["baselines"]["zero"] == two["predicted"]["step_time_s"]
+    # ZeRO-3: the same splits, an all-gather more (each weight gathered for its forward
+    # and its backward, none after the update): 1.5 times the all-reduce's bytes
+    three = _plan(model, tmp_path / "z3.json", "--strategy", "zero", "--zero-stage", "3")
+    assert three["zero_stage"] == 3 and three["ops"] == dp["ops"]
+    assert three["predicted"]["bytes_moved"] == 1.5 * dp["predicted"]["bytes_moved"]
     capsys.readouterr()
     assert cli(["simulate", str(tmp_path / "z2.json"), "--optimizer", "adam"]) == 0
     assert (
@@ -55,7 +60,11 @@ def test_zero_plans_are_data_parallel_with_a_stage(model: Path, tmp_path: Path, 
 @pytest.mark.parametrize(
     ("extra", "fragments"),
     [
-        (("--strategy", "zero", "--zero-stage", "3"), ("--zero-stage", "invalid choice: 3")),
+        (("--strategy", "zero", "--zero-stage", "4"), ("--zero-stage", "invalid choice: 4")),
+        (
+            ("--strategy", "zero", "--zero-stage", "3", "--devices", "1"),
+            ("--zero-stage 3 needs data parallelism",),
+        ),
         (("--strategy", "data-parallel", "--zero-stage", "1"), ("goes with --strategy zero",)),
         (("--zero-stage", "2"), ("goes with --strategy zero",)),
         (("--strategy", "zero", "--devices", "1"), ("--zero-stage 2 needs data parallelism",)),
@@ -73,12 +82,13 @@ def test_bad_zero_options_are_one_line(model, tmp_path: Path, capsys, extra, fra
     ("stage", "fragments"),
     [
         (1, ("mp.json: field 'zero_stage': 1 needs data parallelism",)),
-        (3, ("mp.json: field 'zero_stage': must be one of [1, 2]", "got 3")),
+        (3, ("mp.json: field 'zero_stage': 3 needs data parallelism",)),
+        (4, ("mp.json: field 'zero_stage': must be one of [1, 2, 3]", "got 4")),
     ],
 )
 def test_simulate_refuses_a_stage_it_cannot_apply(model, tmp_path: Path, capsys, stage, fragments):
     """A stage on a plan that replicates no weight (model parallelism), or a stage that
-    is not 1 or 2, in a plan file: one line, exit 2."""
+    is not 1, 2 or 3, in a plan file: one line, exit 2."""
     plan = tmp_path / "mp.json"
     doc = _plan(model, plan, "--strategy", "model-parallel")
     plan.write_text(json.dumps({**doc, "zero_stage": stage}))

@@ -58,6 +58,7 @@ CASES = {
     "cnn-2x2-gpipe-adam": ("cnn", 2, 2, 4, GPIPE, "adam", 0),
     "cnn-4x1-1f1b-momentum": ("cnn", 4, 1, 2, ONE_F_ONE_B, "momentum", 0),
     "cnn-2x2-1f1b-adam-zero2": ("cnn", 2, 2, 4, ONE_F_ONE_B, "adam", 2),
+    "cnn-2x2-1f1b-momentum-zero3": ("cnn", 2, 2, 4, ONE_F_ONE_B, "momentum", 3),
 }
 # The walk's plans inside pipelines (search/pipeline_walk.py): (model, each stage's
 # tensor-parallel degree over 2 ranks, microbatches, optimizer, ZeRO stage, random

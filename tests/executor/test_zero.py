@@ -1,4 +1,9 @@
-"""ZeRO-1 and ZeRO-2 plans (``plan --strategy zero``) train exactly like one device.
+"""ZeRO-1, ZeRO-2 and ZeRO-3 plans (``plan --strategy zero``) train exactly like one
+device. ZeRO-3 (each rank holding its rows of every replicated weight, gathering the
+whole Rect for each op's forward and backward) too: SGD, Adam and Nesterov, on the
+random plan, in bf16, with --save-weights (each member writes its rows) and a
+checkpoint it writes resumed under plain data parallelism; it moves an all-gather
+more than an all-reduce.
 
 The example CNN, data parallel over 3 ranks (its weights' rows do not divide by 3, so
 the shards are uneven), under a real mpiexec, float64: every optimizer (at both stages
@@ -103,14 +108,17 @@ def plans(tmp_path_factory, example_onnx: Path) -> dict[str, Path]:
     out = {"model": model, "folder": folder}
     zero_plan(model, folder / "one.json", 1, BATCH, 0)
     zero_plan(model, folder / "dp.json", RANKS, BATCH, 0)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         out[f"zero{stage}"] = zero_plan(model, folder / f"zero{stage}.json", RANKS, BATCH, stage)
     out |= {name: folder / f"{name}.json" for name in ("one", "dp")}
     out["random"] = _random_zero_plan(model, folder / "random.json")
+    out["random3"] = _random_zero_plan(model, folder / "random3.json", stage=ZeroStage.PARAMETERS)
     return out
 
 
-def _random_zero_plan(model: Path, path: Path, seed: int = 3) -> Path:
+def _random_zero_plan(
+    model: Path, path: Path, seed: int = 3, stage: ZeroStage = ZeroStage.GRADIENTS
+) -> Path:
     """ZeRO-2 on a random plan (mixed degrees, several tasks of an op on a device, tiles
     and gradient pieces crossing ranks between the reduce-scatters) that replicates some
     weights, as its ops happen to be split."""
@@ -119,13 +127,15 @@ def _random_zero_plan(model: Path, path: Path, seed: int = 3) -> Path:
     strategy = random_strategy(graph, space, RANKS, np.random.default_rng(seed))
     ops = plan_ops(strategy, graph, space)
     doc = Plan(model, file_sha256(model), BATCH, graph.loss, RANKS, ops)
-    save_plan(replace(doc, zero_stage=ZeroStage.GRADIENTS), path)
+    save_plan(replace(doc, zero_stage=stage), path)
     return path
 
 
 # Every optimizer at stage 2 and three at stage 1; momentum at stage 1 on GPT-2
 # (tests/sequences/test_zero.py) and Adam in a ZeRO-1 run resumed from a checkpoint.
 STAGES = {name: (2, 1) if name in ("sgd", "nesterov", "adamw") else (2,) for name in OPTIMIZERS}
+for name in ("sgd", "adam", "nesterov"):  # ZeRO-3
+    STAGES[name] += (3,)
 
 
 @pytest.fixture(scope="module")
@@ -138,20 +148,23 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
             plan = str(plans[f"zero{stage}"])
             jobs[f"zero{stage}-{name}"] = Job(plan, str(folder / f"z{stage}-{name}.npz"), name)
     jobs["random-adam"] = Job(str(plans["random"]), str(folder / "random-adam.npz"), "adam")
-    # The weights written by each shard's owner (every member holds them whole).
-    adam, sgd = jobs["zero2-adam"], jobs["zero1-sgd"]
+    jobs["random3-adam"] = Job(str(plans["random3"]), str(folder / "random3-adam.npz"), "adam")
+    # The weights written by each shard's owner (every member holds them whole; at
+    # ZeRO-3 each member writes its rows).
+    adam, sgd, adam3 = jobs["zero2-adam"], jobs["zero1-sgd"], jobs["zero3-adam"]
     jobs["zero2-adam"] = replace(adam, save_weights=str(folder / "z2-adam-weights.npz"))
+    jobs["zero3-adam"] = replace(adam3, save_weights=str(folder / "z3-adam-weights.npz"))
     jobs["zero1-sgd"] = replace(sgd, save_model=str(folder / "z1-sgd-model.onnx"))
     # Checkpoints across plans: two Adam steps under one, the third under the other.
-    for first, then in (("zero2", "dp"), ("dp", "zero1")):
+    for first, then in (("zero2", "dp"), ("dp", "zero1"), ("zero3", "dp"), ("dp", "zero3")):
         ckpt = str(folder / f"ckpt-{first}")
         jobs[f"{first}-saves"] = Job(
             str(plans[first]), str(folder / f"{first}-saves.npz"), "adam", 2, checkpoint=ckpt
         )
         jobs[f"{then}-resumes-{first}"] = Job(
-            str(plans[then]), str(folder / f"{then}-resumes.npz"), "adam", 3, resume=ckpt
+            str(plans[then]), str(folder / f"{then}-resumes-{first}.npz"), "adam", 3, resume=ckpt
         )
-    for stage, precision in ((2, "bf16"), (1, "fp16")):
+    for stage, precision in ((2, "bf16"), (1, "fp16"), (3, "bf16")):
         plan = str(plans[f"zero{stage}"])
         out = str(folder / f"z{stage}-{precision}.npz")
         # Momentum: Adam's normalized steps turn a half-format ulp of difference in a
@@ -172,18 +185,21 @@ def test_zero_trains_like_one_device(plans, trained, stage: int, optimizer: str)
     assert_like(out, losses, weights, rtol=1e-10)
 
 
-def test_zero_on_a_random_plan_trains_like_one_device(plans, trained) -> None:
-    loaded = load_plan(plans["random"])
+@pytest.mark.parametrize("name", ["random", "random3"])
+def test_zero_on_a_random_plan_trains_like_one_device(plans, trained, name: str) -> None:
+    loaded = load_plan(plans[name])
     graph = load_model(plans["model"], BATCH).graph
     pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
     sharded = [g for gs in pg.groups.values() for g in gs if zero_group(g, loaded.zero_stage)]
     assert sharded and len(sharded) < sum(len(gs) for gs in pg.groups.values())
-    job, out = trained["random-adam"]
+    job, out = trained[f"{name}-adam"]
     losses, weights = one_device(replace(job, plan=str(plans["one"])))
     assert_like(out, losses, weights, rtol=1e-10)
 
 
-@pytest.mark.parametrize(("first", "then"), [("zero2", "dp"), ("dp", "zero1")])
+@pytest.mark.parametrize(
+    ("first", "then"), [("zero2", "dp"), ("dp", "zero1"), ("zero3", "dp"), ("dp", "zero3")]
+)
 def test_a_checkpoint_resumes_under_the_other_plan(plans, trained, first: str, then: str):
     """Adam's moments re-sharded: the third step continues the one-device run."""
     job, out = trained[f"{then}-resumes-{first}"]
@@ -193,11 +209,14 @@ def test_a_checkpoint_resumes_under_the_other_plan(plans, trained, first: str, t
     entries = json.loads(manifest.read_text())["entries"]
     moments = [e for e in entries if e["kind"] == "exp_avg"]
     values = [e for e in entries if e["kind"] == "value"]
-    # ZeRO's state is written per shard, each by its owner: more entries than weights
+    # ZeRO's state is written per shard, each by its owner: more entries than weights;
+    # ZeRO-3's values too, each member its rows
     assert (len(moments) > len(values)) == (first == "zero2"), (len(moments), len(values))
+    per_shard = len({e["tensor"] for e in values}) < len(values)
+    assert per_shard == (first == "zero3")
 
 
-@pytest.mark.parametrize(("stage", "precision"), [(2, "bf16"), (1, "fp16")])
+@pytest.mark.parametrize(("stage", "precision"), [(2, "bf16"), (1, "fp16"), (3, "bf16")])
 def test_mixed_precision_with_zero_trains_like_one_device(plans, trained, stage, precision):
     job, out = trained[f"zero{stage}-{precision}"]
     losses, weights = one_device(replace(job, plan=str(plans["one"])))
@@ -207,12 +226,13 @@ def test_mixed_precision_with_zero_trains_like_one_device(plans, trained, stage,
 def test_saved_weights_and_model_are_the_trained_ones(trained) -> None:
     """--save-weights and --save-model of ZeRO runs: the gathered weights, bit for bit
     (the model in its float32 initializers)."""
-    job, out = trained["zero2-adam"]
-    gathered = read_result(out).weights
-    with np.load(job.save_weights) as saved:
-        assert set(saved.files) == set(gathered)
-        for name, w in gathered.items():
-            np.testing.assert_array_equal(saved[name], w, err_msg=name)
+    for run in ("zero2-adam", "zero3-adam"):
+        job, out = trained[run]
+        gathered = read_result(out).weights
+        with np.load(job.save_weights) as saved:
+            assert set(saved.files) == set(gathered)
+            for name, w in gathered.items():
+                np.testing.assert_array_equal(saved[name], w, err_msg=f"{run} {name}")
     job, out = trained["zero1-sgd"]
     gathered = read_result(out).weights
     model = onnx.load(job.save_model)
@@ -226,6 +246,10 @@ def test_zero_moves_the_all_reduces_bytes(trained) -> None:
     moves (the same two Adam steps, data parallel and ZeRO-2)."""
     sent = {name: read_result(trained[f"{name}-saves"][1]).sent for name in ("dp", "zero2")}
     assert sent["zero2"].sum() == sent["dp"].sum() > 0
+    # ZeRO-3: an all-gather before each forward and each backward, none after the
+    # update: a reduce-scatter and two all-gathers, 1.5 all-reduces
+    zero3 = read_result(trained["zero3-saves"][1]).sent
+    assert zero3.sum() == 1.5 * sent["dp"].sum()
 
 
 def test_zero_without_data_parallelism_is_refused(plans) -> None:
@@ -242,14 +266,14 @@ def test_zero_without_data_parallelism_is_refused(plans) -> None:
 @pytest.mark.parametrize(("transport", "gpus"), [("nccl", RANKS), ("mpi-host", 1)])
 def test_zero_on_gpus_trains_like_one_device(plans, tmp_path: Path, monkeypatch, transport, gpus):
     """``--device cuda``: NCCL's grouped reduces and broadcasts (a GPU per rank: ZeRO-2
-    with Adam, ZeRO-1 with momentum), and ranks sharing one GPU over host-staged rings
-    (ZeRO-2 with Adam)."""
+    with Adam, ZeRO-1 with momentum, ZeRO-3 with Adam), and ranks sharing one GPU over
+    host-staged rings (ZeRO-2 and ZeRO-3 with Adam)."""
     cp = cupy_or_skip()
     if cp.cuda.runtime.getDeviceCount() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     if gpus == 1:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU, on a real machine too
-    pairs = ((2, "adam"), (1, "momentum"))[: 2 if transport == "nccl" else 1]
+    pairs = ((2, "adam"), (3, "adam"), (1, "momentum"))[: 3 if transport == "nccl" else 2]
     jobs = [
         Job(str(plans[f"zero{stage}"]), str(tmp_path / f"z{stage}.npz"), optimizer)
         for stage, optimizer in pairs
@@ -261,7 +285,7 @@ def test_zero_on_gpus_trains_like_one_device(plans, tmp_path: Path, monkeypatch,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("stage", "transport"), [(2, "nccl")])
+@pytest.mark.parametrize(("stage", "transport"), [(2, "nccl"), (3, "nccl")])
 def test_traced_gpu_memory_is_the_models_under_zero(
     example_onnx: Path, tmp_path: Path, monkeypatch, stage: int, transport: str
 ):

@@ -3,8 +3,9 @@
 An MLP of eight 1024x1024 float32 layers (32 MB of weights on a sparse file) trained
 with Adam on 4 ranks: data parallel holds on every rank the weights, their gradients
 and Adam's two moments (128 MB); ZeRO-1 a quarter of the moments, ZeRO-2 a quarter of
-the gradients too (one full gradient in flight at a time); ZeRO-1, between them, is
-left to the memory model's own tests (tests/sim/test_zero.py). Each run has a fifth rank
+the gradients too (one full gradient in flight at a time), ZeRO-3 a quarter of the
+weights as well (one layer's gathered whole at a time); ZeRO-1, between them, is left
+to the memory model's own tests (tests/sim/test_zero.py). Each run has a fifth rank
 that the plan leaves idle: an executor with the same interpreter, libraries, MPI, graph
 and plan, but no shards. Each working rank's peak RSS less the idle one's is the
 simulated peak within 20 %, and ZeRO-2's is at most 0.7x data parallelism's, measured
@@ -60,7 +61,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("zero_memory")
     mlp = write_sparse_mlp(folder, LAYERS, HIDDEN)
     runs = {}
-    for name, stage in (("dp", 0), ("zero2", 2)):  # ZeRO-1 between them (docs/benchmarks.md)
+    for name, stage in (("dp", 0), ("zero2", 2), ("zero3", 3)):  # ZeRO-1: docs/benchmarks.md
         plan = zero_plan(mlp.model, folder / f"{name}.json", RANKS, BATCH, stage)
         doc = json.loads(plan.read_text())
         plan.write_text(json.dumps({**doc, "devices": RANKS + 1}))  # the last rank idle
@@ -80,3 +81,14 @@ def test_zero_with_adam_takes_at_most_70_percent_of_data_parallelism(measured) -
     simulated = {name: max(run[2]) for name, run in measured.items()}
     assert used["zero2"] <= 0.7 * used["dp"], used
     assert simulated["zero2"] <= 0.7 * simulated["dp"], simulated
+
+
+def test_zero3_holds_a_quarter_of_the_weights(measured) -> None:
+    """ZeRO-3 keeps a quarter of each weight too, gathering one layer's whole for its
+    forward and its backward: the 24 MB of weights it does not keep, less the one
+    gathered (4 MB), come off ZeRO-2's peak, measured and simulated (within 20 %)."""
+    used = {name: max(peaks) - idle for name, (peaks, idle, _) in measured.items()}
+    simulated = {name: max(run[2]) for name, run in measured.items()}
+    saved = (LAYERS * 3 // 4 - 1) * HIDDEN * HIDDEN * 4
+    for got in (used, simulated):
+        assert got["zero2"] - got["zero3"] == pytest.approx(saved, rel=0.2), got

@@ -10,7 +10,9 @@ backward, Gemm backward 256 ns: 480 ns. Then:
 - data parallelism: a ring all-reduce of W's 32 floats (chunks 11, 11, 10): 4 steps of
   its widest chunk, 4 * (2 + 44) us; every device updates all of W, 2 * 32 ns;
 - ZeRO: a reduce-scatter, 2 steps of the widest shard, 2 * (2 + 48) us; each device
-  updates its rows, 2 * 12 ns at most; after every update an all-gather, 2 * (2 + 48) us.
+  updates its rows, 2 * 12 ns at most; after every update an all-gather, 2 * (2 + 48) us;
+- ZeRO-3: an all-gather before Gemm's forward and another once its output gradient has
+  come (the loss's backward), before its backward; no all-gather after the update.
 """
 
 from __future__ import annotations
@@ -79,6 +81,31 @@ def test_zero_step_by_hand(tmp_path, stage: ZeroStage) -> None:
     assert delta.evaluate(strategy)[0] == ev
 
 
+def test_zero3_step_by_hand(tmp_path) -> None:
+    partitioner, strategy = _setup(tmp_path)
+    pg = partitioner.partition(strategy)
+    sim = _simulator(ZeroStage.PARAMETERS)
+    ev = sim.evaluate(pg)
+    ring = 2 * (2 + 48) * US
+    # gather, Gemm 128 ns, the loss 32 + 64 ns, gather, Gemm 256 ns, reduce-scatter, update
+    assert ev.step_time_s == pytest.approx(3 * ring + 480 * NS + 24 * NS, rel=1e-9)
+    tg = sim.task_graph(pg, names=True)
+    timeline = simulate(tg)
+    named: dict[str, list[int]] = {}
+    for i, name in enumerate(tg.names):
+        named.setdefault(name, []).append(i)
+    first, again = named["all-gather W"]
+    loss_backward = max(timeline.end[i] for i in named["bwd loss[0]"])
+    assert timeline.end[first] == pytest.approx(
+        min(timeline.start[i] for i in named["fwd gemm[0]"])
+    )
+    assert timeline.start[again] == pytest.approx(loss_backward)
+    assert timeline.end[again] == pytest.approx(timeline.start[named["bwd gemm[0]"][0]])
+    # an all-gather more than ZeRO-2: 3 half rings, 1.5 all-reduces
+    assert ev.bytes_moved == 3 * 2 * 32 * 4
+    assert DeltaSimulator(sim, partitioner).evaluate(strategy)[0] == ev
+
+
 def test_zero_memory_by_hand(tmp_path) -> None:
     """W is 32 floats (128 bytes); a device's rows are 48, 48 and 32 bytes. ZeRO-1 keeps
     Adam's two moments of a device's rows only: 2 * (128 - rows) bytes less held, and its
@@ -94,7 +121,7 @@ def test_zero_memory_by_hand(tmp_path) -> None:
         tasks, groups = pg.tasks[gemm.name], pg.groups[gemm.name]
         return _op_bytes(pg.graph, gemm, tasks, groups, 4, ADAM, True, 0, zero, ADAM)
 
-    plain, one, two = (pieces(z) for z in ZeroStage)
+    plain, one, two, three = (pieces(z) for z in ZeroStage)
     rows = [48, 48, 32]
 
     def diff(a, b) -> list[int]:
@@ -106,6 +133,10 @@ def test_zero_memory_by_hand(tmp_path) -> None:
     assert dict(one.update) == dict(two.update) == {d: 3 * r for d, r in enumerate(rows)}
     assert not one.inflight and dict(two.inflight) == {d: 128 - r for d, r in enumerate(rows)}
     assert diff(two.backward, one.backward) == [128 - r for r in rows]
+    # ZeRO-3 keeps the rows of W itself; the whole W is gathered for each phase's
+    # kernels (float32 here: no half-format copy)
+    assert diff(two.held, three.held) == [128 - r for r in rows]
+    assert diff(three.forward, two.forward) == diff(three.backward, two.backward) == [128] * 3
     peaks = [_simulator(z).evaluate(pg).peak_memory_bytes for z in ZeroStage]
     for d in range(3):
         assert peaks[0][d] - peaks[1][d] >= 2 * (128 - rows[d])

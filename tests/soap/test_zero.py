@@ -120,8 +120,8 @@ def test_the_plan_file_carries_the_stage(tmp_path: Path, stage: ZeroStage) -> No
     assert load_plan(path).zero_stage is stage
 
 
-@pytest.mark.parametrize("bad", [0, 3, -1, "2", True, 1.5, [2]])
-def test_a_stage_other_than_1_or_2_is_named(tmp_path: Path, bad) -> None:
+@pytest.mark.parametrize("bad", [0, 4, -1, "2", True, 1.5, [2]])
+def test_a_stage_other_than_1_2_or_3_is_named(tmp_path: Path, bad) -> None:
     path = _plan(tmp_path, ZeroStage.OPTIMIZER)
     doc = json.loads(path.read_text())
     doc["zero_stage"] = bad
