@@ -60,6 +60,7 @@ from enum import Enum
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.partition import Rect
 from onnx2soap.soap.pipeline import Pass, Pipeline, Schedule, StagePass, stage_order
+from onnx2soap.soap.saved import backward_reads
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
 
@@ -414,11 +415,13 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
 def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync: bool) -> list:
     """One phase of one op for one microbatch; after the backward, where ``sync`` (the
     stage's last backward), the op's weight-gradient sums."""
-    # ZeRO-3: the sharded weights, gathered before the phase's first instruction
+    # ZeRO-3: the sharded weights, gathered before the phase's first instruction (for
+    # the backward, those it reads)
     order = [
         (d, GatherWeight(phase, i, g, group.devices))
         for g, group in enumerate(pg.groups[op.name])
         if zero.shards_weights and zero_group(group, zero) is not None
+        if phase is Phase.FORWARD or backward_reads(pg.graph, op, group.weight)
         for d in group.devices
     ]
     if pg.sums[op.name]:  # a split partial dim: partial tiles, summed

@@ -65,7 +65,7 @@ from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.soap.dims import DimKind
 from onnx2soap.soap.partition import Rect, Task, held_rects, owners, rect_shape
-from onnx2soap.soap.saved import wanted_gradients
+from onnx2soap.soap.saved import backward_reads, wanted_gradients
 from onnx2soap.soap.zero import ZeroGroup, ZeroStage, zero_group
 
 WeightKey = tuple[str, Rect]
@@ -504,9 +504,14 @@ def _gathered_until(rt: Runtime, program: Program) -> dict[tuple, tuple[WeightKe
         if isinstance(ins, Compute) and ins.microbatch == 0:
             last[(ins.phase, ins.op)] = (ins.phase, ins.op, ins.task)
     out: dict[tuple, tuple[WeightKey, ...]] = {}
-    for (_, op), at in last.items():
-        groups = rt.pg.groups[rt.graph.ops[op].name]
-        keys = tuple((g.weight, g.rect) for g in groups if (g.weight, g.rect) in rt.zero3)
+    for (phase, i), at in last.items():
+        op = rt.graph.ops[i]
+        keys = tuple(
+            (g.weight, g.rect)
+            for g in rt.pg.groups[op.name]
+            if (g.weight, g.rect) in rt.zero3
+            if phase is Phase.FORWARD or backward_reads(rt.graph, op, g.weight)
+        )
         if keys:
             out[at] = keys
     return out

@@ -332,10 +332,10 @@ class Step:
 
     def _regathered(self, key: TaskKey) -> None:
         """ZeRO-3: the task's weights as gathered again for its backward (its forward
-        kept none of them)."""
+        kept none of them; one its backward does not read is not gathered)."""
         held = self.inputs[key]
         for k, source in enumerate(self.buf.inputs[key]):
-            if isinstance(source, Gathered):
+            if isinstance(source, Gathered) and source.key in self.gathered:
                 held[k] = self.gathered[source.key]
 
     def partial(self, ins: Partial) -> None:
@@ -504,6 +504,11 @@ class Step:
         if op.is_loss:
             self.losses.append(out)
         if not self.training:
+            if self.gathered:  # ZeRO-3: not held past the op's tasks (evaluation)
+                sources = self.buf.inputs[key]
+                for k, source in enumerate(sources):
+                    if isinstance(source, Gathered):
+                        buffers[k] = released(buffers[k])
             return
         kept, _ = self.rt.lifetimes.keeps[ins.op]
         if self.rt.zero3 and not (self.recompute and ins.op in self.recompute.ops):

@@ -353,6 +353,10 @@ class MpiTransport:
         self._rings.progress()
 
     def recv(self, buffer: Array, source: int) -> _MpiReceive:
+        if self._direct_device:
+            # MPI writes device memory out of stream order: the step made the buffer from
+            # the compute stream's pool, which kernels queued earlier may still read
+            self.device.synchronize()
         if self.staged:
             host = self._pool.take(buffer.shape, buffer.dtype)
             return _MpiReceive(self.comm.Irecv(_wire(host), source=source), source, host, buffer)

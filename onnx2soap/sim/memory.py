@@ -87,7 +87,7 @@ from onnx2soap.soap.partition import (
 )
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
-from onnx2soap.soap.saved import kept_for_backward
+from onnx2soap.soap.saved import backward_reads, kept_for_backward
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
 # Arrays of optimizer state per trainable shard (the executor's ``--optimizer``).
@@ -192,6 +192,7 @@ class EdgeMemory:
     recv_tiles: Pieces = ()
     recv_grads: Pieces = ()
     recv_grad_out: Pieces = ()
+    recv_whole: Pieces = ()  # of the forward's, those that are then the input buffer
     # where the tensor has other readers: per device and region, the bytes of the input
     # buffer its consumer tasks assemble (a local task of another reader that assembles
     # the same region reads the same one: ``edge_totals``), and whether the consumer
@@ -227,9 +228,10 @@ class EdgeTotals:
     until: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
     aliased: frozenset[tuple[int, int]] | None = None  # (producer, consumer) read in place
     # receive buffers in flight (``EdgeMemory.recv_tiles``): posted after each producer
-    # op's forward, read by each consumer op's
+    # op's forward, read by each consumer op's (copied, or taken as the input buffer)
     posted: dict[int, Pieces] = field(default_factory=dict)
     landed: dict[int, Pieces] = field(default_factory=dict)
+    landed_whole: dict[int, Pieces] = field(default_factory=dict)
     # the gradient's, per (consumer op, operand): posted after the consumer's backward
     recv_grads: dict[tuple[int, int], Pieces] = field(default_factory=dict)
     recv_grad_out: dict[tuple[int, int], Pieces] = field(default_factory=dict)
@@ -309,7 +311,8 @@ def _op_bytes(
     recompute = recompute and backward  # nothing to recompute for without a backward
     redone: dict[int, int] = {}  # recomputed tiles per device, live only in its kernels
     shards = {(g.weight, g.rect, d): g for g in groups for d in g.devices}
-    gathered: dict[int, int] = {}  # ZeRO-3: elements gathered whole for each phase
+    gathered: dict[int, int] = {}  # ZeRO-3: elements gathered whole for the forward
+    regathered: dict[int, int] = {}  # and for the backward (the weights it reads)
     for (_, rect, d), group in shards.items():
         n = rect_volume(rect) * itemsize
         if not group.trainable:
@@ -325,6 +328,8 @@ def _op_bytes(
         copy = (slots - optimizer_slots) * rect_volume(rect) * stored if whole else 0
         if not whole:
             _add(gathered, d, rect_volume(rect))
+            if backward_reads(graph, op, group.weight):
+                _add(regathered, d, rect_volume(rect))
         _add(held, d, master + copy + optimizer_slots * own)
         # Its gradient: the first backward kernel's own, until the update; at ZeRO-2 the
         # rank's rows of it, once the reduce-scatter is done.
@@ -421,13 +426,20 @@ def _op_bytes(
         forward[t.device] = max(forward.get(t.device, 0), fw)
         if backward:
             backward_[t.device] = max(backward_.get(t.device, 0), bw + dropped)
-    for d, n in gathered.items():
-        # ZeRO-3: the gathered weights through the phase's kernels; as each is gathered,
-        # its float32 array beside its half-format copy
-        at_gather = n * itemsize + (n * stored if stored < itemsize else 0)
-        forward[d] = max(forward.get(d, 0) + n * stored, at_gather)
-        if backward:
-            backward_[d] = max(backward_.get(d, 0) + n * stored, at_gather)
+    for phase, whole_weights in ((forward, gathered), (backward_, regathered)):
+        if phase is backward_ and not backward:
+            break
+        for d, n in whole_weights.items():
+            # ZeRO-3: the gathered weights through the phase's kernels; as each is
+            # gathered, its float32 array beside its half-format copy. A recomputed op
+            # keeps its forward's to its backward (its forward runs again from them),
+            # where the one gathered again takes its place.
+            at_gather = n * itemsize + (n * stored if stored < itemsize else 0)
+            during = 0 if phase is backward_ and recompute else n * stored
+            phase[d] = max(phase.get(d, 0) + during, at_gather)
+    if recompute:
+        for d, n in gathered.items():
+            _add(kept_inputs, d, n * stored)
     slot_width = _width(graph.tensors[op.output], itemsize)  # sums are float32
     half = out_width < slot_width
     for group in sums:
@@ -561,6 +573,7 @@ def _edge_bytes(
     sent_tiles: dict[int, int] = {}
     viewed: set[int] = set()  # consumer tasks whose input gradient a send views
     recv_tiles: dict[int, int] = {}
+    recv_whole: dict[int, int] = {}
     recv_grads: dict[int, int] = {}
     recv_grad_out: dict[int, int] = {}
     aliased = False
@@ -581,9 +594,11 @@ def _edge_bytes(
             # The receive buffer, in flight until the consumer's forward copies it into
             # its input buffer, or, its one piece and no padding around it, takes it as
             # that buffer (then counted as the consumer's input buffer).
-            _add(recv_tiles, c.device, o.volume * width)
             if o.rect == buffer and feeds[o.dst_task] == 1:
                 in_place.add(o.dst_task)
+                _add(recv_whole, c.device, o.volume * width)
+            else:
+                _add(recv_tiles, c.device, o.volume * width)
             source = edge.source(p)
             if rect_contiguous(o.rect, source):
                 tile = rect_volume(source) * width
@@ -639,6 +654,7 @@ def _edge_bytes(
         tuple(recv_tiles.items()),
         tuple(recv_grads.items()),
         tuple(recv_grad_out.items()),
+        tuple(recv_whole.items()),
         () if sole else tuple((d, region, n) for (d, region), n in first.items()),
         keeps,
     )
@@ -732,6 +748,7 @@ def edge_totals(edges) -> EdgeTotals:
     aliased: set[tuple[int, int]] = set()
     posted: dict[int, dict[int, int]] = {}
     landed: dict[int, dict[int, int]] = {}
+    landed_whole: dict[int, dict[int, int]] = {}
     recv_grads: dict[tuple[int, int], Pieces] = {}
     recv_grad_out: dict[tuple[int, int], Pieces] = {}
     readers: dict[tuple[int, int, Region], list[tuple[int, int, bool]]] = {}
@@ -740,8 +757,9 @@ def edge_totals(edges) -> EdgeTotals:
             aliased.add((p, c))
         for d, region, n in m.assembled:
             readers.setdefault((p, d, region), []).append((c, n, m.keeps))
-        _sum_into(posted, p, m.recv_tiles)
+        _sum_into(posted, p, (*m.recv_tiles, *m.recv_whole))
         _sum_into(landed, c, m.recv_tiles)
+        _sum_into(landed_whole, c, m.recv_whole)
         if m.recv_grads:
             recv_grads[(c, k)] = m.recv_grads
         if m.recv_grad_out:
@@ -766,6 +784,7 @@ def edge_totals(edges) -> EdgeTotals:
         frozenset(aliased),
         {p: tuple(x.items()) for p, x in posted.items()},
         {c: tuple(x.items()) for c, x in landed.items()},
+        {c: tuple(x.items()) for c, x in landed_whole.items()},
         recv_grads,
         recv_grad_out,
         to_backward,
@@ -942,6 +961,8 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
     for i, m in enumerate(ops):
         kept_in = _plus(m.kept_inputs, edges.kept_inputs.get(i, ()))
         read_in = _plus(m.read_inputs, edges.read_inputs.get(i, ()))
+        for d, n in edges.landed_whole.get(i, ()):  # now the input buffers counted below
+            live[d] -= n
         for x in (kept_in, read_in):
             for d, n in x.items():
                 live[d] += n
@@ -1028,7 +1049,7 @@ def _backward_peaks(
     grads = [0] * devices  # activation gradients not yet gathered, or with the transport
     gather: dict[int, list[tuple[int, int]]] = {}  # producer -> (consumer, operand)
     posts: dict[int, list[tuple[int, int]]] = {}  # consumer -> its gradients' receives
-    for c, k in (*edges.recv_grads, *edges.recv_grad_out):
+    for c, k in dict.fromkeys((*edges.recv_grads, *edges.recv_grad_out)):
         posts.setdefault(c, []).append((c, k))
     for i in reversed(range(len(ops))):
         m = ops[i]

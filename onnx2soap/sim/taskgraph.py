@@ -67,6 +67,7 @@ from onnx2soap.soap.partition import (
 )
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
+from onnx2soap.soap.saved import backward_reads
 from onnx2soap.soap.zero import ZeroStage, zero_group
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
@@ -517,19 +518,25 @@ def _plain_phase(b, parts, kind, seconds, after) -> tuple[list, list]:
     return tasks, list(tasks)
 
 
-def _weight_gathers(costs: Costs, b, parts: OpParts, after: list) -> tuple[list, list]:
-    """ZeRO-3: the op's phase begins with an all-gather of each sharded group's Rect,
-    one after another (executor/step.py's ``gather_weight``, synchronous, before the
-    phase's tasks): ``after`` (per task, its predecessors) with its device's last
-    gather, and per task the gather its inputs reach first (None: no gather on its
-    device), which then takes the edges' feeds in the task's stead."""
+def _weight_gathers(
+    costs: Costs, b, parts: OpParts, after: list, backward: bool = False
+) -> tuple[list, list]:
+    """ZeRO-3: the op's phase begins with an all-gather of each sharded group's Rect
+    (for the ``backward``, of those it reads), one after another (executor/step.py's
+    ``gather_weight``, synchronous, before the phase's tasks): ``after`` (per task, its
+    predecessors) with its device's last gather, and per task the gather its inputs
+    reach first (None: no gather on its device), which then takes the edges' feeds in
+    the task's stead."""
     if not costs.zero.shards_weights:
         return after, []
     first: dict[int, Ref] = {}
     last: dict[int, Ref] = {}
+    graph = costs.memo.graph
     for group in parts.groups:
         sharded = zero_group(group, costs.zero)
         if sharded is None:
+            continue
+        if backward and graph is not None and not backward_reads(graph, parts.op, group.weight):
             continue
         seconds, links, nbytes = costs.half_ring(group.devices, sharded.chunks, all_gather_steps)
         before = tuple(dict.fromkeys(last[d] for d in group.devices if d in last))
@@ -583,7 +590,7 @@ def backward_segment(
     redo = _recomputed(b, parts, forward, after) if recomputed else None
     if redo is not None:
         after = [(r,) for r in redo]
-    after, gates = _weight_gathers(costs, b, parts, after)
+    after, gates = _weight_gathers(costs, b, parts, after, backward=True)
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.BACKWARD, seconds, after)
     elif parts.sums:  # a split partial dim

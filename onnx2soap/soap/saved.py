@@ -28,6 +28,13 @@ def wanted_gradients(graph: Graph, op: Op) -> tuple[bool, ...]:
     return tuple(takes_gradient(graph, t) for t in op.inputs)
 
 
+def backward_reads(graph: Graph, op: Op, tensor: str) -> bool:
+    """Whether the op's backward reads ``tensor`` (a weight: ZeRO-3 gathers it for the
+    backward only then; a linear on data does not read its weight there)."""
+    kept = kept_for_backward(graph, op, False)[0]
+    return any(op.inputs[k] == tensor for k in kept)
+
+
 def kept_for_backward(graph: Graph, op: Op, recomputed: bool) -> tuple[frozenset[int], bool]:
     """(the input operands kept, whether the output tile is kept)."""
     if recomputed:

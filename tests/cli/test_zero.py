@@ -41,11 +41,13 @@ def test_zero_plans_are_data_parallel_with_a_stage(model: Path, tmp_path: Path, 
         assert max(z["predicted"]["peak_memory_bytes"]) < max(dp["predicted"]["peak_memory_bytes"])
     # every plan is compared with ZeRO-2 data parallelism
     assert dp["predicted"]["baselines"]["zero"] == two["predicted"]["step_time_s"]
-    # ZeRO-3: the same splits, an all-gather more (each weight gathered for its forward
-    # and its backward, none after the update): 1.5 times the all-reduce's bytes
+    # ZeRO-3: the same splits; each weight gathered for its forward and, where the
+    # backward reads it (not the first Conv's: its input is the data), for its backward,
+    # none after the update: between 1 and 1.5 times the all-reduce's bytes
     three = _plan(model, tmp_path / "z3.json", "--strategy", "zero", "--zero-stage", "3")
     assert three["zero_stage"] == 3 and three["ops"] == dp["ops"]
-    assert three["predicted"]["bytes_moved"] == 1.5 * dp["predicted"]["bytes_moved"]
+    moved = three["predicted"]["bytes_moved"] / dp["predicted"]["bytes_moved"]
+    assert 1 < moved < 1.5
     capsys.readouterr()
     assert cli(["simulate", str(tmp_path / "z2.json"), "--optimizer", "adam"]) == 0
     assert (
