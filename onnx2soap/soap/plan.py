@@ -3,7 +3,7 @@
     {"format": "onnx2soap.plan", "version": 1,
      "model": {"path": str, "sha256": str, "batch": int}, "loss": str, "devices": int,
      "machine": str | null, "precision": "fp32" | "bf16" | "fp16" (absent: fp32),
-     "zero_stage": 1 | 2 (absent: no ZeRO; soap/zero.py),
+     "zero_stage": 1 | 2 | 3 (absent: no ZeRO; soap/zero.py),
      "pipeline": {"schedule": "1f1b" | "gpipe", "microbatches": int,
                   "stages": [[op name]]} (absent: no pipeline; soap/pipeline.py),
      "recompute": [op name] (absent: none; ops whose activations the backward recomputes),
