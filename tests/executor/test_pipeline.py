@@ -158,6 +158,9 @@ def trained(models, eval_data) -> dict[str, tuple[Job, Path]]:
         ),
         one,
     )
+    # Evaluation under ZeRO-3: each op's weights gathered for its forward, let go after.
+    job, one = jobs["cnn-2x2-1f1b-momentum-zero3"]
+    jobs["cnn-2x2-1f1b-momentum-zero3"] = (replace(job, eval_data=str(eval_data)), one)
     # Two steps under a pipeline, checkpointed; the third under plain data parallelism.
     job, one = jobs["gpt-2x2-1f1b-momentum"]
     checkpoint = str(folder / "checkpoints")
