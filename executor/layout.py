@@ -33,9 +33,9 @@ class Fixed:
 
 @dataclass(frozen=True)
 class Gathered:
-    """ZeRO-3: a weight shard the rank holds rows of; the step's ``GatherWeight`` gathers
-    it whole before each phase of the op (executor/step.py). Never kept from the forward
-    to the backward: gathered again."""
+    """ZeRO-3: a weight shard the rank holds rows of; the step gathers it whole for each
+    phase of the op (``GatherWeight``, ``WaitWeight``: executor/step.py). Never kept
+    from the forward to the backward: gathered again (but by a recomputed op)."""
 
     key: tuple[str, Rect]
 

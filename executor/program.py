@@ -15,8 +15,9 @@ microbatch. Within a pass:
                                     microbatch's gradient is accumulated, all-reduce the
                                     op's weight replica groups (under ZeRO,
                                     reduce-scatter the sharded ones);
-    under ZeRO-3 each phase of an op first all-gathers its sharded weights
-    (``GatherWeight``) on their groups' members;
+    under ZeRO-3 each op's sharded weights are all-gathered on their groups' members,
+    started as the op before it in the phase begins (``GatherWeight``, FSDP's
+    prefetch) and complete as its phase begins (``WaitWeight``);
     then the update (under ZeRO, each sharded group's all-gather after its update:
     executor/runtime.py).
 
@@ -202,14 +203,25 @@ class ReduceScatter:
 
 @dataclass(frozen=True)
 class GatherWeight:
-    """ZeRO-3: every member all-gathers a sharded replica group's whole Rect from the
-    members' rows, before the op's tasks of ``phase`` on it read it (soap/zero.py); the
-    rank lets go of it once they have run."""
+    """ZeRO-3: every member starts all-gathering a sharded replica group's whole Rect
+    from the members' rows (soap/zero.py), one op ahead of the op whose tasks of
+    ``phase`` read it (FSDP's prefetch): while the op before runs."""
 
     phase: Phase
     op: int
     group: int  # index into PartitionedGraph.groups[op name]
     devices: tuple[int, ...]
+    microbatch: int = 0
+
+
+@dataclass(frozen=True)
+class WaitWeight:
+    """ZeRO-3: the gather ``GatherWeight`` started is complete before the op's tasks of
+    ``phase`` on the rank read it; the rank lets go of it once they have run."""
+
+    phase: Phase
+    op: int
+    group: int
     microbatch: int = 0
 
 
@@ -242,6 +254,7 @@ Instruction = (
     | AllReduce
     | ReduceScatter
     | GatherWeight
+    | WaitWeight
     | Reopen
     | Close
 )
@@ -412,18 +425,41 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
     return order
 
 
-def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync: bool) -> list:
-    """One phase of one op for one microbatch; after the backward, where ``sync`` (the
-    stage's last backward), the op's weight-gradient sums."""
-    # ZeRO-3: the sharded weights, gathered before the phase's first instruction (for
-    # the backward, those it reads)
-    order = [
+def _gathers(pg, phase: Phase, i: int, op, zero: ZeroStage) -> list:
+    """ZeRO-3: the op's sharded weights' gathers for ``phase`` (for the backward, those
+    it reads), each on its group's members."""
+    if not zero.shards_weights:
+        return []
+    return [
         (d, GatherWeight(phase, i, g, group.devices))
         for g, group in enumerate(pg.groups[op.name])
-        if zero.shards_weights and zero_group(group, zero) is not None
+        if zero_group(group, zero) is not None
         if phase is Phase.FORWARD or backward_reads(pg.graph, op, group.weight)
         for d in group.devices
     ]
+
+
+def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync: bool) -> list:
+    """The phase of each op of ``run`` in turn, each op's ZeRO-3 gathers started as the
+    op before it begins (the first op's at once): FSDP's prefetch of the next block.
+    Every member of a group starts its gather at the same place in the global order."""
+    order: list[tuple[int, Instruction]] = []
+    ahead = [_gathers(pg, phase, i, op, zero) for i, op in run]
+    for j, (i, op) in enumerate(run):
+        if j == 0:
+            order += ahead[0]
+        if j + 1 < len(run):
+            order += ahead[j + 1]
+        order += _phase_of_op(pg, phase, i, op, links, zero, sync)
+    return order
+
+
+def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync: bool) -> list:
+    """One phase of one op for one microbatch; after the backward, where ``sync`` (the
+    stage's last backward), the op's weight-gradient sums."""
+    # ZeRO-3: the sharded weights' gathers (started an op ahead: ``_with_gathers``) are
+    # complete before the phase's first instruction
+    order = [(d, WaitWeight(phase, i, ins.group)) for d, ins in _gathers(pg, phase, i, op, zero)]
     if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
         order += _summed_op(pg, phase, i, op, *links)
     else:
@@ -475,14 +511,12 @@ def global_order(
         sync = p.kind is Pass.BACKWARD and p.microbatch == last_backward[s]
         key = (s, p.kind, sync)
         if key not in made:
-            made[key] = []
             if p.kind is Pass.FORWARD:
-                for i, op in ops[s]:
-                    made[key] += _phase_of_op(pg, Phase.FORWARD, i, op, links, zero, False)
-            else:
-                for i, op in ops[s][::-1]:
-                    if graph.differentiable(op.output):  # nothing flows back through ids
-                        made[key] += _phase_of_op(pg, Phase.BACKWARD, i, op, links, zero, sync)
+                phase, run = Phase.FORWARD, ops[s]
+            else:  # nothing flows back through ids
+                phase = Phase.BACKWARD
+                run = [(i, op) for i, op in ops[s][::-1] if graph.differentiable(op.output)]
+            made[key] = _with_gathers(pg, phase, run, zero, links, sync)
         if p.microbatch == 0:
             order += made[key]
         else:
@@ -539,7 +573,7 @@ def forward_program(program: Program) -> Program:
 
 
 def phase_of(ins: Instruction) -> Phase:
-    if isinstance(ins, Compute | Partial | ReduceStats | GatherWeight):
+    if isinstance(ins, Compute | Partial | ReduceStats | GatherWeight | WaitWeight):
         return ins.phase
     if isinstance(ins, SumOutputs):
         return Phase.FORWARD

@@ -43,6 +43,7 @@ from executor.program import (
     ShareGrad,
     SumOutputs,
     Wait,
+    WaitWeight,
 )
 from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
@@ -91,8 +92,10 @@ class Step:
         self.totals: dict[tuple[Phase, int, int], object] = {}
         self.updated: set[WeightKey] = set()  # state shards this microbatch has written
         self.pending: dict[int, object] = {}
-        # ZeRO-3: weights gathered whole for the op whose phase runs (``gather_weight``)
+        # ZeRO-3: weights gathered whole for the op whose phase runs (``wait_weight``),
+        # and those being gathered for the next: (the array, the gather in flight)
         self.gathered: dict[WeightKey, object] = {}
+        self.gathering: dict[WeightKey, tuple] = {}
         # receive buffers, by transfer: made when posted, dropped once read (assembled,
         # summed, or taken as the input buffer or output gradient they are whole)
         self.received: dict[int, object] = {}
@@ -128,6 +131,7 @@ class Step:
             AllReduce: self.allreduce,
             ReduceScatter: self.reduce_scatter,
             GatherWeight: self.gather_weight,
+            WaitWeight: self.wait_weight,
             Reopen: self.reopen,
             Close: self.close,
         }
@@ -319,16 +323,27 @@ class Step:
             del self.gathered[key]  # the op's last task of the phase on the rank has run
 
     def gather_weight(self, ins: GatherWeight) -> None:
-        """ZeRO-3: a sharded group's whole Rect from the members' rows, for the op's tasks
-        of the phase on the rank (in the half format where the kernels read it so)."""
-        group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
-        key = (group.weight, group.rect)
+        """ZeRO-3: start gathering a sharded group's whole Rect from the members' rows,
+        an op ahead of the one whose tasks read it (``wait_weight``)."""
+        key = self._group_key(ins)
         sharded = self.rt.zero3[key]
-        full = self.xp.empty(rect_shape(group.rect), dtype=self.rt.dtype)
+        full = self.xp.empty(rect_shape(key[1]), dtype=self.rt.dtype)
         lo, hi = sharded.rows(self.rt.rank)
         full[lo:hi] = self.rt.shards[key]
-        self.rt.transport.wait(self.rt.transport.all_gather(full, ins.devices, sharded.chunks))
+        pending = self.rt.transport.all_gather(full, ins.devices, sharded.chunks)
+        self.gathering[key] = (full, pending)
+
+    def wait_weight(self, ins: WaitWeight) -> None:
+        """ZeRO-3: the gather complete, for the op's tasks of the phase on the rank (in
+        the half format where the kernels read it so)."""
+        key = self._group_key(ins)
+        full, pending = self.gathering.pop(key)
+        self.rt.transport.wait(pending)
         self.gathered[key] = self.half.narrow(full)
+
+    def _group_key(self, ins: GatherWeight | WaitWeight) -> WeightKey:
+        group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
+        return (group.weight, group.rect)
 
     def _regathered(self, key: TaskKey) -> None:
         """ZeRO-3: the task's weights as gathered again for its backward (its forward

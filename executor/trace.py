@@ -47,6 +47,7 @@ from executor.program import (
     ShareGrad,
     SumOutputs,
     Wait,
+    WaitWeight,
 )
 from onnx2soap.files import write_atomic
 
@@ -79,10 +80,11 @@ def task_name(pg, ins) -> tuple[str, str]:
     if isinstance(ins, ReduceScatter):
         weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
         return f"reduce-scatter {weight}", "allreduce"
-    if isinstance(ins, GatherWeight):
+    if isinstance(ins, GatherWeight | WaitWeight):
         weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
         tag = "fwd" if ins.phase is Phase.FORWARD else "bwd"
-        return f"all-gather {weight} {tag}", "allreduce"
+        what = "all-gather" if isinstance(ins, GatherWeight) else "wait all-gather"
+        return f"{what} {weight} {tag}", "allreduce"
     t = ins.transfer
     tensor = graph.ops[t.producer[0]].output
     verb = "send" if t.phase is Phase.FORWARD else "grad"

@@ -158,6 +158,11 @@ class OpMemory:
     # reads, from its forward to its backward; the others, while its forward runs
     kept_inputs: Pieces = ()
     read_inputs: Pieces = ()
+    # ZeRO-3: the float32 arrays its forward's (and backward's) gathers fill, started
+    # as the op before it in that phase begins (executor/program.py's prefetch): they
+    # live through that op too (``_forward_peaks``, ``_backward_peaks``)
+    gathering: Pieces = ()
+    regathering: Pieces = ()
 
 
 @dataclass(frozen=True)
@@ -481,7 +486,13 @@ def _op_bytes(
     )
     made = tuple((k, d, n) for (k, d), n in act_grads.items())
     lives = (grad_out, kept_tiles, read_tiles, kept_inputs, read_inputs)
-    return OpMemory(*(tuple(x.items()) for x in parts), made, *(tuple(x.items()) for x in lives))
+    ahead = (
+        tuple((d, n * itemsize) for d, n in gathered.items()),
+        tuple((d, n * itemsize) for d, n in regathered.items()) if backward else (),
+    )
+    return OpMemory(
+        *(tuple(x.items()) for x in parts), made, *(tuple(x.items()) for x in lives), *ahead
+    )
 
 
 WEIGHT = TensorRole.WEIGHT
@@ -963,6 +974,10 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
         read_in = _plus(m.read_inputs, edges.read_inputs.get(i, ()))
         for d, n in edges.landed_whole.get(i, ()):  # now the input buffers counted below
             live[d] -= n
+        # ZeRO-3: the next op's gathers, started as this one begins
+        ahead = ops[i + 1].gathering if i + 1 < len(ops) else ()
+        for d, n in ahead:
+            live[d] += n
         for x in (kept_in, read_in):
             for d, n in x.items():
                 live[d] += n
@@ -1013,6 +1028,8 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
                 live[d] -= n
         for d, n in edges.posted.get(i, ()):  # its readers' receives, posted at its sends
             live[d] += n
+        for d, n in ahead:  # narrowed by the next op as it begins (its own peak)
+            live[d] -= n
     return made, forward, live, free
 
 
@@ -1058,6 +1075,9 @@ def _backward_peaks(
                 live[d] += n
         for d, n in m.grads:  # its own, made by its kernel: part of the kernel's peak
             unmade[d] -= n
+        ahead = ops[i - 1].regathering if i > 0 else ()  # ZeRO-3: the next op's gathers
+        for d, n in ahead:
+            live[d] += n
         read_whole = []  # received output gradients its kernel reads in place
         for c, k in gather.pop(i, ()):  # gathered into its output gradient
             _release(grads, ops[c], k, edges.sent.get((c, k), ()))
@@ -1089,6 +1109,8 @@ def _backward_peaks(
             live[d] -= n
         for d, n in m.inflight:  # its reduce-scatter completes the one before it
             pending[d] = n
+        for d, n in ahead:
+            live[d] -= n
     return backward
 
 

@@ -518,18 +518,16 @@ def _plain_phase(b, parts, kind, seconds, after) -> tuple[list, list]:
     return tasks, list(tasks)
 
 
-def _weight_gathers(
-    costs: Costs, b, parts: OpParts, after: list, backward: bool = False
-) -> tuple[list, list]:
-    """ZeRO-3: the op's phase begins with an all-gather of each sharded group's Rect
-    (for the ``backward``, of those it reads), one after another (executor/step.py's
-    ``gather_weight``, synchronous, before the phase's tasks): ``after`` (per task, its
-    predecessors) with its device's last gather, and per task the gather its inputs
-    reach first (None: no gather on its device), which then takes the edges' feeds in
-    the task's stead."""
+def _weight_gathers(costs: Costs, b, parts: OpParts, after: list, backward: bool = False) -> list:
+    """ZeRO-3: an all-gather of each of the op's sharded groups' Rect (for the
+    ``backward``, of those it reads), one after another, which the phase's tasks on its
+    members wait for: ``after`` (per task, its predecessors) with its device's last
+    gather. The executor starts them as the op before begins (executor/program.py's
+    ``_with_gathers``, FSDP's prefetch): they wait for nothing of this op, only for
+    their links in program order (on CPU ranks, their cores: after the op before's
+    tasks there)."""
     if not costs.zero.shards_weights:
-        return after, []
-    first: dict[int, Ref] = {}
+        return after
     last: dict[int, Ref] = {}
     graph = costs.memo.graph
     for group in parts.groups:
@@ -543,35 +541,23 @@ def _weight_gathers(
         what = f"all-gather {group.weight}"
         ring = b.add(TaskKind.ALLREDUCE, seconds, links, before, nbytes, what)
         for d in group.devices:
-            first.setdefault(d, ring)
             last[d] = ring
-    if not first:
-        return after, []
-    tasks = parts.tasks
-    after = [
-        (*a, last[t.device]) if t.device in last else a for a, t in zip(after, tasks, strict=True)
+    return [
+        (*a, last[t.device]) if t.device in last else a
+        for a, t in zip(after, parts.tasks, strict=True)
     ]
-    return after, [first.get(t.device) for t in tasks]
-
-
-def _gated(starts: list, gates: list) -> list:
-    """The tasks the edges' feeds reach: a task's first weight gather where it has one."""
-    if not gates:
-        return starts
-    return [s if g is None else g for s, g in zip(starts, gates, strict=True)]
 
 
 def forward_segment(costs: Costs, slot: int, parts: OpParts, names: bool) -> Segment:
     b = _SegmentBuilder(slot, names, costs.turns)
     seconds, _ = costs.durations(parts)
-    none, gates = _weight_gathers(costs, b, parts, [()] * len(parts.tasks))
+    none = _weight_gathers(costs, b, parts, [()] * len(parts.tasks))
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.FORWARD, seconds, none)
     elif parts.sums:  # a split partial dim
         starts, ends = _summed_forward(costs, b, parts, seconds, none)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.FORWARD, seconds, none)
-    starts = _gated(starts, gates)
     return b.segment([x[1] for x in starts], [x[1] for x in ends])
 
 
@@ -590,15 +576,15 @@ def backward_segment(
     redo = _recomputed(b, parts, forward, after) if recomputed else None
     if redo is not None:
         after = [(r,) for r in redo]
-    after, gates = _weight_gathers(costs, b, parts, after, backward=True)
+    after = _weight_gathers(costs, b, parts, after, backward=True)
     if parts.op.nest.sync_dims:
         starts, ends = _synced_phase(costs, b, parts, TaskKind.BACKWARD, seconds, after)
     elif parts.sums:  # a split partial dim
         starts, ends = _summed_backward(costs, b, parts, seconds, after)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.BACKWARD, seconds, after)
-    # the output gradient arrives before the forward is rerun, or before the gathers
-    starts = redo if redo is not None else _gated(starts, gates)
+    if redo is not None:  # the output gradient arrives before the forward is rerun
+        starts = redo
     return b.segment([x[1] for x in starts], [x[1] for x in ends])
 
 

@@ -18,11 +18,13 @@ backward, Gemm backward 256 ns: 480 ns. Then:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.delta import DeltaSimulator
-from onnx2soap.sim.memory import OpMemory, _op_bytes
+from onnx2soap.sim.memory import OpMemory, _op_bytes, total
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
 from onnx2soap.soap.zero import ZeroStage
@@ -144,3 +146,16 @@ def test_zero_memory_by_hand(tmp_path) -> None:
     for d in range(3):
         assert peaks[0][d] - peaks[1][d] >= 2 * (128 - rows[d])
         assert peaks[2][d] <= peaks[1][d]
+
+
+def test_zero3_holds_the_next_ops_gather_through_the_op_before() -> None:
+    """The executor starts an op's ZeRO-3 gathers as the op before it begins (FSDP's
+    prefetch): their float32 arrays live through that op's kernels, forward and
+    backward (the backward's next op is the one before in graph order)."""
+    first = OpMemory(((0, 0),), (), (), ((0, 10),), ((0, 20),))
+    second = OpMemory(((0, 0),), (), (), ((0, 5),), ((0, 5),))
+    gathering = replace(second, gathering=((0, 100),))
+    assert total([0], [first, second])[0] == 20
+    assert total([0], [first, gathering])[0] == 110  # the first's forward kernel, beside it
+    regathering = replace(first, regathering=((0, 300),))
+    assert total([0], [regathering, second])[0] == 305  # the second's backward kernel
