@@ -450,6 +450,8 @@ def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync: bool) -> 
             order += ahead[0]
         if j + 1 < len(run):
             order += ahead[j + 1]
+        # complete before the op's phase begins
+        order += [(d, WaitWeight(phase, i, ins.group)) for d, ins in ahead[j]]
         order += _phase_of_op(pg, phase, i, op, links, zero, sync)
     return order
 
@@ -457,13 +459,10 @@ def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync: bool) -> 
 def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync: bool) -> list:
     """One phase of one op for one microbatch; after the backward, where ``sync`` (the
     stage's last backward), the op's weight-gradient sums."""
-    # ZeRO-3: the sharded weights' gathers (started an op ahead: ``_with_gathers``) are
-    # complete before the phase's first instruction
-    order = [(d, WaitWeight(phase, i, ins.group)) for d, ins in _gathers(pg, phase, i, op, zero)]
     if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
-        order += _summed_op(pg, phase, i, op, *links)
+        order = _summed_op(pg, phase, i, op, *links)
     else:
-        order += _plain_op(pg, phase, i, op, *links)
+        order = _plain_op(pg, phase, i, op, *links)
     if phase is Phase.BACKWARD and sync:
         # The op's weight gradients are complete: all-reduce them now, while the rest
         # of the backward pass is still ahead (as the simulator schedules it).

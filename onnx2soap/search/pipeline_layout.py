@@ -136,16 +136,18 @@ class StageSpace:
         """The ops each stage recomputes: of ``full`` (``--recompute all``'s list) those
         in stages that recompute all, of ``selective`` those in stages that recompute
         selectively; in graph order."""
-        lists = {Recompute.NONE: (), Recompute.ALL: full, Recompute.SELECTIVE: selective}
         if len(set(layout.recompute)) == 1:
-            return tuple(lists[layout.recompute[0]])
-        index = {op.name: i for i, op in enumerate(self.micro.ops)}
-        stage_of = lambda n: bisect_right(layout.cuts, index[n]) - 1  # noqa: E731
-        chosen = {n for mode, names in lists.items() for n in names}
+            mode = layout.recompute[0]
+            return {Recompute.NONE: (), Recompute.ALL: full, Recompute.SELECTIVE: selective}[mode]
+        lists = {
+            Recompute.NONE: frozenset(),
+            Recompute.ALL: frozenset(full),
+            Recompute.SELECTIVE: frozenset(selective),
+        }
         return tuple(
             op.name
-            for op in self.micro.ops
-            if op.name in chosen and op.name in lists[layout.recompute[stage_of(op.name)]]
+            for i, op in enumerate(self.micro.ops)
+            if op.name in lists[layout.recompute[bisect_right(layout.cuts, i) - 1]]
         )
 
     def balanced(self, degree: int, pricing: Pricing, cost: CostModel, redo) -> tuple[int, ...]:
