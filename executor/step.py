@@ -327,19 +327,20 @@ class Step:
         an op ahead of the one whose tasks read it (``wait_weight``)."""
         key = self._group_key(ins)
         sharded = self.rt.zero3[key]
-        full = self.xp.empty(rect_shape(key[1]), dtype=self.rt.dtype)
+        rows = self.rt.weight_values(key)  # in the format the kernels read
+        full = self.xp.empty(rect_shape(key[1]), dtype=rows.dtype)
         lo, hi = sharded.rows(self.rt.rank)
-        full[lo:hi] = self.rt.shards[key]
+        full[lo:hi] = rows
         pending = self.rt.transport.all_gather(full, ins.devices, sharded.chunks)
         self.gathering[key] = (full, pending)
 
     def wait_weight(self, ins: WaitWeight) -> None:
-        """ZeRO-3: the gather complete, for the op's tasks of the phase on the rank (in
-        the half format where the kernels read it so)."""
+        """ZeRO-3: the gather complete, for the op's tasks of the phase on the rank
+        (gathered in the half format where the kernels read it so)."""
         key = self._group_key(ins)
         full, pending = self.gathering.pop(key)
         self.rt.transport.wait(pending)
-        self.gathered[key] = self.half.narrow(full)
+        self.gathered[key] = full
 
     def _group_key(self, ins: GatherWeight | WaitWeight) -> WeightKey:
         group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]

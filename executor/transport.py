@@ -224,9 +224,9 @@ class _Ring:
         self.counter.bytes += (shi - slo) * self.flat.itemsize
         if self.device is not None:
             self.device.synchronize()
-        self.requests = (
-            self.comm.Isend(self.flat[slo:shi], dest=self.right),
-            self.comm.Irecv(self.scratch[: rhi - rlo], source=self.left),
+        self.requests = (  # a half-format all-gather's (ZeRO-3's weights) as its bits
+            self.comm.Isend(_wire(self.flat[slo:shi]), dest=self.right),
+            self.comm.Irecv(_wire(self.scratch[: rhi - rlo]), source=self.left),
         )
         self.received = False
         if self.bell is not None:

@@ -120,7 +120,13 @@ class AdditiveCost:
         self.graph, self.simulator = graph, simulator
         self.machine = simulator.machine
         simulator.memo.bind(graph)
-        self.costs = Costs(simulator.machine, simulator.cost, simulator.itemsize, simulator.memo)
+        self.costs = Costs(
+            simulator.machine,
+            simulator.cost,
+            simulator.itemsize,
+            simulator.memo,
+            stored_itemsize=simulator.stored_itemsize,
+        )
         self.partitioner = Partitioner(graph)
         self.ops = {op.name: op for op in graph.ops}
         self.index = {op.name: i for i, op in enumerate(graph.ops)}
@@ -253,7 +259,8 @@ class AdditiveCost:
             return (seconds, seconds) if backward else (seconds,)
         runs = group.scatter.runs(group.tile)
         halves = (reduce_scatter_steps, all_gather_steps) if backward else (reduce_scatter_steps,)
-        return tuple(self.costs.half_ring(group.devices, runs, h)[0] for h in halves)
+        width = self.costs.itemsize  # partial sums are float32
+        return tuple(self.costs.half_ring(group.devices, runs, h, width)[0] for h in halves)
 
     def _sums(
         self, name: str, config: ParallelConfig, readers: Sequence[tuple[str, ParallelConfig, int]]
@@ -357,7 +364,7 @@ class AdditiveCost:
         )
         if not len(volume):
             return 0.0
-        width = self.simulator.itemsize if tensor.dtype.is_float else tensor.dtype.itemsize
+        width = self.costs.edge_width(tensor.name)
         latency, bandwidth = self._routes
         seconds = latency[src, dst] + volume * width / bandwidth[src, dst]
         n = self.machine.size

@@ -116,7 +116,15 @@ class Simulator:
         return self.machine.transfers_use_compute
 
     def costs(self) -> Costs:
-        return Costs(self.machine, self.cost, self.itemsize, self.memo, self.zero, self.recompute)
+        return Costs(
+            self.machine,
+            self.cost,
+            self.itemsize,
+            self.memo,
+            self.zero,
+            self.recompute,
+            self.stored_itemsize,
+        )
 
     def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
         """One step's task graph; a pipeline plan's: one microbatch's."""

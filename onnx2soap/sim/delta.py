@@ -93,6 +93,7 @@ class DeltaSimulator:
             simulator.memo,
             simulator.zero,
             simulator.recompute,
+            simulator.stored_itemsize,
         )
         self.lay = layout(graph)
         self.kinds = slot_kinds(graph, self.lay, simulator.recompute)

@@ -29,8 +29,8 @@ holds before and during one kernel:
   is 2 bytes an element (``stored``) and a kernel holds float32 copies of its stored
   operands and result (``_conversions``);
 - under ZeRO (soap/zero.py), a sharded group's optimizer state is the member's rows
-  only; at stage 3 so is its weight, gathered whole (in the half format where the
-  kernels read it so) for the kernels of each phase of its op;
+  only; at stage 3 so is its weight (and its half-format copy), gathered whole in
+  the format the kernels read for the kernels of each phase of its op;
   at stage 2 and 3 so is its gradient once the reduce-scatter is done: the full-size
   gradient counts in its op's backward kernels (their peak) and stays, in flight,
   through the backward of the ops after it in the backward's order until the rank's
@@ -326,11 +326,12 @@ def _op_bytes(
             continue
         sharded = zero_group(group, zero)
         own = n if sharded is None else sharded.numel(d) * itemsize
-        # the master (ZeRO-3: the rank's rows; the whole Rect is gathered for each phase,
-        # in the half format where the kernels read it so: no compute copy kept)
+        # the master and, in mixed precision, its half-format copy (ZeRO-3: of the
+        # rank's rows, which it gathers whole for each phase in that format)
         whole = sharded is None or not zero.shards_weights
         master = n if whole else own
-        copy = (slots - optimizer_slots) * rect_volume(rect) * stored if whole else 0
+        kept = rect_volume(rect) if whole else sharded.numel(d)
+        copy = (slots - optimizer_slots) * kept * stored
         if not whole:
             _add(gathered, d, rect_volume(rect))
             if backward_reads(graph, op, group.weight):
@@ -435,13 +436,11 @@ def _op_bytes(
         if phase is backward_ and not backward:
             break
         for d, n in whole_weights.items():
-            # ZeRO-3: the gathered weights through the phase's kernels; as each is
-            # gathered, its float32 array beside its half-format copy. A recomputed op
-            # keeps its forward's to its backward (its forward runs again from them),
-            # where the one gathered again takes its place.
-            at_gather = n * itemsize + (n * stored if stored < itemsize else 0)
+            # ZeRO-3: the gathered weights (in the stored format) through the phase's
+            # kernels. A recomputed op keeps its forward's to its backward (its forward
+            # runs again from them), where the one gathered again takes its place.
             during = 0 if phase is backward_ and recompute else n * stored
-            phase[d] = max(phase.get(d, 0) + during, at_gather)
+            phase[d] = max(phase.get(d, 0) + during, n * stored)
     if recompute:
         for d, n in gathered.items():
             _add(kept_inputs, d, n * stored)
@@ -486,9 +485,9 @@ def _op_bytes(
     )
     made = tuple((k, d, n) for (k, d), n in act_grads.items())
     lives = (grad_out, kept_tiles, read_tiles, kept_inputs, read_inputs)
-    ahead = (
-        tuple((d, n * itemsize) for d, n in gathered.items()),
-        tuple((d, n * itemsize) for d, n in regathered.items()) if backward else (),
+    ahead = (  # ZeRO-3: the array being gathered while the op before runs
+        tuple((d, n * stored) for d, n in gathered.items()),
+        tuple((d, n * stored) for d, n in regathered.items()) if backward else (),
     )
     return OpMemory(
         *(tuple(x.items()) for x in parts), made, *(tuple(x.items()) for x in lives), *ahead

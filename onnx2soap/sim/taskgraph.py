@@ -285,6 +285,23 @@ class Costs:
     zero: ZeroStage = ZeroStage.NONE  # the plan's: sharded groups' rings and updates
     # the plan's recomputed ops: their backward first runs their forward again
     recompute: frozenset[str] = frozenset()
+    # Bytes an element of what the executor stores and sends between kernels: mixed
+    # precision's 2 (activations, their gradients, ZeRO-3's gathered weights); None:
+    # ``itemsize``. Weight gradients and partial sums stay ``itemsize``.
+    stored_itemsize: int | None = None
+
+    @property
+    def stored(self) -> int:
+        return self.itemsize if self.stored_itemsize is None else self.stored_itemsize
+
+    def edge_width(self, tensor: str) -> int:
+        """Bytes an element of a tensor's pieces sent from producer to consumer (and
+        of its gradient's, sent back): the stored format for what trains (the executor's
+        ``Runtime.storage_of``); ids, labels and masks as they are."""
+        t = self.memo.graph.tensors[tensor]
+        if not t.dtype.is_float:
+            return t.dtype.itemsize
+        return self.stored if self.memo.graph.differentiable(tensor) else self.itemsize
 
     @cached_property
     def turns(self) -> tuple[int, ...] | None:
@@ -365,25 +382,29 @@ class Costs:
         devices: tuple[int, ...],
         chunks: tuple[Interval, ...],
         steps: Callable[[int, int], tuple[RingStep, ...]],
+        width: int,
     ) -> tuple[float, tuple[int, ...], int]:
         """(seconds, links, bytes) of ZeRO's reduce-scatter or all-gather over the
-        shards' runs ``chunks``: k-1 lock-step steps each, timed like the all-reduce's."""
-        key = (steps.__name__, devices, chunks)
+        shards' runs ``chunks`` of ``width``-byte elements: k-1 lock-step steps each,
+        timed like the all-reduce's."""
+        key = (steps.__name__, devices, chunks, width)
         if key not in self.memo.rings:
-            self.memo.rings[key] = self._schedule(devices, chunks, steps)
+            self.memo.rings[key] = self._schedule(devices, chunks, steps, width)
         return self.memo.rings[key]
 
     def _ring(self, devices: tuple[int, ...], numel: int) -> tuple[float, tuple[int, ...], int]:
-        return self._schedule(devices, ring_chunks(numel, len(devices)), ring_steps)
+        chunks = ring_chunks(numel, len(devices))
+        return self._schedule(devices, chunks, ring_steps, self.itemsize)
 
     def _schedule(
         self,
         devices: tuple[int, ...],
         chunks: tuple[Interval, ...],
         steps: Callable[[int, int], tuple[RingStep, ...]],
+        width: int,
     ) -> tuple[float, tuple[int, ...], int]:
         k = len(devices)
-        sizes = [(hi - lo) * self.itemsize for lo, hi in chunks]
+        sizes = [(hi - lo) * width for lo, hi in chunks]
         hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
         links = tuple(sorted({r for a, b in hops for r in self.link_resources(a, b)}))
         # Per hop, a send's seconds per chunk size (two sizes: the chunks are balanced),
@@ -453,7 +474,7 @@ def _sum_ring(costs, b, group: SumGroup, ready, what: str, backward: bool) -> tu
         return _group_ring(costs, b, group.devices, group.numel, ready, what)
     steps = all_gather_steps if backward else reduce_scatter_steps
     runs = group.scatter.runs(group.tile)
-    seconds, links, nbytes = costs.half_ring(group.devices, runs, steps)
+    seconds, links, nbytes = costs.half_ring(group.devices, runs, steps, costs.itemsize)
     return (b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what),)
 
 
@@ -536,7 +557,10 @@ def _weight_gathers(costs: Costs, b, parts: OpParts, after: list, backward: bool
             continue
         if backward and graph is not None and not backward_reads(graph, parts.op, group.weight):
             continue
-        seconds, links, nbytes = costs.half_ring(group.devices, sharded.chunks, all_gather_steps)
+        # in the format the kernels read (the executor gathers the half copy's rows)
+        seconds, links, nbytes = costs.half_ring(
+            group.devices, sharded.chunks, all_gather_steps, costs.stored
+        )
         before = tuple(dict.fromkeys(last[d] for d in group.devices if d in last))
         what = f"all-gather {group.weight}"
         ring = b.add(TaskKind.ALLREDUCE, seconds, links, before, nbytes, what)
@@ -608,11 +632,6 @@ def _recomputed(b: _SegmentBuilder, parts: OpParts, seconds, after) -> list[Ref]
     ]
 
 
-def _width(graph: Graph, tensor: str, itemsize: int) -> int:
-    t = graph.tensors[tensor]
-    return itemsize if t.dtype.is_float else t.dtype.itemsize
-
-
 def _in_flight(b: _SegmentBuilder, sent: Ref, free: float, what: str) -> Ref:
     """The rest of a message's latency after ``sent``: a delay that holds nothing (its
     end devices and their cores are free, and the next message on its links need not
@@ -660,7 +679,7 @@ def edge_forward_segment(
     """The edge's tiles: a transfer per crossing overlap, after the producer task; the
     consumer task reads after the transfer, or straight after the producer on one device."""
     b = _SegmentBuilder(slot, names, costs.turns)
-    width = _width(costs.memo.graph, edge.tensor, costs.itemsize)
+    width = costs.edge_width(edge.tensor)
     pieces = Counter(o.dst_task for o in edge.overlaps)
     feeds = []
     for o in edge.overlaps:
@@ -709,7 +728,7 @@ def edge_backward_segment(
     if not src[1].ends or not graph.differentiable(edge.tensor):
         return EMPTY  # ids take no gradient; an op without backward sends none
     b = _SegmentBuilder(slot, names, costs.turns)
-    width = _width(graph, edge.tensor, costs.itemsize)
+    width = costs.edge_width(edge.tensor)
     # A producer task's output gradient is read in place only from its one consumer's
     # one piece; anything else is a zeroed buffer the pieces are summed into.
     readers = costs.memo.readers[edge.tensor]
@@ -778,7 +797,7 @@ def weight_segment(
                 _group_ring(costs, b, group.devices, numel, ready, f"allreduce {group.weight}")
                 continue
             seconds, links, nbytes = costs.half_ring(
-                group.devices, sharded.chunks, reduce_scatter_steps
+                group.devices, sharded.chunks, reduce_scatter_steps, costs.itemsize
             )
             what = f"reduce-scatter {group.weight}"
             b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what)
@@ -816,7 +835,7 @@ def update_segment(
             )
         if sharded is not None and not costs.zero.shards_weights:  # ZeRO-3: before uses
             seconds, links, nbytes = costs.half_ring(
-                group.devices, sharded.chunks, all_gather_steps
+                group.devices, sharded.chunks, all_gather_steps, costs.itemsize
             )
             what = f"all-gather {group.weight}"
             b.add(TaskKind.ALLREDUCE, seconds, links, updates, nbytes, what)

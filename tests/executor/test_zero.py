@@ -39,6 +39,7 @@ from onnx import numpy_helper
 from executor.train import train
 from onnx2soap.errors import UserError
 from onnx2soap.importer import file_sha256, load_model
+from onnx2soap.precision import Precision
 from onnx2soap.search.baselines import data_parallel, random_strategy
 from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.presets import cpu
@@ -255,11 +256,12 @@ def test_saved_weights_and_model_are_the_trained_ones(trained) -> None:
         np.testing.assert_array_equal(initializers[name], w.astype(np.float32), err_msg=name)
 
 
-def _simulated_bytes(plan: Path) -> int:
+def _simulated_bytes(plan: Path, precision: Precision = Precision.FP32) -> int:
     loaded = load_plan(plan)
     graph = load_model(loaded.model_path, loaded.batch).graph
     pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
-    simulator = make_simulator(cpu(loaded.devices), RooflineCost(), zero=loaded.zero_stage)
+    machine = cpu(loaded.devices)
+    simulator = make_simulator(machine, RooflineCost(), precision=precision, zero=loaded.zero_stage)
     return simulator.evaluate(pg).bytes_moved
 
 
@@ -274,6 +276,17 @@ def test_zero_moves_the_all_reduces_bytes(plans, trained) -> None:
     moved = {name: _simulated_bytes(plans[name]) for name in ("dp", "zero3")}
     assert zero3.sum() / sent["dp"].sum() == pytest.approx(moved["zero3"] / moved["dp"])
     assert 1 < moved["zero3"] / moved["dp"] < 1.5
+
+
+def test_zero3_in_bf16_gathers_the_half_format_copies(plans, trained) -> None:
+    """Mixed precision: each member's rows of the weight's half-format copy are what
+    is gathered (FSDP's param_dtype), 2 bytes an element, the gradients reduce-scattered
+    in float32: the bytes the simulator moves in bf16, fewer than in float32."""
+    job, out = trained["zero3-bf16"]
+    sent = int(read_result(out).sent.sum())
+    bf16 = _simulated_bytes(plans["zero3"], Precision.BF16)
+    assert sent == job.steps * bf16
+    assert bf16 < _simulated_bytes(plans["zero3"])
 
 
 def test_zero_without_data_parallelism_is_refused(plans) -> None:

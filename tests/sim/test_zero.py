@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import pytest
 
+from onnx2soap.precision import Precision
 from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.delta import DeltaSimulator
 from onnx2soap.sim.memory import OpMemory, _op_bytes, total
@@ -159,3 +160,33 @@ def test_zero3_holds_the_next_ops_gather_through_the_op_before() -> None:
     assert total([0], [first, gathering])[0] == 110  # the first's forward kernel, beside it
     regathering = replace(first, regathering=((0, 300),))
     assert total([0], [regathering, second])[0] == 305  # the second's backward kernel
+
+
+def test_zero3_in_bf16_gathers_the_half_format_copy(tmp_path) -> None:
+    """bf16: each device keeps its rows of W's half-format copy (6, 6 and 4 elements
+    of 2 bytes) beside its float32 rows, and gathers that copy whole, 64 bytes, for the
+    forward: the ring moves 2 bytes an element (its widest shard 24 bytes a step), the
+    reduce-scatter of the float32 gradient 4."""
+    partitioner, strategy = _setup(tmp_path)
+    pg = partitioner.partition(strategy)
+    gemm = pg.graph.ops[0]
+    tasks, groups = pg.tasks[gemm.name], pg.groups[gemm.name]
+
+    def pieces(zero: ZeroStage) -> OpMemory:
+        slots, rounding, stored = ADAM + 1, 9, 2
+        args = (4, slots, True, rounding, zero, ADAM, False, (), stored)
+        return _op_bytes(pg.graph, gemm, tasks, groups, *args)
+
+    two, three = pieces(ZeroStage.GRADIENTS), pieces(ZeroStage.PARAMETERS)
+    rows = [48, 48, 32]  # float32 bytes
+    held = [dict(two.held)[d] - dict(three.held)[d] for d in range(3)]
+    assert held == [(128 - r) + (64 - r // 2) for r in rows]
+    assert [dict(three.forward)[d] - dict(two.forward)[d] for d in range(3)] == [64] * 3
+    assert dict(three.gathering) == {d: 64 for d in range(3)}
+    sim = make_simulator(
+        round_machine(3), RooflineCost(), ADAM, Precision.BF16, ZeroStage.PARAMETERS
+    )
+    tg = sim.task_graph(pg, names=True)
+    (gather,) = [i for i, name in enumerate(tg.names) if name == "all-gather W"]
+    assert tg.duration[gather] == pytest.approx(2 * (2 + 24) * US, rel=1e-9)
+    assert sim.evaluate(pg).bytes_moved == 2 * 32 * 2 + 2 * 32 * 4
