@@ -152,13 +152,13 @@ class Runtime:
         self.trainable_order = tuple(k for k in self.shards if k in self.trainable)
         # Mixed precision: the kernels read each trainable weight in the half format, a
         # copy remade after every update; the shard stays the float32 master. Under
-        # ZeRO-3 the copy is of the rank's rows, and what the step gathers (FSDP's
-        # param_dtype: half the bytes moved and held of a float32 gather).
+        # ZeRO-3 none is kept: the step narrows the rank's rows as it gathers them.
         self.compute_copies: dict[WeightKey, object] = {}
         if self.half.active:
             with self.device.compute():
                 for key in self.trainable_order:
-                    self.compute_copies[key] = self.half.narrow(self.shards[key])
+                    if key not in self.zero3:
+                        self.compute_copies[key] = self.half.narrow(self.shards[key])
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
         # floats in the run's dtype, ids int64.
         with self.device.compute():

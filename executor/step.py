@@ -324,13 +324,16 @@ class Step:
 
     def gather_weight(self, ins: GatherWeight) -> None:
         """ZeRO-3: start gathering a sharded group's whole Rect from the members' rows,
-        an op ahead of the one whose tasks read it (``wait_weight``)."""
+        an op ahead of the one whose tasks read it (``wait_weight``); in mixed precision
+        the rows narrowed to the half format first, as FSDP's param_dtype does: half
+        the bytes moved and held, and no half copy kept between steps."""
         key = self._group_key(ins)
         sharded = self.rt.zero3[key]
-        rows = self.rt.weight_values(key)  # in the format the kernels read
+        rows = self.half.narrow(self.rt.shards[key])
         full = self.xp.empty(rect_shape(key[1]), dtype=rows.dtype)
         lo, hi = sharded.rows(self.rt.rank)
         full[lo:hi] = rows
+        del rows
         pending = self.rt.transport.all_gather(full, ins.devices, sharded.chunks)
         self.gathering[key] = (full, pending)
 

@@ -29,7 +29,7 @@ holds before and during one kernel:
   is 2 bytes an element (``stored``) and a kernel holds float32 copies of its stored
   operands and result (``_conversions``);
 - under ZeRO (soap/zero.py), a sharded group's optimizer state is the member's rows
-  only; at stage 3 so is its weight (and its half-format copy), gathered whole in
+  only; at stage 3 so is its weight (no half-format copy kept), gathered whole in
   the format the kernels read for the kernels of each phase of its op;
   at stage 2 and 3 so is its gradient once the reduce-scatter is done: the full-size
   gradient counts in its op's backward kernels (their peak) and stays, in flight,
@@ -318,6 +318,7 @@ def _op_bytes(
     shards = {(g.weight, g.rect, d): g for g in groups for d in g.devices}
     gathered: dict[int, int] = {}  # ZeRO-3: elements gathered whole for the forward
     regathered: dict[int, int] = {}  # and for the backward (the weights it reads)
+    narrowed: dict[int, int] = {}  # and the rank's rows in the half format, as gathered
     for (_, rect, d), group in shards.items():
         n = rect_volume(rect) * itemsize
         if not group.trainable:
@@ -326,14 +327,14 @@ def _op_bytes(
             continue
         sharded = zero_group(group, zero)
         own = n if sharded is None else sharded.numel(d) * itemsize
-        # the master and, in mixed precision, its half-format copy (ZeRO-3: of the
-        # rank's rows, which it gathers whole for each phase in that format)
+        # the master and, in mixed precision, its half-format copy (ZeRO-3: the rank's
+        # rows alone, narrowed as they are gathered whole for each phase in that format)
         whole = sharded is None or not zero.shards_weights
         master = n if whole else own
-        kept = rect_volume(rect) if whole else sharded.numel(d)
-        copy = (slots - optimizer_slots) * kept * stored
+        copy = (slots - optimizer_slots) * rect_volume(rect) * stored if whole else 0
         if not whole:
             _add(gathered, d, rect_volume(rect))
+            _add(narrowed, d, sharded.numel(d) if stored < itemsize else 0)
             if backward_reads(graph, op, group.weight):
                 _add(regathered, d, rect_volume(rect))
         _add(held, d, master + copy + optimizer_slots * own)
@@ -437,10 +438,12 @@ def _op_bytes(
             break
         for d, n in whole_weights.items():
             # ZeRO-3: the gathered weights (in the stored format) through the phase's
-            # kernels. A recomputed op keeps its forward's to its backward (its forward
-            # runs again from them), where the one gathered again takes its place.
+            # kernels; as each is gathered, the rank's rows narrowed beside it. A
+            # recomputed op keeps its forward's to its backward (its forward runs again
+            # from them), where the one gathered again takes its place.
+            at_gather = (n + narrowed.get(d, 0)) * stored
             during = 0 if phase is backward_ and recompute else n * stored
-            phase[d] = max(phase.get(d, 0) + during, n * stored)
+            phase[d] = max(phase.get(d, 0) + during, at_gather)
     if recompute:
         for d, n in gathered.items():
             _add(kept_inputs, d, n * stored)

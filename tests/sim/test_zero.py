@@ -163,10 +163,10 @@ def test_zero3_holds_the_next_ops_gather_through_the_op_before() -> None:
 
 
 def test_zero3_in_bf16_gathers_the_half_format_copy(tmp_path) -> None:
-    """bf16: each device keeps its rows of W's half-format copy (6, 6 and 4 elements
-    of 2 bytes) beside its float32 rows, and gathers that copy whole, 64 bytes, for the
-    forward: the ring moves 2 bytes an element (its widest shard 24 bytes a step), the
-    reduce-scatter of the float32 gradient 4."""
+    """bf16: each device keeps its float32 rows of W, no half-format copy (ZeRO-2
+    keeps one of W whole, 64 bytes), and gathers its rows narrowed, W's 64 bytes, for
+    the forward: the ring moves 2 bytes an element (its widest shard 24 bytes a step),
+    the reduce-scatter of the float32 gradient 4."""
     partitioner, strategy = _setup(tmp_path)
     pg = partitioner.partition(strategy)
     gemm = pg.graph.ops[0]
@@ -180,7 +180,7 @@ def test_zero3_in_bf16_gathers_the_half_format_copy(tmp_path) -> None:
     two, three = pieces(ZeroStage.GRADIENTS), pieces(ZeroStage.PARAMETERS)
     rows = [48, 48, 32]  # float32 bytes
     held = [dict(two.held)[d] - dict(three.held)[d] for d in range(3)]
-    assert held == [(128 - r) + (64 - r // 2) for r in rows]
+    assert held == [(128 - r) + 64 for r in rows]
     assert [dict(three.forward)[d] - dict(two.forward)[d] for d in range(3)] == [64] * 3
     assert dict(three.gathering) == {d: 64 for d in range(3)}
     sim = make_simulator(
