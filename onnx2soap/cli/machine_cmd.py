@@ -13,8 +13,11 @@ from onnx2soap.cli.common import gib, human
 from onnx2soap.errors import MachineError, UserError
 from onnx2soap.files import check_output
 from onnx2soap.options import float_in, int_in
-from onnx2soap.sim.machine import dump_machine
+from onnx2soap.sim.collectives import Collective, bus_bandwidth, collective_time, group_shape
+from onnx2soap.sim.costs import RooflineCost
+from onnx2soap.sim.machine import Machine, dump_machine
 from onnx2soap.sim.presets import preset_names, resolve_machine
+from onnx2soap.sim.taskgraph import Costs, Memo
 from onnx2soap.soap.plan import MAX_DEVICES
 
 MAX_PROBE_SECONDS = 600.0
@@ -73,7 +76,29 @@ def run_show(args: argparse.Namespace) -> int:
             f"{m.links[i].name} ({human(m.links[i].bandwidth)}B/s)" for i in m.route(src, dst)
         )
         print(f"  route {src} -> {dst}: {hops}")
+    if m.size > 1:
+        _print_all_reduce(m)
     return 0
+
+
+BUSBW_SIZES = {8: "8 B", 1 << 20: "1 MiB", 64 << 20: "64 MiB", 1 << 30: "1 GiB"}
+
+
+def _print_all_reduce(m: Machine) -> None:
+    """An all-reduce over every device, as the simulator prices it: nccl-tests' busbw
+    (docs/benchmarks.md holds it next to published figures)."""
+    costs = Costs(m, RooflineCost(), 1, Memo())
+    devices = tuple(range(m.size))
+    how = "NCCL's model" if m.nodes is not None and not m.transfers_use_compute else "a ring"
+    print(f"  all-reduce over all {m.size} devices ({how}):")
+    for size, label in BUSBW_SIZES.items():
+        seconds = costs.ring(devices, size)[0]
+        busbw = bus_bandwidth(Collective.ALL_REDUCE, m.size, size, seconds)
+        picked = ""
+        if m.nodes is not None and not m.transfers_use_compute:
+            p = collective_time(group_shape(m, devices), Collective.ALL_REDUCE, size)
+            picked = f", {p.algorithm.value}/{p.protocol.value}"
+        print(f"    {label:>6}: {seconds * 1e6:,.1f} us, busbw {human(busbw)}B/s{picked}")
 
 
 def find_mpiexec() -> str:

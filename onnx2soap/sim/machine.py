@@ -35,6 +35,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
 
@@ -114,6 +115,23 @@ class Cooling:
     after: float
 
 
+class IntraLink(Enum):
+    """What links the devices of a node, as NCCL's latency model tells them apart."""
+
+    NVLINK = "nvlink"  # NVLink, directly or through an NVSwitch
+    PCIE = "pcie"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which node each device is on (``of[d]``), and what links a node's devices: the
+    collectives of GPUs on such a machine are priced as NCCL runs them
+    (``sim/collectives.py``)."""
+
+    of: tuple[int, ...]
+    intra: IntraLink = IntraLink.NVLINK
+
+
 @dataclass(frozen=True)
 class Machine:
     """``transfers_use_compute``: a transfer also holds the sending and the receiving
@@ -144,6 +162,10 @@ class Machine:
     ``cooling``: what a communication costs its ranks after a silence (``Cooling``);
     None: nothing (the presets; ranks that nap, which ``resume`` covers).
 
+    ``nodes``: the devices' nodes (``NodeLayout``): GPUs whose collectives NCCL runs,
+    priced by its model (``sim/collectives.py``); None (CPU ranks, a machine file
+    without them): collectives are the executor's lock-step rings, step by step.
+
     ``margin``: the simulator's step error on this machine, as a fraction of a step
     (what ``benchmarks/fidelity.py`` measures as the step error after the common
     factor). The search trades a plan for one that moves more bytes only where that
@@ -165,9 +187,15 @@ class Machine:
     resume: Resume | None = None
     margin: float = 0.0
     cooling: Cooling | None = None
+    nodes: NodeLayout | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
+        if self.nodes is not None and len(self.nodes.of) != len(self.devices):
+            raise MachineError(
+                f"machine {self.name!r}: nodes: {len(self.nodes.of)} entries for "
+                f"{len(self.devices)} devices"
+            )
 
     @property
     def shares_cores(self) -> bool:
@@ -348,7 +376,33 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         resume,
         float(margin),
         _cooling(doc.get("cooling"), source),
+        _nodes(doc.get("nodes"), len(devices), source),
     )
+
+
+def _nodes(doc, devices: int, source: str) -> NodeLayout | None:
+    """``nodes: {of: [0, 0, 1, 1], intra: nvlink}``: each device's node (integers),
+    and what links a node's devices (nvlink or pcie, nvlink if left out)."""
+    if doc is None:
+        return None
+    kinds = ", ".join(k.value for k in IntraLink)
+    if not isinstance(doc, Mapping) or not set(doc) <= {"of", "intra"} or "of" not in doc:
+        raise MachineError(
+            f"{source}: nodes: must be a mapping of 'of' (each device's node) and 'intra' "
+            f"({kinds}), got {doc!r}"[:300]
+        )
+    of = doc["of"]
+    valid = isinstance(of, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in of
+    )
+    if not valid or len(of) != devices:
+        raise MachineError(
+            f"{source}: nodes.of: must list {devices} node numbers >= 0, one per device"
+        )
+    intra = doc.get("intra", IntraLink.NVLINK.value)
+    if intra not in {k.value for k in IntraLink}:
+        raise MachineError(f"{source}: nodes.intra: must be one of {kinds}, got {intra!r}")
+    return NodeLayout(tuple(of), IntraLink(intra))
 
 
 def _cooling(doc, source: str) -> Cooling | None:
@@ -412,7 +466,12 @@ def machine_to_dict(m: Machine) -> dict:
         **({"resume": asdict(m.resume)} if m.resume is not None else {}),
         **({"margin": m.margin} if m.margin else {}),
         **({"cooling": asdict(m.cooling)} if m.cooling is not None else {}),
+        **({"nodes": _nodes_dict(m.nodes)} if m.nodes is not None else {}),
     }
+
+
+def _nodes_dict(nodes: NodeLayout) -> dict:
+    return {"of": list(nodes.of), "intra": nodes.intra.value}
 
 
 def _read_machine_text(path: Path) -> str:

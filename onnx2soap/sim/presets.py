@@ -11,7 +11,15 @@ from enum import Enum
 from pathlib import Path
 
 from onnx2soap.errors import MachineError
-from onnx2soap.sim.machine import MAX_DEVICES, ComputeDevice, Link, Machine, load_machine_file
+from onnx2soap.sim.machine import (
+    MAX_DEVICES,
+    ComputeDevice,
+    IntraLink,
+    Link,
+    Machine,
+    NodeLayout,
+    load_machine_file,
+)
 
 GiB = 1 << 30
 
@@ -138,7 +146,9 @@ def cluster(name: str, spec: NodeSpec, nodes: int) -> Machine:
             na, nc = (a, c) if spec.nic_per_gpu else (a // g, c // g)
             hops = (nic_out[na], nic_in[nc])
             b.routes[(a, c)] = (up[a], *hops, down[c]) if spec.fabric is Fabric.PCIE else hops
-    return Machine(f"{name}:{nodes}", devices, tuple(b.links), b.routes)
+    intra = IntraLink.PCIE if spec.fabric is Fabric.PCIE else IntraLink.NVLINK
+    layout = NodeLayout(tuple(d // g for d in range(total)), intra)
+    return Machine(f"{name}:{nodes}", devices, tuple(b.links), b.routes, nodes=layout)
 
 
 def _fields(d: ComputeDevice) -> tuple:

@@ -46,6 +46,7 @@ import numpy as np
 
 from onnx2soap.errors import PlanError
 from onnx2soap.ir import Graph, Op
+from onnx2soap.sim.collectives import Collective, collective_time, group_shape
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Cooling, Machine, Resume
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
@@ -405,6 +406,8 @@ class Costs:
     ) -> tuple[float, tuple[int, ...], int]:
         k = len(devices)
         sizes = [(hi - lo) * width for lo, hi in chunks]
+        if self.machine.nodes is not None and not self.machine.transfers_use_compute:
+            return self._nccl(devices, sizes, steps)
         hops = [(devices[i], devices[(i + 1) % k]) for i in range(k)]
         links = tuple(sorted({r for a, b in hops for r in self.link_resources(a, b)}))
         # Per hop, a send's seconds per chunk size (two sizes: the chunks are balanced),
@@ -419,6 +422,32 @@ class Costs:
             seconds += max(map(dict.__getitem__, times, sent))
             nbytes += sum(sent)
         return seconds, links, nbytes
+
+    def _nccl(
+        self,
+        devices: tuple[int, ...],
+        sizes: list[int],
+        steps: Callable[[int, int], tuple[RingStep, ...]],
+    ) -> tuple[float, tuple[int, ...], int]:
+        """A collective on GPU nodes, as NCCL runs it (``sim/collectives.py``): its
+        algorithm and protocol as NCCL's model picks them, striped over every link
+        between the members, which it holds (ZeRO's uneven runs, which the executor
+        gives NCCL as one broadcast or reduce per shard, as balanced ones of the widest
+        run). The bytes are the ring's: what the members send."""
+        k = len(devices)
+        kind = _COLLECTIVE_OF[steps.__name__]
+        shape = group_shape(self.machine, devices)
+        seconds = collective_time(shape, kind, k * max(sizes)).seconds
+        links = {r for a in devices for b in devices if a != b for r in self.link_resources(a, b)}
+        nbytes = sum(sizes) * (k - 1) * (2 if kind is Collective.ALL_REDUCE else 1)
+        return seconds, tuple(sorted(links)), nbytes
+
+
+_COLLECTIVE_OF = {
+    ring_steps.__name__: Collective.ALL_REDUCE,
+    reduce_scatter_steps.__name__: Collective.REDUCE_SCATTER,
+    all_gather_steps.__name__: Collective.ALL_GATHER,
+}
 
 
 def _group_ring(costs, b, devices, numel, ready: Sequence[Ref], what) -> tuple[Ref, ...]:

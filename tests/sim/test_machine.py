@@ -64,6 +64,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     doubted = replace(slept, margin=0.1)
     cooled = replace(rings, cooling=Cooling(cost=1.7e-4, after=4.5e-3))
     machines = (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings, slept, doubted)
+    machines += (preset("dgx-h100:2"),)  # its nodes, for NCCL's model
     for m in (*machines, cooled):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
@@ -127,6 +128,12 @@ def _doc() -> dict:
         (lambda d: d.update(margin=-0.1), "margin"),
         (lambda d: d.update(margin=1.0), "margin"),  # a whole step: nothing trusted
         (lambda d: d.update(margin="a tenth"), "margin"),
+        (lambda d: d.update(nodes=[0, 1]), "nodes"),
+        (lambda d: d.update(nodes={"of": [0, 1], "fabric": "ib"}), "nodes"),
+        (lambda d: d.update(nodes={"of": [0]}), "nodes.of"),
+        (lambda d: d.update(nodes={"of": [0, -1]}), "nodes.of"),
+        (lambda d: d.update(nodes={"of": [0, True]}), "nodes.of"),
+        (lambda d: d.update(nodes={"of": [0, 1], "intra": "nvswitch"}), "nodes.intra"),
     ],
 )
 def test_bad_machine_file_names_the_field(edit, field: str) -> None:
@@ -159,6 +166,12 @@ def test_machine_cli(capsys, tmp_path: Path) -> None:
     assert cli(["machine", "show", "flexflow-p100:1"]) == 0
     out = capsys.readouterr().out
     assert "4 devices" in out and "route 0 -> 1: nvlink-0-1" in out
+    # the all-reduce's busbw over the machine, as the simulator prices it (NCCL's model:
+    # 1 GiB over 16 H100s of two nodes, their 8 NICs a node striped, the Simple ring)
+    assert cli(["machine", "show", "dgx-h100:2"]) == 0
+    out = capsys.readouterr().out
+    assert "all-reduce over all 16 devices (NCCL's model)" in out
+    assert "1 GiB: 5,266.5 us, busbw 382GB/s, ring/Simple" in out
     assert cli(["machine", "show", "cpu:2", "--yaml"]) == 0
     path = tmp_path / "cpu2.yaml"
     path.write_text(capsys.readouterr().out)
