@@ -6,10 +6,13 @@ for it on the host's probed machine file.
 For each rank count: ``onnx2soap machine probe`` writes the machine file, then the ranks
 sum float32 arrays of 1 KiB to 64 MiB with the executor's transport (``MpiTransport``,
 the ring the executor's data parallelism runs), back to back, each size ``--repeats``
-times after a warm-up; the figure is the median over repeats of the slowest rank's
-time. The simulated one is ``taskgraph.Costs.ring`` on the probed machine, what a
-plan's task graph gives such an all-reduce (a back-to-back ring: no cooling after a
-silence, which ``benchmarks/cooling.py`` measures). The issue's target: within 25 %.
+times after a warm-up; the figure is the median over repeats of the least time a rank
+spent in the ring (the rank that arrives last spends only the ring's own time there).
+The simulated one is ``taskgraph.Costs.ring`` on the probed machine, what a plan's task
+graph gives such an all-reduce (its steps at the probed ``ring_step_latency``, what a
+ring step costs inside a training step, plus what the probed ``ring_step_curve`` says
+the chunk's bytes add; no cooling after a silence, which ``benchmarks/cooling.py``
+measures). The issue's target: within 25 %.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ def _mpiexec() -> str:
 
 
 def measure(repeats: int) -> dict[int, float] | None:
-    """Under mpiexec: per size, the median over ``repeats`` of the slowest rank's
-    seconds in one all-reduce (rank 0 gets them; the others None)."""
+    """Under mpiexec: per size, the median over ``repeats`` of the least seconds a rank
+    spent in one all-reduce (rank 0 gets them; the others None)."""
     from mpi4py import MPI
 
     from executor.device import CpuDevice
@@ -63,9 +66,9 @@ def measure(repeats: int) -> dict[int, float] | None:
             start = time.perf_counter()
             transport.wait(transport.allreduce(array, devices))
             transport.end_step()
-            slowest = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            least = comm.allreduce(time.perf_counter() - start, op=MPI.MIN)
             if attempt >= 2:
-                times.append(slowest)
+                times.append(least)
         figures[size] = float(np.median(times))
     if bell is not None:
         bell.close()

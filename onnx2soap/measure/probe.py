@@ -11,7 +11,9 @@ the latency from what a message adds to a step of the executor's runtime
 (``probe_messages.py``: its instructions and their dispatch included, 5-25 us on a
 2-core VM, where bare MPI takes about 1 us and the transport's calls alone 2 us); and
 the latency of a ring all-reduce's step from the rings of a traced data-parallel step
-of the runtime (``Machine.ring_step_latency``: several times a message's there); where
+of the runtime (``Machine.ring_step_latency``: several times a message's there), and
+what its chunk's bytes add, by size, from the transport's all-reduces of growing arrays
+(``probe_rings.py``, ``Machine.ring_step_curve``); where
 ranks have a core each, what a ring costs beyond that after a silence
 (``probe_cooling.py``, ``Machine.cooling``); and,
 where ranks share cores (they nap and sleep while they wait), what a rank pays for
@@ -35,6 +37,7 @@ from onnx2soap.files import write_atomic
 from onnx2soap.measure.probe_cooling import cooling_cost
 from onnx2soap.measure.probe_messages import ROUNDS, message_costs, ring_step_seconds
 from onnx2soap.measure.probe_resume import PAIRS, resume_cost
+from onnx2soap.measure.probe_rings import ring_step_curve
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
 from onnx2soap.sim.presets import cpu
 
@@ -180,6 +183,7 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     links = _links(comm, nap=bool(cores), rounds=_rounds(seconds))
     links = comm.bcast(links, root=0)
     ring = comm.bcast(ring_step_seconds(comm, bool(cores), _rounds(seconds)), root=0)
+    curve = comm.bcast(ring_step_curve(comm, bool(cores)), root=0)
     ranks = comm.Get_size()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
     device = ComputeDevice(
@@ -195,6 +199,7 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     # that spin hold it throughout (the machine's default).
     busy = min(links.busy, links.latency) if cores else None
     machine = replace(machine, cores=cores, message_busy=busy, ring_step_latency=ring)
+    machine = replace(machine, ring_step_curve=curve)
     machine = replace(machine, margin=CPU_RANKS_MARGIN)
     # Only ranks that share cores sleep while they wait (the transport's naps, then its
     # doorbell); with a core each they spin and never owe a resume. Probed there too,

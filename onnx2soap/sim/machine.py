@@ -20,6 +20,7 @@ Machine file (YAML)::
     cores: 0                       # > 0: the devices share so many cores (CPU ranks)
     message_busy: 4.5e-05          # optional: of a message's latency, what holds its ends
     ring_step_latency: 1.0e-05     # optional: a ring all-reduce step's latency
+    ring_step_curve: [[1024, 9.0e-06], [16777216, 2.6e-03]]  # optional: measured steps
     resume: {after: 2.0e-04, cost: 6.0e-04, slowdown: 6.0}  # optional: a rank that slept
     cooling: {cost: 1.6e-04, after: 1.5e-03}  # optional: a message after a long silence
     margin: 0.1                    # optional: the simulator's step error here, a fraction
@@ -36,6 +37,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
+from itertools import pairwise
 from pathlib import Path
 from types import MappingProxyType
 
@@ -115,6 +117,30 @@ class Cooling:
     after: float
 
 
+@dataclass(frozen=True)
+class RingCurve:
+    """A ring step's time by the bytes of its chunk, measured on the host (``machine
+    probe``: the transport's all-reduces of growing arrays, back to back): ``points``
+    are (chunk bytes, seconds a step), bytes increasing, seconds not decreasing. What a
+    step costs beyond its latency (``extra``) is the curve's rise from its first point,
+    linear between points and at the last two's slope beyond: summing a chunk and
+    copying it cost more per byte once they leave the caches, which one bandwidth
+    does not say (2 ranks here: 6.4 GB/s a step at 8 MiB chunks, 3.4 at 32 MiB)."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def extra(self, nbytes: int) -> float:
+        pts = self.points
+        base = pts[0][1]
+        if nbytes <= pts[0][0]:
+            return 0.0
+        for (b0, s0), (b1, s1) in pairwise(pts):
+            if nbytes <= b1:
+                return s0 - base + (s1 - s0) * (nbytes - b0) / (b1 - b0)
+        (b0, s0), (b1, s1) = pts[-2], pts[-1]
+        return s1 - base + (s1 - s0) * (nbytes - b1) / (b1 - b0)
+
+
 class IntraLink(Enum):
     """What links the devices of a node, as NCCL's latency model tells them apart."""
 
@@ -156,6 +182,10 @@ class Machine:
     both and sums the chunk), which ``machine probe`` measures. None: the route's
     latency.
 
+    ``ring_step_curve``: a ring step's time by its chunk's bytes, measured
+    (``RingCurve``): a step then costs its latency plus the curve's rise, in place of
+    its bytes at the route's bandwidth. None: the route's bandwidth.
+
     ``resume``: what a device pays for having slept through a long wait (``Resume``);
     None: nothing (GPUs, whose streams do not sleep; ranks that were never measured).
 
@@ -188,6 +218,7 @@ class Machine:
     margin: float = 0.0
     cooling: Cooling | None = None
     nodes: NodeLayout | None = None
+    ring_step_curve: RingCurve | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
@@ -377,7 +408,35 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         float(margin),
         _cooling(doc.get("cooling"), source),
         _nodes(doc.get("nodes"), len(devices), source),
+        _ring_curve(doc.get("ring_step_curve"), source),
     )
+
+
+def _ring_curve(doc, source: str) -> RingCurve | None:
+    """``ring_step_curve: [[bytes, seconds], ...]``: two points or more, bytes whole and
+    increasing, seconds finite and not decreasing."""
+    if doc is None:
+        return None
+    what = (
+        f"{source}: ring_step_curve: must be a list of at least two [bytes, seconds] "
+        "pairs, bytes increasing integers > 0, seconds finite, >= 0 and not decreasing"
+    )
+    if not isinstance(doc, list) or len(doc) < 2:
+        raise MachineError(what)
+    points = []
+    for pair in doc:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise MachineError(what)
+        nbytes, seconds = pair
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise MachineError(what)
+        if not _nonnegative(seconds):
+            raise MachineError(what)
+        points.append((nbytes, float(seconds)))
+    rising = all(a[0] < b[0] and a[1] <= b[1] for a, b in pairwise(points))
+    if not rising:
+        raise MachineError(what)
+    return RingCurve(tuple(points))
 
 
 def _nodes(doc, devices: int, source: str) -> NodeLayout | None:
@@ -467,6 +526,11 @@ def machine_to_dict(m: Machine) -> dict:
         **({"margin": m.margin} if m.margin else {}),
         **({"cooling": asdict(m.cooling)} if m.cooling is not None else {}),
         **({"nodes": _nodes_dict(m.nodes)} if m.nodes is not None else {}),
+        **(
+            {"ring_step_curve": [list(p) for p in m.ring_step_curve.points]}
+            if m.ring_step_curve is not None
+            else {}
+        ),
     }
 
 

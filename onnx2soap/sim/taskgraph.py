@@ -337,11 +337,17 @@ class Costs:
         transfers use the cores, twice: in a step every member sends a chunk and
         receives one, and its core copies both, as it does a message each way (which
         hold their ends' cores one after the other). The transport's ring of 2 CPU
-        ranks here moves 7 GB/s a member, where one message at a time moves 16.5."""
+        ranks here moves 7 GB/s a member, where one message at a time moves 16.5.
+        Where the machine has a measured ``ring_step_curve``, the bytes cost what it
+        says instead."""
         latency, bandwidth, _, _ = self._route(src, dst)
         ring = self.machine.ring_step_latency
+        latency = latency if ring is None else ring
+        curve = self.machine.ring_step_curve
+        if curve is not None:  # measured: the step's bytes as this host moves them
+            return latency + curve.extra(nbytes)
         copies = 2 if self.machine.transfers_use_compute else 1
-        return (latency if ring is None else ring) + copies * nbytes / bandwidth
+        return latency + copies * nbytes / bandwidth
 
     def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float]:
         """(seconds holding ``resources``, resources, seconds in flight after them):

@@ -14,14 +14,17 @@ from executor.transport import SLEEPS_AFTER_S
 from onnx2soap.cli import main as cli
 from onnx2soap.errors import MachineError
 from onnx2soap.measure.probe import CPU_RANKS_MARGIN
+from onnx2soap.sim.costs import RooflineCost
 from onnx2soap.sim.machine import (
     Cooling,
     Resume,
+    RingCurve,
     dump_machine,
     load_machine_file,
     machine_from_dict,
 )
 from onnx2soap.sim.presets import preset, resolve_machine
+from onnx2soap.sim.taskgraph import Costs, Memo
 
 
 @pytest.mark.parametrize(
@@ -65,6 +68,8 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     cooled = replace(rings, cooling=Cooling(cost=1.7e-4, after=4.5e-3))
     machines = (preset("flexflow-k80:2"), preset("cpu:4"), shared, napping, rings, slept, doubted)
     machines += (preset("dgx-h100:2"),)  # its nodes, for NCCL's model
+    curved = RingCurve(((1024, 9e-6), (1 << 20, 1.4e-4), (1 << 24, 2.6e-3)))
+    machines += (replace(rings, ring_step_curve=curved),)
     for m in (*machines, cooled):
         path = tmp_path / "m.yaml"
         path.write_text(dump_machine(m))
@@ -128,6 +133,12 @@ def _doc() -> dict:
         (lambda d: d.update(margin=-0.1), "margin"),
         (lambda d: d.update(margin=1.0), "margin"),  # a whole step: nothing trusted
         (lambda d: d.update(margin="a tenth"), "margin"),
+        (lambda d: d.update(ring_step_curve=[[1024, 1e-5]]), "ring_step_curve"),
+        (lambda d: d.update(ring_step_curve=[[1024, 1e-5], [512, 2e-5]]), "ring_step_curve"),
+        (lambda d: d.update(ring_step_curve=[[1024, 1e-5], [2048, 1e-6]]), "ring_step_curve"),
+        (lambda d: d.update(ring_step_curve=[[1024, 1e-5], [2048.5, 2e-5]]), "ring_step_curve"),
+        (lambda d: d.update(ring_step_curve=[[1024, 1e-5], [2048, "slow"]]), "ring_step_curve"),
+        (lambda d: d.update(ring_step_curve={"1024": 1e-5}), "ring_step_curve"),
         (lambda d: d.update(nodes=[0, 1]), "nodes"),
         (lambda d: d.update(nodes={"of": [0, 1], "fabric": "ib"}), "nodes"),
         (lambda d: d.update(nodes={"of": [0]}), "nodes.of"),
@@ -141,6 +152,23 @@ def test_bad_machine_file_names_the_field(edit, field: str) -> None:
     edit(doc)
     with pytest.raises(MachineError, match=re.escape(f"m.yaml: {field}")):
         machine_from_dict(doc, "m.yaml")
+
+
+def test_a_ring_step_costs_its_latency_and_the_curves_rise() -> None:
+    """Measured steps of 9 us at 1 KiB chunks, 140 us at 1 MiB and 2.6 ms at 16 MiB:
+    a step of 512 KiB costs the probed latency plus half-way up the first segment; one
+    of 32 MiB the last segment's slope on; the route's bandwidth is not used."""
+    curve = RingCurve(((1024, 9e-6), (1 << 20, 1.4e-4), (1 << 24, 2.6e-3)))
+    assert curve.extra(512) == 0.0 == curve.extra(1024)
+    half = 1024 + ((1 << 20) - 1024) / 2
+    assert curve.extra(int(half)) == pytest.approx((1.4e-4 - 9e-6) / 2)
+    slope = (2.6e-3 - 1.4e-4) / ((1 << 24) - (1 << 20))
+    assert curve.extra(1 << 25) == pytest.approx(2.6e-3 - 9e-6 + slope * (1 << 24))
+    m = replace(preset("cpu:2"), ring_step_latency=2e-5, ring_step_curve=curve)
+    costs = Costs(m, RooflineCost(), 4, Memo())
+    assert costs.ring_step_time(0, 1, 1 << 24) == pytest.approx(2e-5 + 2.6e-3 - 9e-6)
+    seconds, _, _ = costs.ring((0, 1), 1 << 23)  # 2 steps of 16 MiB chunks
+    assert seconds == pytest.approx(2 * (2e-5 + 2.6e-3 - 9e-6))
 
 
 def test_ranks_sharing_cores_take_turns_on_core_d_mod_cores() -> None:
@@ -195,6 +223,18 @@ def test_probe_measures_this_host(tmp_path: Path) -> None:
     assert (m.message_busy is None) == (m.cores == 0)
     # Measured on the runtime's own rings, as the messages are.
     assert m.ring_step_latency is not None and 0 <= m.ring_step_latency < 1e-2
+    # and what a step's bytes add, by chunk size: rising, at most the copies' and sum's
+    # few passes over a 32 MiB chunk at 0.2-20 GB/s
+    curve = m.ring_step_curve
+    assert curve is not None and [b for b, _ in curve.points] == [
+        2 << 10,
+        128 << 10,
+        1 << 20,
+        8 << 20,
+        32 << 20,
+    ]
+    assert curve.points[-1][1] > curve.points[0][1]
+    assert curve.extra(32 << 20) * 20e9 > 32 << 20 and curve.extra(32 << 20) * 0.2e9 < 32 << 20
     # What a rank that slept through a wait pays, past the transport's naps: where
     # ranks share cores. With a core each they spin, never asleep: no resume.
     if m.cores:
