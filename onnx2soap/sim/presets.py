@@ -49,6 +49,12 @@ P100 = ComputeDevice("P100", 10.6e12, 732e9, 16 * GiB, 5e-6, 21.2e12)
 K80 = ComputeDevice("K80", 4.37e12, 240e9, 12 * GiB, 5e-6)  # one GK210 die
 V100 = ComputeDevice("V100", 15.7e12, 900e9, 16 * GiB, 5e-6, 125e12)
 H100 = ComputeDevice("H100", 67e12, 3.35e12, 80 * GiB, 4e-6, 989e12)
+# Meta's Grand Teton hosts (torchtitan's published runs): H100 SXM with 96 GB of HBM2e at
+# 2.4 TB/s, power-limited to 500 W (the datasheet's peaks otherwise, which that limit
+# may not reach).
+H100_96 = ComputeDevice("H100-96GB", 67e12, 2.4e12, 96 * 10**9, 4e-6, 989e12)
+# A100 SXM 80 GB: 19.5 TFLOPS FP32, 312 TFLOPS BF16/FP16 dense, 2,039 GB/s HBM2e.
+A100 = ComputeDevice("A100", 19.5e12, 2.039e12, 80 * GiB, 4e-6, 312e12)
 
 CLUSTERS = {
     "flexflow-p100": NodeSpec(
@@ -89,6 +95,32 @@ CLUSTERS = {
         450e9,
         1e-6,
         50e9,
+        3e-6,
+        nic_per_gpu=True,
+    ),
+    "grand-teton": NodeSpec(
+        "N Meta Grand Teton hosts x 8 H100 SXM (96 GB HBM2e, 2.4 TB/s, 500 W) on NVLink 4 "
+        "(450 GB/s a GPU each way), 400 Gb/s RDMA a GPU between hosts: torchtitan's "
+        "published runs (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)",
+        H100_96,
+        8,
+        Fabric.SWITCH,
+        450e9,
+        1e-6,
+        50e9,
+        3e-6,
+        nic_per_gpu=True,
+    ),
+    "dgx-a100": NodeSpec(
+        "N DGX A100 nodes x 8 A100 SXM 80 GB on NVLink 3 (300 GB/s a GPU each way through "
+        "NVSwitch), 8 x 200 Gb/s HDR InfiniBand a node: Megatron-LM's Selene (Narayanan et "
+        "al. 2021)",
+        A100,
+        8,
+        Fabric.SWITCH,
+        300e9,
+        1e-6,
+        25e9,
         3e-6,
         nic_per_gpu=True,
     ),

@@ -34,6 +34,8 @@ US, GB = 1e-6, 1e9
         ("dgx-h100:2", (0, 1, 8, 9), 2, 450 * GB, 2 * 50 * GB),  # two NICs a node in use
         ("dgx-h100:1", range(8), 1, 450 * GB, float("inf")),
         ("alpa-v100:2", range(16), 2, 150 * GB, 3.125 * GB),  # one NIC a node
+        ("dgx-a100:2", range(16), 2, 300 * GB, 8 * 25 * GB),  # Selene: 8 HDR NICs a node
+        ("grand-teton:2", range(16), 2, 450 * GB, 8 * 50 * GB),
         ("flexflow-p100:1", range(4), 1, 3 * 20 * GB, float("inf")),  # an NVLink to each
         ("flexflow-k80:2", range(8), 2, 12 * GB, 7 * GB),  # the NIC, not the PCIe port
     ],

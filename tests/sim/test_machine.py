@@ -34,6 +34,8 @@ from onnx2soap.sim.taskgraph import Costs, Memo
         ("flexflow-k80:3", 12),
         ("alpa-v100:2", 16),
         ("dgx-h100:1", 8),
+        ("grand-teton:2", 16),
+        ("dgx-a100:1", 8),
         ("cpu:3", 3),
     ],
 )
