@@ -175,7 +175,9 @@ def _add_output_options(run: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--save-weights",
         type=Path,
-        help="write trained weights (.npz) on rank 0 (the path is checked before training)",
+        help="write the trained weights, under the model's initializer names: .safetensors "
+        "(what torch and Hugging Face load) or .npz; every rank writes its shards (the path "
+        "is checked before training)",
     )
     out.add_argument(
         "--save-model",

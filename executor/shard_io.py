@@ -44,11 +44,14 @@ class Layout:
     size: int  # bytes
 
     @staticmethod
-    def of(tensors: list[tuple[str, tuple[int, ...], np.dtype]], start: int = 0) -> Layout:
-        """Tensors in the given order from byte ``start``, each aligned to ``ALIGN``."""
+    def of(
+        tensors: list[tuple[str, tuple[int, ...], np.dtype]], start: int = 0, align: int = ALIGN
+    ) -> Layout:
+        """Tensors in the given order from byte ``start``, each aligned to ``align``
+        (1: packed back to back, as safetensors lays them out)."""
         placed, offset = {}, start
         for name, shape, dtype in tensors:
-            offset = -(-offset // ALIGN) * ALIGN
+            offset = -(-offset // align) * align
             p = Placed(name, tuple(shape), np.dtype(dtype).newbyteorder("<"), offset)
             placed[name] = p
             offset += p.nbytes

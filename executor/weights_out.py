@@ -1,15 +1,25 @@
-"""``--save-weights W.npz``: every weight and state tensor, whole, in the run's dtype,
-written by the ranks that hold its shards: no rank gathers the model.
+"""``--save-weights W.npz`` or ``W.safetensors``: every weight and state tensor, whole,
+in the run's dtype, under the model's initializer names, written by the ranks that hold
+its shards: no rank gathers the model.
 
-The ranks write their shards into a file of whole tensors beside the output
+For an .npz the ranks write their shards into a file of whole tensors beside the output
 (``shard_io``), then rank 0 streams it into the .npz (uncompressed members, a chunk at a
 time, so its memory holds a chunk, not the model) under a temporary name, renamed into
 place; the shard file is removed. The disk holds the model twice for a moment.
+
+A .safetensors file is written in place by the ranks: its header (every tensor's dtype,
+shape and byte range, known from the graph alone) is laid out first, the ranks write
+their shards at their ranges with MPI-IO, rank 0 writes the header and renames the file
+into place. What Hugging Face and torch read (``safetensors.torch.load_file``): for a
+model exported by dynamo (``optimize=False``) the names are the module's parameters'.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import struct
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +52,10 @@ def shard_file(comm: MPI.Comm, target: Path) -> Path:
 
 
 def save_weights(comm: MPI.Comm, rt: Runtime, out: Path) -> None:
-    """Collective: write ``out`` (.npz) from every rank's shards."""
+    """Collective: write ``out`` (.safetensors, or else .npz) from every rank's shards."""
+    if out.suffix == ".safetensors":
+        _save_safetensors(comm, rt, check_output(out))
+        return
     held = (*rt.graph.weights, *rt.graph.states)
     layout = Layout.of([(t.name, t.shape, rt.dtype) for t in held])
     target = check_output(out)
@@ -83,3 +96,49 @@ def _npz_from(raw: Path, layout: Layout, target: Path) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise UserError(f"{target}: cannot write ({e.strerror or e})") from e
+
+
+SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64"}
+
+
+def safetensors_layout(
+    tensors: list[tuple[str, tuple[int, ...], np.dtype]],
+) -> tuple[bytes, Layout]:
+    """The file's first bytes (the header's length, little-endian u64, and the JSON
+    header, padded with spaces to 8 bytes) and where each tensor's bytes go: back to
+    back after them, in the given order."""
+    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in tensors]
+    header: dict = {"__metadata__": {"format": "pt"}}
+    begin = 0
+    for (name, shape, dtype), size in zip(tensors, sizes, strict=True):
+        kind = SAFETENSORS_DTYPES[np.dtype(dtype)]
+        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [begin, begin + size]}
+        begin += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    prefix = struct.pack("<Q", len(text)) + text
+    return prefix, Layout.of(tensors, start=len(prefix), align=1)
+
+
+def _save_safetensors(comm: MPI.Comm, rt: Runtime, target: Path) -> None:
+    held = (*rt.graph.weights, *rt.graph.states)
+    prefix, layout = safetensors_layout([(t.name, t.shape, rt.dtype) for t in held])
+    tmp = shard_file(comm, target)
+    try:
+        write_shards(comm, tmp, layout, owned_shards(rt, {t.name for t in held}))
+        error = None
+        if comm.rank == 0:
+            try:
+                with open(tmp, "rb+") as f:
+                    f.write(prefix)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except OSError as e:
+                error = f"{target}: cannot write ({e.strerror or e})"
+        error = comm.bcast(error, root=0)
+        if error:
+            raise UserError(error)
+    finally:
+        if comm.rank == 0:
+            tmp.unlink(missing_ok=True)

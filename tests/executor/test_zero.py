@@ -1,7 +1,8 @@
 """ZeRO-1, ZeRO-2 and ZeRO-3 plans (``plan --strategy zero``) train exactly like one
 device. ZeRO-3 (each rank holding its rows of every replicated weight, gathering the
 whole Rect for each op's forward and backward) too: SGD, Adam and Nesterov, on the
-random plan, in bf16, with --save-weights (each member writes its rows) and a
+random plan, in bf16, with --save-weights (each member writes its rows; .npz, and
+safetensors from a random plan) and a
 checkpoint it writes resumed under plain data parallelism; it moves an all-gather
 more than an all-reduce.
 
@@ -35,6 +36,7 @@ import onnx
 import pytest
 from mpi4py import MPI
 from onnx import numpy_helper
+from safetensors.numpy import load_file as load_safetensors
 
 from executor.train import train
 from onnx2soap.errors import UserError
@@ -163,6 +165,9 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
     adam, sgd, adam3 = jobs["zero2-adam"], jobs["zero1-sgd"], jobs["zero3-adam"]
     jobs["zero2-adam"] = replace(adam, save_weights=str(folder / "z2-adam-weights.npz"))
     jobs["zero3-adam"] = replace(adam3, save_weights=str(folder / "z3-adam-weights.npz"))
+    # a random plan's shards, ZeRO-3's rows among them, written in place as safetensors
+    random3 = jobs["random3-adam"]
+    jobs["random3-adam"] = replace(random3, save_weights=str(folder / "r3.safetensors"))
     jobs["zero1-sgd"] = replace(sgd, save_model=str(folder / "z1-sgd-model.onnx"))
     # Checkpoints across plans: two Adam steps under one, the third under the other.
     for first, then in (("zero2", "dp"), ("dp", "zero1"), ("zero3", "dp"), ("dp", "zero3")):
@@ -248,6 +253,11 @@ def test_saved_weights_and_model_are_the_trained_ones(trained) -> None:
             assert set(saved.files) == set(gathered)
             for name, w in gathered.items():
                 np.testing.assert_array_equal(saved[name], w, err_msg=f"{run} {name}")
+    job, out = trained["random3-adam"]
+    gathered, saved = read_result(out).weights, load_safetensors(job.save_weights)
+    assert set(saved) == set(gathered)
+    for name, w in gathered.items():
+        np.testing.assert_array_equal(saved[name], w, err_msg=f"random3 {name}")
     job, out = trained["zero1-sgd"]
     gathered = read_result(out).weights
     model = onnx.load(job.save_model)
