@@ -150,6 +150,14 @@ def _add_checkpoint_options(run: argparse.ArgumentParser) -> None:
         help="continue from the newest checkpoint in DIR, under this plan or another "
         "(re-sharded); --steps counts from the start of training",
     )
+    ckpt.add_argument(
+        "--init-weights",
+        type=Path,
+        metavar="FILE|DIR",
+        help="start from safetensors weights (a file, or a Hugging Face folder with "
+        "model.safetensors.index.json), by initializer name; each rank reads only its "
+        "shards; the model's own values stay for tensors the files leave out",
+    )
 
 
 def add_device_options(run: argparse.ArgumentParser) -> None:
@@ -360,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         optimizer = _optimizer(args)
+        if args.init_weights is not None and args.resume is not None:
+            raise UserError(
+                "--init-weights and --resume: a resumed run continues from its checkpoint's "
+                "weights; give one of them"
+            )
     except UserError as e:
         if _world_rank() == 0:
             _error_line(str(e))
@@ -394,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoint=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        init_weights=args.init_weights,
         device=DeviceKind(args.device) if args.device else None,
         transport=TransportKind(args.transport),
     )

@@ -34,6 +34,7 @@ from executor.device import open_device
 from executor.doorbell import Doorbell, GroupBell
 from executor.evaluation import EvalRecord, evaluate
 from executor.host_memory import keep_freed_memory, release_python_heap, settle_python_heap
+from executor.init_weights import initial_weights
 from executor.kinds import DeviceKind, TransportKind
 from executor.model_out import check_saveable, save_model
 from executor.optim import OptimizerConfig
@@ -82,6 +83,7 @@ class RunOptions:
     checkpoint: Path | None = None  # a folder of checkpoints
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end or a stop)
     resume: Path | None = None  # a checkpoint folder to continue from
+    init_weights: Path | None = None  # safetensors weights to start from (a file or a folder)
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
             "the plan was made for another model file"
         )
     model = load_model(path, plan.graph_batch, import_loss(plan))
+    if options.init_weights is not None:
+        weights, state = initial_weights(options.init_weights, model.weights, model.state)
+        model = replace(model, weights=weights, state=state)
     strategy = plan.strategy(model.graph, analyze(model.graph))
     pg = Partitioner(model.graph).partition(strategy)
     check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(options.plan))
