@@ -1,0 +1,129 @@
+"""Published training runs next to the simulator's prediction of the same configuration.
+
+    python -m benchmarks.published --llama-8k DIR/llama3-8b.onnx
+
+For each published row this script can express, it writes the plan of the published
+configuration (``onnx2soap plan --strategy ...``: no search), prices it with ``onnx2soap
+simulate --optimizer adam --json`` and prints the predicted throughput (tokens a second a
+GPU: the step's tokens over the step time over the GPUs) and peak memory a GPU next to
+the published ones. The model is a shape-only export (``benchmarks/llama_shape.py
+--config llama3-8b --batch B --seq 8192``: weights on a sparse file), whose batch is the
+graph's per-step batch.
+
+Rows (each with its source):
+
+- torchtitan, Llama 3.1 8B on 8 H100s (Meta's Grand Teton hosts: ``grand-teton:1``),
+  FSDP, local batch 2 a GPU (16 sequences a step), 8,192 tokens, bf16, selective
+  activation checkpointing, no torch.compile, no Float8: 5,762 tokens/s a GPU, 82.4 GiB
+  peak (pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1).
+
+Left out, and why: that table's torch.compile and Float8 rows (fused kernels and FP8
+GEMMs the simulator's cost model does not have); Megatron-LM's GPT rows (Narayanan et
+al. 2021, A100s: ``dgx-a100:N``) until their GPT shapes are exported at 2,048 tokens.
+The issue "Reproduce published runs" sets the target: within 15 % in time and memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import resource
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+GiB = 1 << 30
+PLAN_MEMORY = 12 * GiB  # of this 23 GiB host; the issue asks planning to stay within 2
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    machine: str
+    gpus: int
+    batch: int  # sequences a step
+    tokens: int  # a sequence
+    rule: tuple[str, ...]  # onnx2soap plan's options for the published configuration
+    tokens_per_gpu_s: float
+    memory_gib: float
+    source: str
+
+
+TORCHTITAN = Published(
+    "torchtitan Llama 3.1 8B, FSDP, selective AC, bf16",
+    "grand-teton:1",
+    8,
+    16,
+    8192,
+    ("--strategy", "zero", "--zero-stage", "3", "--recompute", "selective", "--precision", "bf16"),
+    5762.0,
+    82.4,
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1",
+)
+
+
+def _memory_cap() -> None:
+    """Planning is held to ``PLAN_MEMORY`` of address space: past it, an allocation
+    fails in one line instead of the kernel killing whatever it picks."""
+    resource.setrlimit(resource.RLIMIT_AS, (PLAN_MEMORY, PLAN_MEMORY))
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "onnx2soap", *args]
+
+
+def predicted(row: Published, model: Path, work: Path) -> tuple[float, float]:
+    """(tokens a second a GPU, peak GiB a GPU) of the row's configuration, as priced."""
+    plan = work / "plan.json"
+    argv = _cli("plan", str(model), "--machine", row.machine, "--batch", str(row.batch))
+    done = subprocess.run(
+        [*argv, *row.rule, "--quiet", "-o", str(plan)],
+        capture_output=True,
+        text=True,
+        preexec_fn=_memory_cap,
+    )
+    if done.returncode != 0:
+        errors = [x for x in done.stderr.splitlines() if "error" in x] or ["killed"]
+        raise RuntimeError(errors[-1])
+    argv = _cli("simulate", str(plan), "--machine", row.machine, "--optimizer", "adam", "--json")
+    doc = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    step = float(doc["step_time_s"])
+    peak = max(int(v) for v in doc["peak_memory_bytes"])
+    return row.batch * row.tokens / step / row.gpus, peak / GiB
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-8k", type=Path, required=True, help="LLaMA-3-8B at 8,192 tokens")
+    args = parser.parse_args(argv)
+    print(
+        "| run | machine | published tokens/s a GPU | predicted | predicted / published "
+        "| published GiB a GPU | predicted | source |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row, model in ((TORCHTITAN, args.llama_8k),):
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                speed, memory = predicted(row, model, Path(scratch))
+            except RuntimeError as e:
+                print(
+                    f"| {row.name} | {row.machine} | {row.tokens_per_gpu_s:,.0f} | refused: {e} |"
+                )
+                continue
+        print(
+            f"| {row.name} | {row.machine} | {row.tokens_per_gpu_s:,.0f} | {speed:,.0f} "
+            f"| {speed / row.tokens_per_gpu_s:.2f} | {row.memory_gib:.1f} | {memory:,.1f} "
+            f"| {row.source} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
