@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor.buffers import empty_buffer, local_slices, slice_from_full
+from executor.buffers import empty_buffer, global_slices, local_slices, slice_from_full
 from executor.precision import HalfStorage
 from executor.program import Piece
 from onnx2soap.ir import TensorRole
@@ -189,7 +189,13 @@ def _padded(xp, half: HalfStorage, region: Region, dtype):
 
 
 def _cut_constant(rt, name: str, region: Region):
-    return slice_from_full(rt.xp, rt.constants[name], region)
+    """A task's buffer of a constant: a copy of its region, or, for a broadcast constant
+    (``Tensor.distinct``) read without padding, a view of it: a causal mask at the bound
+    batch is held once, not once a layer."""
+    full = rt.constants[name]
+    if rt.graph.tensors[name].distinct and region.buffer == region.data:
+        return full[global_slices(region.data)]
+    return slice_from_full(rt.xp, full, region)
 
 
 def grad_source(rt, key: TaskKey, pieces: tuple[Piece, ...]) -> GradSource:

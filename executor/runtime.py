@@ -58,6 +58,7 @@ from executor.step import Step
 from executor.trace import Tracer, task_name
 from executor.transport import Transport
 from onnx2soap.errors import UserError
+from onnx2soap.importer.prepare import compact
 from onnx2soap.importer.weights import StoredTensor
 from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
@@ -160,11 +161,11 @@ class Runtime:
                     if key not in self.zero3:
                         self.compute_copies[key] = self.half.narrow(self.shards[key])
         # Constants are small (scalars, broadcast vectors): every rank holds them whole,
-        # floats in the run's dtype, ids int64.
+        # floats in the run's dtype, ids int64; one repeated along axes (a causal mask at
+        # the bound batch) as its distinct values, broadcast (read-only) to its shape.
         with self.device.compute():
             self.constants = {
-                name: self.device.to_device(np.asarray(value, dtype=self.dtype_of(name)))
-                for name, value in (constants or {}).items()
+                name: self._constant(name, value) for name, value in (constants or {}).items()
             }
         transport.make_groups(
             g.devices
@@ -210,6 +211,12 @@ class Runtime:
         # the order each list runs them.
         self._step_names = tuple(task_name(pg, ins) for ins in program.instructions)
         self._forward_names = tuple(task_name(pg, ins) for ins in self.forward_program.instructions)
+
+    def _constant(self, name: str, value):
+        value = np.asarray(value)
+        distinct = compact(value)
+        held = self.device.to_device(np.asarray(distinct, dtype=self.dtype_of(name)))
+        return held if distinct.shape == value.shape else self.xp.broadcast_to(held, value.shape)
 
     def _shard(self, source, key: WeightKey, refuse_nonfinite: bool):
         """The rank's copy of one Rect of a weight or state tensor, on its device."""

@@ -48,10 +48,18 @@ class Tensor:
     # constants and what ops compute from them alone (an RNN's reordered gate weights)
     # have no batch axis.
     batched: bool = False
+    # A constant repeated along axes (a causal mask at the bound batch): its distinct
+    # values, what a device holds of it (0: every element is its own).
+    distinct: int = 0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def held_numel(self) -> int:
+        """Elements a device stores of it: a broadcast constant's distinct ones."""
+        return self.distinct or self.numel
 
 
 # --- access maps: how one operand axis is indexed by the iteration dims -----------------

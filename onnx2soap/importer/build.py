@@ -9,7 +9,7 @@ from dataclasses import replace
 import onnx
 
 from onnx2soap.errors import ModelError
-from onnx2soap.importer.prepare import Prepared
+from onnx2soap.importer.prepare import Prepared, compact
 from onnx2soap.ir import (
     BatchAt,
     Binding,
@@ -127,11 +127,17 @@ class _Builder:
             return self.tensors[name]
         if name in self.p.constants:
             value = self.p.constants[name]
+            distinct = compact(value).size  # a broadcast one holds fewer
+            distinct = distinct if distinct < value.size else 0
             if value.dtype.kind == "b":  # no bools in the IR: a mask is a 0/1 float constant
                 t = Tensor(name, tuple(value.shape), DType.FLOAT32, TensorRole.CONSTANT)
-                self.tensors[name] = t
-                return t
-            return self._add(name, TensorRole.CONSTANT) if value.dtype.kind == "f" else None
+                self.tensors[name] = replace(t, distinct=distinct)
+                return self.tensors[name]
+            if value.dtype.kind != "f":
+                return None
+            t = self._add(name, TensorRole.CONSTANT)
+            self.tensors[name] = replace(t, distinct=distinct)
+            return self.tensors[name]
         if name in self.p.float_initializers:
             # A 0-d float initializer is a constant the exporter stored (a scale, an
             # epsilon), not a parameter: trained, it would drift from what the model means.

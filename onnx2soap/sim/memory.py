@@ -8,7 +8,8 @@ holds before and during one kernel:
   weight and state Rect it holds, once, with the optimizer's state per trainable one
   (none for SGD, one array for momentum, two for Adam) and mixed precision's half-format
   copy; per task, the buffers of its data rows, labels (at their own width) and
-  constants' cuts; a staging copy per strided tile sent;
+  constants' cuts (none for a broadcast constant read without padding: a view); a
+  staging copy per strided tile sent;
 - made by each step, each living as long as something reads it
   (``executor/lifetimes.py``; what an op's backward reads: ``soap/saved.py``): the
   batch rows its tasks read (the labels and the constants whole); every task's output
@@ -412,7 +413,9 @@ def _op_bytes(
             if tensor.role is TensorRole.ACTIVATION:  # the step makes its buffer
                 kept = kept_inputs if k in keeps_inputs else read_inputs
                 _add(kept, t.device, n * _width(tensor, stored))
-            else:  # rows (stored as activations), labels and constants: made once
+            elif not (tensor.distinct and region.buffer == region.data):
+                # rows (stored as activations), labels and constants: made once (a
+                # broadcast constant read without padding: a view of the one held whole)
                 width = stored if tensor.role is TensorRole.INPUT else itemsize
                 total += n * _width(tensor, width)
             if tensor.role is TensorRole.ACTIVATION and grad:
@@ -687,7 +690,7 @@ def batch_bytes(pg: PartitionedGraph, devices: int, itemsize: int) -> list[int]:
 
 def _whole_bytes(graph: Graph, itemsize: int) -> int:
     """What every device holds whole of the batch: the constants and the labels."""
-    held = sum(t.numel * _width(t, itemsize) for t in graph.constants)
+    held = sum(t.held_numel * _width(t, itemsize) for t in graph.constants)
     if graph.labels:
         labels = graph.tensors[graph.labels]
         held += labels.numel * _width(labels, itemsize)

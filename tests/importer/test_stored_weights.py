@@ -234,6 +234,70 @@ def test_a_large_folded_constant_kept_beside_the_proto_feeds_its_op(tmp_path: Pa
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_a_folded_mask_at_the_bound_batch_is_held_once_not_per_sequence(tmp_path) -> None:
+    """A causal mask as Hugging Face's eager attention builds it: positions copied to
+    every sequence of the batch (Expand, then a Mul that makes them a real array),
+    compared (LessOrEqual), then Where: folded at batch 64 and 256 tokens it is a [64, 1,
+    256, 256] float32 constant (16 MiB) of one distinct [256, 256] table (256 KiB), which
+    is all it holds; its values, and what the model computes, are onnxruntime's."""
+    import onnxruntime as ort
+
+    from executor import backend
+    from onnx2soap.importer.prepare import prepare
+
+    tokens, batch = 256, 64
+    inits = [
+        helper.make_tensor("start", TensorProto.INT64, (), [0]),
+        helper.make_tensor("limit", TensorProto.INT64, (), [tokens]),
+        helper.make_tensor("delta", TensorProto.INT64, (), [1]),
+        helper.make_tensor("rows", TensorProto.INT64, (4,), [batch, 1, tokens, 1]),
+        helper.make_tensor("cols", TensorProto.INT64, (4,), [batch, 1, 1, tokens]),
+        helper.make_tensor("axes", TensorProto.INT64, (3,), [0, 1, 3]),
+        helper.make_tensor("axes_c", TensorProto.INT64, (3,), [0, 1, 2]),
+        helper.make_tensor("one", TensorProto.INT64, (), [1]),
+        helper.make_tensor("zero", TensorProto.FLOAT, (), [0.0]),
+        helper.make_tensor("low", TensorProto.FLOAT, (), [-1e9]),
+    ]
+    nodes = [
+        helper.make_node("Range", ["start", "limit", "delta"], ["pos"]),
+        helper.make_node("Unsqueeze", ["pos", "axes"], ["pos_r"]),
+        helper.make_node("Unsqueeze", ["pos", "axes_c"], ["pos_c"]),
+        helper.make_node("Expand", ["pos_r", "rows"], ["r_b"]),
+        helper.make_node("Mul", ["r_b", "one"], ["r"]),  # a real [64, 1, 256, 1] array
+        helper.make_node("Expand", ["pos_c", "cols"], ["c_b"]),
+        helper.make_node("Mul", ["c_b", "one"], ["c"]),
+        helper.make_node("LessOrEqual", ["c", "r"], ["allowed"]),
+        helper.make_node("Where", ["allowed", "zero", "low"], ["mask"]),
+        helper.make_node("Add", ["x", "mask"], ["y"]),
+    ]
+    shape = [batch, 1, tokens, tokens]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        inits,
+    )
+    path = tmp_path / "mask.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    prepared = prepare(path, batch)
+    (mask,) = [v for v in prepared.constants.values() if v.shape == tuple(shape)]
+    distinct = mask.base if mask.base is not None else mask
+    assert mask.strides[:2] == (0, 0) and distinct.nbytes == tokens * tokens * 4
+    causal = np.where(np.tril(np.ones((tokens, tokens), bool)), 0.0, -1e9).astype(np.float32)
+    np.testing.assert_array_equal(mask, np.broadcast_to(causal, shape))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (want,) = session.run(None, {"x": x})
+    (got,) = backend.prepare(onnx.load(path)).run([x])
+    np.testing.assert_array_equal(got, want)
+    # the graph says so: a device holds (and the memory model prices) its distinct values
+    from onnx2soap.importer import load_model
+
+    (constant,) = load_model(path, batch).graph.constants
+    assert constant.shape == tuple(shape) and constant.held_numel == tokens * tokens
+
+
 @pytest.mark.parametrize("elem", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
 def test_a_weight_the_executor_cannot_compute_in_is_refused_in_one_line(tmp_path, elem) -> None:
     """Half-precision weights (mixed precision keeps float32 masters: export them in
