@@ -182,6 +182,9 @@ class Memo:
         default_factory=dict
     )
     memory: dict[tuple, object] = field(default_factory=dict)  # sim.memory.OpMemory
+    # devices -> (collectives.GroupShape, links between them): a GPU group's collectives
+    # of any size (reading the routes of every member pair is O(k^2))
+    groups: dict[tuple[int, ...], tuple] = field(default_factory=dict)
     # tensor -> how many operands read it: asked per edge, counted once per graph (a
     # count per edge was a fifth to a third of planning a LLaMA shape over 64 GPUs)
     readers: Counter = field(default_factory=Counter)
@@ -442,11 +445,14 @@ class Costs:
         run). The bytes are the ring's: what the members send."""
         k = len(devices)
         kind = _COLLECTIVE_OF[steps.__name__]
-        shape = group_shape(self.machine, devices)
+        if devices not in self.memo.groups:
+            pairs = ((a, b) for a in devices for b in devices if a != b)
+            links = tuple(sorted({r for a, b in pairs for r in self.link_resources(a, b)}))
+            self.memo.groups[devices] = (group_shape(self.machine, devices), links)
+        shape, links = self.memo.groups[devices]
         seconds = collective_time(shape, kind, k * max(sizes)).seconds
-        links = {r for a in devices for b in devices if a != b for r in self.link_resources(a, b)}
         nbytes = sum(sizes) * (k - 1) * (2 if kind is Collective.ALL_REDUCE else 1)
-        return seconds, tuple(sorted(links)), nbytes
+        return seconds, links, nbytes
 
 
 _COLLECTIVE_OF = {
