@@ -30,12 +30,33 @@ _BF16_NAN = 0x7FC00000  # the quiet NaN a bfloat16 cast gives for any NaN (as to
 
 def round_bf16(xp, x) -> None:
     """Round a float32 array to bfloat16 values in place (nearest, ties to even)."""
+    if xp is np:
+        _round_bf16_numpy(x)
+        return
     bits = x.view(xp.uint32)
     nan = xp.isnan(x)
     odd = (bits >> xp.uint32(16)) & xp.uint32(1)
     rounded = (bits + (odd + xp.uint32(0x7FFF))) & xp.uint32(0xFFFF0000)
     # ``where``, not an indexed store: on a 0-d array the arithmetic gives a scalar.
     bits[...] = xp.where(nan, xp.uint32(_BF16_NAN), rounded)
+
+
+def _round_bf16_numpy(x: np.ndarray) -> None:
+    """ml_dtypes' cast (nearest, ties to even) and back, in place: 2 bytes an element
+    beside the array, where the bit arithmetic CuPy needs holds about 13; NaNs made
+    torch's quiet one where there are any (a reduction finds them, no mask made)."""
+    nan = _has_nan(x)
+    halves = x.astype(ml_dtypes.bfloat16)
+    x[...] = halves
+    del halves
+    if nan:
+        x.view(np.uint32)[np.isnan(x)] = _BF16_NAN
+
+
+def _has_nan(x: np.ndarray) -> bool:
+    """Whether a float array holds a NaN, without a mask of its size (max propagates
+    NaN)."""
+    return x.size > 0 and bool(np.isnan(x.max()))
 
 
 def round_fp16(xp, x) -> None:
@@ -94,9 +115,8 @@ class HalfStorage:
             return x.astype(xp.float16)
         if xp is np:
             out = x.astype(ml_dtypes.bfloat16)
-            nan = np.isnan(x)
-            if nan.any():
-                out.view(np.uint16)[nan] = _BF16_NAN >> 16
+            if _has_nan(x):  # no mask of the array's size unless there is a NaN
+                out.view(np.uint16)[np.isnan(x)] = _BF16_NAN >> 16
             return out
         rounded = xp.array(x, dtype=xp.float32)  # bfloat16 bits by hand: CuPy has none
         round_bf16(xp, rounded)

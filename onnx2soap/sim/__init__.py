@@ -105,9 +105,12 @@ class Simulator:
 
     @property
     def rounding_bytes(self) -> int:
-        """Temporaries per element of rounding an array to the half format: a NaN mask
-        and two uint32 arrays for bf16, a float16 copy for fp16."""
-        return {Precision.BF16: 9, Precision.FP16: 2}.get(self.precision, 0)
+        """Temporaries per element of rounding an array to the half format: a half
+        copy (numpy's casts, on CPU ranks; fp16 anywhere), or for bf16 on a GPU a NaN
+        mask and two uint32 arrays (CuPy has no bfloat16: the bits by hand)."""
+        if self.precision is Precision.BF16 and not self.host_objects:
+            return 9
+        return 2 if self.precision.mixed else 0
 
     @property
     def host_objects(self) -> bool:
