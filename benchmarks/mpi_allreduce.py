@@ -23,13 +23,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (KiB, 16 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
@@ -48,6 +46,7 @@ def measure(repeats: int) -> dict[int, float] | None:
     from executor.device import CpuDevice
     from executor.doorbell import Doorbell
     from executor.transport import MpiTransport, nap_precisely, oversubscribed
+    from onnx2soap.measure.probe_rings import ring_seconds
 
     comm = MPI.COMM_WORLD
     nap = oversubscribed(comm)
@@ -57,19 +56,7 @@ def measure(repeats: int) -> dict[int, float] | None:
     transport = MpiTransport(comm, CpuDevice(), nap=nap, bell=bell)
     devices = tuple(range(comm.Get_size()))
     transport.make_groups([devices])
-    figures = {}
-    for size in SIZES:
-        array = np.ones(size // 4, dtype=np.float32)
-        times = []
-        for attempt in range(repeats + 2):  # two to warm the buffers and MPI's paths
-            comm.Barrier()
-            start = time.perf_counter()
-            transport.wait(transport.allreduce(array, devices))
-            transport.end_step()
-            least = comm.allreduce(time.perf_counter() - start, op=MPI.MIN)
-            if attempt >= 2:
-                times.append(least)
-        figures[size] = float(np.median(times))
+    figures = {size: ring_seconds(comm, transport, devices, size, repeats, 2) for size in SIZES}
     if bell is not None:
         bell.close()
     transport.close()

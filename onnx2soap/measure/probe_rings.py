@@ -26,6 +26,24 @@ RING_BYTES = (4 * KiB, 256 * KiB, 2 * MiB, 16 * MiB, 64 * MiB)  # the arrays sum
 REPEATS = 5
 
 
+def ring_seconds(comm, transport, devices, nbytes: int, repeats: int, warm: int = 1) -> float:
+    """The median over ``repeats`` all-reduces of ``nbytes`` of float32, back to back
+    after ``warm`` more (buffers and MPI's paths), of the least time a member spent in
+    one: the member that arrives last spends only the ring's own time there. Every rank
+    calls it and gets the figure."""
+    array = np.ones(nbytes // 4, dtype=np.float32)
+    least = []
+    for attempt in range(repeats + warm):
+        comm.Barrier()
+        start = time.perf_counter()
+        transport.wait(transport.allreduce(array, devices))
+        transport.end_step()
+        spent = comm.allgather(time.perf_counter() - start)
+        if attempt >= warm:
+            least.append(min(spent))
+    return statistics.median(least)
+
+
 def ring_step_curve(comm, nap: bool, repeats: int = REPEATS) -> RingCurve | None:
     """Every rank calls this and gets the curve; None on one rank. ``nap``: the ranks
     share cores and wait as the executor's then do (napping, then on doorbells)."""
@@ -42,17 +60,8 @@ def ring_step_curve(comm, nap: bool, repeats: int = REPEATS) -> RingCurve | None
     transport.make_groups([devices])
     points = []
     for size in RING_BYTES:
-        array = np.ones(size // 4, dtype=np.float32)
-        least = []
-        for attempt in range(repeats + 1):  # the first warms the buffers and MPI's paths
-            comm.Barrier()
-            start = time.perf_counter()
-            transport.wait(transport.allreduce(array, devices))
-            transport.end_step()
-            spent = comm.allgather(time.perf_counter() - start)
-            if attempt:
-                least.append(min(spent))
-        points.append((size // ranks, statistics.median(least) / (2 * (ranks - 1))))
+        seconds = ring_seconds(comm, transport, devices, size, repeats)
+        points.append((size // ranks, seconds / (2 * (ranks - 1))))
     transport.close()
     if bell is not None:
         bell.close()
