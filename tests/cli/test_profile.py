@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import pytest
 
 from executor.device import cupy_module
 from onnx2soap.cli import main as cli
+from onnx2soap.cli.common import seconds
 from onnx2soap.sim.machine import dump_machine
 from onnx2soap.sim.presets import cpu
 from tests.sim.tiny import gemm_model
@@ -113,6 +115,10 @@ def test_plan_and_simulate_use_the_measured_costs(profiled, tmp_path: Path, caps
     assert doc["costs"] == "profiled" and doc["step_time_s"] == pytest.approx(predicted)
     assert cli(["simulate", str(plan), "--json", "--costs", "roofline"]) == 0
     assert json.loads(capsys.readouterr().out)["costs"] == "roofline"
+    # show draws the step plan and simulate priced, with the same costs
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert cli(["show", str(plan), "-o", str(tmp_path / "plan.png")]) == 0
+        assert f"simulated step ({seconds(predicted)})" in capsys.readouterr().out
 
 
 @pytest.mark.mpi
