@@ -61,7 +61,7 @@ def make_simulator(
     backward recomputes)."""
     return Simulator(
         machine,
-        with_precision(cost, precision),
+        with_precision(cost, precision, host=machine.transfers_use_compute),
         optimizer_slots=optimizer_slots,
         precision=precision,
         zero=zero,

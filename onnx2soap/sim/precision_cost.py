@@ -1,8 +1,9 @@
 """What mixed precision costs on top of a cost model, as the executor runs it.
 
 The executor (``executor/precision.py``) computes in float32 on values rounded to the
-half format: every array a kernel makes is rounded in a pass of its own (bf16: about
-ten float32-sized passes of elementwise bit arithmetic; fp16: a cast there and back),
+half format: every array a kernel makes is rounded in a pass of its own (fp16, and
+bf16 on CPU ranks: a cast there and back, bf16's after a reduction that looks for NaNs;
+bf16 on a GPU: about ten float32-sized passes of bit arithmetic, CuPy having none),
 and after every update each weight's half-format copy is remade. On a device with a
 float16 peak above its float32 one (``ComputeDevice.peak_flops_half``: a GPU's tensor
 cores), fp16's MatMul and Gemm multiply in float16: the analytic model prices their
@@ -20,8 +21,11 @@ from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import ComputeDevice
 from onnx2soap.soap.partition import Task, rect_volume
 
-# Bytes moved per element to round a float32 array in place (executor/precision.py).
+# Bytes moved per element to round a float32 array in place (executor/precision.py):
+# a cast to the half format and back reads 4 + 2 and writes 2 + 4; bf16's NaN check
+# reads 4 more; CuPy's bf16 bit arithmetic moves about ten float32 passes.
 ROUNDING_BYTES = {Precision.BF16: 40, Precision.FP16: 12}
+HOST_ROUNDING_BYTES = {Precision.BF16: 16, Precision.FP16: 12}  # numpy's casts
 HALF_PRODUCTS = frozenset({"MatMul", "Gemm"})  # kernels with a float16 product (GPUs, fp16)
 
 
@@ -29,9 +33,11 @@ HALF_PRODUCTS = frozenset({"MatMul", "Gemm"})  # kernels with a float16 product 
 class MixedPrecisionCost:
     base: CostModel
     precision: Precision
+    host: bool = False  # CPU ranks: numpy rounds (``HOST_ROUNDING_BYTES``)
 
     def _rounding(self, elements: int, device: ComputeDevice) -> float:
-        return elements * ROUNDING_BYTES[self.precision] / device.memory_bandwidth
+        table = HOST_ROUNDING_BYTES if self.host else ROUNDING_BYTES
+        return elements * table[self.precision] / device.memory_bandwidth
 
     def _half_device(self, op: Op, device: ComputeDevice) -> ComputeDevice | None:
         """The device as an fp16 product sees it, where the analytic model can say."""
@@ -70,6 +76,7 @@ class MixedPrecisionCost:
         return self.base.update(numel, device, itemsize) + copy + self._rounding(numel, device)
 
 
-def with_precision(cost: CostModel, precision: Precision) -> CostModel:
-    """``cost`` as a mixed-precision run pays it (itself in float32 training)."""
-    return MixedPrecisionCost(cost, precision) if precision.mixed else cost
+def with_precision(cost: CostModel, precision: Precision, host: bool = False) -> CostModel:
+    """``cost`` as a mixed-precision run pays it (itself in float32 training); ``host``:
+    on CPU ranks, whose numpy rounds by casts."""
+    return MixedPrecisionCost(cost, precision, host) if precision.mixed else cost
