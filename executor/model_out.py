@@ -27,8 +27,8 @@ from mpi4py import MPI
 from onnx import numpy_helper
 
 from executor.runtime import Runtime
-from executor.shard_io import Layout, Placed, read_placed, write_shards
-from executor.weights_out import owned_shards, shard_file
+from executor.shard_io import Layout, Placed, read_placed
+from executor.weights_out import shard_file, written_then
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output, temporary_beside
 from onnx2soap.importer.weights import external_data
@@ -86,28 +86,14 @@ def _decide(bare: onnx.ModelProto, trained: set[str]) -> _Plan:
 def save_model(comm: MPI.Comm, rt: Runtime, model_path: Path, out: Path) -> None:
     """Collective: write ``out`` (and ``out.data``) from every rank's shards."""
     trained = {t.name for t in (*rt.graph.weights, *rt.graph.states)}
-    bare, plan, error = None, None, None
+    bare, plan = None, None
     if comm.rank == 0:
         bare = onnx.load(str(model_path), load_external_data=False)
         plan = _decide(bare, trained)
     plan = comm.bcast(plan, root=0)
-    data = out.with_name(out.name + ".data")
-    raw = shard_file(comm, data)
-    try:
-        write_shards(comm, raw, plan.layout, owned_shards(rt, trained))
-        if comm.rank == 0:
-            try:
-                _finish(bare, plan, model_path, raw, out, trained)
-            except UserError as e:
-                error = str(e)
-            except OSError as e:
-                error = f"{out}: cannot write ({e.strerror or e})"
-        error = comm.bcast(error, root=0)
-        if error:
-            raise UserError(error)
-    finally:
-        if comm.rank == 0:
-            raw.unlink(missing_ok=True)
+    raw = shard_file(comm, out.with_name(out.name + ".data"))
+    finish = lambda: _finish(bare, plan, model_path, raw, out, trained)  # noqa: E731
+    written_then(comm, rt, raw, plan.layout, out, finish)
 
 
 def _finish(

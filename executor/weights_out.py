@@ -17,7 +17,6 @@ model exported by dynamo (``optimize=False``) the names are the module's paramet
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 import zipfile
@@ -51,29 +50,45 @@ def shard_file(comm: MPI.Comm, target: Path) -> Path:
     return Path(comm.bcast(str(temporary_beside(target, "shards")) if comm.rank == 0 else None))
 
 
-def save_weights(comm: MPI.Comm, rt: Runtime, out: Path) -> None:
-    """Collective: write ``out`` (.safetensors, or else .npz) from every rank's shards."""
-    if out.suffix == ".safetensors":
-        _save_safetensors(comm, rt, check_output(out))
-        return
-    held = (*rt.graph.weights, *rt.graph.states)
-    layout = Layout.of([(t.name, t.shape, rt.dtype) for t in held])
-    target = check_output(out)
-    raw = shard_file(comm, target)
+def written_then(
+    comm: MPI.Comm, rt: Runtime, raw: Path, layout: Layout, target: Path, finish
+) -> None:
+    """Collective: every rank writes its shards of ``layout``'s tensors into ``raw``
+    (``write_shards``), then rank 0 ``finish()``es the output ``target`` from it (a
+    stream into another file, a header and a rename). A UserError or OSError there is
+    one line naming ``target`` on every rank; ``raw`` is gone afterwards unless
+    ``finish`` renamed it."""
     try:
-        write_shards(comm, raw, layout, owned_shards(rt, {t.name for t in held}))
+        write_shards(comm, raw, layout, owned_shards(rt, set(layout.tensors)))
         error = None
         if comm.rank == 0:
             try:
-                _npz_from(raw, layout, target)
+                finish()
             except UserError as e:
                 error = str(e)
+            except OSError as e:
+                error = f"{target}: cannot write ({e.strerror or e})"
         error = comm.bcast(error, root=0)
         if error:
             raise UserError(error)
     finally:
         if comm.rank == 0:
             raw.unlink(missing_ok=True)
+
+
+def save_weights(comm: MPI.Comm, rt: Runtime, out: Path) -> None:
+    """Collective: write ``out`` (.safetensors, or else .npz) from every rank's shards."""
+    target = check_output(out)
+    tensors = [(t.name, t.shape, rt.dtype) for t in (*rt.graph.weights, *rt.graph.states)]
+    raw = shard_file(comm, target)
+    if target.suffix == ".safetensors":
+        prefix, layout = safetensors_layout(tensors)
+        written_then(
+            comm, rt, raw, layout, target, lambda: _finish_safetensors(raw, prefix, target)
+        )
+    else:
+        layout = Layout.of(tensors)
+        written_then(comm, rt, raw, layout, target, lambda: _npz_from(raw, layout, target))
 
 
 def _npz_from(raw: Path, layout: Layout, target: Path) -> None:
@@ -107,38 +122,25 @@ def safetensors_layout(
     """The file's first bytes (the header's length, little-endian u64, and the JSON
     header, padded with spaces to 8 bytes) and where each tensor's bytes go: back to
     back after them, in the given order."""
-    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in tensors]
+    packed = Layout.of(tensors, align=1)  # the data's own offsets, from 0
     header: dict = {"__metadata__": {"format": "pt"}}
-    begin = 0
-    for (name, shape, dtype), size in zip(tensors, sizes, strict=True):
-        kind = SAFETENSORS_DTYPES[np.dtype(dtype)]
-        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [begin, begin + size]}
-        begin += size
+    for p in packed.tensors.values():
+        kind = SAFETENSORS_DTYPES[p.dtype.newbyteorder("=")]
+        header[p.name] = {
+            "dtype": kind,
+            "shape": list(p.shape),
+            "data_offsets": [p.offset, p.offset + p.nbytes],
+        }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     prefix = struct.pack("<Q", len(text)) + text
     return prefix, Layout.of(tensors, start=len(prefix), align=1)
 
 
-def _save_safetensors(comm: MPI.Comm, rt: Runtime, target: Path) -> None:
-    held = (*rt.graph.weights, *rt.graph.states)
-    prefix, layout = safetensors_layout([(t.name, t.shape, rt.dtype) for t in held])
-    tmp = shard_file(comm, target)
-    try:
-        write_shards(comm, tmp, layout, owned_shards(rt, {t.name for t in held}))
-        error = None
-        if comm.rank == 0:
-            try:
-                with open(tmp, "rb+") as f:
-                    f.write(prefix)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except OSError as e:
-                error = f"{target}: cannot write ({e.strerror or e})"
-        error = comm.bcast(error, root=0)
-        if error:
-            raise UserError(error)
-    finally:
-        if comm.rank == 0:
-            tmp.unlink(missing_ok=True)
+def _finish_safetensors(raw: Path, prefix: bytes, target: Path) -> None:
+    """Rank 0, once the shards are in place: the header written, the file renamed."""
+    with open(raw, "rb+") as f:
+        f.write(prefix)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(raw, target)
