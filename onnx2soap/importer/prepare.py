@@ -20,6 +20,7 @@ from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from onnx2soap.errors import ModelError
+from onnx2soap.importer.attention import fuse_attention
 from onnx2soap.importer.signature import untrained_initializers
 from onnx2soap.importer.weights import (
     FLOAT_TYPES,
@@ -633,18 +634,26 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         for i in model.graph.initializer
         if i.name not in float_inits
     }
+    types = _types(model)
+    graph_outputs = tuple(o.name for o in model.graph.output)
+    fused = fuse_attention(
+        model.graph.node,
+        values.get,
+        {k: (t.shape, t.elem_type) for k, t in types.items()},
+        graph_outputs,
+    )
     return Prepared(
         path=path,
         sha256=file_sha256(path),
         opset=opset,
         opsets={imp.domain or "ai.onnx": imp.version for imp in model.opset_import},
         batch=batch,
-        nodes=tuple(model.graph.node),
-        types=_types(model),
+        nodes=tuple(fused.nodes),
+        types={**types, **{k: TensorType(*t) for k, t in fused.types.items()}},
         constants=values,
         float_initializers={k: v for k, v in stored.items() if k in init_names},
         graph_inputs=tuple(i.name for i in model.graph.input if i.name not in init_names),
-        graph_outputs=tuple(o.name for o in model.graph.output),
+        graph_outputs=graph_outputs,
         literal=frozenset(literal),
         buffers=buffers,
     )

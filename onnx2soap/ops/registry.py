@@ -19,6 +19,11 @@ from onnx import defs as onnx_defs
 from onnx2soap.errors import ModelError
 from onnx2soap.ops.base import OpDef
 
+# The domain of the nodes the importer writes itself (attention fused from the chain an
+# exporter wrote): ONNX ops with the semantics of the newest schema their definition reads,
+# whatever opset the model imports.
+FUSED_DOMAIN = "ai.onnx2soap.fused"
+
 
 @dataclass(frozen=True)
 class Registry:
@@ -41,6 +46,8 @@ class Registry:
         """The definition that reads a node of ``op_type`` at the model's ``opset``, or
         None if there is none (unsupported op, or a schema version it does not read)."""
         found = self.by_name.get(op_type)
+        if found is not None and found.onnx and domain == FUSED_DOMAIN:
+            return found
         if found is None or not found.onnx or (domain or "") not in ("", "ai.onnx"):
             return None
         return found if schema_version(op_type, opset) in found.versions else None

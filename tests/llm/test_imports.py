@@ -87,9 +87,9 @@ def test_time_major_attention_splits_by_batch(llm_onnx) -> None:
         t, merged, d = space[op.name]
         assert merged.kind is DimKind.SAMPLE and merged.splittable, (op.name, merged)
         assert merged.granule == HEADS and not d.splittable and t.kind is DimKind.ATTRIBUTE
-    matmuls = [op for op in graph.ops if op.type == "MatMul" and len(op.nest.dims) == 5]
-    assert matmuls, "the attention's batched MatMuls"
-    for op in matmuls:  # scores and outputs [N, H, T, *]
+    fused = [op for op in graph.ops if op.type == "Attention"]
+    assert len(fused) == 6, "the encoder's, decoder's and cross attention, fused"
+    for op in fused:  # [N, H, T, D]
         first = space[op.name][0]
         assert first.kind is DimKind.SAMPLE and first.splittable, (op.name, first)
 
@@ -152,8 +152,8 @@ def static_attention(tmp_path_factory: pytest.TempPathFactory):
 def test_static_time_major_export_imports_at_its_batch(static_attention, exporter: str) -> None:
     graph = load_model(static_attention(exporter), 2).graph
     space = analyze(graph)
-    (softmax,) = (op for op in graph.ops if op.type == "Softmax")
-    assert space[softmax.name][0].kind is DimKind.SAMPLE
+    (attention,) = (op for op in graph.ops if op.type == "Attention")
+    assert space[attention.name][0].kind is DimKind.SAMPLE
 
 
 @pytest.mark.parametrize("exporter", ["legacy", "dynamo"])

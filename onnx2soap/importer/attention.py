@@ -1,0 +1,336 @@
+"""Attention fused into one op: the chains torch's exporters write for attention, found
+and replaced by ONNX's ``Attention`` (``onnx2soap.ops.defs.attention``) so that no step
+holds the [queries, keys] scores.
+
+The chain, as both exporters write it for transformers' eager attention, torch's
+``scaled_dot_product_attention`` and ``nn.MultiheadAttention``::
+
+    S = MatMul(Q', Kᵀ')              Q' = Q or Q·c, Kᵀ' = Kᵀ or Kᵀ·c (c scalars)
+    S = S·c | S/c                    at most one scale, a scalar constant
+    S = S + M                        at most one mask, computed from no weight... or any
+    P = Softmax(S, axis=-1)
+    P = Cast/Identity/Dropout(P)     casts back to S's type (Llama's float32 island),
+                                     dropouts that drop nothing (ratio 0, or not training)
+    O = MatMul(P, V)
+
+Every tensor inside the chain must be read by the next link only (the probabilities
+returned too, say, keep it as written). Q, Kᵀ and V must be 4-D [batch, heads, rows,
+width] with one batch; Kᵀ's producer, a transpose, is composed with the swap of its last
+two axes (no copy where the two cancel). A constant mask that is the causal one (0 on and
+below the diagonal, below -1e9 above) becomes ``is_causal``; a mask made by ``Where(c, 0,
+-big)`` becomes the boolean ``c``. The softmax then runs in the chain's own precision (as
+FlashAttention's, whose probabilities never leave float32 registers): a float64 model
+whose exporter rounded the probabilities to float32 agrees with it to that rounding.
+
+What the pass cannot prove equal stays as written (``tests/importer/test_attention_fusion.py``
+shows near misses left alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnx2soap.ops.registry import FUSED_DOMAIN
+
+Constant = Callable[[str], "np.ndarray | None"]
+
+# Below this a masked score adds nothing to a softmax: exp(-1e9) is 0 in every float type.
+MASKED = -1e9
+
+
+@dataclass(frozen=True)
+class _Graph:
+    nodes: Sequence[onnx.NodeProto]
+    constant: Constant
+    shapes: dict[str, tuple[int, ...]]
+    elem_types: dict[str, int]
+    outputs: frozenset[str]
+
+    def producer(self, name: str) -> onnx.NodeProto | None:
+        return self._producers.get(name)
+
+    def readers(self, name: str) -> int:
+        return len(self._readers.get(name, ())) + (name in self.outputs)
+
+    def reader(self, name: str) -> onnx.NodeProto:
+        """The first node that reads ``name``."""
+        return self._readers[name][0]
+
+    def __post_init__(self) -> None:
+        producers: dict[str, onnx.NodeProto] = {}
+        readers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.nodes:
+            for o in n.output:
+                producers[o] = n
+            for i in n.input:
+                readers.setdefault(i, []).append(n)
+        object.__setattr__(self, "_producers", producers)
+        object.__setattr__(self, "_readers", readers)
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """One chain: the nodes it replaces, the nodes standing in for them."""
+
+    removed: tuple[int, ...]  # ids of the replaced nodes
+    key_node: tuple[int, onnx.NodeProto | None] | None  # (id of Kᵀ's transpose, its stand-in)
+    attention: onnx.NodeProto  # takes the place of the last MatMul
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _is(node: onnx.NodeProto | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def _scalar(g: _Graph, name: str) -> float | None:
+    value = g.constant(name)
+    if value is None or value.size != 1 or value.dtype.kind != "f":
+        return None
+    return float(value.reshape(()))
+
+
+def _only_reader(g: _Graph, name: str) -> bool:
+    return g.readers(name) == 1
+
+
+def _drops_nothing(g: _Graph, node: onnx.NodeProto) -> bool:
+    """A Dropout that is the identity: ratio 0, or training_mode false (or omitted)."""
+    if len(node.output) > 1 and node.output[1] and g.readers(node.output[1]):
+        return False  # its mask is read
+    inputs = [*node.input, "", ""]
+    ratio = 0.5 if not inputs[1] else _scalar(g, inputs[1])
+    if not inputs[2]:
+        return True
+    training = g.constant(inputs[2])
+    if training is None or ratio is None:
+        return False
+    return not bool(training.reshape(())) or ratio == 0.0
+
+
+def _probabilities_end(g: _Graph, softmax: onnx.NodeProto) -> tuple[list, onnx.NodeProto] | None:
+    """(the links after the softmax, the MatMul with V), or None."""
+    links, name = [], softmax.output[0]
+    want = g.elem_types.get(softmax.input[0])
+    while True:
+        if not _only_reader(g, name):
+            return None
+        reader = g.reader(name)
+        if _is(reader, "MatMul") and reader.input[0] == name:
+            return (links, reader) if g.elem_types.get(name) == want else None
+        identity = _is(reader, "Cast") or _is(reader, "Identity")
+        if not (identity or (_is(reader, "Dropout") and _drops_nothing(g, reader))):
+            return None
+        links.append(reader)
+        name = reader.output[0]
+
+
+def _strip_scale(g: _Graph, name: str, links: list) -> tuple[str, float]:
+    """(the tensor under a scalar Mul or Div by a constant, the factor), or (name, 1)."""
+    node = g.producer(name)
+    if not (_is(node, "Mul") or _is(node, "Div")) or not _only_reader(g, name):
+        return name, 1.0
+    a, b = node.input
+    for x, c in ((a, b), (b, a) if _is(node, "Mul") else (None, None)):
+        value = _scalar(g, c) if c else None
+        if x is not None and value:
+            links.append(node)
+            return x, value if _is(node, "Mul") else 1.0 / value
+    return name, 1.0
+
+
+def _is_scores(g: _Graph, name: str) -> bool:
+    """Whether ``name`` is a product of two 4-D tensors, under at most one scale."""
+    base, _ = _strip_scale(g, name, [])
+    node = g.producer(base)
+    return _is(node, "MatMul") and len(g.shapes.get(base, ())) == 4
+
+
+def _split_mask(g: _Graph, name: str, links: list) -> tuple[str, str | None]:
+    """(the scores' tensor, the mask added to them or None)."""
+    node = g.producer(name)
+    if not _is(node, "Add") or not _only_reader(g, name):
+        return name, None
+    a, b = node.input
+    for scores, mask in ((a, b), (b, a)):
+        if _is_scores(g, scores) and not _is_scores(g, mask):
+            links.append(node)
+            return scores, mask
+    return name, None
+
+
+def _causal(value: np.ndarray) -> bool:
+    """A constant mask that is the causal one in every batch and head."""
+    if value.ndim < 2 or value.shape[-1] != value.shape[-2] or value.dtype.kind != "f":
+        return False
+    size = value.shape[-1]
+    above = np.triu(np.ones((size, size), dtype=bool), 1)
+    flat = value.reshape(-1, size, size)
+    return bool(np.all(flat[:, ~above] == 0) and np.all(flat[:, above] <= MASKED))
+
+
+def _boolean(g: _Graph, mask: str) -> str | None:
+    """``c`` of a mask made as Where(c, 0, -big) and read by the chain alone."""
+    node = g.producer(mask)
+    if not _is(node, "Where") or not _only_reader(g, mask):
+        return None
+    keep, drop = _scalar(g, node.input[1]), _scalar(g, node.input[2])
+    return node.input[0] if keep == 0.0 and drop is not None and drop <= MASKED else None
+
+
+@dataclass(frozen=True)
+class _Mask:
+    name: str  # "" where none is read (none, or the causal one)
+    causal: bool
+
+
+def _mask_input(g: _Graph, mask: str | None, scores_shape: tuple[int, ...]) -> _Mask | None:
+    if mask is None:
+        return _Mask("", False)
+    shape = g.shapes.get(mask)
+    if shape is None or len(shape) > 4:
+        return None
+    try:
+        if np.broadcast_shapes(shape, scores_shape) != tuple(scores_shape):
+            return None
+    except ValueError:
+        return None
+    value = g.constant(mask)
+    if value is not None and not value.any():  # adds nothing (ViT's)
+        return _Mask("", False)
+    if value is not None and scores_shape[-1] == scores_shape[-2] and _causal(value):
+        return _Mask("", True)
+    condition = _boolean(g, mask)
+    return _Mask(condition or mask, False)
+
+
+def _operands(g: _Graph, product: onnx.NodeProto, links: list) -> tuple[str, str, float]:
+    """(Q, Kᵀ, the scale folded into them) of the scores' MatMul: Q·c and Kᵀ·c as
+    ``nn.MultiheadAttention`` and torch's SDPA decomposition write them."""
+    q, kt = product.input
+    scaled_q, fq = _strip_scale(g, q, links)
+    scaled_kt, fk = _strip_scale(g, kt, links)
+    return scaled_q, scaled_kt, fq * fk
+
+
+def _fits(g: _Graph, q: str, kt: str, v: str) -> bool:
+    sq, skt, sv = (g.shapes.get(x, ()) for x in (q, kt, v))
+    if not len(sq) == len(skt) == len(sv) == 4:
+        return False
+    (b, h, _, e), (bk, hk, ek, n), (bv, hv, nv, _) = sq, skt, sv
+    return b == bk == bv and e == ek and hk == hv and n == nv and hk > 0 and h % hk == 0
+
+
+def _key(g: _Graph, kt: str, ids: dict[int, int], name: str):
+    """K [b, hk, n, e] from Kᵀ: (the tensor, (id of the transpose replaced, its stand-in))."""
+    node = g.producer(kt)
+    if _is(node, "Transpose") and _only_reader(g, kt):
+        perm = list(_attr(node, "perm", [3, 2, 1, 0]))
+        composed = [perm[0], perm[1], perm[3], perm[2]]
+        if composed == [0, 1, 2, 3]:
+            return node.input[0], (ids[id(node)], None)
+        out = f"{name}/K"
+        stand_in = helper.make_node("Transpose", [node.input[0]], [out], name=out, perm=composed)
+        return out, (ids[id(node)], stand_in)
+    out = f"{name}/K"
+    return out, (-1, helper.make_node("Transpose", [kt], [out], name=out, perm=[0, 1, 3, 2]))
+
+
+def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | None:
+    rank = len(g.shapes.get(softmax.input[0], ()))
+    if rank != 4 or _attr(softmax, "axis", -1) not in (-1, 3):
+        return None
+    end = _probabilities_end(g, softmax)
+    if end is None:
+        return None
+    links, last = end
+    links = [*links, softmax, last]
+    scores, mask = _split_mask(g, softmax.input[0], links)
+    scores, outer = _strip_scale(g, scores, links)
+    product = g.producer(scores)
+    if not _is(product, "MatMul") or not _only_reader(g, scores):
+        return None
+    links.append(product)
+    q, kt, inner = _operands(g, product, links)
+    v = last.input[1]
+    masked = _mask_input(g, mask, g.shapes[softmax.input[0]])
+    if masked is None or not _fits(g, q, kt, v):
+        return None
+    name = softmax.name or softmax.output[0]
+    k, key_node = _key(g, kt, ids, name)
+    inputs = [q, k, v] + ([masked.name] if masked.name else [])
+    attention = helper.make_node(
+        "Attention",
+        inputs,
+        [last.output[0]],
+        name=name,
+        domain=FUSED_DOMAIN,
+        # a float attribute is float32: a float64 model's scale goes as a 0-d tensor
+        scale=numpy_helper.from_array(np.array(outer * inner, np.float64)),
+        is_causal=int(masked.causal),
+    )
+    return _Fused(tuple(ids[id(n)] for n in links), key_node, attention)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    nodes: list[onnx.NodeProto]
+    # the keys transposed for the Attention nodes: name -> (shape, ONNX element type)
+    types: dict[str, tuple[tuple[int, ...], int]]
+
+
+def fuse_attention(
+    nodes: Sequence[onnx.NodeProto],
+    constant: Constant,
+    types: dict[str, tuple[tuple[int, ...], int]],
+    graph_outputs: Sequence[str],
+) -> Fusion:
+    """``nodes`` with every attention chain replaced by one Attention node (in
+    ``FUSED_DOMAIN``), in an order that still computes every input before its reader."""
+    g = _Graph(
+        nodes,
+        constant,
+        {k: s for k, (s, _) in types.items()},
+        {k: t for k, (_, t) in types.items()},
+        frozenset(graph_outputs),
+    )
+    ids = {id(n): i for i, n in enumerate(nodes)}
+    removed: set[int] = set()
+    at: dict[int, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        if not _is(node, "Softmax") or ids[id(node)] in removed:
+            continue
+        fused = _match(g, node, ids)
+        if fused is None or removed & set(fused.removed):
+            continue
+        removed.update(fused.removed)
+        last = ids[id(g.producer(fused.attention.output[0]))]  # the MatMul with V
+        at.setdefault(last, []).append(fused.attention)
+        where, stand_in = fused.key_node
+        if where >= 0:
+            removed.add(where)
+            if stand_in is not None:
+                at.setdefault(where, []).append(stand_in)
+        else:  # a Kᵀ with no transpose of its own: transposed right before the product
+            at.setdefault(last, []).insert(0, stand_in)
+    result, made = [], {}
+    for i, node in enumerate(nodes):
+        for new in at.get(i, []):
+            result.append(new)
+            if new.op_type == "Transpose":  # a key: its source's shape, permuted
+                shape, elem = types[new.input[0]]
+                perm = _attr(new, "perm")
+                made[new.output[0]] = (tuple(shape[p] for p in perm), elem)
+        if i not in removed:
+            result.append(node)
+    return Fusion(result, made)

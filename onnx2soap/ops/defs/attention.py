@@ -1,0 +1,233 @@
+"""Attention (ONNX opset 23): softmax(scale · Q Kᵀ + mask) V as one op, run blockwise
+(``onnx2soap.ops.flash``) so no step holds the [queries, keys] scores.
+
+Read from files that write the ONNX op, and from the chains torch's exporters write for
+attention, which the importer fuses into it (``onnx2soap.importer.attention``).
+
+Inputs: Q [b, h, m, e], K [b, hk, n, e], V [b, hk, n, d] (4-D: heads given as an axis;
+``h`` a multiple of ``hk``, grouped-query attention), an optional mask broadcastable to
+[b, h, m, n]: added where it holds floats, attended where it holds true (ids 1).
+
+Its dims: the batch and the heads split as Megatron-LM splits them (a key head with its
+``h / hk`` query heads: ``Grouped``), the queries split too (each task reads every key:
+the global row of its first query is its tile's origin, for the causal mask). The keys
+and the value width are read whole: splitting the keys needs the log-sum-exp combination
+of context parallelism, splitting the value width would remake the scores per part.
+
+The backward reads Q, K, V, the mask and the output, as FlashAttention's, and recomputes
+the probabilities tile by tile (the softmax's normalizer in one more pass, where
+FlashAttention keeps it: 4 bytes a row).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import onnx
+from onnx import numpy_helper
+
+from onnx2soap.ir import AxisMap, Broadcast, Grouped, IterDim, Operand, Tensor, Whole, identity
+from onnx2soap.ops import flash
+from onnx2soap.ops.base import NONE, C, OpDef, Saved, W, X, case, wants
+from onnx2soap.ops.context import NodeContext, make_op
+
+# Forward work per (query, key) pair beyond the two products: the softmax's max,
+# subtract, exp, sum and rescale.
+_SOFTMAX_FLOPS = 5
+
+
+@dataclass(frozen=True)
+class AttentionAttrs:
+    scale: float
+    causal: bool
+    has_mask: bool
+
+
+def _refuse_unsupported(ctx: NodeContext, softcap, qk_matmul_output_mode) -> None:
+    if softcap:
+        raise ctx.fail(f"softcap={softcap}; only 0 (no soft cap) is supported")
+    if qk_matmul_output_mode:
+        raise ctx.fail(
+            f"qk_matmul_output_mode={qk_matmul_output_mode}; only 0 is supported (the "
+            "scores are never made, so they cannot be an output)"
+        )
+    for i, what in ((4, "past_key"), (5, "past_value"), (6, "nonpad_kv_seqlen")):
+        if i < len(ctx.input_names) and ctx.input_names[i]:
+            raise ctx.fail(f"input {i} ({what}) is given; a training step has no cache")
+
+
+def _check_shapes(ctx: NodeContext, q: Tensor, k: Tensor, v: Tensor) -> None:
+    if not len(q.shape) == len(k.shape) == len(v.shape) == 4:
+        raise ctx.fail(
+            f"Q, K, V have ranks {len(q.shape)}, {len(k.shape)}, {len(v.shape)}; 4-D "
+            "inputs [batch, heads, sequence, width] are supported"
+        )
+    (b, h, _, e), (bk, hk, n, ek), (bv, hv, nv, _) = q.shape, k.shape, v.shape
+    if not (b == bk == bv and e == ek and hk == hv and n == nv and hk and h % hk == 0):
+        raise ctx.fail(
+            f"Q {list(q.shape)}, K {list(k.shape)}, V {list(v.shape)} do not fit: one batch, "
+            "Q's and K's widths equal, K's and V's heads and lengths equal, and Q's heads "
+            "a multiple of K's"
+        )
+
+
+def _mask_operand(ctx: NodeContext, mask: Tensor, out: tuple[int, ...]) -> Operand:
+    """The mask read as broadcast to [b, h, m, n]: its key axis whole (dim 4)."""
+    rank = len(mask.shape)
+    if rank > 4 or any(s not in (1, o) for s, o in zip(mask.shape, out[-rank:], strict=True)):
+        raise ctx.fail(f"mask {list(mask.shape)} does not broadcast to {list(out)}")
+    axes: list[AxisMap] = []
+    for axis, size in enumerate(mask.shape, start=4 - rank):
+        if size == 1 and out[axis] != 1:
+            axes.append(Broadcast())
+        elif axis == 3:
+            axes.append(Whole(dims=(4,)))
+        else:
+            axes.append(identity(axis))
+    return Operand(mask.name, tuple(axes))
+
+
+def convert(
+    ctx: NodeContext,
+    *,
+    is_causal=0,
+    kv_num_heads=0,
+    q_num_heads=0,
+    qk_matmul_output_mode=0,
+    scale=None,
+    softcap=0.0,
+    softmax_precision=None,
+):
+    _refuse_unsupported(ctx, softcap, qk_matmul_output_mode)
+    q, k, v = ctx.tensor(0), ctx.tensor(1), ctx.tensor(2)
+    _check_shapes(ctx, q, k, v)
+    (b, h, m, e), hk, (n, d) = q.shape, k.shape[1], v.shape[2:]
+    if kv_num_heads not in (0, hk) or q_num_heads not in (0, h):
+        raise ctx.fail(f"q_num_heads/kv_num_heads disagree with the 4-D inputs ({h}, {hk})")
+    mask = _mask(ctx)
+    group = h // hk
+    # a key head serves ``group`` query heads: the heads split in whole groups
+    heads: AxisMap = identity(1) if group == 1 else Grouped(1, group, 1)
+    dims = [("n", b), ("h", h), ("m", m), ("d", d), ("k", n)]
+    operands = [
+        Operand(q.name, (identity(0), identity(1), identity(2), Whole())),
+        Operand(k.name, (identity(0), heads, Whole(dims=(4,)), Whole())),
+        Operand(v.name, (identity(0), heads, Whole(dims=(4,)), Whole(dims=(3,)))),
+    ]
+    if mask is not None:
+        operands.append(_mask_operand(ctx, mask, (b, h, m, n)))
+    causal = bool(is_causal)
+    # per point of [b, h, m, d, n]: both products' multiply-adds, the softmax's share;
+    # a causal mask skips the tiles past the diagonal, about half of them
+    per_point = (2 * e + 2 * d + _SOFTMAX_FLOPS) / d / (2 if causal else 1)
+    scale = 1 / math.sqrt(e) if scale is None else _number(scale)
+    attrs = AttentionAttrs(scale, causal, mask is not None)
+    op = make_op(ctx, operands, attrs, dims, range(4), max(1, round(per_point)))
+    if group == 1:
+        return op
+    whole_groups = tuple(
+        IterDim(x.name, x.size, group if i == 1 else 1) for i, x in enumerate(op.nest.dims)
+    )
+    return replace(op, nest=replace(op.nest, dims=whole_groups))
+
+
+def _number(value) -> float:
+    """A float attribute, or the 0-d tensor the importer's fusion gives a float64 scale
+    in (ONNX's float attributes are float32)."""
+    if isinstance(value, onnx.TensorProto):
+        return float(numpy_helper.to_array(value))
+    return float(value)
+
+
+def _mask(ctx: NodeContext) -> Tensor | None:
+    """Input 3: a float tensor, or bools (a computed one, or a constant: 0/1 ids)."""
+    if len(ctx.inputs) <= 3 or not ctx.input_names[3]:
+        return None
+    if ctx.inputs[3] is None and ctx.is_constant(3):
+        return ctx.operand(3)
+    return ctx.tensor(3)
+
+
+def _problem(attrs: AttentionAttrs, args) -> flash.Problem:
+    first_row = args.origin[2] if args.origin else 0
+    return flash.Problem(attrs.scale, attrs.causal, first_row)
+
+
+def forward(xp, attrs: AttentionAttrs, inputs, args):
+    q, k, v = inputs[:3]
+    mask = inputs[3] if attrs.has_mask else None
+    return flash.forward(xp, q, k, v, mask, _problem(attrs, args))
+
+
+def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
+    q, k, v = inputs[:3]
+    mask = inputs[3] if attrs.has_mask else None
+    # a float mask is an additive bias: its gradient is the scores' (T5's relative
+    # position bias trains through it); 0/1 ids take none
+    bias = attrs.has_mask and mask.dtype.kind == "f" and wants(args, 3)
+    wanted = flash.Wanted(wants(args, 0), wants(args, 1), wants(args, 2), bias)
+    grads = flash.backward(xp, q, k, v, mask, output, grad_output, _problem(attrs, args), wanted)
+    return grads if attrs.has_mask else grads[:3]
+
+
+def workspace(attrs: AttentionAttrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """A few score tiles at once (the scores, their exponentials, the causal mask's
+    choice), the running statistics, and in the backward the gradient accumulators of
+    Q (grouped), K and V."""
+    b, h, m, d = out_shape
+    n = shapes[1][2]
+    bq, bk = flash.blocks(b * h, m, n, flash.Problem(attrs.scale, attrs.causal))
+    tile = b * h * bq * bk
+    forward_bytes = (3 * tile + b * h * bq * (d + 2)) * itemsize
+    grads = sum(math.prod(s) for s in shapes[:3])
+    return forward_bytes, forward_bytes + (2 * tile + grads) * itemsize
+
+
+def _causal_mask(size: int) -> C:
+    values = [0.0 if j <= i else -1e9 for i in range(size) for j in range(size)]
+    return C(values, "float32", shape=(1, 1, size, size))
+
+
+ATTENTION = OpDef(
+    name="Attention",
+    versions=(23, 24),
+    convert=convert,
+    forward=forward,
+    backward=backward,
+    workspace=workspace,
+    saves=Saved(inputs=None, output=True),
+    cases=(
+        case("attention_plain", "Attention", X(2, 2, 5, 3), W(2, 2, 6, 3), W(2, 2, 6, 4), opset=23),
+        case(
+            "attention_grouped_causal",
+            "Attention",
+            X(2, 4, 5, 3),
+            W(2, 2, 5, 3),
+            W(2, 2, 5, 3),
+            opset=23,
+            is_causal=1,
+        ),
+        case(
+            "attention_mask_scale",
+            "Attention",
+            X(1, 2, 4, 3),
+            W(1, 2, 4, 3),
+            W(1, 2, 4, 2),
+            _causal_mask(4),
+            opset=23,
+            scale=0.7,
+        ),
+        case(
+            "attention_no_mask_given",
+            "Attention",
+            X(1, 1, 3, 2),
+            W(1, 1, 4, 2),
+            W(1, 1, 4, 2),
+            NONE,
+            opset=23,
+        ),
+    ),
+)
+
+DEFINITIONS = (ATTENTION,)

@@ -1,0 +1,239 @@
+"""Blockwise attention kernels (FlashAttention-2's algorithm), on numpy or CuPy.
+
+softmax(scale * Q Kᵀ + mask) V without the [queries, keys] matrix: the queries go in
+blocks, and for each the keys in blocks, with an online softmax (a running maximum and
+sum per row rescale what was accumulated so far). Only tiles of ``block_q`` × ``block_k``
+scores live at a time. The forward keeps nothing but its output; the backward first
+recomputes each row's log-sum-exp (one more pass over the keys, where FlashAttention
+saves it), then remakes each tile's probabilities from it:
+
+    P = exp(S - lse)   dV += Pᵀ dO   dP = dO Vᵀ   dS = P ∘ (dP - rowsum(dO ∘ O))
+    dQ += scale · dS K   dK += scale · dSᵀ Q
+
+Grouped-query attention needs no copy of the keys: the ``g = heads / kv_heads`` query
+heads of a key head are stacked as rows of one product ([b, kv_heads, g, rows, e]).
+
+Shapes: q [b, h, m, e], k [b, hk, n, e], v [b, hk, n, d], mask broadcastable to
+[b, h, m, n] (additive floats, or 0/1 ids where 1 attends). ``first_row`` is the global
+index of q's first row: a causal mask (key j seen by query i where j <= i, aligned at the
+top left as ONNX's and torch's) needs it where the queries are split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from onnx2soap.ops.base import Array
+
+# Score tiles of up to this many elements (8 MiB in float32): large enough that a tile's
+# products run near BLAS's speed, small enough to stay far below the [m, n] scores.
+TILE_ELEMENTS = 1 << 21
+MAX_BLOCK_K = 512
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One call's fixed facts."""
+
+    scale: float
+    causal: bool
+    first_row: int = 0
+    block_q: int = 0  # 0: chosen from the shapes (``blocks``)
+    block_k: int = 0
+
+
+def blocks(batch_heads: int, m: int, n: int, problem: Problem) -> tuple[int, int]:
+    """(block_q, block_k): tiles of about ``TILE_ELEMENTS`` over all heads at once."""
+    bk = problem.block_k or min(n, MAX_BLOCK_K)
+    bq = problem.block_q or max(16, TILE_ELEMENTS // max(1, batch_heads * bk))
+    return min(bq, m), bk
+
+
+def _spans(size: int, step: int, stop: int | None = None) -> Iterator[tuple[int, int]]:
+    end = size if stop is None else min(size, stop)
+    for lo in range(0, end, step):
+        yield lo, min(end, lo + step)
+
+
+def _grouped(x: Array, kv_heads: int) -> Array:
+    """[b, h, m, x] as [b, kv_heads, h // kv_heads, m, x] (a view)."""
+    b, h, m, e = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, m, e)
+
+
+def _mask_rows(mask: Array | None, kv_heads: int) -> Array | None:
+    """The mask as [b|1, kv_heads|1, g|1, m|1, n|1], broadcasting as the scores do."""
+    if mask is None:
+        return None
+    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    mb, mh, mm, mn = mask.shape
+    if mh == 1:
+        return mask.reshape(mb, 1, 1, mm, mn)
+    return mask.reshape(mb, kv_heads, mh // kv_heads, mm, mn)
+
+
+class _Tiles:
+    """The score tiles of one call: S = scale · Q_i K_jᵀ + mask, masked where causal."""
+
+    def __init__(self, xp, q: Array, k: Array, mask: Array | None, problem: Problem) -> None:
+        self.xp, self.problem = xp, problem
+        self.kv_heads = k.shape[1]
+        self.q = _grouped(q, self.kv_heads)  # [b, hk, g, m, e]
+        self.kt = xp.swapaxes(k, -1, -2)[:, :, None]  # [b, hk, 1, e, n]
+        self.mask = _mask_rows(mask, self.kv_heads)
+        self.m, self.n = q.shape[2], k.shape[2]
+
+    def key_stop(self, rows: tuple[int, int]) -> int:
+        """Keys past the last one any of these rows sees (causal) are never touched."""
+        if not self.problem.causal:
+            return self.n
+        return max(0, min(self.n, self.problem.first_row + rows[1]))
+
+    def scores(self, rows: tuple[int, int], cols: tuple[int, int]) -> Array:
+        xp, (i0, i1), (j0, j1) = self.xp, rows, cols
+        s = xp.matmul(self.q[..., i0:i1, :], self.kt[..., j0:j1])
+        s *= self.problem.scale
+        if self.mask is not None:
+            m = self.mask
+            block = m[..., i0:i1, :] if m.shape[3] != 1 else m
+            block = block[..., j0:j1] if m.shape[4] != 1 else block
+            if block.dtype.kind == "f":
+                s += block
+            else:  # 0/1 ids: 1 attends
+                s = xp.where(block != 0, s, -xp.inf)
+        first = self.problem.first_row
+        if self.problem.causal and j1 - 1 > first + i0:  # the tile crosses the diagonal
+            row = xp.arange(first + i0, first + i1)[:, None]
+            col = xp.arange(j0, j1)[None, :]
+            s = xp.where(col > row, -xp.inf, s)
+        return s
+
+
+def _finite(xp, x: Array) -> Array:
+    """A row maximum of -inf (every key masked so far) shifts by 0 instead: exp(-inf - -inf)
+    would be NaN where it must be 0."""
+    return xp.where(xp.isneginf(x), 0.0, x)
+
+
+def forward(xp, q: Array, k: Array, v: Array, mask: Array | None, problem: Problem) -> Array:
+    """softmax(scale · Q Kᵀ + mask) V, [b, h, m, d]."""
+    tiles = _Tiles(xp, q, k, mask, problem)
+    vv = v[:, :, None]  # [b, hk, 1, n, d]
+    b, hk, g, m, _ = tiles.q.shape
+    out = xp.empty((b, hk, g, m, v.shape[-1]), dtype=q.dtype)
+    bq, bk = blocks(b * hk * g, m, tiles.n, problem)
+    for rows in _spans(m, bq):
+        shape = (b, hk, g, rows[1] - rows[0], 1)
+        top = xp.full(shape, -xp.inf, dtype=q.dtype)
+        total = xp.zeros(shape, dtype=q.dtype)
+        acc = xp.zeros((*shape[:-1], v.shape[-1]), dtype=q.dtype)
+        for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
+            s = tiles.scores(rows, cols)
+            new_top = xp.maximum(top, s.max(axis=-1, keepdims=True))
+            shift = _finite(xp, new_top)
+            p = xp.exp(s - shift, out=s)
+            rescale = xp.exp(top - shift)
+            total = total * rescale + p.sum(axis=-1, keepdims=True)
+            acc *= rescale
+            acc += xp.matmul(p, vv[..., cols[0] : cols[1], :])
+            top = new_top
+        out[..., rows[0] : rows[1], :] = acc / total
+    return out.reshape(b, hk * g, m, v.shape[-1])
+
+
+def _log_sum_exp(xp, tiles: _Tiles, rows: tuple[int, int], bk: int) -> Array:
+    """Each row's log Σ exp(S), the softmax's normalizer, in one pass over the keys."""
+    top = total = None
+    for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
+        s = tiles.scores(rows, cols)
+        block_top = s.max(axis=-1, keepdims=True)
+        if top is None:
+            shift = _finite(xp, block_top)
+            top, total = block_top, xp.exp(s - shift).sum(axis=-1, keepdims=True)
+            continue
+        new_top = xp.maximum(top, block_top)
+        shift = _finite(xp, new_top)
+        total = total * xp.exp(top - shift) + xp.exp(s - shift).sum(axis=-1, keepdims=True)
+        top = new_top
+    if top is None:  # no key seen at all: every probability is 0
+        b, hk, g = tiles.q.shape[:3]
+        return xp.full((b, hk, g, rows[1] - rows[0], 1), xp.inf)
+    return _finite(xp, top) + xp.log(total)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """Which of q, k, v take a gradient."""
+
+    q: bool = True
+    k: bool = True
+    v: bool = True
+    mask: bool = False  # a float mask only: an additive bias that trains (T5's)
+
+
+def backward(
+    xp,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    out: Array,
+    grad_out: Array,
+    problem: Problem,
+    wanted: Wanted = Wanted(),
+) -> tuple[Array | None, ...]:
+    """(dq, dk, dv, dmask) of ``forward``, None where not wanted (or no mask)."""
+    tiles = _Tiles(xp, q, k, mask, problem)
+    hk = tiles.kv_heads
+    do = _grouped(grad_out, hk)  # [b, hk, g, m, d]
+    delta = (do * _grouped(out, hk)).sum(axis=-1, keepdims=True)
+    vt = xp.swapaxes(v, -1, -2)[:, :, None]  # [b, hk, 1, d, n]
+    dq = xp.zeros_like(tiles.q) if wanted.q else None
+    dk = xp.zeros_like(k) if wanted.k else None
+    dv = xp.zeros_like(v) if wanted.v else None
+    bias = _BiasGradient(xp, tiles.mask) if wanted.mask and mask is not None else None
+    b, _, g, m, _ = tiles.q.shape
+    bq, bk = blocks(b * hk * g, m, tiles.n, problem)
+    scale = problem.scale
+    for rows in _spans(m, bq):
+        (i0, i1), lse = rows, _log_sum_exp(xp, tiles, rows, bk)
+        for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
+            (j0, j1), s = cols, tiles.scores(rows, cols)
+            p = xp.exp(s - lse, out=s)
+            if dv is not None:
+                dv[:, :, j0:j1] += xp.matmul(xp.swapaxes(p, -1, -2), do[..., i0:i1, :]).sum(2)
+            if dq is None and dk is None and bias is None:
+                continue
+            ds = xp.matmul(do[..., i0:i1, :], vt[..., j0:j1])
+            ds -= delta[..., i0:i1, :]
+            ds *= p
+            if bias is not None:
+                bias.add(ds, rows, cols)
+            ds *= scale
+            if dq is not None:
+                dq[..., i0:i1, :] += xp.matmul(ds, k[:, :, None, j0:j1])
+            if dk is not None:
+                qi = tiles.q[..., i0:i1, :]
+                dk[:, :, j0:j1] += xp.matmul(xp.swapaxes(ds, -1, -2), qi).sum(2)
+    dq = None if dq is None else dq.reshape(q.shape)
+    return dq, dk, dv, None if bias is None else bias.total.reshape(mask.shape)
+
+
+class _BiasGradient:
+    """An additive mask's gradient: each tile's dS summed over the axes the mask
+    broadcasts along, into the mask's shape."""
+
+    def __init__(self, xp, rows_mask: Array) -> None:
+        self.total = xp.zeros(rows_mask.shape, dtype=rows_mask.dtype)
+
+    def add(self, ds: Array, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        shape = self.total.shape
+        stretched = tuple(a for a in range(5) if shape[a] == 1 and ds.shape[a] != 1)
+        part = ds.sum(axis=stretched, keepdims=True) if stretched else ds
+        at = [slice(None)] * 5
+        if shape[3] != 1:
+            at[3] = slice(*rows)
+        if shape[4] != 1:
+            at[4] = slice(*cols)
+        self.total[tuple(at)] += part

@@ -1,0 +1,161 @@
+"""The importer fuses attention chains into one Attention op, and leaves near misses as
+written. Hand-built chains, each imported and run forward on one device against
+onnxruntime on the file as written (the unfused chain)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx2soap.importer import load_model
+from onnx2soap.ir import LossKind
+from tests.executor.test_forward_onnxruntime import (
+    BATCH,
+    executor_forward,
+    onnxruntime_forward,
+)
+
+HEADS, KV_HEADS, ROWS, WIDTH = 4, 2, 5, 3
+
+
+def _constant(name: str, value: np.ndarray) -> onnx.NodeProto:
+    """A Constant node, as the exporters write scales and masks (float initializers
+    are weights)."""
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name))
+
+
+def _chain(
+    *,
+    scale_node: str = "Mul",
+    mask: str = "causal",
+    softmax_axis: int = -1,
+    dropout_ratio: float | None = None,
+    probabilities_out: bool = False,
+    kv_heads: int = HEADS,
+) -> onnx.ModelProto:
+    """x [B, H, R, W] as Q; K and V weights; Kᵀ by a Transpose; the scores scaled, masked,
+    softmaxed, (dropped out,) multiplied by V."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((BATCH, kv_heads, ROWS, WIDTH)).astype(np.float32)
+    v = rng.standard_normal((BATCH, kv_heads, ROWS, WIDTH)).astype(np.float32)
+    inits = [numpy_helper.from_array(k, "k"), numpy_helper.from_array(v, "v")]
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])]
+    if kv_heads != HEADS:  # Llama's repeat_kv: Unsqueeze, Expand, Reshape
+        nodes = []
+        for name in ("k", "v"):
+            inits.append(numpy_helper.from_array(np.array([2], np.int64), f"{name}_axis"))
+            shape = [BATCH, kv_heads, HEADS // kv_heads, ROWS, WIDTH]
+            inits.append(numpy_helper.from_array(np.array(shape, np.int64), f"{name}_big"))
+            merged = [BATCH, HEADS, ROWS, WIDTH]
+            inits.append(numpy_helper.from_array(np.array(merged, np.int64), f"{name}_merged"))
+            nodes += [
+                helper.make_node("Unsqueeze", [name, f"{name}_axis"], [f"{name}_u"]),
+                helper.make_node("Expand", [f"{name}_u", f"{name}_big"], [f"{name}_e"]),
+                helper.make_node("Reshape", [f"{name}_e", f"{name}_merged"], [f"{name}_r"]),
+            ]
+        nodes.append(helper.make_node("Transpose", ["k_r"], ["kt"], perm=[0, 1, 3, 2]))
+    scale = 0.5 if scale_node == "Mul" else 2.0
+    nodes.append(_constant("c", np.array(scale, np.float32)))
+    nodes.append(helper.make_node("MatMul", ["x", "kt"], ["s"]))
+    nodes.append(helper.make_node(scale_node, ["s", "c"], ["scaled"]))
+    scores = "scaled"
+    if mask != "none":
+        above = np.triu(np.ones((ROWS, ROWS), bool), 1)
+        value = np.where(above, np.float32(-3.4e38), 0).astype(np.float32)
+        if mask == "padding":
+            value = np.zeros((BATCH, 1, 1, ROWS), np.float32)
+            value[0, ..., -1] = -3.4e38
+        nodes.append(_constant("mask", value))
+        nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
+        scores = "masked"
+    nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=softmax_axis))
+    probabilities = "p"
+    if dropout_ratio is not None:
+        nodes.append(_constant("ratio", np.array(dropout_ratio, np.float32)))
+        nodes.append(_constant("training", np.array(True)))
+        nodes.append(helper.make_node("Dropout", ["p", "ratio", "training"], ["pd"]))
+        probabilities = "pd"
+    values = "v" if kv_heads == HEADS else "v_r"
+    nodes.append(helper.make_node("MatMul", [probabilities, values], ["y"]))
+    shape = [BATCH, HEADS, ROWS, WIDTH]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)]
+    if probabilities_out:
+        outputs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        outputs,
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _save(model: onnx.ModelProto, tmp_path: Path) -> Path:
+    path = tmp_path / "attention.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def _types(path: Path, loss: LossKind = LossKind.NONE) -> list[str]:
+    return [op.type for op in load_model(path, BATCH, loss).graph.ops]
+
+
+def _equals_onnxruntime(path: Path) -> None:
+    x = np.random.default_rng(1).standard_normal((BATCH, HEADS, ROWS, WIDTH)).astype(np.float32)
+    np.testing.assert_allclose(
+        executor_forward(path, x), onnxruntime_forward(path, x), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        {},
+        {"scale_node": "Div"},
+        {"mask": "none"},
+        {"mask": "padding"},
+        {"kv_heads": KV_HEADS},
+        {"dropout_ratio": 0.0},
+    ],
+    ids=str,
+)
+def test_chain_becomes_one_attention_op(tmp_path: Path, chain) -> None:
+    path = _save(_chain(**chain), tmp_path)
+    graph = load_model(path, BATCH, LossKind.NONE).graph
+    (op,) = [op for op in graph.ops if op.type == "Attention"]
+    assert not [o for o in graph.ops if o.type in ("Softmax", "MatMul")]
+    assert op.attrs.scale == pytest.approx(0.5)
+    assert op.attrs.causal == (chain.get("mask", "causal") == "causal")
+    assert op.attrs.has_mask == (chain.get("mask") == "padding")
+    _equals_onnxruntime(path)
+
+
+@pytest.mark.parametrize(
+    "near_miss",
+    [
+        {"probabilities_out": True},  # the probabilities are read elsewhere
+        {"softmax_axis": 2},  # normalized over the queries
+        {"dropout_ratio": 0.1},  # drops probabilities in training
+    ],
+    ids=str,
+)
+def test_near_misses_stay_as_written(tmp_path: Path, near_miss) -> None:
+    model = _chain(**near_miss)
+    if near_miss.get("probabilities_out"):
+        del model.graph.output[1:]  # one output to train, but "p" still read twice
+        model.graph.node.append(helper.make_node("Identity", ["p"], ["p_copy"]))
+        model.graph.node.append(helper.make_node("MatMul", ["p_copy", "v"], ["y2"]))
+        model.graph.node.append(helper.make_node("Add", ["y", "y2"], ["sum"]))
+        model.graph.output[0].name = "sum"
+    path = _save(model, tmp_path)
+    types = _types(path)
+    assert "Attention" not in types and "Softmax" in types
+    if not near_miss.get("dropout_ratio"):
+        _equals_onnxruntime(path)

@@ -1,0 +1,111 @@
+"""The blockwise attention kernels against torch's scaled_dot_product_attention (float64,
+1e-10): forward and every gradient, with and without causal and additive or boolean
+masks, grouped-query heads, tiles of every size down to one row and one key, and the
+queries split (a task's causal rows start at its tile's origin)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx2soap.ops import flash
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+BLOCKS = ((0, 0), (1, 1), (2, 3), (4, 16))
+MASKS = (None, (1, 4, 5, 7), (2, 1, 1, 7), (5, 7), "bool")
+
+
+def _reference(q, k, v, mask, scale, causal, grad):
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    bias = None
+    if mask is not None:
+        bias = torch.tensor(mask, requires_grad=mask.dtype.kind == "f")
+        leaves.append(bias)
+    attend = bias if bias is None or mask.dtype.kind == "f" else bias != 0
+    if causal and attend is not None:  # torch takes one or the other: both, as one mask
+        m, n = q.shape[2], k.shape[2]
+        seen = torch.ones(m, n, dtype=torch.bool).tril()
+        attend = attend & seen if attend.dtype == torch.bool else attend.masked_fill(~seen, -np.inf)
+    out = F.scaled_dot_product_attention(
+        *leaves[:3],
+        attn_mask=attend,
+        is_causal=causal and attend is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out.backward(torch.tensor(grad))
+    return out.detach().numpy(), [x.grad.numpy() if x.grad is not None else None for x in leaves]
+
+
+def _mask(rng, spec):
+    if spec is None:
+        return None
+    if spec == "bool":  # 0/1 ids, one key always attended so no row is empty
+        ids = rng.integers(0, 2, (2, 1, 5, 7))
+        ids[..., 0] = 1
+        return ids
+    return rng.standard_normal(spec)
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=str)
+@pytest.mark.parametrize("mask_spec", MASKS, ids=str)
+@pytest.mark.parametrize("causal", (False, True))
+def test_blockwise_attention_equals_torch(blocks, mask_spec, causal) -> None:
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 5, 3), (2, 2, 7, 3), (2, 2, 7, 6)))
+    mask = _mask(rng, mask_spec)
+    problem = flash.Problem(0.6, causal, 0, *blocks)
+    out = flash.forward(np, q, k, v, mask, problem)
+    grad = rng.standard_normal(out.shape)
+    want, want_grads = _reference(q, k, v, mask, 0.6, causal, grad)
+    np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
+    bias = mask is not None and mask.dtype.kind == "f"
+    got = flash.backward(np, q, k, v, mask, out, grad, problem, flash.Wanted(mask=bias))
+    for g, w in zip(got, want_grads, strict=False):
+        if w is None:  # 0/1 ids take no gradient
+            assert g is None
+            continue
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    if not bias:
+        assert got[3] is None
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_split_queries_compute_the_whole_rows(causal) -> None:
+    """Each part of the queries, given its first row, computes its rows of the whole."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s) for s in ((1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4)))
+    whole = flash.forward(np, q, k, v, None, flash.Problem(0.5, causal))
+    grad = rng.standard_normal(whole.shape)
+    dq, dk, dv, _ = flash.backward(np, q, k, v, None, whole, grad, flash.Problem(0.5, causal))
+    dk_sum, dv_sum = np.zeros_like(dk), np.zeros_like(dv)
+    for lo, hi in ((0, 4), (4, 5), (5, 9)):
+        part = flash.Problem(0.5, causal, first_row=lo, block_q=2, block_k=2)
+        rows = (slice(None), slice(None), slice(lo, hi))
+        out = flash.forward(np, q[rows], k, v, None, part)
+        np.testing.assert_allclose(out, whole[rows], rtol=1e-12, atol=1e-13)
+        pq, pk, pv, _ = flash.backward(np, q[rows], k, v, None, out, grad[rows], part)
+        np.testing.assert_allclose(pq, dq[rows], rtol=1e-12, atol=1e-13)
+        dk_sum += pk
+        dv_sum += pv
+    np.testing.assert_allclose(dk_sum, dk, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dv_sum, dv, rtol=1e-12, atol=1e-13)
+
+
+def test_unwanted_gradients_are_not_made() -> None:
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 3, 2)) for _ in range(3))
+    out = flash.forward(np, q, k, v, None, flash.Problem(1.0, False))
+    wanted = flash.Wanted(q=True, k=False, v=False)
+    problem = flash.Problem(1.0, False)
+    dq, dk, dv, dmask = flash.backward(np, q, k, v, None, out, out, problem, wanted)
+    assert dq is not None and dk is None and dv is None and dmask is None
+
+
+def test_tiles_stay_far_below_the_scores() -> None:
+    """At 8,192 tokens and 32 heads a score tile is a sliver of the [m, n] scores."""
+    bq, bk = flash.blocks(2 * 32, 8192, 8192, flash.Problem(1.0, True))
+    assert 2 * 32 * bq * bk <= flash.TILE_ELEMENTS
+    assert bq * bk * 64 <= 8192 * 8192
