@@ -547,12 +547,8 @@ def _fixed_args(rt: Runtime, key: TaskKey, task: Task) -> TaskArgs:
 
 def random_axes(graph) -> dict[int, int]:
     """Op index -> the output axis that holds the samples, for every op that draws
-    random values (its test cases say so) and has one."""
-    random = {
-        i
-        for i, op in enumerate(graph.ops)
-        if any(not c.deterministic for c in definition(op.type).cases)
-    }
+    random values (``OpDef.draws_random``) and has one."""
+    random = {i for i, op in enumerate(graph.ops) if definition(op.type).draws_random}
     if not random:
         return {}
     space = analyze(graph)

@@ -10,7 +10,8 @@ The chain, as both exporters write it for transformers' eager attention, torch's
     S = S + M                        at most one mask, computed from no weight... or any
     P = Softmax(S, axis=-1)
     P = Cast/Identity/Dropout(P)     casts back to S's type (Llama's float32 island),
-                                     dropouts that drop nothing (ratio 0, or not training)
+                                     at most one Dropout that drops in training (the
+                                     fused op drops the probabilities as it would)
     O = MatMul(P, V)
 
 Every tensor inside the chain must be read by the next link only (the probabilities
@@ -104,32 +105,49 @@ def _only_reader(g: _Graph, name: str) -> bool:
     return g.readers(name) == 1
 
 
-def _drops_nothing(g: _Graph, node: onnx.NodeProto) -> bool:
-    """A Dropout that is the identity: ratio 0, or training_mode false (or omitted)."""
+@dataclass(frozen=True)
+class _Drop:
+    """A Dropout between the softmax and the product with V: its ratio in training (0:
+    the identity) and its seed attribute."""
+
+    ratio: float
+    seed: int
+
+
+def _dropout(g: _Graph, node: onnx.NodeProto) -> _Drop | None:
+    """What a Dropout node drops, None where that is not known when loading (a ratio
+    or training flag computed at run time) or its mask is read."""
     if len(node.output) > 1 and node.output[1] and g.readers(node.output[1]):
-        return False  # its mask is read
+        return None
     inputs = [*node.input, "", ""]
     ratio = 0.5 if not inputs[1] else _scalar(g, inputs[1])
+    seed = int(_attr(node, "seed", 0))
     if not inputs[2]:
-        return True
+        return _Drop(0.0, seed)  # training_mode omitted: false
     training = g.constant(inputs[2])
-    if training is None or ratio is None:
-        return False
-    return not bool(training.reshape(())) or ratio == 0.0
+    if training is None or ratio is None or training.size != 1:
+        return None
+    return _Drop(ratio if bool(training.reshape(())) else 0.0, seed)
 
 
-def _probabilities_end(g: _Graph, softmax: onnx.NodeProto) -> tuple[list, onnx.NodeProto] | None:
-    """(the links after the softmax, the MatMul with V), or None."""
-    links, name = [], softmax.output[0]
+def _probabilities_end(
+    g: _Graph, softmax: onnx.NodeProto
+) -> tuple[list, onnx.NodeProto, _Drop] | None:
+    """(the links after the softmax, the MatMul with V, the dropout), or None."""
+    links, name, drop = [], softmax.output[0], _Drop(0.0, 0)
     want = g.elem_types.get(softmax.input[0])
     while True:
         if not _only_reader(g, name):
             return None
         reader = g.reader(name)
         if _is(reader, "MatMul") and reader.input[0] == name:
-            return (links, reader) if g.elem_types.get(name) == want else None
-        identity = _is(reader, "Cast") or _is(reader, "Identity")
-        if not (identity or (_is(reader, "Dropout") and _drops_nothing(g, reader))):
+            return (links, reader, drop) if g.elem_types.get(name) == want else None
+        if _is(reader, "Dropout"):
+            found = _dropout(g, reader)
+            if found is None or (found.ratio and drop.ratio):
+                return None  # unknown, or a second one that drops
+            drop = found if found.ratio else drop
+        elif not (_is(reader, "Cast") or _is(reader, "Identity")):
             return None
         links.append(reader)
         name = reader.output[0]
@@ -246,6 +264,31 @@ def _key(g: _Graph, kt: str, ids: dict[int, int], name: str):
     return out, (-1, helper.make_node("Transpose", [kt], [out], name=out, perm=[0, 1, 3, 2]))
 
 
+def _unrepeated(g: _Graph, name: str) -> str:
+    """The key or value heads before transformers' ``repeat_kv`` (Unsqueeze at axis 2,
+    Expand to ``g`` copies, Reshape merging them into the heads): the Attention op reads
+    each key head for its ``g`` query heads itself, so no step makes the copies."""
+    reshape = g.producer(name)
+    if not _is(reshape, "Reshape"):
+        return name
+    source = reshape.input[0]
+    while _is(g.producer(source), "Identity"):
+        source = g.producer(source).input[0]
+    expand, merged = g.producer(source), g.shapes.get(name, ())
+    if not _is(expand, "Expand") or len(merged) != 4:
+        return name
+    big, small = g.shapes.get(expand.output[0], ()), g.shapes.get(expand.input[0], ())
+    unsqueeze = g.producer(expand.input[0])
+    if len(big) != 5 or len(small) != 5 or small[2] != 1 or not _is(unsqueeze, "Unsqueeze"):
+        return name
+    b, hk, group, n, e = big
+    axes = g.constant(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else None
+    axes = list(_attr(unsqueeze, "axes", [])) if axes is None else axes.ravel().tolist()
+    if axes not in ([2], [-3]) or merged != (b, hk * group, n, e) or small != (b, hk, 1, n, e):
+        return name
+    return unsqueeze.input[0]
+
+
 def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | None:
     rank = len(g.shapes.get(softmax.input[0], ()))
     if rank != 4 or _attr(softmax, "axis", -1) not in (-1, 3):
@@ -253,7 +296,7 @@ def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | 
     end = _probabilities_end(g, softmax)
     if end is None:
         return None
-    links, last = end
+    links, last, drop = end
     links = [*links, softmax, last]
     scores, mask = _split_mask(g, softmax.input[0], links)
     scores, outer = _strip_scale(g, scores, links)
@@ -268,6 +311,10 @@ def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | 
         return None
     name = softmax.name or softmax.output[0]
     k, key_node = _key(g, kt, ids, name)
+    if key_node[1] is None:  # K as it is (its transpose cancelled): maybe repeated
+        k, v = _unrepeated(g, k), _unrepeated(g, v)
+        if g.shapes.get(k, ())[1:2] != g.shapes.get(v, ())[1:2]:
+            return None
     inputs = [q, k, v] + ([masked.name] if masked.name else [])
     attention = helper.make_node(
         "Attention",
@@ -278,6 +325,7 @@ def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | 
         # a float attribute is float32: a float64 model's scale goes as a 0-d tensor
         scale=numpy_helper.from_array(np.array(outer * inner, np.float64)),
         is_causal=int(masked.causal),
+        **({"dropout_ratio": drop.ratio, "dropout_seed": drop.seed} if drop.ratio else {}),
     )
     return _Fused(tuple(ids[id(n)] for n in links), key_node, attention)
 

@@ -354,7 +354,16 @@ class OpDef:
     # input in such an op's stead, as torch's ``.to`` of the same dtype returns self,
     # so no step makes or keeps a copy.
     passes_input: Callable[[Any], bool] | None = None
+    # Draws random values in training where no case shows it: an op whose random draws
+    # only the importer's own attributes ask for (attention's fused dropout).
+    random: bool = False
 
     @property
     def is_loss(self) -> bool:
         return self.loss_scale is not None
+
+    @property
+    def draws_random(self) -> bool:
+        """Whether the op may draw random values in training (a microbatch then numbers
+        its elements in the whole batch)."""
+        return self.random or any(not c.deterministic for c in self.cases)

@@ -24,12 +24,37 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from onnx2soap.ops.base import Array
+from onnx2soap.ops.base import Array, RandomKey
+from onnx2soap.ops.random_bits import uniform
 
 # Score tiles of up to this many elements (8 MiB in float32): large enough that a tile's
 # products run near BLAS's speed, small enough to stay far below the [m, n] scores.
 TILE_ELEMENTS = 1 << 21
 MAX_BLOCK_K = 512
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Dropout on the probabilities, as a Dropout between the softmax and the product
+    with V: each element kept with probability 1 - ratio (and scaled by 1 / (1 - ratio)),
+    its draw a function of the key and its global index in [b, h, m, n] alone
+    (``random_bits``), so any split of the op drops what one task drops. The softmax's
+    normalizer is the undropped one."""
+
+    ratio: float
+    key: RandomKey
+    stream: int
+    origin: tuple[int, int, int]  # the task's first (sample, head, query)
+    full: tuple[int, int, int, int]  # [b, h, m, n] of the whole op
+
+    def keep(self, xp, shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int]):
+        """The tile's kept-and-scaled factors, shaped [b, hk, g, rows, cols]."""
+        b, hk, g = shape[:3]
+        origin = (*self.origin[:2], self.origin[2] + rows[0], cols[0])
+        tile = (b, hk * g, rows[1] - rows[0], cols[1] - cols[0])
+        u = uniform(xp, self.key, origin, tile, self.full, stream=self.stream)
+        factor = (u >= self.ratio) * (1.0 / (1.0 - self.ratio))
+        return factor.reshape(b, hk, g, *tile[2:])
 
 
 @dataclass(frozen=True)
@@ -41,6 +66,7 @@ class Problem:
     first_row: int = 0
     block_q: int = 0  # 0: chosen from the shapes (``blocks``)
     block_k: int = 0
+    dropout: Dropout | None = None
 
 
 def blocks(batch_heads: int, m: int, n: int, problem: Problem) -> tuple[int, int]:
@@ -136,6 +162,8 @@ def forward(xp, q: Array, k: Array, v: Array, mask: Array | None, problem: Probl
             rescale = xp.exp(top - shift)
             total = total * rescale + p.sum(axis=-1, keepdims=True)
             acc *= rescale
+            if problem.dropout is not None:
+                p *= problem.dropout.keep(xp, p.shape, rows, cols).astype(p.dtype)
             acc += xp.matmul(p, vv[..., cols[0] : cols[1], :])
             top = new_top
         out[..., rows[0] : rows[1], :] = acc / total
@@ -201,11 +229,17 @@ def backward(
         for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
             (j0, j1), s = cols, tiles.scores(rows, cols)
             p = xp.exp(s - lse, out=s)
+            keep = None
+            if problem.dropout is not None:
+                keep = problem.dropout.keep(xp, p.shape, rows, cols).astype(p.dtype)
             if dv is not None:
-                dv[:, :, j0:j1] += xp.matmul(xp.swapaxes(p, -1, -2), do[..., i0:i1, :]).sum(2)
+                dropped = p if keep is None else p * keep
+                dv[:, :, j0:j1] += xp.matmul(xp.swapaxes(dropped, -1, -2), do[..., i0:i1, :]).sum(2)
             if dq is None and dk is None and bias is None:
                 continue
             ds = xp.matmul(do[..., i0:i1, :], vt[..., j0:j1])
+            if keep is not None:  # the gradient of the undropped probabilities
+                ds *= keep
             ds -= delta[..., i0:i1, :]
             ds *= p
             if bias is not None:

@@ -36,11 +36,13 @@ def _chain(
     dropout_ratio: float | None = None,
     probabilities_out: bool = False,
     kv_heads: int = HEADS,
+    shared_keys: bool = False,
 ) -> onnx.ModelProto:
     """x [B, H, R, W] as Q; K and V weights; Kᵀ by a Transpose; the scores scaled, masked,
     softmaxed, (dropped out,) multiplied by V."""
     rng = np.random.default_rng(0)
-    k = rng.standard_normal((BATCH, kv_heads, ROWS, WIDTH)).astype(np.float32)
+    k = rng.standard_normal((1 if shared_keys else BATCH, kv_heads, ROWS, WIDTH))
+    k = k.astype(np.float32)
     v = rng.standard_normal((BATCH, kv_heads, ROWS, WIDTH)).astype(np.float32)
     inits = [numpy_helper.from_array(k, "k"), numpy_helper.from_array(v, "v")]
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2])]
@@ -123,6 +125,7 @@ def _equals_onnxruntime(path: Path) -> None:
         {"mask": "padding"},
         {"kv_heads": KV_HEADS},
         {"dropout_ratio": 0.0},
+        {"dropout_ratio": 0.1},
     ],
     ids=str,
 )
@@ -130,11 +133,16 @@ def test_chain_becomes_one_attention_op(tmp_path: Path, chain) -> None:
     path = _save(_chain(**chain), tmp_path)
     graph = load_model(path, BATCH, LossKind.NONE).graph
     (op,) = [op for op in graph.ops if op.type == "Attention"]
-    assert not [o for o in graph.ops if o.type in ("Softmax", "MatMul")]
+    assert not [o for o in graph.ops if o.type in ("Softmax", "MatMul", "Dropout")]
     assert op.attrs.scale == pytest.approx(0.5)
     assert op.attrs.causal == (chain.get("mask", "causal") == "causal")
     assert op.attrs.has_mask == (chain.get("mask") == "padding")
-    _equals_onnxruntime(path)
+    assert op.attrs.dropout == pytest.approx(chain.get("dropout_ratio", 0.0))
+    kv_heads = chain.get("kv_heads", HEADS)  # repeat_kv's copies are never made
+    assert graph.tensors[op.inputs[1]].shape[1] == graph.tensors[op.inputs[2]].shape[1] == kv_heads
+    assert "Expand" not in [o.type for o in graph.ops]
+    if not chain.get("dropout_ratio"):  # onnxruntime drops at random in training mode
+        _equals_onnxruntime(path)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +150,7 @@ def test_chain_becomes_one_attention_op(tmp_path: Path, chain) -> None:
     [
         {"probabilities_out": True},  # the probabilities are read elsewhere
         {"softmax_axis": 2},  # normalized over the queries
-        {"dropout_ratio": 0.1},  # drops probabilities in training
+        {"shared_keys": True},  # one K for every sample: [1, H, R, W]
     ],
     ids=str,
 )
@@ -157,5 +165,4 @@ def test_near_misses_stay_as_written(tmp_path: Path, near_miss) -> None:
     path = _save(model, tmp_path)
     types = _types(path)
     assert "Attention" not in types and "Softmax" in types
-    if not near_miss.get("dropout_ratio"):
-        _equals_onnxruntime(path)
+    _equals_onnxruntime(path)

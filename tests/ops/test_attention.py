@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from onnx2soap.ops import flash
+from onnx2soap.ops.base import RandomKey
+from onnx2soap.ops.random_bits import uniform
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -109,3 +111,51 @@ def test_tiles_stay_far_below_the_scores() -> None:
     bq, bk = flash.blocks(2 * 32, 8192, 8192, flash.Problem(1.0, True))
     assert 2 * 32 * bq * bk <= flash.TILE_ELEMENTS
     assert bq * bk * 64 <= 8192 * 8192
+
+
+def _dropout(ratio: float, origin=(0, 0, 0), full=(2, 4, 6, 7)) -> flash.Dropout:
+    return flash.Dropout(ratio, RandomKey(11, 3, 5), 0, origin, full)
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_dropout_equals_torch_with_the_same_draws(causal) -> None:
+    """The probabilities dropped by the draws of ``random_bits`` over [b, h, m, n],
+    scaled by 1 / (1 - ratio), then multiplied by V: torch's autograd through exactly
+    that, with its own softmax."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 6, 3), (2, 2, 7, 3), (2, 2, 7, 2)))
+    drop = _dropout(0.3)
+    problem = flash.Problem(0.8, causal, block_q=4, block_k=3, dropout=drop)
+    out = flash.forward(np, q, k, v, None, problem)
+    grad = rng.standard_normal(out.shape)
+    got = flash.backward(np, q, k, v, None, out, grad, problem)
+    keep = uniform(np, drop.key, (0, 0, 0, 0), drop.full, drop.full) >= 0.3
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    scores = tq @ tk.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.8
+    if causal:
+        scores = scores.masked_fill(torch.ones(6, 7, dtype=torch.bool).triu(1), -np.inf)
+    dropped = scores.softmax(-1) * torch.tensor(keep) / 0.7
+    want = dropped @ tv.repeat_interleave(2, dim=1)
+    want.backward(torch.tensor(grad))
+    np.testing.assert_allclose(out, want.detach().numpy(), rtol=1e-10, atol=1e-12)
+    for g, w in zip(got[:3], (tq, tk, tv), strict=True):
+        np.testing.assert_allclose(g, w.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_draws_do_not_depend_on_the_split() -> None:
+    """Heads and queries split: each part, given its origin, drops what the whole drops."""
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 6, 3), (2, 2, 7, 3), (2, 2, 7, 2)))
+    whole_problem = flash.Problem(0.5, True, dropout=_dropout(0.25))
+    whole = flash.forward(np, q, k, v, None, whole_problem)
+    grad = rng.standard_normal(whole.shape)
+    dq = flash.backward(np, q, k, v, None, whole, grad, whole_problem)[0]
+    for heads, rows in (((0, 2), (0, 6)), ((2, 4), (0, 3)), ((2, 4), (3, 6))):
+        part = (slice(None), slice(*heads), slice(*rows))
+        kv = (slice(None), slice(heads[0] // 2, heads[1] // 2))
+        drop = _dropout(0.25, (0, heads[0], rows[0]))
+        problem = flash.Problem(0.5, True, rows[0], 2, 3, drop)
+        out = flash.forward(np, q[part], k[kv], v[kv], None, problem)
+        np.testing.assert_allclose(out, whole[part], rtol=1e-12, atol=1e-13)
+        pq = flash.backward(np, q[part], k[kv], v[kv], None, out, grad[part], problem)[0]
+        np.testing.assert_allclose(pq, dq[part], rtol=1e-12, atol=1e-13)

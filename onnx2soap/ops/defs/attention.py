@@ -42,6 +42,8 @@ class AttentionAttrs:
     scale: float
     causal: bool
     has_mask: bool
+    dropout: float = 0.0  # the probabilities' dropout ratio, in training
+    seed: int = 0  # the dropout's stream (the fused Dropout's seed attribute)
 
 
 def _refuse_unsupported(ctx: NodeContext, softcap, qk_matmul_output_mode) -> None:
@@ -98,7 +100,11 @@ def convert(
     scale=None,
     softcap=0.0,
     softmax_precision=None,
+    dropout_ratio=0.0,
+    dropout_seed=0,
 ):
+    """ONNX's attributes, and two of onnx2soap's own that only the importer's fusion
+    writes (a Dropout between the softmax and the product with V, in training)."""
     _refuse_unsupported(ctx, softcap, qk_matmul_output_mode)
     q, k, v = ctx.tensor(0), ctx.tensor(1), ctx.tensor(2)
     _check_shapes(ctx, q, k, v)
@@ -122,7 +128,11 @@ def convert(
     # a causal mask skips the tiles past the diagonal, about half of them
     per_point = (2 * e + 2 * d + _SOFTMAX_FLOPS) / d / (2 if causal else 1)
     scale = 1 / math.sqrt(e) if scale is None else _number(scale)
-    attrs = AttentionAttrs(scale, causal, mask is not None)
+    if not 0.0 <= dropout_ratio < 1.0:
+        raise ctx.fail(f"dropout_ratio={dropout_ratio}; accepted: 0 <= ratio < 1")
+    attrs = AttentionAttrs(
+        scale, causal, mask is not None, _number(dropout_ratio), int(dropout_seed)
+    )
     op = make_op(ctx, operands, attrs, dims, range(4), max(1, round(per_point)))
     if group == 1:
         return op
@@ -149,15 +159,19 @@ def _mask(ctx: NodeContext) -> Tensor | None:
     return ctx.tensor(3)
 
 
-def _problem(attrs: AttentionAttrs, args) -> flash.Problem:
-    first_row = args.origin[2] if args.origin else 0
-    return flash.Problem(attrs.scale, attrs.causal, first_row)
+def _problem(attrs: AttentionAttrs, args, keys: int) -> flash.Problem:
+    origin = args.origin or (0, 0, 0, 0)
+    dropout = None
+    if attrs.dropout and args.random is not None:  # training: drop as the Dropout did
+        full = (*args.full_shape[:3], keys)
+        dropout = flash.Dropout(attrs.dropout, args.random, attrs.seed, origin[:3], full)
+    return flash.Problem(attrs.scale, attrs.causal, origin[2], dropout=dropout)
 
 
 def forward(xp, attrs: AttentionAttrs, inputs, args):
     q, k, v = inputs[:3]
     mask = inputs[3] if attrs.has_mask else None
-    return flash.forward(xp, q, k, v, mask, _problem(attrs, args))
+    return flash.forward(xp, q, k, v, mask, _problem(attrs, args, k.shape[2]))
 
 
 def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
@@ -167,7 +181,8 @@ def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
     # position bias trains through it); 0/1 ids take none
     bias = attrs.has_mask and mask.dtype.kind == "f" and wants(args, 3)
     wanted = flash.Wanted(wants(args, 0), wants(args, 1), wants(args, 2), bias)
-    grads = flash.backward(xp, q, k, v, mask, output, grad_output, _problem(attrs, args), wanted)
+    problem = _problem(attrs, args, k.shape[2])
+    grads = flash.backward(xp, q, k, v, mask, output, grad_output, problem, wanted)
     return grads if attrs.has_mask else grads[:3]
 
 
@@ -197,6 +212,7 @@ ATTENTION = OpDef(
     backward=backward,
     workspace=workspace,
     saves=Saved(inputs=None, output=True),
+    random=True,  # the fused dropout (tests/ops/test_attention.py)
     cases=(
         case("attention_plain", "Attention", X(2, 2, 5, 3), W(2, 2, 6, 3), W(2, 2, 6, 4), opset=23),
         case(
