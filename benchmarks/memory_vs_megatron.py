@@ -10,11 +10,14 @@ Activation Recomputation in Large Transformer Models", eq. 2 and §4.1): activat
 s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes a layer (16-bit activations, 1-byte dropout
 masks, no sequence parallelism), plus 18 bytes a parameter / t (16-bit weights and
 gradients, float32 master weights and gradients' sums, Adam's two float32 moments).
+Where the importer fused the attention (``onnx2soap/importer/attention.py``), the count is
+the one for FlashAttention, which keeps no [s, s] tensor: the 5·a·s/(h·t) term is gone
+(the paper's count under selective recomputation, sbh(10 + 24/t)).
 
 LLaMA has no dropout, RMSNorm, a SwiGLU MLP of width f and grouped-query attention with
 k key-value heads of a; counted the same way, 2 bytes an element, a layer holds: the two
 norms' inputs and outputs read by the next product (8sbh, not split), Q, K and V after
-their rotations (2sbh(1 + 2k/a)/t), the softmax's output (2as²b/t), the attention's
+their rotations (2sbh(1 + 2k/a)/t), the softmax's output (2as²b/t; none when fused), the attention's
 output (2sbh/t), and the MLP's gate and up products, SiLU's output and the product read
 by the down projection (8sbf/t). The sources' own accounting is the reference; a row
 within 1.25x of it is what the memory model aims at (issue "Memory as the big runs hold
@@ -66,16 +69,20 @@ class Shape:
     ffn: int | None = None
     kv_heads: int | None = None
 
-    def activations(self, batch: int, t: int) -> float:
-        """Bytes of one device's activations for the whole model (Korthikanti et al.)."""
+    def activations(self, batch: int, t: int, fused: bool) -> float:
+        """Bytes of one device's activations for the whole model (Korthikanti et al.).
+        ``fused``: attention as FlashAttention runs it, which keeps none of the [s, s]
+        tensors (the softmax's output, the dropout's mask and output): the paper's
+        5as/(ht) term goes, as under its selective recomputation."""
         s, b, h, a = self.tokens, batch, self.hidden, self.heads
+        scores = 0 if fused else 1
         if self.ffn is None:
-            layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+            layer = s * b * h * (10 + 24 / t + scores * 5 * a * s / (h * t))
         else:
             k, f = self.kv_heads, self.ffn
             norms = 8 * s * b * h
-            attention = (2 * s * b * h * (1 + 2 * k / a) + 2 * a * s * s * b + 2 * s * b * h) / t
-            layer = norms + attention + 8 * s * b * f / t
+            kept = 2 * s * b * h * (1 + 2 * k / a) + scores * 2 * a * s * s * b + 2 * s * b * h
+            layer = norms + kept / t + 8 * s * b * f / t
         return self.layers * layer
 
 
@@ -104,6 +111,7 @@ def _model(name: str, models_dir: Path | None, scratch: Path) -> Path:
 
 def _row(row: Row, path: Path) -> list[str]:
     graph = load_model(path, BATCH).graph
+    fused = any(op.type == "Attention" for op in graph.ops)
     space = analyze(graph)
     machine = resolve_machine(row.machine)
     params = sum(t.numel for t in graph.weights)
@@ -116,20 +124,27 @@ def _row(row: Row, path: Path) -> list[str]:
         return f"{priced / GB:7.1f} / {formula / GB:5.1f} = {priced / formula:4.2f}x {fits}"
 
     cells = [
-        cell(megatron_at(graph, space, t, t), ZeroStage.NONE, _count(row, params, BATCH, t))
+        cell(
+            megatron_at(graph, space, t, t),
+            ZeroStage.NONE,
+            _count(row, params, BATCH, t, fused=fused),
+        )
         for t in DEGREES
     ]
     # ZeRO-3 over the machine's devices: a sequence each, every state / devices
     n = machine.size
     zero3 = data_parallel(graph, space, n)
-    cells.append(cell(zero3, ZeroStage.PARAMETERS, _count(row, params, BATCH // n, 1, n)))
+    count = _count(row, params, BATCH // n, 1, n, fused=fused)
+    cells.append(cell(zero3, ZeroStage.PARAMETERS, count))
     return cells
 
 
-def _count(row: Row, params: int, batch: int, t: int, shards: int | None = None) -> float:
+def _count(
+    row: Row, params: int, batch: int, t: int, shards: int | None = None, *, fused: bool
+) -> float:
     """Megatron-LM's count for one device: activations at tensor-parallel degree ``t``,
     18 bytes a parameter over ``t`` (or, under ZeRO-3, over the ``shards`` replicas)."""
-    return row.shape.activations(batch, t) + 18 * params / (shards or t)
+    return row.shape.activations(batch, t, fused) + 18 * params / (shards or t)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,14 @@ class _Graph:
     def readers(self, name: str) -> int:
         return len(self._readers.get(name, ())) + (name in self.outputs)
 
+    def constant_kind(self, name: str, scores_shape: tuple[int, ...]) -> _Mask | None:
+        """``_constant_kind`` of constant ``name``, worked out once: every layer of a
+        decoder reads the one causal mask."""
+        key = (name, scores_shape)
+        if key not in self._kinds:
+            self._kinds[key] = _constant_kind(self.constant(name), scores_shape)
+        return self._kinds[key]
+
     def reader(self, name: str) -> onnx.NodeProto:
         """The first node that reads ``name``."""
         return self._readers[name][0]
@@ -72,6 +80,7 @@ class _Graph:
                 readers.setdefault(i, []).append(n)
         object.__setattr__(self, "_producers", producers)
         object.__setattr__(self, "_readers", readers)
+        object.__setattr__(self, "_kinds", {})
 
 
 @dataclass(frozen=True)
@@ -187,14 +196,26 @@ def _split_mask(g: _Graph, name: str, links: list) -> tuple[str, str | None]:
     return name, None
 
 
+def _distinct(value: np.ndarray) -> np.ndarray:
+    """A broadcast constant's own values: index 0 of every axis it repeats along (the
+    importer holds a mask expanded to the batch as such a view, ``prepare.compact``)."""
+    repeated = tuple(
+        slice(0, 1) if stride == 0 and size > 1 else slice(None)
+        for stride, size in zip(value.strides, value.shape, strict=True)
+    )
+    return value[repeated]
+
+
 def _causal(value: np.ndarray) -> bool:
     """A constant mask that is the causal one in every batch and head."""
     if value.ndim < 2 or value.shape[-1] != value.shape[-2] or value.dtype.kind != "f":
         return False
     size = value.shape[-1]
-    above = np.triu(np.ones((size, size), dtype=bool), 1)
-    flat = value.reshape(-1, size, size)
-    return bool(np.all(flat[:, ~above] == 0) and np.all(flat[:, above] <= MASKED))
+    below = np.tri(size, size, dtype=bool)  # the diagonal included
+    for one in _distinct(value).reshape(-1, size, size):
+        if not (np.all(one[below] == 0) and np.all(one[~below] <= MASKED)):
+            return False
+    return True
 
 
 def _boolean(g: _Graph, mask: str) -> str | None:
@@ -223,13 +244,22 @@ def _mask_input(g: _Graph, mask: str | None, scores_shape: tuple[int, ...]) -> _
             return None
     except ValueError:
         return None
-    value = g.constant(mask)
-    if value is not None and not value.any():  # adds nothing (ViT's)
-        return _Mask("", False)
-    if value is not None and scores_shape[-1] == scores_shape[-2] and _causal(value):
-        return _Mask("", True)
+    if g.constant(mask) is not None:
+        kind = g.constant_kind(mask, tuple(scores_shape))
+        if kind is not None:
+            return kind
     condition = _boolean(g, mask)
     return _Mask(condition or mask, False)
+
+
+def _constant_kind(value: np.ndarray, scores_shape: tuple[int, ...]) -> _Mask | None:
+    """A constant mask that adds nothing (ViT's zeros), or the causal one, or None."""
+    distinct = _distinct(value)
+    if not distinct.any():
+        return _Mask("", False)
+    if scores_shape[-1] == scores_shape[-2] and _causal(value):
+        return _Mask("", True)
+    return None
 
 
 def _operands(g: _Graph, product: onnx.NodeProto, links: list) -> tuple[str, str, float]:

@@ -159,3 +159,17 @@ def test_dropout_draws_do_not_depend_on_the_split() -> None:
         np.testing.assert_allclose(out, whole[part], rtol=1e-12, atol=1e-13)
         pq = flash.backward(np, q[part], k[kv], v[kv], None, out, grad[part], problem)[0]
         np.testing.assert_allclose(pq, dq[part], rtol=1e-12, atol=1e-13)
+
+
+def test_a_row_that_sees_no_key_outputs_zeros() -> None:
+    """ONNX's Attention gives a fully masked row 0 (torch gives NaN); its gradients are 0."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 2, 3, 2)) for _ in range(3))
+    mask = np.ones((3, 3), dtype=np.int64)
+    mask[1] = 0
+    problem = flash.Problem(1.0, False, block_k=2)
+    out = flash.forward(np, q, k, v, mask, problem)
+    assert np.all(out[:, :, 1] == 0) and np.all(np.isfinite(out))
+    dq, dk, dv, _ = flash.backward(np, q, k, v, mask, out, np.ones_like(out), problem)
+    assert np.all(dq[:, :, 1] == 0)
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))

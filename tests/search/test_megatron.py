@@ -68,13 +68,11 @@ def test_gpt2_splits_where_megatron_does(gpt2: Path) -> None:
         return all(graph.tensors[t].batched for t in op.inputs)
 
     matmuls = [op for op in graph.ops if op.type == "MatMul"]
-    heads = [op for op in graph.ops if op.type == "Softmax"] + [m for m in matmuls if batched(m)]
-    assert len(heads) == 6
+    assert not [m for m in matmuls if batched(m)]  # the attention's, fused
+    heads = [op for op in graph.ops if op.type == "Attention"]
+    assert len(heads) == 2
     for op in heads:
-        degrees = split(space, op, strategy[op.name])
-        assert degrees.pop(space[op.name][0].name) == 4  # the batch, over the pairs
-        (dim, degree), *_ = degrees.items()
-        assert degree == 2 and dim in ("b1", "c")  # the heads
+        assert split(space, op, strategy[op.name]) == {"n": 4, "h": 2}  # batch, heads
     head = next(m for m in matmuls if not batched(m))  # its weight: the tied embedding
     assert split(space, head, strategy[head.name]) == {"n": 4, "co": 2}  # the vocabulary
     lookup = next(op for op in graph.ops if op.nest.partial_dims and op.nest.free_dims)

@@ -176,9 +176,8 @@ def test_changes_of_one_op_stay_in_its_stage_and_only_lower_the_cost(gpt2: Path)
     s = _setup(gpt2, "flexflow-p100:1", 8)
     plain = _walk(s, proposals=0, counts=(MICROBATCHES,))
     # a seed whose 20 random changes of one op keep some (most seeds' keep none: the
-    # rule's stages are near their best; seed 3's did while a tied weight's Identity
-    # sat whole on its stage's first device)
-    walk = _walk(s, proposals=20, seed=1, counts=(MICROBATCHES,))
+    # rule's stages are near their best; seed 1's did before attention was one op)
+    walk = _walk(s, proposals=20, seed=3, counts=(MICROBATCHES,))
     memory = [d.memory for d in s.pricing.machine.devices]
     assert cost_in(walk.best.evaluation, memory) <= cost_in(plain.best.evaluation, memory)
     steps = [(k.overflow, k.step_time_s) for k in walk.kept]
@@ -189,5 +188,5 @@ def test_changes_of_one_op_stay_in_its_stage_and_only_lower_the_cost(gpt2: Path)
         for name in names_in_stage:
             assert set(strategy[name].devices) <= set(stages.groups[i])
     assert any(k.move == "an op's config" for k in walk.kept)
-    again = _walk(s, proposals=20, seed=1, counts=(MICROBATCHES,))
+    again = _walk(s, proposals=20, seed=3, counts=(MICROBATCHES,))
     assert again.layout == walk.layout  # seeded: the same walk

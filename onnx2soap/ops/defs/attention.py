@@ -44,6 +44,8 @@ class AttentionAttrs:
     has_mask: bool
     dropout: float = 0.0  # the probabilities' dropout ratio, in training
     seed: int = 0  # the dropout's stream (the fused Dropout's seed attribute)
+    # the mask is a bool constant, which the IR holds as 0/1 floats: attend where 1
+    boolean_mask: bool = False
 
 
 def _refuse_unsupported(ctx: NodeContext, softcap, qk_matmul_output_mode) -> None:
@@ -130,8 +132,9 @@ def convert(
     scale = 1 / math.sqrt(e) if scale is None else _number(scale)
     if not 0.0 <= dropout_ratio < 1.0:
         raise ctx.fail(f"dropout_ratio={dropout_ratio}; accepted: 0 <= ratio < 1")
+    boolean = ctx.is_constant(3) and ctx.constant(3).dtype == bool
     attrs = AttentionAttrs(
-        scale, causal, mask is not None, _number(dropout_ratio), int(dropout_seed)
+        scale, causal, mask is not None, _number(dropout_ratio), int(dropout_seed), boolean
     )
     op = make_op(ctx, operands, attrs, dims, range(4), max(1, round(per_point)))
     if group == 1:
@@ -168,15 +171,23 @@ def _problem(attrs: AttentionAttrs, args, keys: int) -> flash.Problem:
     return flash.Problem(attrs.scale, attrs.causal, origin[2], dropout=dropout)
 
 
+def _mask_of(attrs: AttentionAttrs, inputs):
+    """The mask as the kernels read it: additive floats, or bools (0/1 ids as they are)."""
+    if not attrs.has_mask:
+        return None
+    mask = inputs[3]
+    return mask != 0 if attrs.boolean_mask and mask.dtype.kind == "f" else mask
+
+
 def forward(xp, attrs: AttentionAttrs, inputs, args):
     q, k, v = inputs[:3]
-    mask = inputs[3] if attrs.has_mask else None
+    mask = _mask_of(attrs, inputs)
     return flash.forward(xp, q, k, v, mask, _problem(attrs, args, k.shape[2]))
 
 
 def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
     q, k, v = inputs[:3]
-    mask = inputs[3] if attrs.has_mask else None
+    mask = _mask_of(attrs, inputs)
     # a float mask is an additive bias: its gradient is the scores' (T5's relative
     # position bias trains through it); 0/1 ids take none
     bias = attrs.has_mask and mask.dtype.kind == "f" and wants(args, 3)
