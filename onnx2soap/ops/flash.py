@@ -136,9 +136,9 @@ class _Tiles:
                 s = xp.where(block != 0, s, -xp.inf)
         first = self.problem.first_row
         if self.problem.causal and j1 - 1 > first + i0:  # the tile crosses the diagonal
-            # key j is hidden from query i where j > i: above diagonal first + i0 - j0
-            above = xp.tri(i1 - i0, j1 - j0, first + i0 - j0, dtype=bool)
-            s[..., ~above] = -xp.inf
+            # key j is hidden from query i where j > i: -inf above diagonal first + i0 - j0
+            seen = xp.tri(i1 - i0, j1 - j0, first + i0 - j0, dtype=bool)
+            s += xp.where(seen, 0.0, -xp.inf).astype(s.dtype)
         return s
 
 
@@ -150,7 +150,7 @@ def _groups_summed(x: Array) -> Array:
 def _finite(xp, x: Array) -> Array:
     """A row maximum of -inf (every key masked so far) shifts by 0 instead: exp(-inf - -inf)
     would be NaN where it must be 0."""
-    return xp.where(xp.isneginf(x), 0.0, x)
+    return xp.where(x == -xp.inf, 0.0, x)
 
 
 def forward(xp, q: Array, k: Array, v: Array, mask: Array | None, problem: Problem) -> Array:

@@ -58,7 +58,7 @@ _FUNCTIONS = (
     "expand_dims", "eye", "flip", "full", "full_like", "hstack", "linspace", "max", "mean",
     "min", "moveaxis", "nonzero", "ones", "ones_like", "outer", "pad", "prod", "ravel",
     "repeat", "reshape", "round", "sort", "split", "squeeze", "stack", "std", "sum",
-    "swapaxes", "take", "take_along_axis", "tensordot", "tile", "transpose", "tril",
+    "swapaxes", "take", "take_along_axis", "tensordot", "tile", "transpose", "tri", "tril",
     "triu", "var", "vstack", "where", "zeros", "zeros_like",
 )  # fmt: skip
 # CuPy's ufuncs: operands are device arrays or scalars, never host arrays.
