@@ -92,29 +92,31 @@ def mse_scale(attrs: LossAttrs, labels, pred_shape) -> float:
     return 1.0 if attrs.reduction is LossReduction.SUM else float(math.prod(pred_shape))
 
 
-def _log_softmax(xp, scores):
-    """Over the last axis. Stable: the row max is subtracted before exp, so exp never
-    overflows and the logsumexp term is >= 0."""
-    shifted = scores - scores.max(axis=-1, keepdims=True)
-    return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+def _log_sum_exp(xp, scores):
+    """Each row's log Σ exp over the last axis (keepdims), stable: the row max is
+    subtracted before exp, so exp never overflows. One array of the scores' size lives
+    at a time (the shifted scores, exponentiated in place)."""
+    top = scores.max(axis=-1, keepdims=True)
+    shifted = scores - top
+    total = xp.exp(shifted, out=shifted).sum(axis=-1, keepdims=True)
+    return top + xp.log(total)
 
 
-def _targets(xp, attrs: LossAttrs, labels, classes: int):
-    """(one-hot of the kept labels (..., C), kept mask (..., 1)), both bool, classes on
-    the last axis.
+def _picked(xp, attrs: LossAttrs, labels, classes: int):
+    """(each row's label as an index into the last axis (..., 1), whether the row counts
+    (..., 1) in the scores' dtype-agnostic bool).
 
-    Rows labelled ignore_index have an all-false one-hot row and a false mask: they
-    contribute nothing to the loss nor to the gradient, even where ignore_index is a valid
-    class. A label outside ``[0, C)`` that is not ignore_index is an error in ORT; here its
-    row is all false too (checking would synchronize a GPU on every step).
+    Rows labelled ignore_index count for nothing, in the loss and in the gradient, even
+    where ignore_index is a valid class. A label outside ``[0, C)`` that is not
+    ignore_index is an error in ORT; here its row counts for nothing too (checking would
+    synchronize a GPU on every step). No one-hot of the labels is made: a [rows, C] array
+    of bools where the scores need one number a row.
     """
     labels = labels[..., None]
-    if attrs.ignore_index is None:
-        keep = xp.ones(labels.shape, dtype=bool)
-    else:
-        keep = labels != attrs.ignore_index
-    onehot = (labels == xp.arange(classes)) & keep
-    return onehot, keep
+    counted = (labels >= 0) & (labels < classes)
+    if attrs.ignore_index is not None:
+        counted &= labels != attrs.ignore_index
+    return xp.where(counted, labels, 0), counted
 
 
 def _scale(xp, grad_output, args, dtype):
@@ -124,19 +126,30 @@ def _scale(xp, grad_output, args, dtype):
 
 
 def cross_entropy_forward(xp, attrs: LossAttrs, inputs, args):
+    """Σ over counted rows of logsumexp(row) - row[label]."""
     scores, labels = inputs
     last = xp.moveaxis(scores, attrs.class_axis, -1)
-    onehot, _ = _targets(xp, attrs, labels, last.shape[-1])
-    total = -(_log_softmax(xp, last) * onehot).sum()
+    index, counted = _picked(xp, attrs, labels, last.shape[-1])
+    chosen = xp.take_along_axis(last, index, axis=-1)
+    total = ((_log_sum_exp(xp, last) - chosen) * counted).sum()
     return xp.asarray(total / args.loss_scale, dtype=scores.dtype)
 
 
 def cross_entropy_backward(xp, attrs: LossAttrs, inputs, output, grad_output, args):
+    """softmax(row) - onehot(label), on counted rows, times the loss's scale: the softmax
+    made in place in the one array returned, the label's 1 taken off where it lies."""
     scores, labels = inputs
     last = xp.moveaxis(scores, attrs.class_axis, -1)
-    onehot, keep = _targets(xp, attrs, labels, last.shape[-1])
-    softmax = xp.exp(_log_softmax(xp, last))
-    grad = (softmax * keep - onehot) * _scale(xp, grad_output, args, scores.dtype)
+    classes = last.shape[-1]
+    index, counted = _picked(xp, attrs, labels, classes)
+    scale = _scale(xp, grad_output, args, scores.dtype)
+    grad = xp.empty(last.shape, dtype=last.dtype)  # rows contiguous: viewed as [rows, C]
+    xp.subtract(last, _log_sum_exp(xp, last), out=grad)
+    xp.exp(grad, out=grad)
+    grad *= counted * scale
+    rows = grad.reshape(-1, classes)
+    at = xp.arange(rows.shape[0])
+    rows[at, index.reshape(-1)] -= (counted.reshape(-1) * scale).astype(grad.dtype)
     return xp.ascontiguousarray(xp.moveaxis(grad, -1, attrs.class_axis)), None
 
 
@@ -152,12 +165,11 @@ def mse_backward(xp, attrs: LossAttrs, inputs, output, grad_output, args):
 
 
 def cross_entropy_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
-    """Per score: the forward's log-softmax holds the shifted scores and one more array
-    of them at once, with the boolean one-hot and its temporaries (~1.4 bytes); the
-    backward's softmax and its products hold one besides the gradient it returns
+    """Per score: the forward's logsumexp holds the shifted scores, exponentiated in
+    place; the backward's logsumexp holds them once more beside the gradient it returns
     (measured under tracemalloc)."""
     n = math.prod(shapes[0])
-    return math.ceil(n * (2 * itemsize + 1.4)), math.ceil(n * (itemsize + 1.4))
+    return n * itemsize, n * itemsize
 
 
 CROSS_ENTROPY = OpDef(

@@ -68,7 +68,13 @@ def backward(xp, attrs, inputs, output, grad_output, args):
     if wants(args, 0):
         grad_a = matmul(xp, grad_output, xp.swapaxes(b, -1, -2), args.matmul_dtype)
         grad_a = _reduced(xp, grad_a, a.shape)
-    if wants(args, 1):
+    if wants(args, 1) and b.ndim == 2 and a.ndim > 2:
+        # a weight read by every sample and position: one product over all their rows
+        # (Σ_batch aᵀ g), not a product a sample summed afterwards
+        rows_a = a.reshape(-1, a.shape[-1])
+        rows_g = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_b = matmul(xp, rows_a.T, rows_g, args.matmul_dtype)
+    elif wants(args, 1):
         grad_b = matmul(xp, xp.swapaxes(a, -1, -2), grad_output, args.matmul_dtype)
         grad_b = _reduced(xp, grad_b, b.shape)
     return grad_a, grad_b
@@ -78,10 +84,12 @@ def workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
     """The backward's raw products of the operands that broadcast, alive until it
     returns: such a gradient is first computed over the output's batch axes, then summed
     over the ones its operand broadcasts. An operand that does not broadcast gets its
-    product as its gradient (counted with the fresh gradients, not here)."""
+    product as its gradient (counted with the fresh gradients, not here), and so does a
+    2-D weight under batched data (one product over all the rows)."""
     (m, k), n = shapes[0][-2:], shapes[1][-1]
     batch = math.prod(out_shape[:-2])
-    raw_a, raw_b = batch * m * k, batch * k * n
+    raw_a = batch * m * k
+    raw_b = k * n if len(shapes[1]) == 2 and len(shapes[0]) > 2 else batch * k * n
     held = (raw_a if math.prod(shapes[0]) != raw_a else 0) + (
         raw_b if math.prod(shapes[1]) != raw_b else 0
     )
