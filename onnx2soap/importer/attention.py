@@ -7,7 +7,8 @@ The chain, as both exporters write it for transformers' eager attention, torch's
 
     S = MatMul(Q', Kᵀ')              Q' = Q or Q·c, Kᵀ' = Kᵀ or Kᵀ·c (c scalars)
     S = S·c | S/c                    at most one scale, a scalar constant
-    S = S + M                        at most one mask, computed from no weight... or any
+    S = S + M (+ B)                  up to two added terms: a mask, T5's trainable position
+                                     bias (its gradient made, tile by tile)
     P = Softmax(S, axis=-1)
     P = Cast/Identity/Dropout(P)     casts back to S's type (Llama's float32 island),
                                      at most one Dropout that drops in training (the
@@ -183,17 +184,32 @@ def _is_scores(g: _Graph, name: str) -> bool:
     return _is(node, "MatMul") and len(g.shapes.get(base, ())) == 4
 
 
-def _split_mask(g: _Graph, name: str, links: list) -> tuple[str, str | None]:
-    """(the scores' tensor, the mask added to them or None)."""
+def _split_masks(g: _Graph, name: str, links: list) -> tuple[str, list[str]]:
+    """(the scores' tensor, the terms added to them: up to two, T5's trainable position
+    bias beside its mask)."""
+    terms: list[str] = []
+    while len(terms) < 2:
+        node = g.producer(name)
+        if not _is(node, "Add") or not _only_reader(g, name):
+            break
+        a, b = node.input
+        for scores, term in ((a, b), (b, a)):
+            if _is_scores_chain(g, scores) and not _is_scores(g, term):
+                links.append(node)
+                terms.append(term)
+                name = scores
+                break
+        else:
+            break
+    return name, terms
+
+
+def _is_scores_chain(g: _Graph, name: str) -> bool:
+    """Whether ``name`` leads to the product through Adds, at most one scale."""
     node = g.producer(name)
-    if not _is(node, "Add") or not _only_reader(g, name):
-        return name, None
-    a, b = node.input
-    for scores, mask in ((a, b), (b, a)):
-        if _is_scores(g, scores) and not _is_scores(g, mask):
-            links.append(node)
-            return scores, mask
-    return name, None
+    if _is(node, "Add"):
+        return any(_is_scores_chain(g, x) for x in node.input)
+    return _is_scores(g, name)
 
 
 def _distinct(value: np.ndarray) -> np.ndarray:
@@ -233,23 +249,35 @@ class _Mask:
     causal: bool
 
 
-def _mask_input(g: _Graph, mask: str | None, scores_shape: tuple[int, ...]) -> _Mask | None:
-    if mask is None:
-        return _Mask("", False)
-    shape = g.shapes.get(mask)
-    if shape is None or len(shape) > 4:
-        return None
-    try:
-        if np.broadcast_shapes(shape, scores_shape) != tuple(scores_shape):
+def _mask_input(g: _Graph, terms: list[str], scores_shape: tuple[int, ...]) -> _Mask | None:
+    """The one mask the added terms come to: constants that add nothing dropped, the
+    causal one made ``is_causal``; None where two terms are left (their sum would be a
+    [b, h, m, n] tensor of its own)."""
+    kept, causal = [], False
+    for term in terms:
+        shape = g.shapes.get(term)
+        if shape is None or len(shape) > 4 or not _broadcasts(shape, scores_shape):
             return None
-    except ValueError:
+        kind = g.constant_kind(term, tuple(scores_shape)) if g.constant(term) is not None else None
+        if kind is None:
+            kept.append(term)
+        elif kind.causal:
+            if causal:
+                return None
+            causal = True
+    if len(kept) > 1:
         return None
-    if g.constant(mask) is not None:
-        kind = g.constant_kind(mask, tuple(scores_shape))
-        if kind is not None:
-            return kind
-    condition = _boolean(g, mask)
-    return _Mask(condition or mask, False)
+    if not kept:
+        return _Mask("", causal)
+    condition = _boolean(g, kept[0]) if not causal else None
+    return _Mask(condition or kept[0], causal)
+
+
+def _broadcasts(shape: tuple[int, ...], scores_shape: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, scores_shape) == tuple(scores_shape)
+    except ValueError:
+        return False
 
 
 def _constant_kind(value: np.ndarray, scores_shape: tuple[int, ...]) -> _Mask | None:
@@ -328,7 +356,7 @@ def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | 
         return None
     links, last, drop = end
     links = [*links, softmax, last]
-    scores, mask = _split_mask(g, softmax.input[0], links)
+    scores, terms = _split_masks(g, softmax.input[0], links)
     scores, outer = _strip_scale(g, scores, links)
     product = g.producer(scores)
     if not _is(product, "MatMul") or not _only_reader(g, scores):
@@ -336,7 +364,7 @@ def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | 
     links.append(product)
     q, kt, inner = _operands(g, product, links)
     v = last.input[1]
-    masked = _mask_input(g, mask, g.shapes[softmax.input[0]])
+    masked = _mask_input(g, terms, g.shapes[softmax.input[0]])
     if masked is None or not _fits(g, q, kt, v):
         return None
     name = softmax.name or softmax.output[0]

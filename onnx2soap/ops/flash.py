@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from onnx2soap.ops.base import Array, RandomKey
+from onnx2soap.ops.kernel_util import matmul
 from onnx2soap.ops.random_bits import uniform
 
 # Score tiles of up to this many elements (8 MiB in float32): large enough that a tile's
@@ -70,6 +71,9 @@ class Problem:
     block_q: int = 0  # 0: chosen from the shapes (``blocks``)
     block_k: int = 0
     dropout: Dropout | None = None
+    # the dtype the products multiply in (``kernel_util.matmul``: float16 on a GPU in
+    # fp16 mixed precision); None: the operands'
+    matmul_dtype: object = None
 
 
 def blocks(batch_heads: int, m: int, n: int, problem: Problem) -> tuple[int, int]:
@@ -125,7 +129,7 @@ class _Tiles:
 
     def scores(self, rows: tuple[int, int], cols: tuple[int, int]) -> Array:
         xp, (i0, i1), (j0, j1) = self.xp, rows, cols
-        s = xp.matmul(self.q[..., i0:i1, :], self.kt[..., j0:j1])
+        s = matmul(xp, self.q[..., i0:i1, :], self.kt[..., j0:j1], self.problem.matmul_dtype)
         if self.mask is not None:
             m = self.mask
             block = m[..., i0:i1, :] if m.shape[3] != 1 else m
@@ -176,7 +180,7 @@ def forward(xp, q: Array, k: Array, v: Array, mask: Array | None, problem: Probl
             acc *= rescale
             if problem.dropout is not None:
                 p *= problem.dropout.keep(xp, p.shape, rows, cols).astype(p.dtype)
-            acc += xp.matmul(p, vv[..., cols[0] : cols[1], :])
+            acc += matmul(xp, p, vv[..., cols[0] : cols[1], :], problem.matmul_dtype)
             top = new_top
         # a row that sees no key (every one masked) outputs 0, as ONNX's Attention
         out[..., rows[0] : rows[1], :] = acc / xp.where(total > 0, total, 1)
@@ -236,7 +240,7 @@ def backward(
     bias = _BiasGradient(xp, tiles.mask) if wanted.mask and mask is not None else None
     b, _, g, m, _ = tiles.q.shape
     bq, bk = blocks(b * hk * g, m, tiles.n, problem)
-    scale = problem.scale
+    scale, half = problem.scale, problem.matmul_dtype
     for rows in _spans(m, bq):
         (i0, i1), lse = rows, _log_sum_exp(xp, tiles, rows, bk)
         for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
@@ -248,11 +252,11 @@ def backward(
                 keep = problem.dropout.keep(xp, p.shape, rows, cols).astype(p.dtype)
             if dv is not None:
                 dropped = p if keep is None else p * keep
-                dv_tile = xp.matmul(xp.swapaxes(dropped, -1, -2), do[..., i0:i1, :])
+                dv_tile = matmul(xp, xp.swapaxes(dropped, -1, -2), do[..., i0:i1, :], half)
                 dv[:, :, j0:j1] += _groups_summed(dv_tile)
             if dq is None and dk is None and bias is None:
                 continue
-            ds = xp.matmul(do[..., i0:i1, :], vt[..., j0:j1])
+            ds = matmul(xp, do[..., i0:i1, :], vt[..., j0:j1], half)
             if keep is not None:  # the gradient of the undropped probabilities
                 ds *= keep
             ds -= delta[..., i0:i1, :]
@@ -260,9 +264,10 @@ def backward(
             if bias is not None:
                 bias.add(ds, rows, cols)
             if dq is not None:  # S = Q (scale K)ᵀ: dQ = dS (scale K)
-                dq[..., i0:i1, :] += xp.matmul(ds, tiles.k[..., j0:j1, :])
+                dq[..., i0:i1, :] += matmul(xp, ds, tiles.k[..., j0:j1, :], half)
             if dk is not None:  # dK = scale · dSᵀ Q, scaled on the [keys, e] tile
-                dk_tile = _groups_summed(xp.matmul(xp.swapaxes(ds, -1, -2), tiles.q[..., i0:i1, :]))
+                dk_tile = matmul(xp, xp.swapaxes(ds, -1, -2), tiles.q[..., i0:i1, :], half)
+                dk_tile = _groups_summed(dk_tile)
                 dk_tile *= scale
                 dk[:, :, j0:j1] += dk_tile
     dq = None if dq is None else dq.reshape(q.shape)

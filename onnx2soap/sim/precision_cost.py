@@ -6,7 +6,7 @@ bf16 on CPU ranks: a cast there and back, bf16's after a reduction that looks fo
 bf16 on a GPU: about ten float32-sized passes of bit arithmetic, CuPy having none),
 and after every update each weight's half-format copy is remade. On a device with a
 float16 peak above its float32 one (``ComputeDevice.peak_flops_half``: a GPU's tensor
-cores), fp16's MatMul and Gemm multiply in float16: the analytic model prices their
+cores), fp16's MatMul, Gemm and Attention multiply in float16: the analytic model prices their
 products at that peak, plus the casts of their operands. Profiled costs timed float32
 kernels, so only the rounding passes are added to them.
 """
@@ -26,7 +26,8 @@ from onnx2soap.soap.partition import Task, rect_volume
 # reads 4 more; CuPy's bf16 bit arithmetic moves about ten float32 passes.
 ROUNDING_BYTES = {Precision.BF16: 40, Precision.FP16: 12}
 HOST_ROUNDING_BYTES = {Precision.BF16: 16, Precision.FP16: 12}  # numpy's casts
-HALF_PRODUCTS = frozenset({"MatMul", "Gemm"})  # kernels with a float16 product (GPUs, fp16)
+# kernels with a float16 product (GPUs, fp16)
+HALF_PRODUCTS = frozenset({"MatMul", "Gemm", "Attention"})
 
 
 @dataclass(frozen=True)

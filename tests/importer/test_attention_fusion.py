@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx2soap.importer import load_model
-from onnx2soap.ir import LossKind
+from onnx2soap.ir import LossKind, TensorRole
 from tests.executor.test_forward_onnxruntime import (
     BATCH,
     executor_forward,
@@ -37,6 +37,7 @@ def _chain(
     probabilities_out: bool = False,
     kv_heads: int = HEADS,
     shared_keys: bool = False,
+    bias: bool = False,
 ) -> onnx.ModelProto:
     """x [B, H, R, W] as Q; K and V weights; Kᵀ by a Transpose; the scores scaled, masked,
     softmaxed, (dropped out,) multiplied by V."""
@@ -65,6 +66,11 @@ def _chain(
     nodes.append(helper.make_node("MatMul", ["x", "kt"], ["s"]))
     nodes.append(helper.make_node(scale_node, ["s", "c"], ["scaled"]))
     scores = "scaled"
+    if bias:  # T5's relative position bias: a weight's, trained through the scores
+        value = rng.standard_normal((1, HEADS, ROWS, ROWS)).astype(np.float32)
+        inits.append(numpy_helper.from_array(value, "bias"))
+        nodes.append(helper.make_node("Add", ["scaled", "bias"], ["biased"]))
+        scores = "biased"
     if mask != "none":
         above = np.triu(np.ones((ROWS, ROWS), bool), 1)
         value = np.where(above, np.float32(-3.4e38), 0).astype(np.float32)
@@ -72,7 +78,7 @@ def _chain(
             value = np.zeros((BATCH, 1, 1, ROWS), np.float32)
             value[0, ..., -1] = -3.4e38
         nodes.append(_constant("mask", value))
-        nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
+        nodes.append(helper.make_node("Add", [scores, "mask"], ["masked"]))
         scores = "masked"
     nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=softmax_axis))
     probabilities = "p"
@@ -126,6 +132,8 @@ def _equals_onnxruntime(path: Path) -> None:
         {"kv_heads": KV_HEADS},
         {"dropout_ratio": 0.0},
         {"dropout_ratio": 0.1},
+        {"bias": True},
+        {"bias": True, "mask": "none"},
     ],
     ids=str,
 )
@@ -136,7 +144,9 @@ def test_chain_becomes_one_attention_op(tmp_path: Path, chain) -> None:
     assert not [o for o in graph.ops if o.type in ("Softmax", "MatMul", "Dropout")]
     assert op.attrs.scale == pytest.approx(0.5)
     assert op.attrs.causal == (chain.get("mask", "causal") == "causal")
-    assert op.attrs.has_mask == (chain.get("mask") == "padding")
+    assert op.attrs.has_mask == (chain.get("mask") == "padding" or chain.get("bias", False))
+    if chain.get("bias"):  # the bias is the mask, and takes its gradient
+        assert op.inputs[3] == "bias" and graph.tensors["bias"].role is TensorRole.WEIGHT
     assert op.attrs.dropout == pytest.approx(chain.get("dropout_ratio", 0.0))
     kv_heads = chain.get("kv_heads", HEADS)  # repeat_kv's copies are never made
     assert graph.tensors[op.inputs[1]].shape[1] == graph.tensors[op.inputs[2]].shape[1] == kv_heads
@@ -151,6 +161,7 @@ def test_chain_becomes_one_attention_op(tmp_path: Path, chain) -> None:
         {"probabilities_out": True},  # the probabilities are read elsewhere
         {"softmax_axis": 2},  # normalized over the queries
         {"shared_keys": True},  # one K for every sample: [1, H, R, W]
+        {"bias": True, "mask": "padding"},  # two terms: their sum would be [B, H, R, R]
     ],
     ids=str,
 )

@@ -168,7 +168,9 @@ def _problem(attrs: AttentionAttrs, args, keys: int) -> flash.Problem:
     if attrs.dropout and args.random is not None:  # training: drop as the Dropout did
         full = (*args.full_shape[:3], keys)
         dropout = flash.Dropout(attrs.dropout, args.random, attrs.seed, origin[:3], full)
-    return flash.Problem(attrs.scale, attrs.causal, origin[2], dropout=dropout)
+    return flash.Problem(
+        attrs.scale, attrs.causal, origin[2], dropout=dropout, matmul_dtype=args.matmul_dtype
+    )
 
 
 def _mask_of(attrs: AttentionAttrs, inputs):
