@@ -22,6 +22,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.attention import fuse_attention
 from onnx2soap.importer.signature import untrained_initializers
+from onnx2soap.importer.transposed import fuse_transposed_operands
 from onnx2soap.importer.weights import (
     FLOAT_TYPES,
     InlineData,
@@ -642,13 +643,16 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         {k: (t.shape, t.elem_type) for k, t in types.items()},
         graph_outputs,
     )
+    nodes = fuse_transposed_operands(
+        fused.nodes, {k: len(t.shape) for k, t in types.items()}, graph_outputs
+    )
     return Prepared(
         path=path,
         sha256=file_sha256(path),
         opset=opset,
         opsets={imp.domain or "ai.onnx": imp.version for imp in model.opset_import},
         batch=batch,
-        nodes=tuple(fused.nodes),
+        nodes=tuple(nodes),
         types={**types, **{k: TensorType(*t) for k, t in fused.types.items()}},
         constants=values,
         float_initializers={k: v for k, v in stored.items() if k in init_names},
