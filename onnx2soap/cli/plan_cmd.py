@@ -85,6 +85,13 @@ def register(sub) -> None:
         "replicas, 2 (the default) also the summed gradients, 3 also the weights (each "
         "gathered before the ops that read it, as FSDP)",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --strategy megatron: the norms, residual adds and dropouts between the "
+        "tensor-parallel blocks split along the sequence inside each node (Megatron-LM's "
+        "sequence parallelism); their inputs all-gathered, the row-parallel sums scattered",
+    )
     add_pipeline_options(p)
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
     p.add_argument(
@@ -171,6 +178,8 @@ def _mode(args) -> tuple[Rule | None, bool]:
         )
     if args.zero_stage is not None and args.strategy != Rule.ZERO.value:
         raise UserError("--zero-stage goes with --strategy zero (data parallelism with ZeRO)")
+    if args.sequence_parallel and args.strategy != Rule.MEGATRON.value:
+        raise UserError("--sequence-parallel goes with --strategy megatron")
     check_options(args, searching=not args.strategy and args.search != "none")
     if args.strategy:
         return Rule(args.strategy), False
@@ -306,7 +315,18 @@ def _by_rule(
     built = (
         {}
         if piped
-        else {rule: build(rule, graph, space, devices, args.seed, simulator, ilp_options)}
+        else {
+            rule: build(
+                rule,
+                graph,
+                space,
+                devices,
+                args.seed,
+                simulator,
+                ilp_options,
+                sequence_parallel=args.sequence_parallel,
+            )
+        }
     )
     for r in BASELINES:
         if r not in built:

@@ -149,12 +149,14 @@ def build(
     seed: int = 0,
     simulator: Simulator | None = None,
     ilp_options: IlpOptions | None = None,
+    sequence_parallel: bool = False,
 ) -> Built:
     """The strategy of ``rule``. Megatron reads the machine's nodes off ``simulator``
-    (without one, all devices are one node); the ILP prices configs with it (required)."""
+    (without one, all devices are one node), and splits the ops between its blocks by
+    the sequence where ``sequence_parallel``; the ILP prices configs with it (required)."""
     if rule is Rule.MEGATRON:
         node = devices if simulator is None else node_size(simulator.machine)
-        return Built(megatron(graph, space, devices, node))
+        return Built(megatron(graph, space, devices, node, sequence_parallel))
     if rule is Rule.ILP:
         if simulator is None:
             raise ValueError("the ILP prices every config with a simulator; give one")

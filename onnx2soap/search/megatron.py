@@ -108,20 +108,25 @@ def node_size(machine: Machine) -> int:
     return best
 
 
-def megatron(graph: Graph, space: Space, devices: int, node: int) -> Strategy:
-    """Megatron-LM's plan for ``devices`` devices in nodes of ``node`` (``node_size``)."""
+def megatron(
+    graph: Graph, space: Space, devices: int, node: int, sequence_parallel: bool = False
+) -> Strategy:
+    """Megatron-LM's plan for ``devices`` devices in nodes of ``node`` (``node_size``).
+    ``sequence_parallel``: the ops with no rule (norms, residual adds, dropouts) split
+    along the sequence inside each node whatever the batch, as Megatron-LM's
+    ``--sequence-parallel`` (else only where the samples are fewer than the devices)."""
     if devices % node:
         raise ValueError(f"{devices} devices are not whole nodes of {node}")
     best: tuple[int, Strategy] | None = None
     # the largest tensor-parallel degree (above 1, where the node has more than one
     # device) under which no cut stops for a size; else the one where fewest do
     for tp in sorted((t for t in range(2, node + 1) if node % t == 0), reverse=True):
-        strategy, broken = _plan(graph, space, devices, tp)
+        strategy, broken = _plan(graph, space, devices, tp, sequence_parallel)
         if broken == 0:
             return strategy
         if best is None or broken < best[0]:
             best = (broken, strategy)
-    return best[1] if best is not None else _plan(graph, space, devices, 1)[0]
+    return best[1] if best is not None else _plan(graph, space, devices, 1, sequence_parallel)[0]
 
 
 def megatron_at(graph: Graph, space: Space, devices: int, tp: int) -> Strategy:
@@ -132,7 +137,9 @@ def megatron_at(graph: Graph, space: Space, devices: int, tp: int) -> Strategy:
     return _plan(graph, space, devices, tp)[0]
 
 
-def _plan(graph: Graph, space: Space, devices: int, tp: int) -> tuple[Strategy, int]:
+def _plan(
+    graph: Graph, space: Space, devices: int, tp: int, sequence_parallel: bool = False
+) -> tuple[Strategy, int]:
     """The plan at tensor-parallel degree ``tp``, and how many cuts stopped for sizes."""
     dp = devices // tp
     cut: dict[str, Cut] = {}
@@ -148,7 +155,7 @@ def _plan(graph: Graph, space: Space, devices: int, tp: int) -> tuple[Strategy, 
         if why is _Why.SIZE:
             broken += 1
         if split is None:
-            configs[op.name] = _data_parallel(dims, devices, tp)
+            configs[op.name] = _data_parallel(dims, devices, tp, sequence_parallel)
             continue
         configs[op.name] = _config(dims, split, dp, tp)
         if output is not None:
@@ -343,19 +350,22 @@ def _config(dims: Sequence[SoapDim], split: _Split, dp: int, tp: int) -> Paralle
     return ParallelConfig(tuple(degrees), tuple(devices))
 
 
-def _data_parallel(dims: Sequence[SoapDim], devices: int, tp: int = 1) -> ParallelConfig:
-    """Split by samples over every device; where there are fewer samples than devices,
-    by samples over the nodes and inside each along its first other kept dim (the
-    sequence) over the node's ``tp`` devices, as Megatron-LM's sequence parallelism
-    (Korthikanti et al., 2022) cuts the LayerNorms and residual adds; without one (the
-    loss) on the node's first device. Split by samples over all devices they all ran
-    on the first node: a LLaMA-3-8B shape at 8 sequences on 64 H100s held 135 GiB on
-    its devices, 65 GiB on the others', and every node sent it its logits."""
+def _data_parallel(
+    dims: Sequence[SoapDim], devices: int, tp: int = 1, sequence: bool = False
+) -> ParallelConfig:
+    """Split by samples over every device; where there are fewer samples than devices
+    (or ``sequence``: always), by samples over the nodes and inside each along its
+    first other kept dim (the sequence) over the node's ``tp`` devices, as Megatron-LM's
+    sequence parallelism (Korthikanti et al., 2022) cuts the LayerNorms and residual
+    adds; without one (the loss) on the node's first device. Split by samples over all
+    devices they all ran on the first node: a LLaMA-3-8B shape at 8 sequences on 64
+    H100s held 135 GiB on its devices, 65 GiB on the others', and every node sent it its
+    logits."""
     degrees = [1] * len(dims)
     sample = next(
         (i for i, d in enumerate(dims) if d.kind is DimKind.SAMPLE and d.splittable), None
     )
-    short = sample is not None and dims[sample].max_degree < devices
+    short = sample is not None and (sequence or dims[sample].max_degree < devices)
     if short and tp > 1:
         inner = next(
             (

@@ -143,3 +143,41 @@ def test_integer_ops_split_by_batch_train_like_one_device(llm_onnx, tmp_path: Pa
     losses, weights = one_device(one, data, STEPS, LR)
     args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
     assert_same_training(mpirun(plan, 2, tmp_path, *args), losses, weights, rtol=RTOL)
+
+
+def test_sequence_parallel_megatron_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
+    """``--strategy megatron --sequence-parallel`` on 2 ranks of a Llama with 4 sequences
+    (enough to split by samples): the attention by heads, the ops between the blocks
+    (RMSNorm's pieces, the residual adds) along the sequence instead; the ranks train
+    exactly like one device."""
+    from onnx2soap.cli import main as onnx2soap_main
+    from onnx2soap.importer import load_model
+    from onnx2soap.soap import DimKind, analyze, load_plan
+
+    path = llm_onnx("llama", "dynamo")
+    _, data = _data("llama", tmp_path)
+    one = tmp_path / "one.json"
+    make_plan(path, one, 1, BATCH, "data-parallel")
+    losses, weights = one_device(one, data, STEPS, LR)
+    plan = tmp_path / "sp.json"
+    argv = ["plan", str(path), "--devices", "2", "--batch", str(BATCH), "-o", str(plan)]
+    assert onnx2soap_main([*argv, "--strategy", "megatron", "--sequence-parallel"]) == 0
+    graph = load_model(path, BATCH).graph
+    space = analyze(graph)
+    degrees = {op.name: dict(op.degrees) for op in load_plan(plan).ops}
+    (attention, *_) = [op for op in graph.ops if op.type == "Attention"]
+    assert degrees[attention.name].get("h") == 2 and degrees[attention.name].get("n", 1) == 1
+    by_sequence = [
+        op
+        for op in graph.ops
+        if op.type == "Add"
+        and graph.tensors[op.output].batched
+        and any(
+            d.kind is not DimKind.SAMPLE and degrees[op.name].get(d.name, 1) == 2
+            for d in space[op.name]
+        )
+    ]
+    assert len(by_sequence) >= 4, "the residual adds of both layers, by the sequence"
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
+    run = mpirun(plan, 2, tmp_path, *args)
+    assert_same_training(run, losses, weights, rtol=RTOL)
