@@ -1,8 +1,9 @@
 """Strategies built by rule, not search: data parallel, model parallel, expert, single
-device, Megatron-LM's tensor parallelism (search/megatron.py), Alpa's intra-operator ILP
-(search/ilp.py), random, and ZeRO: data parallelism whose plan shards optimizer state
-(and gradients) across the replicas (soap/zero.py; the stage is the plan file's
-``zero_stage``, which the caller sets: a strategy has no stage)."""
+device, Megatron-LM's tensor parallelism (search/megatron.py), context parallelism
+(search/context.py), Alpa's intra-operator ILP (search/ilp.py), random, and ZeRO: data
+parallelism whose plan shards optimizer state (and gradients) across the replicas
+(soap/zero.py; the stage is the plan file's ``zero_stage``, which the caller sets: a
+strategy has no stage)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from enum import Enum
 import numpy as np
 
 from onnx2soap.ir import Graph, Op, TensorRole
+from onnx2soap.search.context import context_parallel
 from onnx2soap.search.ilp import IlpOptions, IlpResult, ilp
 from onnx2soap.search.megatron import megatron, node_size
 from onnx2soap.search.pipeline_rule import staged_strategy
@@ -36,6 +38,7 @@ class Rule(Enum):
     RANDOM = "random"
     ZERO = "zero"
     PIPELINE = "pipeline"  # search/pipeline_rule.py
+    CONTEXT = "context"  # search/context.py
 
 
 # Every plan is compared with each of these (a search could have returned any of them);
@@ -185,6 +188,9 @@ def by_rule(
         return single_device(graph, space, devices)
     if rule is Rule.PIPELINE:  # its stages alone; plan --strategy pipeline adds microbatches
         return staged_strategy(graph, space, simulator)
+    if rule is Rule.CONTEXT:
+        node = devices if simulator is None else node_size(simulator.machine)
+        return context_parallel(graph, space, devices, node)
     if rule in (Rule.MEGATRON, Rule.ILP):
         return build(rule, graph, space, devices, seed, simulator).strategy
     return random_strategy(graph, space, devices, np.random.default_rng(seed))

@@ -350,8 +350,21 @@ def _config(dims: Sequence[SoapDim], split: _Split, dp: int, tp: int) -> Paralle
     return ParallelConfig(tuple(degrees), tuple(devices))
 
 
+def sequence_split(
+    dims: Sequence[SoapDim], devices: int, node: int, length: int | None = None
+) -> ParallelConfig:
+    """``_data_parallel`` with the sequence always split inside each node; ``length``:
+    the sequence dim is the first splittable one of that size (attention's queries, not
+    its heads), else the first kept non-sample dim."""
+    return _data_parallel(dims, devices, node, True, length)
+
+
 def _data_parallel(
-    dims: Sequence[SoapDim], devices: int, tp: int = 1, sequence: bool = False
+    dims: Sequence[SoapDim],
+    devices: int,
+    tp: int = 1,
+    sequence: bool = False,
+    length: int | None = None,
 ) -> ParallelConfig:
     """Split by samples over every device; where there are fewer samples than devices
     (or ``sequence``: always), by samples over the nodes and inside each along its
@@ -367,17 +380,16 @@ def _data_parallel(
     )
     short = sample is not None and (sequence or dims[sample].max_degree < devices)
     if short and tp > 1:
-        inner = next(
-            (
-                i
-                for i, d in enumerate(dims)
-                if d.kind is DimKind.ATTRIBUTE
-                and d.splittable
-                and tp <= d.max_degree
-                and (d.size // tp) % d.granule == 0
-            ),
-            None,
-        )
+        fitting = [
+            i
+            for i, d in enumerate(dims)
+            if d.kind is DimKind.ATTRIBUTE
+            and d.splittable
+            and tp <= d.max_degree
+            and (d.size // tp) % d.granule == 0
+        ]
+        sized = [i for i in fitting if dims[i].size == length]
+        inner = (sized or fitting or [None])[0]
         if inner is not None:
             return _config(dims, _Split(inner, tp), devices // tp, tp)
         # else (the loss) by samples over the nodes, each node's on its first device,

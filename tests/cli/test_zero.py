@@ -72,6 +72,7 @@ def test_zero_plans_are_data_parallel_with_a_stage(model: Path, tmp_path: Path, 
         (("--strategy", "zero", "--devices", "1"), ("--zero-stage 2 needs data parallelism",)),
         (("--strategy", "zero", "--sequence-parallel"), ("goes with --strategy megatron",)),
         (("--sequence-parallel",), ("goes with --strategy megatron",)),
+        (("--strategy", "context"), ("--strategy context splits the sequence", "token ids")),
     ],
 )
 def test_bad_zero_options_are_one_line(model, tmp_path: Path, capsys, extra, fragments) -> None:

@@ -181,3 +181,36 @@ def test_sequence_parallel_megatron_trains_like_one_device(llm_onnx, tmp_path: P
     args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
     run = mpirun(plan, 2, tmp_path, *args)
     assert_same_training(run, losses, weights, rtol=RTOL)
+
+
+def test_context_parallel_plan_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
+    """``--strategy context`` on 4 ranks of a Llama: every op along the sequence (8 tokens,
+    2 a rank), the attention along its queries reading every key; the ranks train exactly
+    like one device."""
+    from onnx2soap.cli import main as onnx2soap_main
+    from onnx2soap.importer import load_model
+    from onnx2soap.soap import analyze, load_plan
+
+    path = llm_onnx("llama", "dynamo")
+    _, data = _data("llama", tmp_path)
+    one = tmp_path / "one.json"
+    make_plan(path, one, 1, BATCH, "data-parallel")
+    losses, weights = one_device(one, data, STEPS, LR)
+    plan = tmp_path / "cp.json"
+    argv = ["plan", str(path), "--devices", "4", "--batch", str(BATCH), "-o", str(plan)]
+    assert onnx2soap_main([*argv, "--strategy", "context"]) == 0
+    graph = load_model(path, BATCH).graph
+    degrees = {op.name: dict(op.degrees) for op in load_plan(plan).ops}
+    space = analyze(graph)
+    for attention in (op for op in graph.ops if op.type == "Attention"):
+        assert degrees[attention.name] == {"m": 4}, degrees[attention.name]
+    tokens = graph.tensors[graph.inputs[0]].shape[1]
+    by_sequence = [
+        op
+        for op in graph.ops
+        if any(d.size == tokens and degrees[op.name].get(d.name) == 4 for d in space[op.name])
+    ]
+    assert len(by_sequence) > len(graph.ops) // 2
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
+    run = mpirun(plan, 4, tmp_path, *args)
+    assert_same_training(run, losses, weights, rtol=RTOL)
