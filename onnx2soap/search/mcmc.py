@@ -65,6 +65,7 @@ import numpy as np
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
 from onnx2soap.search.baselines import BASELINES, Rule, build, narrow_data_parallel
+from onnx2soap.search.context import sequence_length
 from onnx2soap.search.groups import GroupMove, GroupMoves
 from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.margin import steadiest
@@ -452,8 +453,9 @@ GROUP_MOVES = tuple(GroupMove)
 def _rule_strategies(
     graph: Graph, space, simulator: Simulator, options: SearchOptions
 ) -> tuple[dict[str, Strategy], IlpResult | None]:
-    """The baselines, then data parallelism over the first k devices; and the ILP's
-    account of itself."""
+    """The baselines, then data parallelism over the first k devices, and for a model of
+    sequences context parallelism and Megatron's with sequence parallelism; and the
+    ILP's account of itself."""
     devices = simulator.machine.size
     built = {
         rule.value: build(rule, graph, space, devices, 0, simulator, options.ilp)
@@ -461,7 +463,25 @@ def _rule_strategies(
     }
     named = {name: b.strategy for name, b in built.items()}
     named.update(narrow_data_parallel(graph, space, devices))
+    named.update(_sequence_starts(graph, space, simulator))
     return named, built[Rule.ILP.value].ilp
+
+
+def _sequence_starts(graph: Graph, space, simulator: Simulator) -> dict[str, Strategy]:
+    """Splits along the sequence, where the model reads one (token ids, or features a
+    token) and the machine has more than one device."""
+    devices = simulator.machine.size
+    try:
+        sequence_length(graph)
+    except UserError:
+        return {}
+    if devices == 1:
+        return {}
+    sp = build(Rule.MEGATRON, graph, space, devices, 0, simulator, sequence_parallel=True)
+    return {
+        Rule.CONTEXT.value: build(Rule.CONTEXT, graph, space, devices, 0, simulator).strategy,
+        "megatron-sequence-parallel": sp.strategy,
+    }
 
 
 def mcmc(

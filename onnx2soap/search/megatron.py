@@ -378,7 +378,8 @@ def _data_parallel(
     sample = next(
         (i for i, d in enumerate(dims) if d.kind is DimKind.SAMPLE and d.splittable), None
     )
-    short = sample is not None and (sequence or dims[sample].max_degree < devices)
+    # one sample (no sample dim splits) is fewer samples than devices too
+    short = sequence or sample is None or dims[sample].max_degree < devices
     if short and tp > 1:
         fitting = [
             i
@@ -394,6 +395,8 @@ def _data_parallel(
             return _config(dims, _Split(inner, tp), devices // tp, tp)
         # else (the loss) by samples over the nodes, each node's on its first device,
         # where the rest of its samples' ops are
+        if sample is None:
+            return ParallelConfig(tuple(degrees), (0,))
         degrees[sample] = min(devices // tp, dims[sample].max_degree)
         return ParallelConfig(tuple(degrees), tuple(j * tp for j in range(degrees[sample])))
     if sample is not None:

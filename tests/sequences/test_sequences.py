@@ -90,9 +90,9 @@ def test_gpt2_dims_are_where_megatron_splits(sequence_onnx) -> None:
     lookup = next(op for op in graph.ops if op.type == "Gather" and op.nest.partial_dims)
     vocabulary = {d.name: d for d in space[lookup.name]}["v"]
     assert vocabulary.kind is DimKind.REDUCTION and vocabulary.splittable
-    heads = [op for op in graph.ops if op.type == "Softmax"]
-    assert heads
-    for op in heads:  # scores [batch, heads, query, key]
+    heads = [op for op in graph.ops if op.type == "Attention"]  # dropout and all, fused
+    assert heads and not [op for op in graph.ops if op.type == "Softmax"]
+    for op in heads:  # [batch, heads, query, width]
         n, h = space[op.name][0], space[op.name][1]
         assert n.kind is DimKind.SAMPLE and n.splittable
         assert h.size == 2 and h.splittable
@@ -138,8 +138,8 @@ def test_megatron_style_splits_train_like_one_device(sequence_onnx, tmp_path: Pa
         names = {d.name: d for d in dims if d.splittable}
         if op.nest.partial_dims and "v" in names:
             want = "v"  # the vocabulary
-        elif op.type in ("Softmax", "MatMul") and len(dims) > 2 and dims[1].splittable:
-            want = dims[1].name  # the heads (scores [batch, heads, ...], and their MatMuls)
+        elif op.type in ("Attention", "MatMul") and len(dims) > 2 and dims[1].splittable:
+            want = dims[1].name  # the heads (attention [batch, heads, ...], the products')
         elif op.name in shared:
             want = dims[0].name  # the tied weight's rows
         else:
@@ -148,7 +148,7 @@ def test_megatron_style_splits_train_like_one_device(sequence_onnx, tmp_path: Pa
         seen.add(want and ("v" if want == "v" else op.type))
         tasks = math.prod(degrees)
         configs[op.name] = ParallelConfig(degrees, tuple((i + k) % 2 for i in range(tasks)))
-    assert {"v", "Softmax", "Identity"} <= seen, seen
+    assert {"v", "Attention", "Identity"} <= seen, seen
     plan = tmp_path / "megatron.json"
     strategy = Strategy(2, configs)
     doc = Plan(model, file_sha256(model), BATCH, graph.loss, 2, plan_ops(strategy, graph, space))
