@@ -81,9 +81,9 @@ def register(sub) -> None:
         "--zero-stage",
         type=int,
         choices=[int(z) for z in ZERO_STAGES],
-        help="with --strategy zero: 1 shards the optimizer's state across the data-parallel "
-        "replicas, 2 (the default) also the summed gradients, 3 also the weights (each "
-        "gathered before the ops that read it, as FSDP)",
+        help="with --strategy zero (or context): 1 shards the optimizer's state across the "
+        "replicas, 2 (the default with zero) also the summed gradients, 3 also the weights "
+        "(each gathered before the ops that read it, as FSDP)",
     )
     p.add_argument(
         "--sequence-parallel",
@@ -176,8 +176,11 @@ def _mode(args) -> tuple[Rule | None, bool]:
         raise UserError(
             "--strategy builds a plan by rule; it cannot be combined with --search mcmc"
         )
-    if args.zero_stage is not None and args.strategy != Rule.ZERO.value:
-        raise UserError("--zero-stage goes with --strategy zero (data parallelism with ZeRO)")
+    if args.zero_stage is not None and args.strategy not in (Rule.ZERO.value, Rule.CONTEXT.value):
+        raise UserError(
+            "--zero-stage goes with --strategy zero (data parallelism with ZeRO) or "
+            "--strategy context"
+        )
     if args.sequence_parallel and args.strategy != Rule.MEGATRON.value:
         raise UserError("--sequence-parallel goes with --strategy megatron")
     check_options(args, searching=not args.strategy and args.search != "none")
@@ -286,7 +289,11 @@ def _refusal(unfit: str, walk: SearchResult, choice: Choice, pricing: Pricing) -
 
 
 def _zero_stage(args, rule: Rule | None) -> ZeroStage:
-    """``--strategy zero``'s stage (2 unless ``--zero-stage`` says 1 or 3); else none."""
+    """``--strategy zero``'s stage (2 unless ``--zero-stage`` says 1 or 3); context
+    parallelism's where ``--zero-stage`` gives one (its weights are replicated over the
+    sequence's devices, as FSDP with context parallelism shards them); else none."""
+    if rule is Rule.CONTEXT and args.zero_stage:
+        return ZeroStage(args.zero_stage)
     if rule is not Rule.ZERO:
         return ZeroStage.NONE
     return ZeroStage(args.zero_stage or ZeroStage.GRADIENTS)
@@ -414,7 +421,8 @@ def run(args: argparse.Namespace) -> int:
     if zero:  # a machine of one device replicates nothing: say so before writing
         pg = Partitioner(graph).partition(outcome.strategy)
         groups = (g for gs in pg.groups.values() for g in gs)
-        check_zero(zero, groups, str(args.model), f"--strategy zero --zero-stage {int(zero)}")
+        strategy = rule.value if rule is not None else "zero"
+        check_zero(zero, groups, str(args.model), f"--strategy {strategy} --zero-stage {int(zero)}")
     chosen = outcome.chosen
     predicted = Predicted(
         step_time_s=chosen.step_time_s,

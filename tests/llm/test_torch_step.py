@@ -214,3 +214,23 @@ def test_context_parallel_plan_trains_like_one_device(llm_onnx, tmp_path: Path) 
     args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
     run = mpirun(plan, 4, tmp_path, *args)
     assert_same_training(run, losses, weights, rtol=RTOL)
+
+
+def test_context_parallel_with_zero3_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
+    """``--strategy context --zero-stage 3`` (FSDP with context parallelism) on 2 ranks:
+    the weights sharded over the sequence's devices, gathered for each op."""
+    from onnx2soap.cli import main as onnx2soap_main
+    from onnx2soap.soap import load_plan
+
+    path = llm_onnx("llama", "dynamo")
+    _, data = _data("llama", tmp_path)
+    one = tmp_path / "one.json"
+    make_plan(path, one, 1, BATCH, "data-parallel")
+    losses, weights = one_device(one, data, STEPS, LR)
+    plan = tmp_path / "cpz.json"
+    argv = ["plan", str(path), "--devices", "2", "--batch", str(BATCH), "-o", str(plan)]
+    assert onnx2soap_main([*argv, "--strategy", "context", "--zero-stage", "3"]) == 0
+    assert load_plan(plan).zero_stage == 3
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
+    run = mpirun(plan, 2, tmp_path, *args)
+    assert_same_training(run, losses, weights, rtol=RTOL)
