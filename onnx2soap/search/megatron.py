@@ -375,16 +375,25 @@ def _data_parallel(
     H100s held 135 GiB on its devices, 65 GiB on the others', and every node sent it its
     logits."""
     degrees = [1] * len(dims)
+    # a loss's positions are sample dims too (``dims._label_dims``): the batch is the
+    # sample dim not of the sequence's length
     sample = next(
-        (i for i, d in enumerate(dims) if d.kind is DimKind.SAMPLE and d.splittable), None
+        (
+            i
+            for i, d in enumerate(dims)
+            if d.kind is DimKind.SAMPLE and d.splittable and d.size != length
+        ),
+        None,
     )
     # one sample (no sample dim splits) is fewer samples than devices too
     short = sequence or sample is None or dims[sample].max_degree < devices
+    inner_kinds = (DimKind.ATTRIBUTE,) if length is None else (DimKind.ATTRIBUTE, DimKind.SAMPLE)
     if short and tp > 1:
         fitting = [
             i
             for i, d in enumerate(dims)
-            if d.kind is DimKind.ATTRIBUTE
+            if d.kind in inner_kinds
+            and i != sample
             and d.splittable
             and tp <= d.max_degree
             and (d.size // tp) % d.granule == 0

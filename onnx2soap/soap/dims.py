@@ -1,6 +1,7 @@
 """Parallelizable dims of every op, with FlexFlow's kinds inferred from the loop nests.
 
 - **sample**: the dim traces back to the batch axis of the data input (or the labels);
+  a loss's every dim its labels index (a sequence's positions too: partial losses sum);
 - **parameter**: a kept dim that indexes an axis of a trainable weight;
 - **attribute**: any other kept dim;
 - **reduction**: absent from the output.
@@ -69,6 +70,14 @@ def _parameter_dims(op: Op, graph: Graph) -> set[int]:
     return found
 
 
+def _label_dims(op: Op) -> set[int]:
+    """The dims a loss's labels (its last operand) read one to one: the batch and the
+    positions of a sequence, not a cross-entropy's classes. Each task's loss over its
+    labels is a partial sum of the whole batch's, as a split of the batch's is."""
+    labels = op.nest.inputs[-1]
+    return {d for m in labels.axes if (d := _direct_dim(m)) is not None}
+
+
 def _hidden_dims(op: Op) -> set[int]:
     return {d for o in op.nest.inputs for m in o.axes if isinstance(m, Whole) for d in m.dims}
 
@@ -84,6 +93,8 @@ def op_dims(
     nest = op.nest
     carried = _sample_dims(op, graph.batch, where) if carried is None else carried
     samples = set(carried)
+    if op.is_loss:  # its labels' other axes split as samples do: partial losses, summed
+        samples |= _label_dims(op)
     params = _parameter_dims(op, graph)
     hidden = _hidden_dims(op)
     axis_of = {d: a for a, d in enumerate(nest.out_dims) if d is not None}

@@ -220,13 +220,15 @@ def test_attached_cross_entropy_splits_samples_only(load_graph, source: str) -> 
 
 
 @pytest.mark.parametrize("source", MATMUL_SOURCES)
-def test_attached_mse_splits_samples_only(load_graph, source: str) -> None:
+def test_attached_mse_splits_as_its_targets(load_graph, source: str) -> None:
+    """Every dim of an MSE's targets splits as the batch does: each task's squared
+    errors are a partial sum of the whole batch's."""
     graph = load_graph(source, loss=LossKind.MSE).graph
     loss = graph.loss_op
     assert loss is not None and loss.type == "MeanSquaredError"
     dims = dims_by_op(graph)[loss.name]
-    assert kinds(dims) == {"n": "sample", "c": "reduction", "l": "reduction"}
-    assert splittable(dims) == {"n": True, "c": False, "l": False}
+    assert kinds(dims) == {"n": "sample", "c": "sample", "l": "sample"}
+    assert splittable(dims) == {"n": True, "c": True, "l": True}
 
 
 @pytest.mark.parametrize("model", ["cnn", "mlp", "matmul"])

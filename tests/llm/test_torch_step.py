@@ -234,3 +234,29 @@ def test_context_parallel_with_zero3_trains_like_one_device(llm_onnx, tmp_path: 
     args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
     run = mpirun(plan, 2, tmp_path, *args)
     assert_same_training(run, losses, weights, rtol=RTOL)
+
+
+def test_one_long_sequence_over_ranks_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
+    """One sequence, context parallelism over 2 ranks: every op, the loss too, splits the
+    positions (the loss's partial sums, as a split batch's); nothing lands whole on one
+    rank, and the ranks train exactly like one device."""
+    from onnx2soap.cli import main as onnx2soap_main
+    from onnx2soap.importer import load_model
+    from onnx2soap.soap import load_plan
+    from tests.llm.reference import batch_data
+
+    path = llm_onnx("llama", "dynamo")
+    data = tmp_path / "one_sequence.npz"
+    np.savez(data, **batch_data("llama", 1, np.random.default_rng(7)))
+    one = tmp_path / "one.json"
+    make_plan(path, one, 1, 1, "data-parallel")
+    losses, weights = one_device(one, data, STEPS, LR)
+    plan = tmp_path / "cp1.json"
+    argv = ["plan", str(path), "--devices", "2", "--batch", "1", "-o", str(plan)]
+    assert onnx2soap_main([*argv, "--strategy", "context"]) == 0
+    graph = load_model(path, 1).graph
+    ops = {op.name: op for op in load_plan(plan).ops}
+    assert max(dict(ops[graph.loss_op.name].degrees).values()) == 2  # its positions
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
+    run = mpirun(plan, 2, tmp_path, *args)
+    assert_same_training(run, losses, weights, rtol=RTOL)

@@ -83,8 +83,9 @@ def test_sample_follows_a_transposed_batch_axis() -> None:
     assert rows(space["tr"]) == [("n", 4, S, 1, True), ("c", 6, A, 0, True)]
     # the batch is now axis 1 of t: relu's dim over axis 1 is the sample dim
     assert rows(space["relu"]) == [("n", 6, A, 0, True), ("c", 4, S, 1, True)]
-    # the loss reduces both dims; only the one over the batch is sample and splittable
-    assert rows(space["mse"]) == [("n", 6, R, None, False), ("c", 4, S, None, True)]
+    # the loss reduces both dims; each splits as the batch does (its targets index both:
+    # every task's squared errors are a partial sum of the whole batch's)
+    assert rows(space["mse"]) == [("n", 6, S, None, True), ("c", 4, S, None, True)]
 
 
 def test_labels_make_the_loss_dim_sample() -> None:
