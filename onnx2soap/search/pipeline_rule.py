@@ -181,8 +181,9 @@ def default_microbatches(devices: int, batch: int, stages: int) -> int | None:
 
 
 # Ops whose outputs selective recomputation keeps: the products, costly to make again
-# (Megatron-LM's selective recomputation keeps them and remakes the cheap ops between).
-COSTLY = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "LSTM", "GRU"})
+# (Megatron-LM's selective recomputation keeps them and remakes the cheap ops between),
+# and the fused attention (torchtitan's per-op policy saves SDPA's output).
+COSTLY = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "LSTM", "GRU", "Attention"})
 
 
 class Recompute(Enum):
