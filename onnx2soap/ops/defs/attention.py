@@ -200,16 +200,21 @@ def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
 
 
 def workspace(attrs: AttentionAttrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
-    """A few score tiles at once (the scores, their exponentials, the causal mask's
-    choice), the running statistics, and in the backward the gradient accumulators of
-    Q (grouped), K and V."""
+    """Beyond the buffers, the output and the gradients returned: a few score tiles at
+    once (the scores, their exponentials, the causal triangle or the dropout's draws),
+    the keys scaled once, and the rows' running statistics; in the backward one more
+    tile (the scores' gradient) and each row's normalizer and rowsum(dO ∘ O).
+    Tiles alive at once, measured under tracemalloc (to within 25 %): 2 forward and 3
+    backward; 3 and 5 under a causal mask, whose small tiles leave more of the
+    temporaries beside them."""
     b, h, m, d = out_shape
     n = shapes[1][2]
     bq, bk = flash.blocks(b * h, m, n, flash.Problem(attrs.scale, attrs.causal))
     tile = b * h * bq * bk
-    forward_bytes = (3 * tile + b * h * bq * (d + 2)) * itemsize
-    grads = sum(math.prod(s) for s in shapes[:3])
-    return forward_bytes, forward_bytes + (2 * tile + grads) * itemsize
+    keys = math.prod(shapes[1])
+    forward_tiles, backward_tiles = (3, 5) if attrs.causal else (2, 3)
+    forward_bytes = (forward_tiles * tile + keys + b * h * bq * (d + 2)) * itemsize
+    return forward_bytes, (backward_tiles * tile + keys + 2 * b * h * m) * itemsize
 
 
 def _causal_mask(size: int) -> C:
