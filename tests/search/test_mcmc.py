@@ -38,7 +38,9 @@ def test_mcmc_finds_the_brute_force_optimum_for_most_seeds(tmp_path: Path) -> No
     graph, space, sim = hybrid_case(tmp_path)
     optimum = exhaustive(graph, space, sim)
     partitioner = Partitioner(graph)
-    starts = [by_rule(rule, graph, space, 4, 0, sim) for rule in Rule if rule is not Rule.RANDOM]
+    # every rule's plan but random's and context parallelism's (the model reads no sequence)
+    rules = [rule for rule in Rule if rule not in (Rule.RANDOM, Rule.CONTEXT)]
+    starts = [by_rule(rule, graph, space, 4, 0, sim) for rule in rules]
     starts += narrow_data_parallel(graph, space, 4).values()
     for strategy in starts:
         start = sim.evaluate(partitioner.partition(strategy))
