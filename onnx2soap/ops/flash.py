@@ -116,7 +116,7 @@ class _Tiles:
         self.xp, self.problem = xp, problem
         self.kv_heads = k.shape[1]
         self.q = _grouped(q, self.kv_heads)  # [b, hk, g, m, e]
-        self.k = (k * problem.scale)[:, :, None]  # [b, hk, 1, n, e]
+        self.k = (k * float(problem.scale))[:, :, None]  # [b, hk, 1, n, e], k's dtype
         self.kt = xp.swapaxes(self.k, -1, -2)  # [b, hk, 1, e, n]
         self.mask = _mask_rows(mask, self.kv_heads)
         self.m, self.n = q.shape[2], k.shape[2]
@@ -240,7 +240,7 @@ def backward(
     bias = _BiasGradient(xp, tiles.mask) if wanted.mask and mask is not None else None
     b, _, g, m, _ = tiles.q.shape
     bq, bk = blocks(b * hk * g, m, tiles.n, problem)
-    scale, half = problem.scale, problem.matmul_dtype
+    scale, half = float(problem.scale), problem.matmul_dtype
     for rows in _spans(m, bq):
         (i0, i1), lse = rows, _log_sum_exp(xp, tiles, rows, bk)
         for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
