@@ -637,9 +637,16 @@ def prepare(path: Path, batch: int | None) -> Prepared:
     }
     types = _types(model)
     graph_outputs = tuple(o.name for o in model.graph.output)
+    # the exporters' float scalars (a score scale) are float initializers kept for the
+    # ops that read them; the fusion reads their values
+    scalars = {
+        i.name: numpy_helper.to_array(i)
+        for i in model.graph.initializer
+        if i.name in float_inits and not i.dims
+    }
     fused = fuse_attention(
         model.graph.node,
-        values.get,
+        lambda name: values[name] if name in values else scalars.get(name),
         {k: (t.shape, t.elem_type) for k, t in types.items()},
         graph_outputs,
     )

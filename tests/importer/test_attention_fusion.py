@@ -38,6 +38,7 @@ def _chain(
     kv_heads: int = HEADS,
     shared_keys: bool = False,
     bias: bool = False,
+    scale_initializer: bool = False,
 ) -> onnx.ModelProto:
     """x [B, H, R, W] as Q; K and V weights; Kᵀ by a Transpose; the scores scaled, masked,
     softmaxed, (dropped out,) multiplied by V."""
@@ -62,7 +63,10 @@ def _chain(
             ]
         nodes.append(helper.make_node("Transpose", ["k_r"], ["kt"], perm=[0, 1, 3, 2]))
     scale = 0.5 if scale_node == "Mul" else 2.0
-    nodes.append(_constant("c", np.array(scale, np.float32)))
+    if scale_initializer:  # a 0-d float initializer, as benchmarks/gpt_onnx.py writes it
+        inits.append(numpy_helper.from_array(np.array(scale, np.float32), "c"))
+    else:
+        nodes.append(_constant("c", np.array(scale, np.float32)))
     nodes.append(helper.make_node("MatMul", ["x", "kt"], ["s"]))
     nodes.append(helper.make_node(scale_node, ["s", "c"], ["scaled"]))
     scores = "scaled"
@@ -134,6 +138,7 @@ def _equals_onnxruntime(path: Path) -> None:
         {"dropout_ratio": 0.1},
         {"bias": True},
         {"bias": True, "mask": "none"},
+        {"scale_initializer": True},
     ],
     ids=str,
 )
