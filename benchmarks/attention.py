@@ -35,11 +35,12 @@ MIB = 1 << 20
 
 
 def _fused(q, k, v, grad, causal: bool) -> Callable[[], None]:
-    problem = flash.Problem(1 / np.sqrt(q.shape[-1]), causal)
+    """As the executor runs them: the forward's log-sum-exp kept for the backward."""
+    problem = flash.Problem(1 / float(np.sqrt(q.shape[-1])), causal)
 
     def run() -> None:
-        out = flash.forward(np, q, k, v, None, problem)
-        flash.backward(np, q, k, v, None, out, grad, problem)
+        out, lse = flash.forward_with_lse(np, q, k, v, None, problem)
+        flash.backward(np, q, k, v, None, out, grad, problem, lse=lse)
 
     return run
 

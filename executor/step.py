@@ -88,6 +88,7 @@ class Step:
         self.inputs: dict[TaskKey, list] = {}
         self.input_grads: dict[TaskKey, list] = {}
         self.grad_outputs: dict[TaskKey, object] = {}
+        self.stashes: dict[TaskKey, dict] = {}  # OpDef.stashes: forward to backward
         self.partials: dict[tuple[Phase, int, int], object] = {}
         self.totals: dict[tuple[Phase, int, int], object] = {}
         self.updated: set[WeightKey] = set()  # state shards this microbatch has written
@@ -293,12 +294,15 @@ class Step:
     # -- computing --------------------------------------------------------------------
 
     def _args(self, key: TaskKey) -> TaskArgs:
+        op = self.rt.graph.ops[key[0]]
         args = replace(
             self.buf.args[key],
             loss_scale=self.scale,
             random=RandomKey(self.rt.seed, self.batch.step, key[0]) if self.training else None,
             stats=self.totals.get((Phase.FORWARD, *key)),
             grad_stats=self.totals.get((Phase.BACKWARD, *key)),
+            # kept from the forward to the backward (a recomputed forward fills it again)
+            stash=self.stashes.setdefault(key, {}) if definition(op.type).stashes else None,
         )
         axis = self.rt.random_axes.get(key[0]) if self.microbatch else None
         if axis is None:
@@ -554,6 +558,7 @@ class Step:
         grads = definition(op.type).backward(
             self.xp, op.attrs, inputs, out, wide_grad, self._args(key)
         )
+        self.stashes.pop(key, None)
         passed = [g is wide_grad for g in grads]  # the output gradient itself, passed on
         # the float32 copies go before rounding makes its temporaries (as the memory
         # model prices a kernel's conversions and rounding's at different moments)

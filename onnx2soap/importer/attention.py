@@ -347,6 +347,15 @@ def _unrepeated(g: _Graph, name: str) -> str:
     return unsqueeze.input[0]
 
 
+def _attention_name(softmax: str) -> str:
+    """The fused op's name: the softmax's, "Softmax" made "Attention" ("h0/attn/Softmax"
+    -> "h0/attn/Attention"), else with "/attention" after it."""
+    for word, fused in (("Softmax", "Attention"), ("softmax", "attention")):
+        if softmax.endswith(word):
+            return softmax[: -len(word)] + fused
+    return f"{softmax}/attention"
+
+
 def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | None:
     rank = len(g.shapes.get(softmax.input[0], ()))
     if rank != 4 or _attr(softmax, "axis", -1) not in (-1, 3):
@@ -367,7 +376,7 @@ def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | 
     masked = _mask_input(g, terms, g.shapes[softmax.input[0]])
     if masked is None or not _fits(g, q, kt, v):
         return None
-    name = softmax.name or softmax.output[0]
+    name = _attention_name(softmax.name or softmax.output[0])
     k, key_node = _key(g, kt, ids, name)
     if key_node[1] is None:  # K as it is (its transpose cancelled): maybe repeated
         k, v = _unrepeated(g, k), _unrepeated(g, v)

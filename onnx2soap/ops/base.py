@@ -57,6 +57,10 @@ class TaskArgs:
     wanted:     per operand, whether the step uses its gradient (weights and float
                 activations; not data, labels or constants): a backward whose
                 ``Saved.only_for`` released an operand skips the gradients that read it.
+    stash:      ops with ``OpDef.stashes``: a dict the executor keeps from the task's
+                forward to its backward, for what the backward would otherwise remake
+                (attention's log-sum-exp of each row); None where no one keeps one (the
+                op tests, the ONNX backend): the backward remakes it.
     """
 
     out_shape: tuple[int, ...]
@@ -71,6 +75,7 @@ class TaskArgs:
     box: tuple[Interval, ...] = ()  # the task's box of iteration dims (global)
     matmul_dtype: Any = None
     wanted: tuple[bool, ...] = ()  # per operand, whether its gradient is used; (): all
+    stash: dict | None = None  # kept from the forward to the backward (``OpDef.stashes``)
 
 
 def wants(args: TaskArgs, k: int) -> bool:
@@ -357,6 +362,9 @@ class OpDef:
     # Draws random values in training where no case shows it: an op whose random draws
     # only the importer's own attributes ask for (attention's fused dropout).
     random: bool = False
+    # Its forward leaves in ``TaskArgs.stash`` a small statistic its backward reads
+    # rather than remakes (FlashAttention's log-sum-exp: a row's worth, not priced).
+    stashes: bool = False
 
     @property
     def is_loss(self) -> bool:

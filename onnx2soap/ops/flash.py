@@ -3,9 +3,9 @@
 softmax(scale * Q Kᵀ + mask) V without the [queries, keys] matrix: the queries go in
 blocks, and for each the keys in blocks, with an online softmax (a running maximum and
 sum per row rescale what was accumulated so far). Only tiles of ``block_q`` × ``block_k``
-scores live at a time. The forward keeps nothing but its output; the backward first
-recomputes each row's log-sum-exp (one more pass over the keys, where FlashAttention
-saves it), then remakes each tile's probabilities from it:
+scores live at a time. The forward keeps its output and each row's log-sum-exp (where
+the executor gives it a place, ``TaskArgs.stash``; elsewhere the backward remakes it in
+one more pass over the keys), and the backward remakes each tile's probabilities:
 
     P = exp(S - lse)   dV += Pᵀ dO   dP = dO Vᵀ   dS = P ∘ (dP - rowsum(dO ∘ O))
     dQ += scale · dS K   dK += scale · dSᵀ Q
@@ -159,10 +159,20 @@ def _finite(xp, x: Array) -> Array:
 
 def forward(xp, q: Array, k: Array, v: Array, mask: Array | None, problem: Problem) -> Array:
     """softmax(scale · Q Kᵀ + mask) V, [b, h, m, d]."""
+    return forward_with_lse(xp, q, k, v, mask, problem)[0]
+
+
+def forward_with_lse(
+    xp, q: Array, k: Array, v: Array, mask: Array | None, problem: Problem
+) -> tuple[Array, Array]:
+    """(the output [b, h, m, d], each row's log-sum-exp of its scores, grouped as
+    [b, hk, g, m, 1]: what ``backward`` reads instead of remaking it; +inf for a row
+    that sees no key)."""
     tiles = _Tiles(xp, q, k, mask, problem)
     vv = v[:, :, None]  # [b, hk, 1, n, d]
     b, hk, g, m, _ = tiles.q.shape
     out = xp.empty((b, hk, g, m, v.shape[-1]), dtype=q.dtype)
+    lse = xp.empty((b, hk, g, m, 1), dtype=q.dtype)
     bq, bk = blocks(b * hk * g, m, tiles.n, problem)
     for rows in _spans(m, bq):
         shape = (b, hk, g, rows[1] - rows[0], 1)
@@ -183,8 +193,11 @@ def forward(xp, q: Array, k: Array, v: Array, mask: Array | None, problem: Probl
             acc += matmul(xp, p, vv[..., cols[0] : cols[1], :], problem.matmul_dtype)
             top = new_top
         # a row that sees no key (every one masked) outputs 0, as ONNX's Attention
-        out[..., rows[0] : rows[1], :] = acc / xp.where(total > 0, total, 1)
-    return out.reshape(b, hk * g, m, v.shape[-1])
+        seen = total > 0
+        out[..., rows[0] : rows[1], :] = acc / xp.where(seen, total, 1)
+        normalizer = _finite(xp, top) + xp.log(xp.where(seen, total, 1))
+        lse[..., rows[0] : rows[1], :] = xp.where(seen, normalizer, xp.inf)
+    return out.reshape(b, hk * g, m, v.shape[-1]), lse
 
 
 def _log_sum_exp(xp, tiles: _Tiles, rows: tuple[int, int], bk: int) -> Array:
@@ -227,8 +240,11 @@ def backward(
     grad_out: Array,
     problem: Problem,
     wanted: Wanted = Wanted(),
+    lse: Array | None = None,
 ) -> tuple[Array | None, ...]:
-    """(dq, dk, dv, dmask) of ``forward``, None where not wanted (or no mask)."""
+    """(dq, dk, dv, dmask) of ``forward``, None where not wanted (or no mask).
+    ``lse``: the rows' log-sum-exp ``forward_with_lse`` gave; None: remade here, in one
+    more pass over the keys a block of rows."""
     tiles = _Tiles(xp, q, k, mask, problem)
     hk = tiles.kv_heads
     do = _grouped(grad_out, hk)  # [b, hk, g, m, d]
@@ -242,10 +258,11 @@ def backward(
     bq, bk = blocks(b * hk * g, m, tiles.n, problem)
     scale, half = float(problem.scale), problem.matmul_dtype
     for rows in _spans(m, bq):
-        (i0, i1), lse = rows, _log_sum_exp(xp, tiles, rows, bk)
+        (i0, i1) = rows
+        row_lse = _log_sum_exp(xp, tiles, rows, bk) if lse is None else lse[..., i0:i1, :]
         for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
             (j0, j1), s = cols, tiles.scores(rows, cols)
-            s -= lse
+            s -= row_lse
             p = xp.exp(s, out=s)
             keep = None
             if problem.dropout is not None:

@@ -173,3 +173,26 @@ def test_a_row_that_sees_no_key_outputs_zeros() -> None:
     dq, dk, dv, _ = flash.backward(np, q, k, v, mask, out, np.ones_like(out), problem)
     assert np.all(dq[:, :, 1] == 0)
     assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+
+
+@pytest.mark.parametrize("mask_spec", (None, (1, 4, 5, 7), "bool"), ids=str)
+@pytest.mark.parametrize("causal", (False, True))
+def test_the_forwards_normalizer_spares_the_backward_a_pass(mask_spec, causal) -> None:
+    """The backward given the forward's log-sum-exp (what the executor keeps in
+    ``TaskArgs.stash``) computes what it computes remaking it, a fully masked row too."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 5, 3), (2, 2, 7, 3), (2, 2, 7, 6)))
+    mask = _mask(rng, mask_spec)
+    if mask_spec == "bool":
+        mask[0, 0, 2] = 0  # a row that sees no key
+    problem = flash.Problem(0.6, causal, 0, 2, 3)
+    out, lse = flash.forward_with_lse(np, q, k, v, mask, problem)
+    np.testing.assert_array_equal(out, flash.forward(np, q, k, v, mask, problem))
+    grad = rng.standard_normal(out.shape)
+    wanted = flash.Wanted(mask=mask is not None and mask.dtype.kind == "f")
+    remade = flash.backward(np, q, k, v, mask, out, grad, problem, wanted)
+    kept = flash.backward(np, q, k, v, mask, out, grad, problem, wanted, lse)
+    for a, b in zip(remade, kept, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)

@@ -14,9 +14,9 @@ the global row of its first query is its tile's origin, for the causal mask). Th
 and the value width are read whole: splitting the keys needs the log-sum-exp combination
 of context parallelism, splitting the value width would remake the scores per part.
 
-The backward reads Q, K, V, the mask and the output, as FlashAttention's, and recomputes
-the probabilities tile by tile (the softmax's normalizer in one more pass, where
-FlashAttention keeps it: 4 bytes a row).
+The backward reads Q, K, V, the mask, the output and each row's log-sum-exp, as
+FlashAttention's (the executor keeps that in ``TaskArgs.stash``), and remakes the
+probabilities tile by tile.
 """
 
 from __future__ import annotations
@@ -184,7 +184,10 @@ def _mask_of(attrs: AttentionAttrs, inputs):
 def forward(xp, attrs: AttentionAttrs, inputs, args):
     q, k, v = inputs[:3]
     mask = _mask_of(attrs, inputs)
-    return flash.forward(xp, q, k, v, mask, _problem(attrs, args, k.shape[2]))
+    out, lse = flash.forward_with_lse(xp, q, k, v, mask, _problem(attrs, args, k.shape[2]))
+    if args.stash is not None:  # the executor keeps it for the backward
+        args.stash["lse"] = lse
+    return out
 
 
 def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
@@ -195,7 +198,8 @@ def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
     bias = attrs.has_mask and mask.dtype.kind == "f" and wants(args, 3)
     wanted = flash.Wanted(wants(args, 0), wants(args, 1), wants(args, 2), bias)
     problem = _problem(attrs, args, k.shape[2])
-    grads = flash.backward(xp, q, k, v, mask, output, grad_output, problem, wanted)
+    lse = args.stash.get("lse") if args.stash is not None else None
+    grads = flash.backward(xp, q, k, v, mask, output, grad_output, problem, wanted, lse)
     return grads if attrs.has_mask else grads[:3]
 
 
@@ -231,6 +235,7 @@ ATTENTION = OpDef(
     workspace=workspace,
     saves=Saved(inputs=None, output=True),
     random=True,  # the fused dropout (tests/ops/test_attention.py)
+    stashes=True,  # each row's log-sum-exp, from the forward to the backward
     cases=(
         case("attention_plain", "Attention", X(2, 2, 5, 3), W(2, 2, 6, 3), W(2, 2, 6, 4), opset=23),
         case(
