@@ -21,6 +21,7 @@ from onnx.reference import ReferenceEvaluator
 
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.attention import fuse_attention
+from onnx2soap.importer.gelu import fuse_tanh_gelu
 from onnx2soap.importer.signature import untrained_initializers
 from onnx2soap.importer.transposed import fuse_transposed_operands
 from onnx2soap.importer.weights import (
@@ -644,15 +645,20 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         for i in model.graph.initializer
         if i.name in float_inits and not i.dims
     }
+
+    def constant(name: str) -> np.ndarray | None:
+        return values[name] if name in values else scalars.get(name)
+
     fused = fuse_attention(
         model.graph.node,
-        lambda name: values[name] if name in values else scalars.get(name),
+        constant,
         {k: (t.shape, t.elem_type) for k, t in types.items()},
         graph_outputs,
     )
     nodes = fuse_transposed_operands(
         fused.nodes, {k: len(t.shape) for k, t in types.items()}, graph_outputs
     )
+    nodes = fuse_tanh_gelu(nodes, constant, graph_outputs)
     return Prepared(
         path=path,
         sha256=file_sha256(path),

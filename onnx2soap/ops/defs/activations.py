@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from onnx2soap.ops.base import (
     SAVES_INPUTS,
@@ -141,9 +143,17 @@ class GeluApproximation(Enum):
     TANH = "tanh"
 
 
+_GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
+_GELU_TANH_CUBIC = 0.044715
+
+
 @dataclass(frozen=True)
 class GeluAttrs:
     approximate: GeluApproximation
+    # the tanh form's constants: ONNX's exact ones, or (the importer's fusion of a
+    # composite GELU, ``importer/gelu.py``) the ones the file's chain wrote
+    tanh_scale: float = _GELU_TANH_SCALE
+    cubic: float = _GELU_TANH_CUBIC
 
 
 # --- Relu, Identity, Neg -------------------------------------------------------------------
@@ -391,23 +401,33 @@ def erf_backward(xp, attrs, inputs, output, grad_output, args):
     return (grad_output * _erf_derivative(xp, inputs[0]),)
 
 
-def convert_gelu(ctx: NodeContext, *, approximate="none"):
+def convert_gelu(ctx: NodeContext, *, approximate="none", tanh_scale=None, cubic=None):
+    """ONNX's attribute, and two of onnx2soap's own the importer's fusion writes (as
+    float64 tensors: the constants of the chain it replaced)."""
     name = text(approximate)
     try:
         mode = GeluApproximation(name)
     except ValueError:
         raise ctx.fail(f"approximate='{name}'; accepted: 'none', 'tanh'") from None
-    return _unary(ctx, GeluAttrs(mode), 24 if mode is GeluApproximation.NONE else 8)
+    attrs = GeluAttrs(
+        mode,
+        _GELU_TANH_SCALE if tanh_scale is None else _float_attribute(tanh_scale),
+        _GELU_TANH_CUBIC if cubic is None else _float_attribute(cubic),
+    )
+    return _unary(ctx, attrs, 24 if mode is GeluApproximation.NONE else 8)
 
 
-_GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
-_GELU_TANH_CUBIC = 0.044715
+def _float_attribute(value) -> float:
+    """A float attribute, or a 0-d tensor holding a float64 (ONNX's floats are float32)."""
+    if isinstance(value, onnx.TensorProto):
+        return float(numpy_helper.to_array(value))
+    return float(value)
 
 
 def gelu_forward(xp, attrs, inputs, args):
     x = inputs[0]
     if attrs.approximate is GeluApproximation.TANH:
-        inner = _GELU_TANH_SCALE * (x + _GELU_TANH_CUBIC * x * x * x)
+        inner = attrs.tanh_scale * (x + attrs.cubic * x * x * x)
         return 0.5 * x * (1 + xp.tanh(inner))
     return 0.5 * x * (1 + _erf(xp, x * _SQRT_HALF))
 
@@ -415,8 +435,8 @@ def gelu_forward(xp, attrs, inputs, args):
 def gelu_backward(xp, attrs, inputs, output, grad_output, args):
     x = inputs[0]
     if attrs.approximate is GeluApproximation.TANH:
-        t = xp.tanh(_GELU_TANH_SCALE * (x + _GELU_TANH_CUBIC * x * x * x))
-        d_inner = _GELU_TANH_SCALE * (1 + 3 * _GELU_TANH_CUBIC * x * x)
+        t = xp.tanh(attrs.tanh_scale * (x + attrs.cubic * x * x * x))
+        d_inner = attrs.tanh_scale * (1 + 3 * attrs.cubic * x * x)
         slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * d_inner
     else:
         # d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density.
