@@ -175,9 +175,14 @@ def test_the_walk_stops_at_its_bound_with_its_start(gpt2: Path) -> None:
 def test_changes_of_one_op_stay_in_its_stage_and_only_lower_the_cost(gpt2: Path) -> None:
     s = _setup(gpt2, "flexflow-p100:1", 8)
     plain = _walk(s, proposals=0, counts=(MICROBATCHES,))
-    # a seed whose 20 random changes of one op keep some (most seeds' keep none: the
-    # rule's stages are near their best; seed 1's did before attention was one op)
-    walk = _walk(s, proposals=20, seed=3, counts=(MICROBATCHES,))
+    # the first seed whose 20 random changes of one op keep some (most seeds' keep none:
+    # the rule's stages are near their best; which seed does moves with the graph)
+    walks = (
+        (seed, _walk(s, proposals=20, seed=seed, counts=(MICROBATCHES,))) for seed in range(12)
+    )
+    kept = ((seed, w) for seed, w in walks if any(k.move == "an op's config" for k in w.kept))
+    seed, walk = next(kept, (None, None))
+    assert walk is not None, "no seed of 12 kept a change of one op"
     memory = [d.memory for d in s.pricing.machine.devices]
     assert cost_in(walk.best.evaluation, memory) <= cost_in(plain.best.evaluation, memory)
     steps = [(k.overflow, k.step_time_s) for k in walk.kept]
@@ -188,5 +193,5 @@ def test_changes_of_one_op_stay_in_its_stage_and_only_lower_the_cost(gpt2: Path)
         for name in names_in_stage:
             assert set(strategy[name].devices) <= set(stages.groups[i])
     assert any(k.move == "an op's config" for k in walk.kept)
-    again = _walk(s, proposals=20, seed=3, counts=(MICROBATCHES,))
+    again = _walk(s, proposals=20, seed=seed, counts=(MICROBATCHES,))
     assert again.layout == walk.layout  # seeded: the same walk
