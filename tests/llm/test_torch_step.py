@@ -145,26 +145,48 @@ def test_integer_ops_split_by_batch_train_like_one_device(llm_onnx, tmp_path: Pa
     assert_same_training(mpirun(plan, 2, tmp_path, *args), losses, weights, rtol=RTOL)
 
 
+def _llama_reference(llm_onnx, tmp_path: Path, batch: int = BATCH):
+    """(the Llama's file, its data, one device's losses and weights after STEPS steps)."""
+    from tests.llm.reference import batch_data
+
+    path = llm_onnx("llama", "dynamo")
+    data = tmp_path / "data.npz"
+    np.savez(data, **batch_data("llama", batch, np.random.default_rng(2024)))
+    one = tmp_path / "one.json"
+    make_plan(path, one, 1, batch, "data-parallel")
+    losses, weights = one_device(one, data, STEPS, LR)
+    return path, data, losses, weights
+
+
+def _rule_plan(path: Path, plan: Path, devices: int, batch: int, *rule: str):
+    """The plan ``onnx2soap plan --strategy ...`` writes, as loaded back."""
+    from onnx2soap.cli import main as onnx2soap_main
+    from onnx2soap.soap import load_plan
+
+    argv = ["plan", str(path), "--devices", str(devices), "--batch", str(batch), "-o", str(plan)]
+    assert onnx2soap_main([*argv, *rule]) == 0
+    return load_plan(plan)
+
+
+def _trains_like(plan: Path, ranks: int, tmp_path: Path, data: Path, losses, weights) -> None:
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
+    assert_same_training(mpirun(plan, ranks, tmp_path, *args), losses, weights, rtol=RTOL)
+
+
 def test_sequence_parallel_megatron_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
     """``--strategy megatron --sequence-parallel`` on 2 ranks of a Llama with 4 sequences
     (enough to split by samples): the attention by heads, the ops between the blocks
     (RMSNorm's pieces, the residual adds) along the sequence instead; the ranks train
     exactly like one device."""
-    from onnx2soap.cli import main as onnx2soap_main
     from onnx2soap.importer import load_model
-    from onnx2soap.soap import DimKind, analyze, load_plan
+    from onnx2soap.soap import DimKind, analyze
 
-    path = llm_onnx("llama", "dynamo")
-    _, data = _data("llama", tmp_path)
-    one = tmp_path / "one.json"
-    make_plan(path, one, 1, BATCH, "data-parallel")
-    losses, weights = one_device(one, data, STEPS, LR)
+    path, data, losses, weights = _llama_reference(llm_onnx, tmp_path)
     plan = tmp_path / "sp.json"
-    argv = ["plan", str(path), "--devices", "2", "--batch", str(BATCH), "-o", str(plan)]
-    assert onnx2soap_main([*argv, "--strategy", "megatron", "--sequence-parallel"]) == 0
+    doc = _rule_plan(path, plan, 2, BATCH, "--strategy", "megatron", "--sequence-parallel")
     graph = load_model(path, BATCH).graph
     space = analyze(graph)
-    degrees = {op.name: dict(op.degrees) for op in load_plan(plan).ops}
+    degrees = {op.name: dict(op.degrees) for op in doc.ops}
     (attention, *_) = [op for op in graph.ops if op.type == "Attention"]
     assert degrees[attention.name].get("h") == 2 and degrees[attention.name].get("n", 1) == 1
     by_sequence = [
@@ -178,29 +200,21 @@ def test_sequence_parallel_megatron_trains_like_one_device(llm_onnx, tmp_path: P
         )
     ]
     assert len(by_sequence) >= 4, "the residual adds of both layers, by the sequence"
-    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
-    run = mpirun(plan, 2, tmp_path, *args)
-    assert_same_training(run, losses, weights, rtol=RTOL)
+    _trains_like(plan, 2, tmp_path, data, losses, weights)
 
 
 def test_context_parallel_plan_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
     """``--strategy context`` on 4 ranks of a Llama: every op along the sequence (8 tokens,
     2 a rank), the attention along its queries reading every key; the ranks train exactly
     like one device."""
-    from onnx2soap.cli import main as onnx2soap_main
     from onnx2soap.importer import load_model
-    from onnx2soap.soap import analyze, load_plan
+    from onnx2soap.soap import analyze
 
-    path = llm_onnx("llama", "dynamo")
-    _, data = _data("llama", tmp_path)
-    one = tmp_path / "one.json"
-    make_plan(path, one, 1, BATCH, "data-parallel")
-    losses, weights = one_device(one, data, STEPS, LR)
+    path, data, losses, weights = _llama_reference(llm_onnx, tmp_path)
     plan = tmp_path / "cp.json"
-    argv = ["plan", str(path), "--devices", "4", "--batch", str(BATCH), "-o", str(plan)]
-    assert onnx2soap_main([*argv, "--strategy", "context"]) == 0
+    doc = _rule_plan(path, plan, 4, BATCH, "--strategy", "context")
     graph = load_model(path, BATCH).graph
-    degrees = {op.name: dict(op.degrees) for op in load_plan(plan).ops}
+    degrees = {op.name: dict(op.degrees) for op in doc.ops}
     space = analyze(graph)
     for attention in (op for op in graph.ops if op.type == "Attention"):
         assert degrees[attention.name] == {"m": 4}, degrees[attention.name]
@@ -211,52 +225,29 @@ def test_context_parallel_plan_trains_like_one_device(llm_onnx, tmp_path: Path) 
         if any(d.size == tokens and degrees[op.name].get(d.name) == 4 for d in space[op.name])
     ]
     assert len(by_sequence) > len(graph.ops) // 2
-    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
-    run = mpirun(plan, 4, tmp_path, *args)
-    assert_same_training(run, losses, weights, rtol=RTOL)
+    _trains_like(plan, 4, tmp_path, data, losses, weights)
 
 
 def test_context_parallel_with_zero3_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
     """``--strategy context --zero-stage 3`` (FSDP with context parallelism) on 2 ranks:
     the weights sharded over the sequence's devices, gathered for each op."""
-    from onnx2soap.cli import main as onnx2soap_main
-    from onnx2soap.soap import load_plan
-
-    path = llm_onnx("llama", "dynamo")
-    _, data = _data("llama", tmp_path)
-    one = tmp_path / "one.json"
-    make_plan(path, one, 1, BATCH, "data-parallel")
-    losses, weights = one_device(one, data, STEPS, LR)
+    path, data, losses, weights = _llama_reference(llm_onnx, tmp_path)
     plan = tmp_path / "cpz.json"
-    argv = ["plan", str(path), "--devices", "2", "--batch", str(BATCH), "-o", str(plan)]
-    assert onnx2soap_main([*argv, "--strategy", "context", "--zero-stage", "3"]) == 0
-    assert load_plan(plan).zero_stage == 3
-    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
-    run = mpirun(plan, 2, tmp_path, *args)
-    assert_same_training(run, losses, weights, rtol=RTOL)
+    doc = _rule_plan(path, plan, 2, BATCH, "--strategy", "context", "--zero-stage", "3")
+    assert doc.zero_stage == 3
+    _trains_like(plan, 2, tmp_path, data, losses, weights)
 
 
 def test_one_long_sequence_over_ranks_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
     """One sequence, context parallelism over 2 ranks: every op, the loss too, splits the
     positions (the loss's partial sums, as a split batch's); nothing lands whole on one
     rank, and the ranks train exactly like one device."""
-    from onnx2soap.cli import main as onnx2soap_main
     from onnx2soap.importer import load_model
-    from onnx2soap.soap import load_plan
-    from tests.llm.reference import batch_data
 
-    path = llm_onnx("llama", "dynamo")
-    data = tmp_path / "one_sequence.npz"
-    np.savez(data, **batch_data("llama", 1, np.random.default_rng(7)))
-    one = tmp_path / "one.json"
-    make_plan(path, one, 1, 1, "data-parallel")
-    losses, weights = one_device(one, data, STEPS, LR)
+    path, data, losses, weights = _llama_reference(llm_onnx, tmp_path, batch=1)
     plan = tmp_path / "cp1.json"
-    argv = ["plan", str(path), "--devices", "2", "--batch", "1", "-o", str(plan)]
-    assert onnx2soap_main([*argv, "--strategy", "context"]) == 0
+    doc = _rule_plan(path, plan, 2, 1, "--strategy", "context")
     graph = load_model(path, 1).graph
-    ops = {op.name: op for op in load_plan(plan).ops}
+    ops = {op.name: op for op in doc.ops}
     assert max(dict(ops[graph.loss_op.name].degrees).values()) == 2  # its positions
-    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
-    run = mpirun(plan, 2, tmp_path, *args)
-    assert_same_training(run, losses, weights, rtol=RTOL)
+    _trains_like(plan, 2, tmp_path, data, losses, weights)

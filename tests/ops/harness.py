@@ -354,3 +354,17 @@ def central_difference(
     minus = f()
     array[index] = keep
     return (plus - minus) / (2 * eps)
+
+
+def traced_peak(run) -> tuple[int, object]:
+    """Bytes numpy allocated at the peak of ``run()`` above what was held before (the
+    executor's ``--trace`` measure), and its result."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        out = run()
+        return tracemalloc.get_traced_memory()[1] - base, out
+    finally:
+        tracemalloc.stop()

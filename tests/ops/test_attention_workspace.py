@@ -4,29 +4,18 @@ executor's ``--trace`` measure): within 25 %, causal or not, grouped or not."""
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
 
 from onnx2soap.ops import flash
 from onnx2soap.ops.defs.attention import AttentionAttrs, workspace
+from tests.ops.harness import traced_peak
 
 CASES = [  # batch, heads, key heads, tokens, width, causal
     (2, 8, 8, 512, 64, True),
     (1, 8, 2, 1024, 64, False),
     (2, 4, 4, 2048, 32, True),
 ]
-
-
-def _peak(run) -> tuple[int, object]:
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        out = run()
-        return tracemalloc.get_traced_memory()[1] - base, out
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -36,9 +25,9 @@ def test_attention_workspace_is_what_its_kernels_hold(case) -> None:
     q, grad = (rng.standard_normal((b, h, m, e)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((b, hk, m, e)).astype(np.float32) for _ in range(2))
     problem = flash.Problem(0.1, causal)
-    peak, out = _peak(lambda: flash.forward(np, q, k, v, None, problem))
+    peak, out = traced_peak(lambda: flash.forward(np, q, k, v, None, problem))
     forward = peak - out.nbytes
-    peak, grads = _peak(lambda: flash.backward(np, q, k, v, None, out, grad, problem))
+    peak, grads = traced_peak(lambda: flash.backward(np, q, k, v, None, out, grad, problem))
     backward = peak - sum(g.nbytes for g in grads[:3])
     priced = workspace(
         AttentionAttrs(0.1, causal, False), [q.shape, k.shape, v.shape], out.shape, 4

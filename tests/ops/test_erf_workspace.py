@@ -5,8 +5,6 @@ chunks give the same values as the series over the whole tile."""
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
 
@@ -18,20 +16,10 @@ from onnx2soap.ops.defs.activations import (
     _erf,
     _erf_portable,
 )
+from tests.ops.harness import traced_peak
 
 SHAPES = [(4, 100), (8, 64, 256), (32, 64, 1024)]  # below, at 2x and at 32x the chunk
 OPS = {"Erf": None, "Gelu": GeluAttrs(GeluApproximation.NONE)}
-
-
-def _peak(run) -> tuple[int, object]:
-    """Bytes allocated at the peak of ``run()`` above what was held before, and its result."""
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        out = run()
-        return tracemalloc.get_traced_memory()[1] - base, out
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -43,8 +31,8 @@ def test_the_kernels_peaks_are_their_workspace_and_what_they_return(name, shape)
     y = op.forward(np, attrs, [x], args)
     gy = np.ones_like(y)
     op.backward(np, attrs, [x], y, gy, args)  # numpy's caches warm
-    forward, y = _peak(lambda: op.forward(np, attrs, [x], args))
-    backward, grads = _peak(lambda: op.backward(np, attrs, [x], y, gy, args))
+    forward, y = traced_peak(lambda: op.forward(np, attrs, [x], args))
+    backward, grads = traced_peak(lambda: op.backward(np, attrs, [x], y, gy, args))
     want_forward, want_backward = op.workspace(attrs, [shape], shape, 4)
     assert forward == pytest.approx(want_forward + y.nbytes, rel=0.10)
     assert backward == pytest.approx(want_backward + grads[0].nbytes, rel=0.10)
@@ -52,7 +40,7 @@ def test_the_kernels_peaks_are_their_workspace_and_what_they_return(name, shape)
 
 def test_a_large_tiles_scratch_is_one_chunks() -> None:
     x = np.random.default_rng(1).standard_normal(20 * ERF_CHUNK + 7).astype(np.float32)
-    scratch, _ = _peak(lambda: _erf(np, x))
+    scratch, _ = traced_peak(lambda: _erf(np, x))
     assert scratch < 16 * 8 * ERF_CHUNK + x.nbytes  # the whole tile's series: 13 x 8 x 20 x
     expected = _erf_portable(np, x.astype(np.float64)).astype(np.float32)
     np.testing.assert_array_equal(_erf(np, x), expected)
