@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from onnx2soap.errors import ModelError
 from onnx2soap.ir import (
@@ -119,6 +121,14 @@ def one_kind(ctx: NodeContext, tensors: Sequence[Tensor], what: str = "operands"
         kinds = ", ".join(f"'{t.name}' {t.dtype.value}" for t in tensors)
         raise ctx.fail(f"{what} mix floats and integers ({kinds}); one element type is needed")
     return all(ints)
+
+
+def float_attribute(value) -> float:
+    """A float attribute, or the 0-d float64 tensor the importer's fusions write where a
+    float64 model's constant must stay exact (ONNX's float attributes are float32)."""
+    if isinstance(value, onnx.TensorProto):
+        return float(numpy_helper.to_array(value))
+    return float(value)
 
 
 def text(value: str | bytes) -> str:

@@ -16,8 +16,6 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from onnx2soap.ops.base import (
     SAVES_INPUTS,
@@ -33,7 +31,7 @@ from onnx2soap.ops.base import (
     case,
     output_copies,
 )
-from onnx2soap.ops.context import NodeContext, elementwise, text
+from onnx2soap.ops.context import NodeContext, elementwise, float_attribute, text
 
 # --- erf ---------------------------------------------------------------------------------
 
@@ -411,17 +409,10 @@ def convert_gelu(ctx: NodeContext, *, approximate="none", tanh_scale=None, cubic
         raise ctx.fail(f"approximate='{name}'; accepted: 'none', 'tanh'") from None
     attrs = GeluAttrs(
         mode,
-        _GELU_TANH_SCALE if tanh_scale is None else _float_attribute(tanh_scale),
-        _GELU_TANH_CUBIC if cubic is None else _float_attribute(cubic),
+        _GELU_TANH_SCALE if tanh_scale is None else float_attribute(tanh_scale),
+        _GELU_TANH_CUBIC if cubic is None else float_attribute(cubic),
     )
     return _unary(ctx, attrs, 24 if mode is GeluApproximation.NONE else 8)
-
-
-def _float_attribute(value) -> float:
-    """A float attribute, or a 0-d tensor holding a float64 (ONNX's floats are float32)."""
-    if isinstance(value, onnx.TensorProto):
-        return float(numpy_helper.to_array(value))
-    return float(value)
 
 
 def gelu_forward(xp, attrs, inputs, args):

@@ -24,13 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import onnx
-from onnx import numpy_helper
-
 from onnx2soap.ir import AxisMap, Broadcast, Grouped, IterDim, Operand, Tensor, Whole, identity
 from onnx2soap.ops import flash
 from onnx2soap.ops.base import NONE, C, OpDef, Saved, W, X, case, wants
-from onnx2soap.ops.context import NodeContext, make_op
+from onnx2soap.ops.context import NodeContext, float_attribute, make_op
 
 # Forward work per (query, key) pair beyond the two products: the softmax's max,
 # subtract, exp, sum and rescale.
@@ -129,12 +126,12 @@ def convert(
     # per point of [b, h, m, d, n]: both products' multiply-adds, the softmax's share;
     # a causal mask skips the tiles past the diagonal, about half of them
     per_point = (2 * e + 2 * d + _SOFTMAX_FLOPS) / d / (2 if causal else 1)
-    scale = 1 / math.sqrt(e) if scale is None else _number(scale)
+    scale = 1 / math.sqrt(e) if scale is None else float_attribute(scale)
     if not 0.0 <= dropout_ratio < 1.0:
         raise ctx.fail(f"dropout_ratio={dropout_ratio}; accepted: 0 <= ratio < 1")
     boolean = ctx.is_constant(3) and ctx.constant(3).dtype == bool
     attrs = AttentionAttrs(
-        scale, causal, mask is not None, _number(dropout_ratio), int(dropout_seed), boolean
+        scale, causal, mask is not None, float_attribute(dropout_ratio), int(dropout_seed), boolean
     )
     op = make_op(ctx, operands, attrs, dims, range(4), max(1, round(per_point)))
     if group == 1:
@@ -143,14 +140,6 @@ def convert(
         IterDim(x.name, x.size, group if i == 1 else 1) for i, x in enumerate(op.nest.dims)
     )
     return replace(op, nest=replace(op.nest, dims=whole_groups))
-
-
-def _number(value) -> float:
-    """A float attribute, or the 0-d tensor the importer's fusion gives a float64 scale
-    in (ONNX's float attributes are float32)."""
-    if isinstance(value, onnx.TensorProto):
-        return float(numpy_helper.to_array(value))
-    return float(value)
 
 
 def _mask(ctx: NodeContext) -> Tensor | None:
