@@ -177,9 +177,9 @@ def test_changes_of_one_op_stay_in_its_stage_and_only_lower_the_cost(gpt2: Path)
     plain = _walk(s, proposals=0, counts=(MICROBATCHES,))
     # the first seed whose 20 random changes of one op keep some (most seeds' keep none:
     # the rule's stages are near their best; which seed does moves with the graph)
-    walks = (
-        (seed, _walk(s, proposals=20, seed=seed, counts=(MICROBATCHES,))) for seed in range(12)
-    )
+    # seeds 6 and 7 keep some at this commit; the rest are tried after them
+    seeds = (6, 7, *(k for k in range(12) if k not in (6, 7)))
+    walks = ((seed, _walk(s, proposals=20, seed=seed, counts=(MICROBATCHES,))) for seed in seeds)
     kept = ((seed, w) for seed, w in walks if any(k.move == "an op's config" for k in w.kept))
     seed, walk = next(kept, (None, None))
     assert walk is not None, "no seed of 12 kept a change of one op"
