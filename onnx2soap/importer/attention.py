@@ -30,34 +30,34 @@ shows near misses left alone).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnx2soap.importer.node_graph import Constant, NodeGraph, attribute, is_op
 from onnx2soap.ops.registry import FUSED_DOMAIN
-
-Constant = Callable[[str], "np.ndarray | None"]
 
 # Below this a masked score adds nothing to a softmax: exp(-1e9) is 0 in every float type.
 MASKED = -1e9
 
 
-@dataclass(frozen=True)
-class _Graph:
-    nodes: Sequence[onnx.NodeProto]
-    constant: Constant
-    shapes: dict[str, tuple[int, ...]]
-    elem_types: dict[str, int]
-    outputs: frozenset[str]
+class _Graph(NodeGraph):
+    """The nodes, with the shapes and element types inference gave their tensors."""
 
-    def producer(self, name: str) -> onnx.NodeProto | None:
-        return self._producers.get(name)
-
-    def readers(self, name: str) -> int:
-        return len(self._readers.get(name, ())) + (name in self.outputs)
+    def __init__(
+        self,
+        nodes: Sequence[onnx.NodeProto],
+        constant: Constant,
+        types: dict[str, tuple[tuple[int, ...], int]],
+        graph_outputs: Sequence[str],
+    ) -> None:
+        super().__init__(nodes, constant, graph_outputs)
+        self.shapes = {k: s for k, (s, _) in types.items()}
+        self.elem_types = {k: t for k, (_, t) in types.items()}
+        self._kinds: dict[tuple, _Mask | None] = {}
 
     def constant_kind(self, name: str, scores_shape: tuple[int, ...]) -> _Mask | None:
         """``_constant_kind`` of constant ``name``, worked out once: every layer of a
@@ -67,52 +67,14 @@ class _Graph:
             self._kinds[key] = _constant_kind(self.constant(name), scores_shape)
         return self._kinds[key]
 
-    def reader(self, name: str) -> onnx.NodeProto:
-        """The first node that reads ``name``."""
-        return self._readers[name][0]
-
-    def __post_init__(self) -> None:
-        producers: dict[str, onnx.NodeProto] = {}
-        readers: dict[str, list[onnx.NodeProto]] = {}
-        for n in self.nodes:
-            for o in n.output:
-                producers[o] = n
-            for i in n.input:
-                readers.setdefault(i, []).append(n)
-        object.__setattr__(self, "_producers", producers)
-        object.__setattr__(self, "_readers", readers)
-        object.__setattr__(self, "_kinds", {})
-
 
 @dataclass(frozen=True)
 class _Fused:
     """One chain: the nodes it replaces, the nodes standing in for them."""
 
     removed: tuple[int, ...]  # ids of the replaced nodes
-    key_node: tuple[int, onnx.NodeProto | None] | None  # (id of Kᵀ's transpose, its stand-in)
+    key_node: tuple[int, onnx.NodeProto | None]  # (id of Kᵀ's transpose, its stand-in)
     attention: onnx.NodeProto  # takes the place of the last MatMul
-
-
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _is(node: onnx.NodeProto | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
-def _scalar(g: _Graph, name: str) -> float | None:
-    value = g.constant(name)
-    if value is None or value.size != 1 or value.dtype.kind != "f":
-        return None
-    return float(value.reshape(()))
-
-
-def _only_reader(g: _Graph, name: str) -> bool:
-    return g.readers(name) == 1
 
 
 @dataclass(frozen=True)
@@ -130,8 +92,8 @@ def _dropout(g: _Graph, node: onnx.NodeProto) -> _Drop | None:
     if len(node.output) > 1 and node.output[1] and g.readers(node.output[1]):
         return None
     inputs = [*node.input, "", ""]
-    ratio = 0.5 if not inputs[1] else _scalar(g, inputs[1])
-    seed = int(_attr(node, "seed", 0))
+    ratio = 0.5 if not inputs[1] else g.scalar(inputs[1])
+    seed = int(attribute(node, "seed", 0))
     if not inputs[2]:
         return _Drop(0.0, seed)  # training_mode omitted: false
     training = g.constant(inputs[2])
@@ -147,17 +109,17 @@ def _probabilities_end(
     links, name, drop = [], softmax.output[0], _Drop(0.0, 0)
     want = g.elem_types.get(softmax.input[0])
     while True:
-        if not _only_reader(g, name):
+        reader = g.only_reader(name)
+        if reader is None:
             return None
-        reader = g.reader(name)
-        if _is(reader, "MatMul") and reader.input[0] == name:
+        if is_op(reader, "MatMul") and reader.input[0] == name:
             return (links, reader, drop) if g.elem_types.get(name) == want else None
-        if _is(reader, "Dropout"):
+        if is_op(reader, "Dropout"):
             found = _dropout(g, reader)
             if found is None or (found.ratio and drop.ratio):
                 return None  # unknown, or a second one that drops
             drop = found if found.ratio else drop
-        elif not (_is(reader, "Cast") or _is(reader, "Identity")):
+        elif not (is_op(reader, "Cast") or is_op(reader, "Identity")):
             return None
         links.append(reader)
         name = reader.output[0]
@@ -166,14 +128,14 @@ def _probabilities_end(
 def _strip_scale(g: _Graph, name: str, links: list) -> tuple[str, float]:
     """(the tensor under a scalar Mul or Div by a constant, the factor), or (name, 1)."""
     node = g.producer(name)
-    if not (_is(node, "Mul") or _is(node, "Div")) or not _only_reader(g, name):
+    if not (is_op(node, "Mul") or is_op(node, "Div")) or g.readers(name) != 1:
         return name, 1.0
     a, b = node.input
-    for x, c in ((a, b), (b, a) if _is(node, "Mul") else (None, None)):
-        value = _scalar(g, c) if c else None
+    for x, c in ((a, b), (b, a) if is_op(node, "Mul") else (None, None)):
+        value = g.scalar(c) if c else None
         if x is not None and value:
             links.append(node)
-            return x, value if _is(node, "Mul") else 1.0 / value
+            return x, value if is_op(node, "Mul") else 1.0 / value
     return name, 1.0
 
 
@@ -181,7 +143,7 @@ def _is_scores(g: _Graph, name: str) -> bool:
     """Whether ``name`` is a product of two 4-D tensors, under at most one scale."""
     base, _ = _strip_scale(g, name, [])
     node = g.producer(base)
-    return _is(node, "MatMul") and len(g.shapes.get(base, ())) == 4
+    return is_op(node, "MatMul") and len(g.shapes.get(base, ())) == 4
 
 
 def _split_masks(g: _Graph, name: str, links: list) -> tuple[str, list[str]]:
@@ -190,7 +152,7 @@ def _split_masks(g: _Graph, name: str, links: list) -> tuple[str, list[str]]:
     terms: list[str] = []
     while len(terms) < 2:
         node = g.producer(name)
-        if not _is(node, "Add") or not _only_reader(g, name):
+        if not is_op(node, "Add") or g.readers(name) != 1:
             break
         a, b = node.input
         for scores, term in ((a, b), (b, a)):
@@ -207,7 +169,7 @@ def _split_masks(g: _Graph, name: str, links: list) -> tuple[str, list[str]]:
 def _is_scores_chain(g: _Graph, name: str) -> bool:
     """Whether ``name`` leads to the product through Adds, at most one scale."""
     node = g.producer(name)
-    if _is(node, "Add"):
+    if is_op(node, "Add"):
         return any(_is_scores_chain(g, x) for x in node.input)
     return _is_scores(g, name)
 
@@ -222,13 +184,16 @@ def _distinct(value: np.ndarray) -> np.ndarray:
     return value[repeated]
 
 
-def _causal(value: np.ndarray) -> bool:
-    """A constant mask that is the causal one in every batch and head."""
-    if value.ndim < 2 or value.shape[-1] != value.shape[-2] or value.dtype.kind != "f":
+def _causal(distinct: np.ndarray) -> bool:
+    """Whether a constant mask's distinct values are the causal one in every batch and
+    head."""
+    if distinct.ndim < 2 or distinct.shape[-1] != distinct.shape[-2]:
         return False
-    size = value.shape[-1]
+    if distinct.dtype.kind != "f":
+        return False
+    size = distinct.shape[-1]
     below = np.tri(size, size, dtype=bool)  # the diagonal included
-    for one in _distinct(value).reshape(-1, size, size):
+    for one in distinct.reshape(-1, size, size):
         if not (np.all(one[below] == 0) and np.all(one[~below] <= MASKED)):
             return False
     return True
@@ -237,9 +202,9 @@ def _causal(value: np.ndarray) -> bool:
 def _boolean(g: _Graph, mask: str) -> str | None:
     """``c`` of a mask made as Where(c, 0, -big) and read by the chain alone."""
     node = g.producer(mask)
-    if not _is(node, "Where") or not _only_reader(g, mask):
+    if not is_op(node, "Where") or g.readers(mask) != 1:
         return None
-    keep, drop = _scalar(g, node.input[1]), _scalar(g, node.input[2])
+    keep, drop = g.scalar(node.input[1]), g.scalar(node.input[2])
     return node.input[0] if keep == 0.0 and drop is not None and drop <= MASKED else None
 
 
@@ -285,7 +250,7 @@ def _constant_kind(value: np.ndarray, scores_shape: tuple[int, ...]) -> _Mask | 
     distinct = _distinct(value)
     if not distinct.any():
         return _Mask("", False)
-    if scores_shape[-1] == scores_shape[-2] and _causal(value):
+    if scores_shape[-1] == scores_shape[-2] and _causal(distinct):
         return _Mask("", True)
     return None
 
@@ -310,8 +275,8 @@ def _fits(g: _Graph, q: str, kt: str, v: str) -> bool:
 def _key(g: _Graph, kt: str, ids: dict[int, int], name: str):
     """K [b, hk, n, e] from Kᵀ: (the tensor, (id of the transpose replaced, its stand-in))."""
     node = g.producer(kt)
-    if _is(node, "Transpose") and _only_reader(g, kt):
-        perm = list(_attr(node, "perm", [3, 2, 1, 0]))
+    if is_op(node, "Transpose") and g.readers(kt) == 1:
+        perm = list(attribute(node, "perm", [3, 2, 1, 0]))
         composed = [perm[0], perm[1], perm[3], perm[2]]
         if composed == [0, 1, 2, 3]:
             return node.input[0], (ids[id(node)], None)
@@ -327,21 +292,21 @@ def _unrepeated(g: _Graph, name: str) -> str:
     Expand to ``g`` copies, Reshape merging them into the heads): the Attention op reads
     each key head for its ``g`` query heads itself, so no step makes the copies."""
     reshape = g.producer(name)
-    if not _is(reshape, "Reshape"):
+    if not is_op(reshape, "Reshape"):
         return name
     source = reshape.input[0]
-    while _is(g.producer(source), "Identity"):
+    while is_op(g.producer(source), "Identity"):
         source = g.producer(source).input[0]
     expand, merged = g.producer(source), g.shapes.get(name, ())
-    if not _is(expand, "Expand") or len(merged) != 4:
+    if not is_op(expand, "Expand") or len(merged) != 4:
         return name
     big, small = g.shapes.get(expand.output[0], ()), g.shapes.get(expand.input[0], ())
     unsqueeze = g.producer(expand.input[0])
-    if len(big) != 5 or len(small) != 5 or small[2] != 1 or not _is(unsqueeze, "Unsqueeze"):
+    if len(big) != 5 or len(small) != 5 or small[2] != 1 or not is_op(unsqueeze, "Unsqueeze"):
         return name
     b, hk, group, n, e = big
     axes = g.constant(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else None
-    axes = list(_attr(unsqueeze, "axes", [])) if axes is None else axes.ravel().tolist()
+    axes = list(attribute(unsqueeze, "axes", [])) if axes is None else axes.ravel().tolist()
     if axes not in ([2], [-3]) or merged != (b, hk * group, n, e) or small != (b, hk, 1, n, e):
         return name
     return unsqueeze.input[0]
@@ -358,7 +323,7 @@ def _attention_name(softmax: str) -> str:
 
 def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | None:
     rank = len(g.shapes.get(softmax.input[0], ()))
-    if rank != 4 or _attr(softmax, "axis", -1) not in (-1, 3):
+    if rank != 4 or attribute(softmax, "axis", -1) not in (-1, 3):
         return None
     end = _probabilities_end(g, softmax)
     if end is None:
@@ -368,7 +333,7 @@ def _match(g: _Graph, softmax: onnx.NodeProto, ids: dict[int, int]) -> _Fused | 
     scores, terms = _split_masks(g, softmax.input[0], links)
     scores, outer = _strip_scale(g, scores, links)
     product = g.producer(scores)
-    if not _is(product, "MatMul") or not _only_reader(g, scores):
+    if not is_op(product, "MatMul") or g.readers(scores) != 1:
         return None
     links.append(product)
     q, kt, inner = _operands(g, product, links)
@@ -412,18 +377,12 @@ def fuse_attention(
 ) -> Fusion:
     """``nodes`` with every attention chain replaced by one Attention node (in
     ``FUSED_DOMAIN``), in an order that still computes every input before its reader."""
-    g = _Graph(
-        nodes,
-        constant,
-        {k: s for k, (s, _) in types.items()},
-        {k: t for k, (_, t) in types.items()},
-        frozenset(graph_outputs),
-    )
+    g = _Graph(nodes, constant, types, graph_outputs)
     ids = {id(n): i for i, n in enumerate(nodes)}
     removed: set[int] = set()
     at: dict[int, list[onnx.NodeProto]] = {}
     for node in nodes:
-        if not _is(node, "Softmax") or ids[id(node)] in removed:
+        if not is_op(node, "Softmax") or ids[id(node)] in removed:
             continue
         fused = _match(g, node, ids)
         if fused is None or removed & set(fused.removed):
@@ -444,7 +403,7 @@ def fuse_attention(
             result.append(new)
             if new.op_type == "Transpose":  # a key: its source's shape, permuted
                 shape, elem = types[new.input[0]]
-                perm = _attr(new, "perm")
+                perm = attribute(new, "perm")
                 made[new.output[0]] = (tuple(shape[p] for p in perm), elem)
         if i not in removed:
             result.append(node)

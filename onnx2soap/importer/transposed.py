@@ -15,11 +15,12 @@ from collections.abc import Sequence
 import onnx
 from onnx import helper
 
+from onnx2soap.importer.node_graph import NodeGraph, attribute, is_op
 from onnx2soap.ops.registry import FUSED_DOMAIN
 
 
 def _swaps_last_two(node: onnx.NodeProto, rank: int) -> bool:
-    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    perm = attribute(node, "perm")
     swapped = [*range(rank - 2), rank - 1, rank - 2]
     return perm == swapped or (perm is None and rank == 2)
 
@@ -28,26 +29,16 @@ def fuse_transposed_operands(
     nodes: Sequence[onnx.NodeProto], ranks: dict[str, int], graph_outputs: Sequence[str]
 ) -> list[onnx.NodeProto]:
     """``nodes`` with each such pair made one MatMul, in the order they were."""
-    producers = {o: n for n in nodes for o in n.output}
-    readers: dict[str, int] = {name: 1 for name in graph_outputs}
-    for n in nodes:
-        for i in n.input:
-            readers[i] = readers.get(i, 0) + 1
+    g = NodeGraph(nodes, lambda name: None, graph_outputs)
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for node in nodes:
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        if not is_op(node, "MatMul"):
             continue
-        source = producers.get(node.input[1])
-        rank = ranks.get(node.input[1], 0)
-        if (
-            source is None
-            or source.op_type != "Transpose"
-            or source.domain not in ("", "ai.onnx")
-            or rank < 2
-            or readers.get(node.input[1]) != 1
-            or not _swaps_last_two(source, rank)
-        ):
+        source, rank = g.producer(node.input[1]), ranks.get(node.input[1], 0)
+        if not is_op(source, "Transpose") or rank < 2 or g.readers(node.input[1]) != 1:
+            continue
+        if not _swaps_last_two(source, rank):
             continue
         replaced[id(node)] = helper.make_node(
             "MatMul",

@@ -119,7 +119,7 @@ class _Tiles:
         self.k = (k * float(problem.scale))[:, :, None]  # [b, hk, 1, n, e], k's dtype
         self.kt = xp.swapaxes(self.k, -1, -2)  # [b, hk, 1, e, n]
         self.mask = _mask_rows(mask, self.kv_heads)
-        self.m, self.n = q.shape[2], k.shape[2]
+        self.n = k.shape[2]
 
     def key_stop(self, rows: tuple[int, int]) -> int:
         """Keys past the last one any of these rows sees (causal) are never touched."""
@@ -200,26 +200,6 @@ def forward_with_lse(
     return out.reshape(b, hk * g, m, v.shape[-1]), lse
 
 
-def _log_sum_exp(xp, tiles: _Tiles, rows: tuple[int, int], bk: int) -> Array:
-    """Each row's log Σ exp(S), the softmax's normalizer, in one pass over the keys."""
-    top = total = None
-    for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
-        s = tiles.scores(rows, cols)
-        block_top = s.max(axis=-1, keepdims=True)
-        new_top = block_top if top is None else xp.maximum(top, block_top)
-        shift = _finite(xp, new_top)
-        s -= shift
-        block_total = xp.exp(s, out=s).sum(axis=-1, keepdims=True)
-        total = block_total if top is None else total * xp.exp(top - shift) + block_total
-        top = new_top
-    if top is None:  # no key seen at all: every probability is 0
-        b, hk, g = tiles.q.shape[:3]
-        return xp.full((b, hk, g, rows[1] - rows[0], 1), xp.inf, dtype=tiles.q.dtype)
-    # a row with every key masked: +inf, so that its probabilities come out 0, not NaN
-    seen = total > 0
-    return xp.where(seen, _finite(xp, top) + xp.log(xp.where(seen, total, 1)), xp.inf)
-
-
 @dataclass(frozen=True)
 class Wanted:
     """Which of q, k, v take a gradient."""
@@ -243,8 +223,10 @@ def backward(
     lse: Array | None = None,
 ) -> tuple[Array | None, ...]:
     """(dq, dk, dv, dmask) of ``forward``, None where not wanted (or no mask).
-    ``lse``: the rows' log-sum-exp ``forward_with_lse`` gave; None: remade here, in one
-    more pass over the keys a block of rows."""
+    ``lse``: the rows' log-sum-exp ``forward_with_lse`` gave; None: remade here by it,
+    in one more pass over the keys (the op tests and the ONNX backend keep none)."""
+    if lse is None:
+        lse = forward_with_lse(xp, q, k, v, mask, problem)[1]
     tiles = _Tiles(xp, q, k, mask, problem)
     hk = tiles.kv_heads
     do = _grouped(grad_out, hk)  # [b, hk, g, m, d]
@@ -258,8 +240,7 @@ def backward(
     bq, bk = blocks(b * hk * g, m, tiles.n, problem)
     scale, half = float(problem.scale), problem.matmul_dtype
     for rows in _spans(m, bq):
-        (i0, i1) = rows
-        row_lse = _log_sum_exp(xp, tiles, rows, bk) if lse is None else lse[..., i0:i1, :]
+        (i0, i1), row_lse = rows, lse[..., rows[0] : rows[1], :]
         for cols in _spans(tiles.n, bk, tiles.key_stop(rows)):
             (j0, j1), s = cols, tiles.scores(rows, cols)
             s -= row_lse

@@ -1,6 +1,7 @@
 """The attention op's ``workspace`` against what its kernels allocate beyond their
-output (forward) and the gradients they return (backward), as tracemalloc counts it (the
-executor's ``--trace`` measure): within 25 %, causal or not, grouped or not."""
+output and normalizer (forward) and the gradients they return (backward), as
+tracemalloc counts it (the executor's ``--trace`` measure): within 25 %, causal or not,
+grouped or not."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ def test_attention_workspace_is_what_its_kernels_hold(case) -> None:
     q, grad = (rng.standard_normal((b, h, m, e)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((b, hk, m, e)).astype(np.float32) for _ in range(2))
     problem = flash.Problem(0.1, causal)
-    peak, out = traced_peak(lambda: flash.forward(np, q, k, v, None, problem))
-    forward = peak - out.nbytes
-    peak, grads = traced_peak(lambda: flash.backward(np, q, k, v, None, out, grad, problem))
+    # as the executor runs them: the forward's normalizer kept for the backward
+    peak, (out, lse) = traced_peak(lambda: flash.forward_with_lse(np, q, k, v, None, problem))
+    forward = peak - out.nbytes - lse.nbytes
+    peak, grads = traced_peak(
+        lambda: flash.backward(np, q, k, v, None, out, grad, problem, lse=lse)
+    )
     backward = peak - sum(g.nbytes for g in grads[:3])
     priced = workspace(
         AttentionAttrs(0.1, causal, False), [q.shape, k.shape, v.shape], out.shape, 4

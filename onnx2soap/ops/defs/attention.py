@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from onnx2soap.ir import AxisMap, Broadcast, Grouped, IterDim, Operand, Tensor, Whole, identity
+from onnx2soap.ir import AxisMap, Broadcast, Grouped, Operand, Tensor, Whole, identity
 from onnx2soap.ops import flash
 from onnx2soap.ops.base import NONE, C, OpDef, Saved, W, X, case, wants
 from onnx2soap.ops.context import NodeContext, float_attribute, make_op
@@ -136,10 +136,9 @@ def convert(
     op = make_op(ctx, operands, attrs, dims, range(4), max(1, round(per_point)))
     if group == 1:
         return op
-    whole_groups = tuple(
-        IterDim(x.name, x.size, group if i == 1 else 1) for i, x in enumerate(op.nest.dims)
-    )
-    return replace(op, nest=replace(op.nest, dims=whole_groups))
+    dims = list(op.nest.dims)
+    dims[1] = replace(dims[1], granule=group)
+    return replace(op, nest=replace(op.nest, dims=tuple(dims)))
 
 
 def _mask(ctx: NodeContext) -> Tensor | None:
