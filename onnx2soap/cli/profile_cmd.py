@@ -27,6 +27,7 @@ from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph
 from onnx2soap.measure.cost_writer import CostWriter
 from onnx2soap.options import float_in, int_in
+from onnx2soap.sim.achieved import RATES, AchievedCost
 from onnx2soap.sim.costdb import CostDB, DeviceKind, db_path_for, host_fingerprint
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.machine import Machine
@@ -221,6 +222,7 @@ def _stop(proc: subprocess.Popen) -> None:
 class CostsChoice(Enum):
     AUTO = "auto"  # profiled when a matching cost DB sits next to the machine file
     PROFILED = "profiled"
+    ACHIEVED = "achieved"  # GPUs' published kernel rates (sim/achieved.py)
     ROOFLINE = "roofline"
 
 
@@ -231,7 +233,9 @@ class ChosenCosts:
 
     @property
     def name(self) -> str:
-        return "profiled" if isinstance(self.model, ProfiledCost) else "roofline"
+        if isinstance(self.model, ProfiledCost):
+            return "profiled"
+        return "achieved" if isinstance(self.model, AchievedCost) else "roofline"
 
     def for_graph(self, graph: Graph, machine: Machine) -> ChosenCosts:
         """Profiled costs taken into the step by ``graph``'s own calibration where the
@@ -260,8 +264,24 @@ def add_costs_option(p: argparse.ArgumentParser) -> None:
         choices=[c.value for c in CostsChoice],
         default=CostsChoice.AUTO.value,
         help="task costs: measured by onnx2soap profile (a cost DB next to the machine "
-        "file, for this host), or the roofline; auto: profiled where there is such a DB",
+        "file, for this host); achieved: GPUs' kernels at their published rates; or the "
+        "roofline (datasheet peaks); auto: profiled where there is such a DB, else "
+        "achieved where every device is a GPU with published rates, else the roofline",
     )
+
+
+def _achieved(machine: Machine, want: CostsChoice) -> ChosenCosts:
+    """The published kernel rates; asked for by name on a machine with devices the
+    table lacks, refused (they would be priced by the roofline unsaid)."""
+    unknown = [d for d in machine.devices if not AchievedCost.knows(d)]
+    if unknown and want is CostsChoice.ACHIEVED:
+        first = unknown[0]
+        raise UserError(
+            f"--costs achieved: no published kernel rates for device {first.name} (its model: "
+            f"{first.model or 'none given'}); known models: {', '.join(sorted(RATES))} "
+            "(a machine file's devices may name one; or --costs roofline)"
+        )
+    return ChosenCosts(AchievedCost(), "achieved (published kernel rates, sim/achieved.py)")
 
 
 def choose_costs(spec: str, machine: Machine, choice: str, dtype: str = "float32") -> ChosenCosts:
@@ -271,12 +291,15 @@ def choose_costs(spec: str, machine: Machine, choice: str, dtype: str = "float32
     roofline = ChosenCosts(RooflineCost(), "roofline")
     if want is CostsChoice.ROOFLINE:
         return roofline
+    if want is CostsChoice.ACHIEVED:
+        return _achieved(machine, want)
     db = db_path_for(spec) if _is_file(Path(spec)) else None
     if db is None or not db.exists():
         if want is CostsChoice.PROFILED:
             where = f"no cost DB at {db}" if db else f"{spec} is a preset, not a machine file"
             raise UserError(f"--costs profiled: {where}; run onnx2soap profile first")
-        return roofline
+        known = all(AchievedCost.knows(d) for d in machine.devices)
+        return _achieved(machine, want) if known else roofline
     with CostDB.open(db) as opened:
         stored = list(opened.fingerprints().values())
     kinds = [DeviceKind.CUDA] if any(f.kind is DeviceKind.CUDA for f in stored) else []

@@ -6,11 +6,12 @@ ev.step_time_s, ev.peak_memory_bytes, ev.bytes_moved, ev.fits
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from onnx2soap.precision import Precision
+from onnx2soap.sim.achieved import AchievedCost
 from onnx2soap.sim.costs import CostModel, RooflineCost
 from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.machine import Machine
@@ -25,6 +26,7 @@ from onnx2soap.soap.pipeline import Pipeline
 from onnx2soap.soap.zero import ZeroStage
 
 __all__ = [
+    "AchievedCost",
     "CostModel",
     "Evaluation",
     "Machine",
@@ -61,13 +63,27 @@ def make_simulator(
     backward recomputes)."""
     return Simulator(
         machine,
-        with_precision(cost, precision, host=machine.transfers_use_compute),
+        _priced(cost, machine, precision, optimizer_slots),
         optimizer_slots=optimizer_slots,
         precision=precision,
         zero=zero,
         pipeline=pipeline,
         recompute=frozenset(recompute),
     )
+
+
+def _priced(
+    cost: CostModel, machine: Machine, precision: Precision, optimizer_slots: int
+) -> CostModel:
+    """``cost`` under ``precision``: native kernels' rates where it is the achieved
+    model of devices it knows (sim/achieved.py); else the executor's way of running
+    mixed precision on top (``precision_cost``), the roofline standing in for devices
+    the achieved model does not know."""
+    if isinstance(cost, AchievedCost):
+        if all(cost.knows(d) for d in machine.devices):
+            return replace(cost, precision=precision, optimizer_slots=optimizer_slots)
+        cost = cost.roofline
+    return with_precision(cost, precision, host=machine.transfers_use_compute)
 
 
 @dataclass(frozen=True)

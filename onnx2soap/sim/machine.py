@@ -10,7 +10,7 @@ Machine file (YAML)::
     name: my-cluster
     devices:
       - {name: gpu0, peak_flops: 9.3e12, memory_bandwidth: 7.3e11, memory: 17179869184,
-         kernel_overhead: 5.0e-6}
+         kernel_overhead: 5.0e-6}   # optional: peak_flops_half, model ("H100 SXM")
     links:
       - {name: nvlink-0-1, bandwidth: 2.0e10, latency: 1.0e-6}
     routes:
@@ -72,6 +72,9 @@ class ComputeDevice:
     kernel_overhead: float = 5e-6  # fixed cost of launching one task
     # Float16 matrix products (a GPU's tensor cores); None: no faster than peak_flops.
     peak_flops_half: float | None = None
+    # The GPU model ("H100 SXM") whose published kernel rates price it (sim/achieved.py);
+    # None: priced by its peaks alone.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,11 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
         half = None
         if isinstance(d, Mapping) and d.get("peak_flops_half") is not None:
             half = _number(d, "peak_flops_half", w, source)
+        model = d.get("model") if isinstance(d, Mapping) else None
+        if model is not None and not isinstance(model, str):
+            raise MachineError(
+                f"{source}: {w}.model: must be a string (a GPU model), got {model!r}"
+            )
         devices.append(
             ComputeDevice(
                 _name(d, w, source),
@@ -331,6 +339,7 @@ def machine_from_dict(doc: Mapping, source: str) -> Machine:
                 int(_number(d, "memory", w, source, integer=True)),
                 float(overhead),
                 half,
+                model,
             )
         )
     links = []
@@ -508,6 +517,7 @@ def machine_to_dict(m: Machine) -> dict:
                 "memory": d.memory,
                 "kernel_overhead": d.kernel_overhead,
                 **({"peak_flops_half": d.peak_flops_half} if d.peak_flops_half else {}),
+                **({"model": d.model} if d.model else {}),
             }
             for d in m.devices
         ],

@@ -45,16 +45,17 @@ class NodeSpec:
 
 # Datasheet peaks: FP32, and (last) FP16 matrix products: P100's packed FP16, V100's and
 # H100's (SXM, dense) tensor cores; a K80 multiplies FP16 no faster than FP32.
-P100 = ComputeDevice("P100", 10.6e12, 732e9, 16 * GiB, 5e-6, 21.2e12)
+P100 = ComputeDevice("P100", 10.6e12, 732e9, 16 * GiB, 5e-6, 21.2e12, "P100 SXM2")
 K80 = ComputeDevice("K80", 4.37e12, 240e9, 12 * GiB, 5e-6)  # one GK210 die
-V100 = ComputeDevice("V100", 15.7e12, 900e9, 16 * GiB, 5e-6, 125e12)
-H100 = ComputeDevice("H100", 67e12, 3.35e12, 80 * GiB, 4e-6, 989e12)
+V100 = ComputeDevice("V100", 15.7e12, 900e9, 16 * GiB, 5e-6, 125e12, "V100 SXM2")
+H100 = ComputeDevice("H100", 67e12, 3.35e12, 80 * GiB, 4e-6, 989e12, "H100 SXM")
 # Meta's Grand Teton hosts (torchtitan's published runs): H100 SXM with 96 GB of HBM2e at
-# 2.4 TB/s, power-limited to 500 W (the datasheet's peaks otherwise, which that limit
-# may not reach).
-H100_96 = ComputeDevice("H100-96GB", 67e12, 2.4e12, 96 * 10**9, 4e-6, 989e12)
+# 2.4 TB/s, power-limited to 500 W. Its 16-bit peak "is between SXM and NVL, and we don't
+# know its exact value" (torchtitan's benchmark, footnote 2): the middle of 835 (H100 NVL)
+# and 989 (SXM) TFLOPS, and FP32's scaled alike.
+H100_96 = ComputeDevice("H100-96GB", 61.8e12, 2.4e12, 96 * 10**9, 4e-6, 912e12, "H100 SXM")
 # A100 SXM 80 GB: 19.5 TFLOPS FP32, 312 TFLOPS BF16/FP16 dense, 2,039 GB/s HBM2e.
-A100 = ComputeDevice("A100", 19.5e12, 2.039e12, 80 * GiB, 4e-6, 312e12)
+A100 = ComputeDevice("A100", 19.5e12, 2.039e12, 80 * GiB, 4e-6, 312e12, "A100 SXM")
 
 CLUSTERS = {
     "flexflow-p100": NodeSpec(
@@ -184,7 +185,14 @@ def cluster(name: str, spec: NodeSpec, nodes: int) -> Machine:
 
 
 def _fields(d: ComputeDevice) -> tuple:
-    return d.peak_flops, d.memory_bandwidth, d.memory, d.kernel_overhead, d.peak_flops_half
+    return (
+        d.peak_flops,
+        d.memory_bandwidth,
+        d.memory,
+        d.kernel_overhead,
+        d.peak_flops_half,
+        d.model,
+    )
 
 
 def cpu(
