@@ -67,7 +67,9 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "op but the loss: each segment's activations are made again during its backward. "
         "Less memory, one more forward per step. selective: keep the products' outputs "
         "(MatMul, Gemm, Conv) and recompute the cheap ops between them (norms, "
-        "activations, dropout, elementwise), as Megatron-LM's selective recomputation",
+        "activations, dropout, elementwise), as Megatron-LM's selective recomputation. "
+        "selective-op: that, and every second MatMul/Gemm of each repeated block too, "
+        "as torchtitan's per-op policy (selective_ac_option = 'op') does",
     )
 
 

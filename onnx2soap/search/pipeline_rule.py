@@ -184,16 +184,24 @@ def default_microbatches(devices: int, batch: int, stages: int) -> int | None:
 # (Megatron-LM's selective recomputation keeps them and remakes the cheap ops between),
 # and the fused attention (torchtitan's per-op policy saves SDPA's output).
 COSTLY = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "LSTM", "GRU", "Attention"})
+# the products torchtitan's per-op policy counts (``aten.mm``: the linear layers)
+ALTERNATED = frozenset({"MatMul", "Gemm"})
 
 
 class Recompute(Enum):
     """What a plan (or a pipeline's stage) recomputes in its backward: nothing, every
-    op but the checkpoints (``full_recompute``), or every op but the products
-    (``selective_recompute``)."""
+    op but the checkpoints (``full_recompute``), every op but the products
+    (``selective_recompute``), or that and every second product of each repeated block
+    (``alternate_products``: torchtitan's per-op policy, a published configuration's;
+    the search does not offer it, ``SEARCHED``)."""
 
     NONE = "none"
     ALL = "all"
     SELECTIVE = "selective"
+    SELECTIVE_OP = "selective-op"
+
+
+SEARCHED = (Recompute.NONE, Recompute.ALL, Recompute.SELECTIVE)
 
 
 def kept_products(graph: Graph) -> tuple[str, ...]:
@@ -221,15 +229,35 @@ def selective_recompute(graph: Graph) -> tuple[str, ...]:
     return tuple(op.name for op in graph.ops if op.name not in kept)
 
 
+def alternate_products(graph: Graph, space: Space | None = None) -> tuple[str, ...]:
+    """``--recompute selective-op``: torchtitan's per-op selective checkpointing
+    (``selective_ac_option = 'op'``, the policy of its published Llama runs): every op
+    but the products and the loss is recomputed, and so is every second product of each
+    checkpointed block (counted from one in each block: torchtitan checkpoints each
+    transformer block, and its counter of ``aten.mm`` starts again in each). The blocks
+    are the graph's repeated runs (``groups.find_groups``); products outside them keep
+    their outputs, as torchtitan's output projection, outside every block, does."""
+    cheap = set(selective_recompute(graph))
+    products = {op.name for op in graph.ops if op.type in ALTERNATED}
+    for block in find_groups(graph, space or analyze(graph)).blocks:
+        for instance in block.instances:
+            ordered = [name for name in instance if name in products]
+            cheap.update(ordered[1::2])
+    return tuple(op.name for op in graph.ops if op.name in cheap)
+
+
 def recompute_list(
     mode: Recompute, graph: Graph, space: Space | None = None, simulator: Simulator | None = None
 ) -> tuple[str, ...]:
     """The ops a plan recomputes under ``--recompute``'s ``mode``: none, all (checkpoints
-    kept, ``full_recompute``) or selective (products kept, ``selective_recompute``)."""
+    kept, ``full_recompute``), selective (products kept, ``selective_recompute``) or
+    selective-op (``alternate_products``)."""
     if mode is Recompute.ALL:
         return full_recompute(graph, space, simulator)
     if mode is Recompute.SELECTIVE:
         return selective_recompute(graph)
+    if mode is Recompute.SELECTIVE_OP:
+        return alternate_products(graph, space)
     return ()
 
 

@@ -53,7 +53,7 @@ from onnx2soap.search.pipeline_layout import (
     StageSpace,
     layout_of,
 )
-from onnx2soap.search.pipeline_rule import Recompute, kept_products
+from onnx2soap.search.pipeline_rule import SEARCHED, Recompute, kept_products
 from onnx2soap.search.priced import Candidate, Pricing, Simulators
 from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage
 
@@ -111,7 +111,7 @@ def coordinates(stages: StageSpace, balance: Balance, counts: Sequence[int]) -> 
         return [replace(at, zero=z) for z in (ZeroStage.NONE, *ZERO_STAGES) if z != at.zero]
 
     # selective recomputation keeps the products: none to offer without one
-    modes = [m for m in Recompute if m is not Recompute.SELECTIVE or kept_products(stages.micro)]
+    modes = [m for m in SEARCHED if m is not Recompute.SELECTIVE or kept_products(stages.micro)]
 
     def recompute(at: Layout) -> list[Layout]:
         every = [(mode,) * count for mode in modes]

@@ -25,7 +25,13 @@ from onnx2soap.search.mcmc import cost_in
 from onnx2soap.search.megatron import megatron_at
 from onnx2soap.search.pipeline_choice import price_pipeline
 from onnx2soap.search.pipeline_layout import Layout, Models, StageSpace, model_source
-from onnx2soap.search.pipeline_rule import Recompute, Space, full_recompute, selective_recompute
+from onnx2soap.search.pipeline_rule import (
+    SEARCHED,
+    Recompute,
+    Space,
+    full_recompute,
+    selective_recompute,
+)
 from onnx2soap.search.pipeline_walk import PipelineWalk, microbatch_counts, walk_pipeline
 from onnx2soap.search.priced import Candidate, Pricing, Shape
 from onnx2soap.sim import RooflineCost, resolve_machine
@@ -139,7 +145,7 @@ def test_the_walk_finds_the_exhaustive_optimum_of_two_stages(gpt2: Path, spec: s
         if zero is not walk.layout.zero:
             assert found <= _cost(s, replace(walk.layout, zero=zero))
     for i in range(2):
-        for mode in Recompute:
+        for mode in SEARCHED:  # the walk's modes
             changed = tuple(mode if j == i else r for j, r in enumerate(walk.layout.recompute))
             assert found <= _cost(s, replace(walk.layout, recompute=changed))
     for m in microbatch_counts(batch, 2):
