@@ -22,7 +22,9 @@ from onnx.reference import ReferenceEvaluator
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.attention import fuse_attention
 from onnx2soap.importer.gelu import fuse_tanh_gelu
+from onnx2soap.importer.rms_norm import fuse_rms_norm
 from onnx2soap.importer.signature import untrained_initializers
+from onnx2soap.importer.silu import fuse_silu
 from onnx2soap.importer.transposed import fuse_transposed_operands
 from onnx2soap.importer.weights import (
     FLOAT_TYPES,
@@ -659,6 +661,8 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         fused.nodes, {k: len(t.shape) for k, t in types.items()}, graph_outputs
     )
     nodes = fuse_tanh_gelu(nodes, constant, graph_outputs)
+    nodes = fuse_rms_norm(nodes, constant, types, graph_outputs)
+    nodes = fuse_silu(nodes, constant, graph_outputs)
     return Prepared(
         path=path,
         sha256=file_sha256(path),

@@ -184,6 +184,10 @@ def output_copies(forward: float, backward: float) -> Workspace:
     return workspace
 
 
+StashBytes = Callable[[Any, tuple[int, ...], int], int]
+"""(attrs, output tile shape, itemsize) -> bytes of a task's stash (``OpDef.stash_bytes``)."""
+
+
 LossScale = Callable[[Any, Any, tuple[int, ...]], float]
 """Losses: (attrs, the whole batch's labels (numpy), the prediction's shape) -> the divisor
 of the whole batch's reduction; each task's kernel divides its partial sum by it, so the
@@ -363,8 +367,13 @@ class OpDef:
     # only the importer's own attributes ask for (attention's fused dropout).
     random: bool = False
     # Its forward leaves in ``TaskArgs.stash`` a small statistic its backward reads
-    # rather than remakes (FlashAttention's log-sum-exp: a row's worth, not priced).
+    # rather than remakes (FlashAttention's log-sum-exp: a row's worth, not priced;
+    # RMSNormalization's inverse rms).
     stashes: bool = False
+    # (attrs, output tile shape, itemsize) -> the bytes a task's stash holds from its
+    # forward to its backward, which the memory model counts with the input buffers
+    # the backward reads; None: not priced.
+    stash_bytes: StashBytes | None = None
 
     @property
     def is_loss(self) -> bool:

@@ -356,6 +356,7 @@ def _op_bytes(
     graded = {t.index for t in _graded(tasks, sums)} if backward and not op.is_loss else set()
     out_width = _width(graph.tensors[op.output], stored)
     workspace = definition(op.type).workspace
+    stash = definition(op.type).stash_bytes if backward else None
     tensors = [graph.tensors[name] for name in op.inputs]
     # Instructions: forward and backward Compute per task, a Partial before each where
     # the op has statistics, and per device of each group its statistics' reduction,
@@ -424,6 +425,8 @@ def _op_bytes(
             elif tensor.role is TensorRole.INPUT:
                 dropped += n * itemsize if grad else 0
         _add(held, t.device, total)
+        if stash is not None:  # kept from its forward to its backward, as the inputs it reads
+            _add(kept_inputs, t.device, stash(op.attrs, rect_shape(t.output), itemsize))
         shapes = [rect_shape(r.buffer) for r in t.inputs]
         fw, bw = (
             workspace(op.attrs, shapes, rect_shape(t.output), itemsize) if workspace else (0, 0)

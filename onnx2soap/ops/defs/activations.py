@@ -194,7 +194,7 @@ def neg_backward(xp, attrs, inputs, output, grad_output, args):
     return (-grad_output,)
 
 
-# --- Sigmoid, HardSigmoid, HardSwish, Tanh ---------------------------------------------
+# --- Sigmoid, Swish, HardSigmoid, HardSwish, Tanh --------------------------------------
 
 
 def convert_sigmoid(ctx: NodeContext):
@@ -209,6 +209,49 @@ def sigmoid_forward(xp, attrs, inputs, args):
 
 def sigmoid_backward(xp, attrs, inputs, output, grad_output, args):
     return (grad_output * output * (1 - output),)
+
+
+def convert_swish(ctx: NodeContext, *, alpha=1.0):
+    """ONNX's alpha, or the float64 tensor the importer's fusion of ``x · sigmoid(c · x)``
+    writes (the chain's constant, exact)."""
+    alpha = float_attribute(alpha)
+    _finite(ctx, alpha=alpha)
+    return _unary(ctx, AlphaAttrs(alpha), 6)
+
+
+def _sigmoid_scaled(xp, alpha: float, x):
+    """sigmoid(alpha · x) as a fresh array, holding at most two tiles and a mask besides
+    x: e = exp(-|alpha · x|) made in place, then e / (1 + e), or 1 / (1 + e) where
+    alpha · x >= 0 (Sigmoid's stable form: no exp of a positive number)."""
+    e = xp.abs(x)
+    e *= -abs(alpha)
+    xp.exp(e, out=e)
+    denominator = e + 1
+    e[x >= 0 if alpha >= 0 else x <= 0] = 1.0
+    e /= denominator
+    return e
+
+
+def swish_forward(xp, attrs, inputs, args):
+    y = _sigmoid_scaled(xp, attrs.alpha, inputs[0])
+    y *= inputs[0]
+    return y
+
+
+def swish_backward(xp, attrs, inputs, output, grad_output, args):
+    # d/dx [x s(ax)] = s (1 + a x (1 - s)), s = sigmoid(a x): from x alone, so x is all
+    # the backward keeps (where Sigmoid and Mul kept s and x). In place: one tile beside s.
+    x = inputs[0]
+    s = _sigmoid_scaled(xp, attrs.alpha, x)
+    slope = 1 - s
+    slope *= x
+    if attrs.alpha != 1.0:
+        slope *= attrs.alpha
+    slope += 1
+    slope *= s
+    del s
+    slope *= grad_output
+    return (slope,)
 
 
 # The spec's float defaults, as the float32 values ONNX stores.
@@ -533,6 +576,19 @@ SIGMOID = _op(
     workspace=output_copies(3.8, 2.2),
 )
 
+SWISH = _op(
+    "Swish",
+    (24,),
+    convert_swish,
+    swish_forward,
+    swish_backward,
+    case("swish", "Swish", X(2, 3, 4), opset=24),
+    case("swish_alpha", "Swish", X(3, 5), opset=24, alpha=0.7),
+    case("swish_negative_alpha", "Swish", X(4, 3), opset=24, alpha=-1.5),
+    saves=SAVES_INPUTS,
+    workspace=output_copies(1.3, 1.3),  # exp(-|ax|)'s denominator and mask (tracemalloc)
+)
+
 # 22 only adds bfloat16 to the types of HardSigmoid, HardSwish, Elu, Selu and Softplus.
 HARD_SIGMOID = _op(
     "HardSigmoid",
@@ -688,6 +744,7 @@ DEFINITIONS = (
     IDENTITY,
     NEG,
     SIGMOID,
+    SWISH,
     HARD_SIGMOID,
     HARD_SWISH,
     TANH,

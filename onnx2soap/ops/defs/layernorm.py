@@ -1,13 +1,9 @@
 """LayerNormalization (opset 17): ``Y = (X - mean) / sqrt(var + epsilon) * Scale + B``, the
 mean and the biased variance taken over the normalized axes ``[axis, rank)``.
 
-Every output point depends on the whole of the normalized axes, so X reads each of them
-with ``Whole(dims=(d,))``: the dim stays kept (the output indexes it one to one) but is
-hidden, hence never split. Scale and B are weights over (a suffix of) the normalized
-axes, read with identity maps of the same dims: those dims are then *parameter* dims,
-still unsplittable because X hides them. Every leading axis (the batch first) is an
-identity of X and splits freely; Scale and B are size 1 there (broadcast). Normalizing
-over the batch axis is allowed: it is then hidden like any normalized axis, never split.
+X's and the parameters' maps are ``onnx2soap.ops.normalized``'s: the normalized axes
+hidden (never split), every leading axis (the batch first) split freely. Normalizing over
+the batch axis is allowed: it is then hidden like any normalized axis, never split.
 
 Only the first output is computed: a read Mean or InvStdDev output is refused by the
 importer (``stash_type`` 1, what exporters write, is the only precision accepted: the
@@ -16,15 +12,12 @@ statistics are computed in the run's float dtype).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from onnx2soap.ir import AxisMap, Broadcast, Operand, Tensor, Whole, identity
 from onnx2soap.ops.base import OpDef, Sample, Saved, W, X, case, output_copies
 from onnx2soap.ops.context import NodeContext, axis_names, make_op
 from onnx2soap.ops.kernel_util import unbroadcast
-
-_STASH_FLOAT = 1  # TensorProto.FLOAT: compute the statistics in float
+from onnx2soap.ops.normalized import normalized_axis, param_operand, x_operand
 
 # mean, subtract, square, mean, add, rsqrt, multiply, scale, shift
 _FLOPS_PER_POINT = 9
@@ -36,59 +29,15 @@ class LayerNormAttrs:
     epsilon: float
 
 
-def _param_operand(ctx: NodeContext, i: int, t: Tensor, x_shape, axis: int) -> Operand:
-    """Scale or B: unidirectionally broadcastable to X, non-trivial only along the
-    normalized axes (identity maps of X's dims there, so the dims are parameter dims)."""
-    what = ("Scale", "B")[i - 1]
-    if not t.dtype.is_float:
-        raise ctx.fail(f"{what} (input {i}) is {t.dtype.value}; a float tensor is needed")
-    rank = len(x_shape)
-    if len(t.shape) > rank:
-        raise ctx.fail(f"{what} {list(t.shape)} has a higher rank than X {list(x_shape)}")
-    lead = rank - len(t.shape)
-    axes: list[AxisMap] = []
-    for k, size in enumerate(t.shape):
-        d = lead + k
-        if size not in (1, x_shape[d]):
-            raise ctx.fail(
-                f"{what} {list(t.shape)} does not broadcast to X {list(x_shape)} (axis {d})"
-            )
-        if d < axis and size != 1:
-            raise ctx.fail(
-                f"{what} {list(t.shape)} varies along axis {d}, before the normalized axes "
-                f"[{axis}, {rank}); only the normalized axes may carry it"
-            )
-        axes.append(Broadcast() if size == 1 and x_shape[d] != 1 else identity(d))
-    return Operand(t.name, tuple(axes))
-
-
 def convert(ctx: NodeContext, *, axis=-1, epsilon=1e-5, stash_type=1):
     x = ctx.tensor(0)
     scale = ctx.tensor(1)
     bias = ctx.optional(2)
-    rank = len(x.shape)
-    if not x.dtype.is_float:
-        raise ctx.fail(f"X is {x.dtype.value}; a float tensor is needed")
-    if rank < 2:
-        raise ctx.fail(
-            f"X {list(x.shape)} has rank {rank}: the only axis is the batch, which cannot be "
-            "normalized over (rank >= 2 required)"
-        )
-    if not -rank <= axis < rank:
-        raise ctx.fail(
-            f"axis {axis} is out of range for rank {rank} (accepted: [-{rank}, {rank - 1}])"
-        )
-    axis = axis + rank if axis < 0 else axis
-    if not (math.isfinite(epsilon) and epsilon >= 0):
-        raise ctx.fail(f"epsilon {epsilon} must be a finite number >= 0")
-    if stash_type != _STASH_FLOAT:
-        raise ctx.fail(f"stash_type {stash_type} is not supported; accepted: 1 (float)")
-    x_axes: tuple[AxisMap, ...] = tuple(
-        Whole(dims=(d,)) if d >= axis else identity(d) for d in range(rank)
-    )
-    operands = [Operand(x.name, x_axes), _param_operand(ctx, 1, scale, x.shape, axis)]
+    axis = normalized_axis(ctx, x, axis, epsilon, stash_type)
+    operands = [x_operand(x, axis), param_operand(ctx, "Scale", 1, scale, x.shape, axis)]
     if bias is not None:
-        operands.append(_param_operand(ctx, 2, bias, x.shape, axis))
+        operands.append(param_operand(ctx, "B", 2, bias, x.shape, axis))
+    rank = len(x.shape)
     dims = list(zip(axis_names(rank), x.shape, strict=True))
     attrs = LayerNormAttrs(axis, float(epsilon))
     return make_op(ctx, operands, attrs, dims, range(rank), _FLOPS_PER_POINT)
