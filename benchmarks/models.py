@@ -3,7 +3,9 @@
 - ``cnn``: the bundled example (examples/cnn.onnx), nothing to export;
 - ``alexnet``: AlexNet's layer shapes (Krizhevsky 2014, the model FlexFlow's AlexNet
   numbers use) without dropout, whose training-mode export onnx2soap does not import yet;
-- ``mlp``: a wide three-layer perceptron, parameter-heavy like NMT's softmax layer.
+- ``mlp``: a wide three-layer perceptron, parameter-heavy like NMT's softmax layer;
+- ``resnet50``: torchvision's ResNet-50 at 10 classes on 32x32 inputs (a toy input for
+  its 161 weight tensors, the gradient buckets' benchmark).
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ def _mlp():
     ), (1024,)
 
 
-BUILDERS = {"alexnet": _alexnet, "mlp": _mlp}
+def _resnet50():
+    from benchmarks.suite_models import _torchvision
+
+    return _torchvision().models.resnet50(num_classes=10), (3, 32, 32)
+
+
+BUILDERS = {"alexnet": _alexnet, "mlp": _mlp, "resnet50": _resnet50}
 
 
 def model_path(name: str) -> Path:

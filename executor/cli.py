@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m executor", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="train a plan under mpiexec")
-    run.add_argument("plan", type=Path, help="plan file from `onnx2soap plan`")
+    run.add_argument(
+        "plan", type=Path, help="plan file from `onnx2soap plan`, or an annotated model (.onnx)"
+    )
     run.add_argument("--model", type=Path, help="model file (default: the plan's)")
     run.add_argument("--steps", type=int_in(0, MAX_STEPS), default=10, help="steps (default 10)")
     run.add_argument(

@@ -18,7 +18,7 @@ NCCL refuses two ranks on one GPU: ``--transport auto`` picks ``mpi-host`` there
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mpi4py import MPI
@@ -110,6 +110,23 @@ class NcclTransport:
         )
         self._held.append(array)
         self.bytes_sent += ring_bytes(count, array.itemsize, len(devices), devices.index(self.rank))
+        return self.device.record(stream)
+
+    def allreduce_all(self, arrays: Sequence, devices: tuple[int, ...]):
+        """A gradient bucket (soap/buckets.py): one ncclAllReduce per array, in place, all
+        in one NCCL group, which NCCL launches as one collective; it sends what the ring
+        of their concatenation sends (the simulator's count)."""
+        stream = self.device.comm_stream()
+        self.device.wait_event(self.device.record(), stream)
+        comm, kind = self._groups[devices], self._type(arrays[0])
+        self.nccl.groupStart()
+        for array in arrays:
+            ptr = array.data.ptr
+            comm.allReduce(ptr, ptr, array.size, kind, self.nccl.NCCL_SUM, stream.ptr)
+        self.nccl.groupEnd()
+        self._held.extend(arrays)
+        count, member = sum(a.size for a in arrays), devices.index(self.rank)
+        self.bytes_sent += ring_bytes(count, arrays[0].itemsize, len(devices), member)
         return self.device.record(stream)
 
     def reduce_scatter(self, array, devices: tuple[int, ...], chunks: tuple[Interval, ...]):

@@ -12,9 +12,10 @@ microbatch. Within a pass:
     backward, the stage's ops in reverse order: per task: wait for its output-gradient
                                     pieces, compute, send input-gradient pieces to
                                     producers; in the stage's last backward, once every
-                                    microbatch's gradient is accumulated, all-reduce the
-                                    op's weight replica groups (under ZeRO,
-                                    reduce-scatter the sharded ones);
+                                    microbatch's gradient is accumulated, under ZeRO
+                                    reduce-scatter the op's sharded replica groups, and
+                                    start the gradient buckets' all-reduces whose last
+                                    gradient the op made (soap/buckets.py);
     under ZeRO-3 each op's sharded weights are all-gathered on their groups' members,
     started as the op before it in the phase begins (``GatherWeight``, FSDP's
     prefetch) and complete as its phase begins (``WaitWeight``);
@@ -59,6 +60,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB, all_rings, gradient_buckets
 from onnx2soap.soap.partition import Rect
 from onnx2soap.soap.pipeline import Pass, Pipeline, Schedule, StagePass, stage_order
 from onnx2soap.soap.saved import backward_reads
@@ -184,8 +186,12 @@ class Wait:
 
 @dataclass(frozen=True)
 class AllReduce:
-    op: int
-    group: int  # index into PartitionedGraph.groups[op name]
+    """Start summing a gradient bucket's replica groups over ``devices`` (one
+    ``BucketRing``, soap/buckets.py): their gradients as one flat run, ``members`` ((op,
+    group) pairs) in order; the step's end completes it."""
+
+    bucket: int
+    members: tuple[tuple[int, int], ...]  # (op index, index into PartitionedGraph.groups)
     devices: tuple[int, ...]
     microbatch: int = 0
 
@@ -439,7 +445,7 @@ def _gathers(pg, phase: Phase, i: int, op, zero: ZeroStage) -> list:
     ]
 
 
-def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync: bool) -> list:
+def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync) -> list:
     """The phase of each op of ``run`` in turn, each op's ZeRO-3 gathers started as the
     op before it begins (the first op's at once): FSDP's prefetch of the next block.
     Every member of a group starts its gather at the same place in the global order."""
@@ -456,34 +462,44 @@ def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync: bool) -> 
     return order
 
 
-def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync: bool) -> list:
+def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync) -> list:
     """One phase of one op for one microbatch; after the backward, where ``sync`` (the
-    stage's last backward), the op's weight-gradient sums."""
+    stage's last backward: the rings by the op they start after), the op's
+    weight-gradient sums."""
     if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
         order = _summed_op(pg, phase, i, op, *links)
     else:
         order = _plain_op(pg, phase, i, op, *links)
-    if phase is Phase.BACKWARD and sync:
-        # The op's weight gradients are complete: all-reduce them now, while the rest
-        # of the backward pass is still ahead (as the simulator schedules it).
+    if phase is Phase.BACKWARD and sync is not None:
+        # The op's weight gradients are complete: sum them now, while the rest of the
+        # backward pass is still ahead (as the simulator schedules it): ZeRO's sharded
+        # groups each alone, then the buckets whose last gradient this op made.
         for g, group in enumerate(pg.groups[op.name]):
-            if group.trainable and len(group.devices) > 1:
-                kind = AllReduce if zero_group(group, zero) is None else ReduceScatter
-                order += [(d, kind(i, g, group.devices)) for d in group.devices]
+            if group.trainable and len(group.devices) > 1 and zero_group(group, zero):
+                order += [(d, ReduceScatter(i, g, group.devices)) for d in group.devices]
+        for ring in sync.get(i, ()):
+            ins = AllReduce(ring.bucket, ring.members, ring.devices)
+            order += [(d, ins) for d in ring.devices]
     return order
 
 
 def global_order(
-    pg: PartitionedGraph, zero: ZeroStage = ZeroStage.NONE, stages: Stages | None = None
+    pg: PartitionedGraph,
+    zero: ZeroStage = ZeroStage.NONE,
+    stages: Stages | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> list[tuple[int, Instruction]]:
     """Every instruction of a step, with the device that executes it, in global order;
     ``zero``: the plan's ZeRO stage (sharded groups reduce-scatter their gradients);
-    ``stages``: the pipeline (None: one stage, one microbatch). Pass by pass in
-    ``pass_order``: a forward runs the stage's ops in graph order, a backward in reverse,
-    each instruction tagged with its microbatch; weight gradients are summed over
-    replicas in the stage's last backward, once the microbatches' are accumulated."""
+    ``stages``: the pipeline (None: one stage, one microbatch); ``bucket_mb``: the
+    gradient buckets' size. Pass by pass in ``pass_order``: a forward runs the stage's
+    ops in graph order, a backward in reverse, each instruction tagged with its
+    microbatch; weight gradients are summed over replicas in the stage's last backward,
+    once the microbatches' are accumulated."""
     graph = pg.graph
     stages = stages or Stages((0,) * len(graph.ops))
+    groups = [pg.groups[op.name] for op in graph.ops]
+    rings = all_rings(gradient_buckets(graph, bucket_mb), groups.__getitem__, zero)
     fwd, bwd = _transfers(pg)
     pieces = _pieces(pg, fwd)
     waits: dict[tuple, list[Transfer]] = {}
@@ -515,7 +531,7 @@ def global_order(
             else:  # nothing flows back through ids
                 phase = Phase.BACKWARD
                 run = [(i, op) for i, op in ops[s][::-1] if graph.differentiable(op.output)]
-            made[key] = _with_gathers(pg, phase, run, zero, links, sync)
+            made[key] = _with_gathers(pg, phase, run, zero, links, rings if sync else None)
         if p.microbatch == 0:
             order += made[key]
         else:
@@ -554,9 +570,11 @@ def compile_program(
     rank: int,
     zero: ZeroStage = ZeroStage.NONE,
     pipeline: Pipeline | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> Program:
     stages = Stages.of(pg, pipeline)
-    mine = [ins for device, ins in global_order(pg, zero, stages) if device == rank]
+    order = global_order(pg, zero, stages, bucket_mb)
+    mine = [ins for device, ins in order if device == rank]
     return _with_lifetimes(rank, mine, stages.microbatches)
 
 

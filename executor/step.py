@@ -689,11 +689,13 @@ class Step:
         self.buf.grads[shard] = grad
 
     def allreduce(self, ins: AllReduce) -> None:
-        """Start the sum of a replica group's gradient; ``end_step`` completes it (the
-        backward pass goes on meanwhile)."""
-        group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
-        grad = self.buf.gradient((group.weight, group.rect), self.xp)
-        self.reductions.append(self.rt.transport.allreduce(grad, ins.devices))
+        """Start the sum of a gradient bucket's replica groups, their gradients as one
+        run (soap/buckets.py); ``end_step`` completes it (the backward pass goes on
+        meanwhile)."""
+        groups, ops = self.rt.pg.groups, self.rt.graph.ops
+        keys = ((g.weight, g.rect) for g in (groups[ops[i].name][k] for i, k in ins.members))
+        grads = [self.buf.gradient(key, self.xp) for key in keys]
+        self.reductions.append(self.rt.transport.allreduce_all(grads, ins.devices))
 
     def reduce_scatter(self, ins: ReduceScatter) -> None:
         """ZeRO: start summing a sharded group's gradient into each member's rows. The

@@ -3,7 +3,7 @@
 Each instruction a rank runs is timed (on a GPU the rank waits for the device after each
 one while tracing, so a task's time is its own) and named as the simulator names the
 task it stands for (``fwd conv[2]``, ``bwd conv[2] partial``, ``stats bn fwd``,
-``send x 0->1``, ``allreduce w``, ``update w``...), so ``onnx2soap compare`` can set
+``send x 0->1``, ``allreduce bucket 0 on 0,1``, ``update w``...), so ``onnx2soap compare`` can set
 the two timelines side by side. Steps 2 to ``1 + TRACED_STEPS`` are kept (the first warms
 up), each rank's times relative to the start of its step; rank 0 writes one
 Chrome/Perfetto JSON file: one process per rank, a compute row and a communication row.
@@ -50,6 +50,7 @@ from executor.program import (
     WaitWeight,
 )
 from onnx2soap.files import write_atomic
+from onnx2soap.soap.buckets import ring_name
 
 TRACED_STEPS = 10
 # The first traced step runs under tracemalloc, which slows every allocation: its times
@@ -76,7 +77,7 @@ def task_name(pg, ins) -> tuple[str, str]:
     if isinstance(ins, ShareGrad):
         return f"partial sums {graph.ops[ins.op].name} bwd", "allreduce"
     if isinstance(ins, AllReduce):
-        return f"allreduce {pg.groups[graph.ops[ins.op].name][ins.group].weight}", "allreduce"
+        return ring_name(ins.bucket, ins.devices), "allreduce"
     if isinstance(ins, ReduceScatter):
         weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
         return f"reduce-scatter {weight}", "allreduce"

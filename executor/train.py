@@ -51,6 +51,7 @@ from onnx2soap.importer import ImportedModel, file_sha256, load_model
 from onnx2soap.ir import DType, Graph
 from onnx2soap.precision import Precision
 from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
+from onnx2soap.soap.annotations import is_annotated_model, read_annotated
 from onnx2soap.soap.partition import rect_shape
 from onnx2soap.soap.zero import check_zero
 
@@ -117,8 +118,16 @@ class _Setup:
     precision: Precision = Precision.FP32
 
 
+def _plan(path: Path) -> Plan:
+    """A plan file, or a model with ONNX multi-device annotations (``.onnx``) read as
+    the plan its annotations state (soap/annotations); its model is the file itself."""
+    if is_annotated_model(path):
+        return read_annotated(path, lambda batch, loss: load_model(path, batch, loss))
+    return load_plan(path)
+
+
 def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
-    plan = load_plan(options.plan)
+    plan = _plan(Path(options.plan))
     if comm.Get_size() != plan.devices:
         raise UserError(
             f"{options.plan}: the plan is for {plan.devices} devices but {comm.Get_size()} "
@@ -178,7 +187,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
     try:
         return Runtime(
             s.pg,
-            compile_program(s.pg, rank, s.plan.zero_stage, s.plan.pipeline),
+            compile_program(s.pg, rank, s.plan.zero_stage, s.plan.pipeline, s.plan.bucket_mb),
             transport,
             {**s.model.weights, **s.model.state},
             np.dtype(options.dtype.value),

@@ -24,13 +24,15 @@ import ctypes
 import os
 import sys
 import time
+from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from executor.device import Device
 from executor.doorbell import LONGEST_NAP_S, Doorbell, GroupBell
@@ -67,6 +69,11 @@ class Transport(Protocol):
 
     def allreduce(self, array: Array, devices: tuple[int, ...]) -> Pending:
         """Start an in-place sum of a contiguous array over ``devices``."""
+
+    def allreduce_all(self, arrays: Sequence[Array], devices: tuple[int, ...]) -> Pending:
+        """Start an in-place sum of several contiguous arrays of one dtype over
+        ``devices`` as one collective (a gradient bucket, soap/buckets.py): the ring of
+        their concatenation, which is never made."""
 
     def reduce_scatter(
         self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
@@ -165,26 +172,27 @@ class _Ring:
     def __init__(
         self,
         comm: MPI.Comm,
-        flat: Array,
+        flat: _Runs,
         counter: _Counter,
         device: Device,
         bell: GroupBell | None = None,
         chunks: tuple[Interval, ...] | None = None,
         steps: Callable[[int, int], tuple[RingStep, ...]] = ring_steps,
     ) -> None:
-        """``flat`` is a numpy array, or device memory under a CUDA-aware MPI (then
-        each step waits for the addition before MPI reads the chunk). ``bell``: this
+        """``flat``: numpy arrays, or device memory under a CUDA-aware MPI (then each
+        step waits for the addition before MPI reads the chunk). ``bell``: this
         rank's doorbell and the world ranks of ``comm``'s members, who are rung.
         ``chunks`` and ``steps``: another schedule over given runs (ZeRO's halves);
         by default the all-reduce's over balanced chunks."""
         self.comm, self.flat, self.counter = comm, flat, counter
-        self.device = device if not isinstance(flat, np.ndarray) else None
+        self.device = None if flat.xp is np else device
         k, r = comm.Get_size(), comm.Get_rank()
         self.chunks = ring_chunks(flat.size, k) if chunks is None else chunks
         self.steps = list(steps(r, k))
         self.right, self.left = (r + 1) % k, (r - 1) % k
         self.bell = bell
         self.scratch: Array | None = None  # made when the ring's turn comes, dropped after
+        self.sending: _Outgoing | None = None  # the chunk this step sends
         self.next = 0
         self.requests: tuple[MPI.Request, MPI.Request] | None = None  # send, receive
         self.received = False  # this step's chunk
@@ -212,8 +220,7 @@ class _Ring:
             else:
                 if self.scratch is None:
                     widest = max(hi - lo for lo, hi in self.chunks)
-                    xp = np if self.device is None else self.device.xp
-                    self.scratch = xp.empty(widest, dtype=self.flat.dtype)
+                    self.scratch = self.flat.xp.empty(widest, dtype=self.flat.dtype)
                 self._post(self.steps[self.next])
                 self.next += 1
         return True
@@ -222,10 +229,11 @@ class _Ring:
         slo, shi = self.chunks[step.send_chunk]
         rlo, rhi = self.chunks[step.recv_chunk]
         self.counter.bytes += (shi - slo) * self.flat.itemsize
+        sent = self.sending = self.flat.outgoing(slo, shi)  # held until the send completes
         if self.device is not None:
             self.device.synchronize()
-        self.requests = (  # a half-format all-gather's (ZeRO-3's weights) as its bits
-            self.comm.Isend(_wire(self.flat[slo:shi]), dest=self.right),
+        self.requests = (
+            self.comm.Isend(sent.message, dest=self.right),
             self.comm.Irecv(_wire(self.scratch[: rhi - rlo]), source=self.left),
         )
         self.received = False
@@ -234,10 +242,75 @@ class _Ring:
 
     def _land(self, step) -> None:
         rlo, rhi = self.chunks[step.recv_chunk]
-        if step.reduce:
-            self.flat[rlo:rhi] += self.scratch[: rhi - rlo]
-        else:
-            self.flat[rlo:rhi] = self.scratch[: rhi - rlo]
+        self.flat.land(rlo, rhi, self.scratch[: rhi - rlo], step.reduce)
+        if self.sending is not None:
+            self.sending.release()
+        self.sending = None
+
+
+@dataclass
+class _Outgoing:
+    """A chunk a ring sends: what ``Isend`` is given, and what must outlive the send."""
+
+    message: Any
+    held: tuple[Array, ...]
+    datatype: MPI.Datatype | None = None  # made for this send, freed after it
+
+    def release(self) -> None:
+        if self.datatype is not None:
+            self.datatype.Free()
+
+
+class _Runs:
+    """Contiguous arrays of one dtype seen as one flat run, their concatenation, which
+    is never made (a gradient bucket's, soap/buckets.py; one array most often). A ring's
+    chunk may span several: on the host it is sent in place, its pieces one MPI message
+    of a derived datatype, where a copy of the chunk had added a bucket's size (on 2
+    ranks) to the end of the backward, when every gradient is held; device memory
+    (``mpi-cuda``) is sent as a copy. What lands is added or copied piece by piece."""
+
+    def __init__(self, arrays: Sequence[Array], xp) -> None:
+        self.parts = [a.reshape(-1) for a in arrays]
+        self.starts = [0]
+        for part in self.parts:
+            self.starts.append(self.starts[-1] + part.size)
+        self.size, self.xp = self.starts[-1], xp
+        self.dtype, self.itemsize = self.parts[0].dtype, self.parts[0].itemsize
+
+    def _pieces(self, lo: int, hi: int):
+        """(array, its run, the run's offset in [lo, hi)) of every piece of [lo, hi)."""
+        k = bisect_right(self.starts, lo) - 1
+        at = lo
+        while at < hi:
+            start, end = self.starts[k], self.starts[k + 1]
+            if end > at:
+                top = min(hi, end)
+                yield self.parts[k], slice(at - start, top - start), at - lo
+                at = top
+            k += 1
+
+    def outgoing(self, lo: int, hi: int) -> _Outgoing:
+        """[lo, hi) as one message (a half-format all-gather's, ZeRO-3's weights, as
+        its bits)."""
+        pieces = [part[run] for part, run, _ in self._pieces(lo, hi)]
+        if len(pieces) <= 1:
+            one = pieces[0] if pieces else self.parts[0][:0]
+            return _Outgoing(_wire(one), (one,))
+        if self.xp is not np:
+            joined = self.xp.concatenate(pieces)
+            return _Outgoing(_wire(joined), (joined,))
+        kind = from_numpy_dtype(_wire(pieces[0]).dtype)
+        sizes, places = [p.size for p in pieces], [MPI.Get_address(p) for p in pieces]
+        datatype = kind.Create_hindexed(sizes, places).Commit()
+        return _Outgoing([MPI.BOTTOM, 1, datatype], tuple(pieces), datatype)
+
+    def land(self, lo: int, hi: int, data: Array, add: bool) -> None:
+        """Add ``data`` into [lo, hi) (a reduce step), or copy it there."""
+        for part, run, at in self._pieces(lo, hi):
+            if add:
+                part[run] += data[at : at + run.stop - run.start]
+            else:
+                part[run] = data[at : at + run.stop - run.start]
 
 
 @dataclass
@@ -284,7 +357,8 @@ class _MpiReceive:
 @dataclass(frozen=True)
 class _MpiReduce:
     ring: _Ring
-    target: Array = None  # mpi-host: the device array the host sum is copied back to
+    # mpi-host: the device arrays the host sums (``ring.flat``'s) are copied back to
+    targets: tuple[Array, ...] = ()
 
 
 class MpiTransport:
@@ -363,26 +437,32 @@ class MpiTransport:
         return _MpiReceive(self.comm.Irecv(_wire(buffer), source=source), source)
 
     def allreduce(self, array: Array, devices: tuple[int, ...]) -> _MpiReduce:
-        return self._ring(array, devices)
+        return self._ring((array,), devices)
+
+    def allreduce_all(self, arrays: Sequence[Array], devices: tuple[int, ...]) -> _MpiReduce:
+        return self._ring(arrays, devices)
 
     def reduce_scatter(
         self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
     ) -> _MpiReduce:
-        return self._ring(array, devices, chunks, reduce_scatter_steps)
+        return self._ring((array,), devices, chunks, reduce_scatter_steps)
 
     def all_gather(
         self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
     ) -> _MpiReduce:
-        return self._ring(array, devices, chunks, all_gather_steps)
+        return self._ring((array,), devices, chunks, all_gather_steps)
 
-    def _ring(self, array: Array, devices: tuple[int, ...], chunks=None, steps=ring_steps):
-        """Start a ring on ``devices``' communicator (staged: on a host copy, copied back
-        whole by ``wait``)."""
-        flat = self._host(array).reshape(-1)
+    def _ring(
+        self, arrays: Sequence[Array], devices: tuple[int, ...], chunks=None, steps=ring_steps
+    ):
+        """Start a ring over the arrays' concatenation on ``devices``' communicator
+        (staged: on host copies, copied back whole by ``wait``)."""
+        xp = self.device.xp if self._direct_device else np
+        flat = _Runs([self._host(a) for a in arrays], xp)
         bell = self._group_bells.get(devices)
         ring = _Ring(self._groups[devices], flat, self._counter, self.device, bell, chunks, steps)
         self._rings.start(devices, ring)
-        return _MpiReduce(ring, array if self.staged else None)
+        return _MpiReduce(ring, tuple(arrays) if self.staged else ())
 
     def wait(self, pending: _MpiReceive | _MpiReduce) -> None:
         if isinstance(pending, _MpiReceive):
@@ -393,8 +473,8 @@ class MpiTransport:
                 self.device.to_device(pending.host, out=pending.target)
             return
         wait_patiently(lambda: pending.ring.done, self._rings.progress, self.nap, bell=self.bell)
-        if pending.target is not None:
-            self.device.to_device(pending.ring.flat.reshape(pending.target.shape), pending.target)
+        for host, target in zip(pending.ring.flat.parts, pending.targets, strict=False):
+            self.device.to_device(host.reshape(target.shape), target)
 
     def _wait_request(self, request: MPI.Request) -> None:
         # Rings move on while this rank waits: a peer may be waiting for our chunk.

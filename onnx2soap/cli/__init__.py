@@ -1,4 +1,5 @@
-"""The ``onnx2soap`` command: inspect, plan, simulate, compare, machine, profile, show, plot.
+"""The ``onnx2soap`` command: inspect, plan, annotate, simulate, compare, machine, profile,
+show, plot.
 
 Every user error is printed as one line on stderr and exits with code 2, no traceback.
 """
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from onnx2soap.cli import (
+    annotate_cmd,
     compare_cmd,
     inspect_cmd,
     machine_cmd,
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = (
         inspect_cmd,
         plan_cmd,
+        annotate_cmd,
         simulate_cmd,
         compare_cmd,
         machine_cmd,

@@ -1,7 +1,10 @@
 """``onnx2soap plan MODEL``: find (or build by rule) a plan and write the plan file.
 
 Without ``--strategy`` the plan is found by MCMC search over the simulator of
-``--machine``; with ``--strategy`` it is built by that rule and only simulated.
+``--machine``; with ``--strategy`` it is built by that rule and only simulated. With
+``--start`` an annotated model's plan (ONNX multi-device annotations: cli/start_plan.py)
+is the plan to beat, or with ``--search none`` the plan. ``--annotate`` also writes the
+model with the plan as annotations.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from onnx2soap.cli.annotate_cmd import annotated, check_annotated_output
 from onnx2soap.cli.common import add_model_options, loss_choice, seconds
 from onnx2soap.cli.pipeline_plan import (
     Piped,
@@ -24,6 +28,7 @@ from onnx2soap.cli.pipeline_plan import (
     shape,
 )
 from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_costs
+from onnx2soap.cli.start_plan import Start, StartResult, kept_start, read_start, start_line
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
@@ -59,6 +64,8 @@ from onnx2soap.soap import (
     save_plan,
 )
 from onnx2soap.soap import validate as validate_strategy
+from onnx2soap.soap.annotations import write_annotated
+from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB, check_bucket_mb
 from onnx2soap.soap.plan import MAX_DEVICES
 from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, check_zero
 
@@ -138,7 +145,27 @@ def register(sub) -> None:
         help="train in mixed precision (bf16, fp16): the simulator's costs and memory follow "
         "it, and the executor trains in it by default",
     )
+    p.add_argument(
+        "--start",
+        metavar="ANNOTATED.onnx",
+        help="this model with ONNX multi-device annotations (onnx2soap's or another "
+        "tool's): its plan is kept unless the search finds a faster one; with --search "
+        "none it is the plan",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_MB,
+        help="MiB of weights whose gradients are summed together, filled in backward order "
+        "as PyTorch DDP's buckets (default: %(default)g)",
+    )
     p.add_argument("-o", "--output", required=True, help="plan file to write")
+    p.add_argument(
+        "--annotate",
+        metavar="OUT.onnx",
+        help="also write the model with the plan as ONNX multi-device annotations (in the "
+        "folder of the model's external data, which it refers to)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -183,11 +210,15 @@ def _mode(args) -> tuple[Rule | None, bool]:
         )
     if args.sequence_parallel and args.strategy != Rule.MEGATRON.value:
         raise UserError("--sequence-parallel goes with --strategy megatron")
+    if args.start and args.strategy:
+        raise UserError("--start gives the plan to start from; it cannot go with --strategy")
+    if args.start and args.recompute != "none":
+        raise UserError("--start's plan keeps its own recomputation; drop --recompute")
     check_options(args, searching=not args.strategy and args.search != "none")
     if args.strategy:
         return Rule(args.strategy), False
     if args.search == "none":
-        return Rule.DATA_PARALLEL, False
+        return (None, False) if args.start else (Rule.DATA_PARALLEL, False)
     return None, True
 
 
@@ -355,6 +386,13 @@ def _by_rule(
     return _Outcome(strategy, chosen, baselines, None, ilp=built[Rule.ILP].ilp)
 
 
+def _bucket_mb(value: float) -> float:
+    try:
+        return check_bucket_mb(value)
+    except ValueError as e:
+        raise UserError(f"--bucket-mb: {e}") from e
+
+
 def _check_dims(space) -> None:
     """Every dim must have a size: a zero-sized one leaves no config to run the op on."""
     for name, dims in space.items():
@@ -365,7 +403,10 @@ def _check_dims(space) -> None:
 
 def run(args: argparse.Namespace) -> int:
     rule, searching = _mode(args)
+    bucket_mb = _bucket_mb(args.bucket_mb)
     check_output(args.output)  # before the search, not after it
+    if args.annotate:
+        check_annotated_output(args.annotate)
     spec = machine_spec(args.machine, args.devices)
     machine = resolve_machine(spec)
     if args.margin is not None:
@@ -383,17 +424,30 @@ def run(args: argparse.Namespace) -> int:
     costs = costs.for_graph(graph, machine)
     precision = Precision(args.precision)
     slots = OPTIMIZER_SLOTS[args.optimizer]
-    simulator = make_simulator(machine, costs.model, slots, precision)
+    simulator = make_simulator(machine, costs.model, slots, precision, bucket_mb=bucket_mb)
     zero = _zero_stage(args, rule)
     recompute, piped = recompute_names(args, graph, space, simulator), None
     if rule is Rule.PIPELINE:  # refused in one line before any work where it cannot be
         stages, microbatches, schedule = shape(args, machine, graph)
+    start = None
+    if args.start:
+        start = read_start(args, graph, machine, costs.model, slots, precision, bucket_mb)
+    started: StartResult | None = None
     if searching:
         outcome = _search(args, graph, space, simulator)
-        pricing = Pricing(machine, slots, precision)
+        pricing = Pricing(machine, slots, precision, bucket_mb)
         found = _outer(args, outcome, graph, space, machine, costs, pricing)
         # the search's choices: its plan is priced under them
         outcome, zero, recompute, piped = found.outcome, found.zero, found.recompute, found.piped
+        if start is not None:
+            started = kept_start(start, outcome.chosen)
+            if started.kept:
+                outcome = replace(outcome, strategy=start.strategy, chosen=start.evaluation)
+                zero, recompute, piped = start.plan.zero_stage, start.plan.recompute, start.piped
+    elif start is not None:
+        outcome = _from_start(start, graph, space, simulator)
+        zero, recompute, piped = start.plan.zero_stage, start.plan.recompute, start.piped
+        started = StartResult(str(args.start), start.evaluation, kept=True)
     else:
         if rule is Rule.PIPELINE:
             piped = plan_pipeline(
@@ -409,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
                 Recompute(args.recompute),
             )
         chosen_by = make_simulator(
-            machine, costs.model, slots, precision, zero, recompute=recompute
+            machine, costs.model, slots, precision, zero, recompute=recompute, bucket_mb=bucket_mb
         )
         plain = not zero and not recompute
         outcome = _by_rule(args, rule, graph, space, simulator, None if plain else chosen_by, piped)
@@ -445,8 +499,17 @@ def run(args: argparse.Namespace) -> int:
         zero_stage=zero,
         pipeline=piped.pipeline if piped else None,
         recompute=piped.recompute if piped else recompute,
+        bucket_mb=bucket_mb,
+    )
+    # made in full before either file is written: a refusal leaves neither half-written
+    made = (
+        annotated(plan, Path(args.model), piped.graph if piped else graph, Path(args.annotate))
+        if args.annotate
+        else None
     )
     save_plan(plan, args.output)
+    if made is not None:
+        write_annotated(made, Path(args.annotate))
     _report(
         args,
         plan,
@@ -458,8 +521,19 @@ def run(args: argparse.Namespace) -> int:
         outcome.ilp,
         outcome.walk,
         outcome.choice,
+        started,
     )
     return 0
+
+
+def _from_start(start: Start, graph, space, simulator: Simulator) -> _Outcome:
+    """``--start`` with ``--search none``: the start is the plan, beside the baselines."""
+    partitioner, devices = Partitioner(graph), simulator.machine.size
+    built = {r: build(r, graph, space, devices, 0, simulator) for r in BASELINES}
+    baselines = {
+        r.value: simulator.evaluate(partitioner.partition(b.strategy)) for r, b in built.items()
+    }
+    return _Outcome(start.strategy, start.evaluation, baselines, None, ilp=built[Rule.ILP].ilp)
 
 
 def _ilp_doc(ilp: IlpResult) -> dict:
@@ -680,6 +754,7 @@ def _report(
     ilp: IlpResult | None,
     walk: SearchResult | None = None,
     choice: Choice | None = None,
+    started: StartResult | None = None,
 ) -> None:
     p, s = plan.predicted, plan.search
     baselines = dict(p.baselines)
@@ -698,15 +773,20 @@ def _report(
             **_walk_doc(walk),
             **_choice_doc(choice),
             "margin": _margin_doc(walk, margin),
+            "start": started.document() if started else None,
         }
         print(json.dumps(doc))
         return
-    how = args.strategy or "data-parallel"
+    how = args.strategy or ("the start" if args.start else "data-parallel")
     if searching:
         noun = "strategy" if s.evaluated == 1 else "strategies"
         how = f"MCMC ({s.evaluated} {noun} simulated in {time_s:.1f}s)"
     print(f"wrote {args.output}: {how} on {machine}")
     print(f"  costs: {costs.description}")
+    if started:
+        print(start_line(started, searching))
+    if args.annotate:
+        print(f"  annotated model: {args.annotate}")
     if plan.zero_stage:
         print(f"  ZeRO: stage {int(plan.zero_stage)} (replicated weights' state sharded)")
     if plan.pipeline:

@@ -232,6 +232,11 @@ class ChosenCosts:
     description: str  # for the command's output
 
     @property
+    def calibrates(self) -> bool:
+        """Whether a model's in-step calibration changes the costs (profiled only)."""
+        return isinstance(self.model, ProfiledCost)
+
+    @property
     def name(self) -> str:
         if isinstance(self.model, ProfiledCost):
             return "profiled"

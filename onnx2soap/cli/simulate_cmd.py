@@ -1,4 +1,5 @@
-"""``onnx2soap simulate PLAN``: predicted step time, memory and traffic of a plan."""
+"""``onnx2soap simulate PLAN``: predicted step time, memory and traffic of a plan (a plan
+file, or a model with ONNX multi-device annotations)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,33 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from onnx2soap.cli.annotate_cmd import read_plan
 from onnx2soap.cli.common import gib, seconds
 from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_costs
 from onnx2soap.errors import UserError
 from onnx2soap.files import check_input, check_output
 from onnx2soap.importer import file_sha256, load_model
+from onnx2soap.options import int_in
 from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator, resolve_machine
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
-from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss, load_plan
+from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss
+from onnx2soap.soap.plan import MAX_BATCH
 from onnx2soap.soap.zero import ZeroStage, check_zero
 
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="simulate one training step of a plan")
-    p.add_argument("plan", help="plan file")
+    p.add_argument("plan", help="plan file, or a model with ONNX multi-device annotations (.onnx)")
     p.add_argument("--machine", help="preset or machine file (default: the plan's, else cpu:N)")
     p.add_argument("--model", help="model file (default: the plan's)")
+    p.add_argument(
+        "--batch",
+        type=int_in(1, MAX_BATCH),
+        help="an annotated model without onnx2soap's metadata: the batch that binds its "
+        "symbolic batch dim",
+    )
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of the timeline")
     p.add_argument("--json", action="store_true")
     add_costs_option(p)
@@ -47,10 +57,11 @@ class PlanOnMachine:
     machine: Machine
 
 
-def plan_on_machine(args: argparse.Namespace) -> PlanOnMachine:
+def plan_on_machine(args: argparse.Namespace, batch: int | None = None) -> PlanOnMachine:
     """What ``simulate``, ``compare`` and ``show`` read first (``args.plan``, ``.model``,
-    ``.machine``): the model must be the plan's and the machine its size."""
-    plan = load_plan(args.plan)
+    ``.machine``): the model must be the plan's and the machine its size. ``args.plan``
+    may be an annotated model (``batch``: see ``read_plan``)."""
+    plan = read_plan(args.plan, batch)
     path = Path(args.model or plan.model_path)
     if model_sha256(path) != plan.model_sha256:
         raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
@@ -80,14 +91,15 @@ def step_costs(costs: ChosenCosts, planned: PlanOnMachine, pg: PartitionedGraph)
     the calibration fell back to every model's (GPT-2's 2-stage, 2-microbatch plan:
     predicted 5.3 ms against one device's 6.4, measured 1.0-1.4x one device's step)."""
     plan = planned.plan
-    if plan.pipeline is None or costs.name == "roofline":  # the roofline has no calibration
+    if plan.pipeline is None or not costs.calibrates:  # only profiled costs calibrate
         return costs.for_graph(pg.graph, planned.machine)
     step = load_model(planned.model, plan.batch, import_loss(plan)).graph
     return costs.for_graph(step, planned.machine)
 
 
 def plan_simulator(planned: PlanOnMachine, cost, slots: int) -> Simulator:
-    """The plan's simulator: its precision, ZeRO stage, pipeline and recomputation."""
+    """The plan's simulator: its precision, ZeRO stage, pipeline, recomputation and
+    gradient buckets."""
     plan = planned.plan
     return make_simulator(
         planned.machine,
@@ -97,6 +109,7 @@ def plan_simulator(planned: PlanOnMachine, cost, slots: int) -> Simulator:
         plan.zero_stage,
         plan.pipeline,
         plan.recompute,
+        plan.bucket_mb,
     )
 
 
@@ -113,7 +126,7 @@ def refuse_pipeline(planned: PlanOnMachine, option: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.trace:
         check_output(args.trace)  # before the work, not after it
-    planned = plan_on_machine(args)
+    planned = plan_on_machine(args, args.batch)
     if args.trace:
         refuse_pipeline(planned, "--trace")
     machine = planned.machine

@@ -11,6 +11,7 @@ from onnx2soap.search.pipeline_rule import Space
 from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Strategy
+from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB
 from onnx2soap.soap.pipeline import Pipeline, Schedule
 from onnx2soap.soap.zero import ZeroStage
 
@@ -48,8 +49,10 @@ class Pricing:
     machine: Machine
     slots: int
     precision: Precision
+    bucket_mb: float = DEFAULT_BUCKET_MB  # gradient buckets (soap/buckets.py)
 
     def simulator(self, cost: CostModel, **kw) -> Simulator:
+        kw.setdefault("bucket_mb", self.bucket_mb)
         return make_simulator(self.machine, cost, self.slots, self.precision, **kw)
 
 

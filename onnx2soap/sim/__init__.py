@@ -22,6 +22,7 @@ from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.taskgraph import Costs, Memo, TaskGraph, build_with_slots
 from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB
 from onnx2soap.soap.pipeline import Pipeline
 from onnx2soap.soap.zero import ZeroStage
 
@@ -56,11 +57,12 @@ def make_simulator(
     zero: ZeroStage = ZeroStage.NONE,
     pipeline: Pipeline | None = None,
     recompute: tuple[str, ...] | frozenset[str] = (),
+    bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> Simulator:
     """A simulator of training in ``precision``: its costs (``precision_cost``) and its
     memory both follow it; ``zero``: the plan's ZeRO stage (soap/zero.py); ``pipeline``
     and ``recompute``: the plan's (``pipeline_price.py``; ops whose activations the
-    backward recomputes)."""
+    backward recomputes); ``bucket_mb``: its gradient buckets (soap/buckets.py)."""
     return Simulator(
         machine,
         _priced(cost, machine, precision, optimizer_slots),
@@ -69,6 +71,7 @@ def make_simulator(
         zero=zero,
         pipeline=pipeline,
         recompute=frozenset(recompute),
+        bucket_mb=bucket_mb,
     )
 
 
@@ -106,6 +109,7 @@ class Simulator:
     # and prices the whole step); its recomputed ops, pipeline or not. One plan's.
     pipeline: Pipeline | None = None
     recompute: frozenset[str] = frozenset()
+    bucket_mb: float = DEFAULT_BUCKET_MB  # gradient buckets' MiB (soap/buckets.py)
 
     @property
     def shard_slots(self) -> int:
@@ -143,6 +147,7 @@ class Simulator:
             self.zero,
             self.recompute,
             self.stored_itemsize,
+            self.bucket_mb,
         )
 
     def task_graph(self, pg: PartitionedGraph, names: bool = False) -> TaskGraph:
@@ -177,6 +182,7 @@ class Simulator:
             self.optimizer_slots,
             self.recompute,
             self.stored_itemsize,
+            self.bucket_mb,
         )
         if self.pipeline is None:
             step, moved, report = simulate(tg).makespan, int(tg.nbytes.sum()), None

@@ -7,11 +7,13 @@ its tasks' end times (a start follows from them), and a checkpoint (every resour
 end, and the latest end) before each slot where a re-run can begin: the first slot a
 one-op change touches is always the op's forward slot or one of its incoming edges'
 forward slots, so only the forward region is checkpointed. Evaluating a strategy from a
-base state rebuilds the slots of the changed ops and of their edges (segments are memoized
-by the configs they depend on), and re-runs the pass from the checkpoint at or before the
-first changed slot with the same float operations as ``simulate``: the times are
-bit-identical to a full simulation. Memory is summed per op, per edge and for the batch
-from the same pieces ``memory.py`` counts, and updated by exact integer differences.
+base state rebuilds the slots of the changed ops and of their edges, and the weight and
+update slots of their gradient buckets (segments are memoized by the configs they depend
+on), and re-runs the pass from the checkpoint at or before the first changed slot with
+the same float operations as ``simulate``: the times are bit-identical to a full
+simulation. Memory is summed per op, per edge and for the batch from the same pieces
+``memory.py`` counts, and updated by exact integer differences; the buckets' rings' per
+bucket (``bucket_memory.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from onnx2soap.ir import TensorRole
 from onnx2soap.sim import Evaluation, Simulator
+from onnx2soap.sim.bucket_memory import Widest, ring_scratch, widest
 from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.memory import (
     EdgeMemory,
@@ -45,11 +48,13 @@ from onnx2soap.sim.taskgraph import (
     Segment,
     SlotBuilder,
     TaskGraph,
+    bucket_slots,
     flatten,
     layout,
     slot_kinds,
 )
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
+from onnx2soap.soap.buckets import bucket_rings, gradient_buckets
 from onnx2soap.soap.partition import SumGroup, stat_groups
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
@@ -94,11 +99,14 @@ class DeltaSimulator:
             simulator.zero,
             simulator.recompute,
             simulator.stored_itemsize,
+            simulator.bucket_mb,
         )
         self.lay = layout(graph)
         self.kinds = slot_kinds(graph, self.lay, simulator.recompute)
         self.held_kinds = op_kinds_held(graph, simulator.recompute)
-        self.builder = SlotBuilder(self.costs, self.lay, kinds=self.kinds)
+        self.buckets = gradient_buckets(graph, simulator.bucket_mb)
+        self.bucket_of = self.buckets.bucket_of()
+        self.builder = SlotBuilder(self.costs, self.lay, kinds=self.kinds, buckets=self.buckets)
         # Per op, the producers of its inputs with partial sums: whether such a sum
         # reduce-scatters depends on its readers' configs (``Partitioner.sums``), so a
         # reader's change rebuilds its producer's slots and edges too.
@@ -114,6 +122,8 @@ class DeltaSimulator:
         )
         self.entry_set = frozenset(self.entries)
         self.op_segments: dict[tuple[int, ParallelConfig], tuple[Segment, ...]] = {}
+        self.bucket_segments: dict[tuple, tuple[Segment, ...]] = {}
+        self.ring_memory_memo: dict[tuple, Widest] = {}
         self.edge_segments: dict[tuple, tuple[Segment, Segment]] = {}
         self.parts_memo: dict[tuple[int, ParallelConfig], OpParts] = {}
         self.batch_memo: dict[tuple, tuple[int, ...]] = {}
@@ -160,11 +170,26 @@ class DeltaSimulator:
     def _op_slots(self, segments: list, i: int, strategy: Strategy) -> None:
         config, sums = strategy[self.graph.ops[i].name], self.sums(i, strategy)
         key = (i, config, sums)
-        slots = self.lay.of_op(i)
+        slots = (self.lay.forward[i], self.lay.backward[i])
         if key not in self.op_segments:
             self.builder.op_slots(segments, i, self.parts(i, config, sums))
             self.op_segments[key] = tuple(segments[s] for s in slots)
         for s, seg in zip(slots, self.op_segments[key], strict=True):
+            segments[s] = seg
+
+    def _bucket_slots(self, segments: list, b: int, strategy: Strategy) -> None:
+        """Bucket ``b``'s weight and update slots, once its ops' backward slots are in
+        ``segments``: they depend on every one of its ops' configs (and sums)."""
+        ops = self.buckets.ops[b]
+        parts = [
+            self.parts(i, strategy[self.graph.ops[i].name], self.sums(i, strategy)) for i in ops
+        ]
+        key = (b, *((p.config, p.sums) for p in parts))
+        slots = bucket_slots(self.lay, ops)
+        if key not in self.bucket_segments:
+            self.builder.bucket_slots(segments, b, parts)
+            self.bucket_segments[key] = tuple(segments[s] for s in slots)
+        for s, seg in zip(slots, self.bucket_segments[key], strict=True):
             segments[s] = seg
 
     def _edge_slots(self, segments: list, j: int, strategy: Strategy) -> None:
@@ -285,6 +310,8 @@ class DeltaSimulator:
         edges, dirty, targets = self._touched(changed)
         for i in changed:
             self._op_slots(segments, i, strategy)
+        for b in self._buckets_of(changed):
+            self._bucket_slots(segments, b, strategy)
         for j in edges:
             self._edge_slots(segments, j, strategy)
         for s in dirty:
@@ -302,12 +329,18 @@ class DeltaSimulator:
         lay = self.lay
         edges = sorted({j for i in changed for j in (*lay.outs[i], *lay.ins[i])})
         dirty = {s for i in changed for s in lay.of_op(i)}
+        for b in self._buckets_of(changed):  # their gradients' rings and updates
+            dirty |= set(bucket_slots(lay, self.buckets.ops[b]))
         dirty |= {s for j in edges for s in (lay.edge_forward[j], lay.edge_backward[j])}
         targets = {("fwd", i) for i in changed} | {("bwd", i) for i in changed}
         targets |= {("fwd", lay.edges[j][1]) for j in edges}
         targets |= {("bwd", lay.edges[j][0]) for j in edges}
         dirty |= {lay.forward[i] if p == "fwd" else lay.backward[i] for p, i in targets}
         return edges, dirty, targets
+
+    def _buckets_of(self, changed: list[int]) -> list[int]:
+        """The gradient buckets of the changed ops that own weights."""
+        return sorted({self.bucket_of[i] for i in changed if i in self.bucket_of})
 
     def _run(self, strategy, segments, preds, dirty: set[int], base) -> DeltaState:
         """Re-times from the checkpoint at or before the first dirty slot to the end."""
@@ -388,7 +421,7 @@ class DeltaSimulator:
             for part in (*(m.held for m in ops), *(e.held for e in em)):
                 for d, n in part:
                     held[d] += n
-            return self._with_peak(state, ops, em, batch, held)
+            return self._with_peak(state, ops, em, batch, held, self._rings(strategy))
         ops, em, held = list(base.op_memory), list(base.edge_memory), list(base.held)
         for i in changed:
             new = self._op_memory(i, strategy)
@@ -401,13 +434,36 @@ class DeltaSimulator:
         batch = self._batch(strategy)
         for d in range(devices):
             held[d] += batch[d] - base.batch[d]
-        return self._with_peak(state, ops, em, batch, held)
+        return self._with_peak(state, ops, em, batch, held, self._rings(strategy))
 
-    def _with_peak(self, state, ops, em, batch, held) -> DeltaState:
+    def _rings(self, strategy: Strategy) -> list[int] | None:
+        """What the gradient buckets' rings hold on CPU ranks (``bucket_memory.py``),
+        memoized per bucket by its ops' configs; None on GPUs, where they hold none."""
+        sim = self.simulator
+        if not sim.host_objects:
+            return None
+        held: Widest = {}
+        ops = self.graph.ops
+        for b, bucket in enumerate(self.buckets.ops):
+            key = (b, *(strategy[ops[i].name] for i in bucket))
+            if key not in self.ring_memory_memo:
+                summed = self.buckets.summed(b)
+                rings = bucket_rings(b, summed, self._groups_of(strategy), sim.zero)
+                self.ring_memory_memo[key] = widest(rings, sim.itemsize)
+            for devices, n in self.ring_memory_memo[key].items():
+                held[devices] = max(held.get(devices, 0), n)
+        return ring_scratch(held, sim.machine.size)
+
+    def _groups_of(self, strategy: Strategy):
+        """Op index -> its replica groups under ``strategy``."""
+        ops = self.graph.ops
+        return lambda i: self.partitioner.groups(ops[i], strategy[ops[i].name])
+
+    def _with_peak(self, state, ops, em, batch, held, rings: list[int] | None) -> DeltaState:
         # The largest transient is a max over all ops: O(ops), exact, no bookkeeping.
         lay = self.lay.edges
         edges = edge_totals((lay[j][0], lay[j][1], lay[j][2], m) for j, m in enumerate(em))
-        peak = total(held, ops, self.order, edges)
+        peak = total(held, ops, self.order, edges, rings)
         return replace(
             state, op_memory=ops, edge_memory=em, batch=batch, held=tuple(held), peak=peak
         )

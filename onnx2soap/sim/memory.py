@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 
 from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.ops import definition
+from onnx2soap.sim.bucket_memory import ring_scratch, ring_widest
 from onnx2soap.soap import Edge, PartitionedGraph
 from onnx2soap.soap.partition import (
     ParallelConfig,
@@ -927,6 +928,7 @@ def total(
     ops: list[OpMemory],
     order: Order | None = None,
     edges: EdgeTotals | None = None,
+    rings: list[int] | None = None,
 ) -> tuple[int, ...]:
     """The peak per device from what it holds through the step (``held``) and what each
     op's kernels and the lifetimes of its tiles, buffers and gradients add (in graph
@@ -938,7 +940,9 @@ def total(
     gradients are gone, its weight gradients still held (``held``): its peak is that and
     the optimizer's temporaries on the largest shard. Without ``order`` (hand-made tests),
     a recomputed tile lives in its kernels only, a read tile to the step's end and a
-    gradient from its backward to the step's end."""
+    gradient from its backward to the step's end. ``rings``: per device, what the gradient
+    buckets' rings hold on CPU ranks as the rank waits for them after its backward,
+    beside every gradient (``bucket_memory.py``)."""
     devices = len(held)
     edges = edges or EdgeTotals({}, {})
     later, update = [0] * devices, [0] * devices
@@ -949,9 +953,12 @@ def total(
             update[d] = max(update[d], n)
     made, forward, saved, free = _forward_peaks(devices, ops, order, edges)
     backward = _backward_peaks(devices, ops, later, order, edges, saved, free)
+    tail = rings or [0] * devices
     return tuple(
-        h + max(b, f - o - g, u - o)
-        for h, b, f, o, g, u in zip(held, backward, forward, made, later, update, strict=True)
+        h + max(b, f - o - g, u - o, t)
+        for h, b, f, o, g, u, t in zip(
+            held, backward, forward, made, later, update, tail, strict=True
+        )
     )
 
 
@@ -1144,6 +1151,7 @@ def peak_memory(
     optimizer_slots: int = 0,
     recompute: frozenset[str] = frozenset(),
     stored: int = 0,
+    bucket_mb: float | None = None,
 ) -> tuple[int, ...]:
     """``memo`` must belong to one (itemsize, slots, objects, rounding, zero,
     recompute, stored), as a Simulator's does; it holds each op's memory by ``memory_key`` and
@@ -1182,4 +1190,8 @@ def peak_memory(
             held[d] += n
         parts.append(memo[key])
     edges = add_edges(held, pg, itemsize, objects, recompute, stored)
-    return total(held, parts, order_of(graph), edges)
+    # CPU ranks' rings hold a scratch each (``bucket_memory.py``); a GPU's none
+    rings = None
+    if objects and bucket_mb:
+        rings = ring_scratch(ring_widest(pg, bucket_mb, itemsize, zero), devices)
+    return total(held, parts, order_of(graph), edges, rings)

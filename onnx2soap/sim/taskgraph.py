@@ -2,10 +2,11 @@
 
 Tasks: forward and backward compute per op task, a transfer per overlap that crosses
 devices (forward tile and backward gradient piece: the same rects the executor sends),
-a ring all-reduce per weight replica group (soap's ring schedule: its 2(k-1) lock-step
-steps run back to back on every ring link, so the ring is one task of their summed
-duration, each step at ``Machine.ring_step_latency`` where the machine has it) and an
-SGD update per weight shard. On machines whose cores copy messages (CPU ranks), the
+a ring all-reduce per gradient bucket and set of replica devices (soap/buckets.py: the
+bucket's gradients replicated over those devices as one run; soap's ring schedule: its
+2(k-1) lock-step steps run back to back on every ring link, so the ring is one task of
+their summed duration, each step at ``Machine.ring_step_latency`` where the machine has
+it) and an SGD update per weight shard. On machines whose cores copy messages (CPU ranks), the
 runtime's assembly copies too: a tile the consumer cannot read in place
 (``executor/layout.py``: anything but one whole local tile) is copied into its input
 buffer, and a gradient piece summed into the producer's output gradient: a copy task on
@@ -24,13 +25,15 @@ ops in graph order, each op's tasks in task order (an op with statistics: every 
 half, the statistics rings, every finishing half; an op with partial sums: the tasks,
 then the sums); an op's outgoing transfers right after it, edge by edge; backward in
 reverse graph order (ops whose output takes no gradient run none), each op's gradient
-transfers and then its weight all-reduces after it; the updates last. Every resource
+transfers and then the rings of the buckets whose last gradient it makes (ZeRO's
+reduce-scatters of its sharded groups first); the updates last. Every resource
 runs its tasks in that order (``simulate.py``).
 
 The graph is built as *slots*, one per (phase, op) or (phase, edge), fixed by the graph
 alone, each holding a ``Segment`` that depends only on the configs of the op or of the
-edge's two ops. A proposal that changes one op's config changes only the slots of that
-op and its edges: ``delta.py`` rebuilds those and splices them in.
+edge's two ops; an op's weight and update slots, on those of its bucket's ops. A
+proposal that changes one op's config changes only the slots of that op, its edges and
+its bucket: ``delta.py`` rebuilds those and splices them in.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ from onnx2soap.sim.collectives import Collective, collective_time, group_shape
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Cooling, Machine, Resume
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
+from onnx2soap.soap.buckets import (
+    DEFAULT_BUCKET_MB,
+    BucketRing,
+    Buckets,
+    bucket_rings,
+    gradient_buckets,
+)
 from onnx2soap.soap.collectives import (
     RingStep,
     all_gather_steps,
@@ -293,6 +303,9 @@ class Costs:
     # precision's 2 (activations, their gradients, ZeRO-3's gathered weights); None:
     # ``itemsize``. Weight gradients and partial sums stay ``itemsize``.
     stored_itemsize: int | None = None
+    # gradient buckets' MiB (soap/buckets.py): the weight ops whose gradients are summed
+    # together, by a ring per device set
+    bucket_mb: float = DEFAULT_BUCKET_MB
 
     @property
     def stored(self) -> int:
@@ -820,29 +833,68 @@ def _weight_ready(parts: OpParts, phase: tuple[int, Segment], group: ReplicaGrou
     }
 
 
-def weight_segment(
-    costs: Costs, slot: int, parts: OpParts, last: tuple[int, Segment], names: bool
-) -> Segment:
-    """A ring all-reduce per trainable replica group over several devices, after the
-    group's backward tasks (``last``: the op's backward, or its forward if it has none);
-    under ZeRO a sharded group's reduce-scatter instead. (The executor completes a
-    rank's previous reduce-scatter before it starts the next, which may hold its backward
-    a little; not modelled: a slot depends on its own op's config alone.)"""
-    b = _SegmentBuilder(slot, names, costs.turns)
-    for group in parts.groups:
-        if group.trainable and len(group.devices) > 1:
-            ready = [r for refs in _weight_ready(parts, last, group).values() for r in refs]
+def _group_ready(parts: OpParts, last: tuple[int, Segment], group: ReplicaGroup) -> list[Ref]:
+    """The tasks that make the group's gradient, on all its devices."""
+    return [r for refs in _weight_ready(parts, last, group).values() for r in refs]
+
+
+@dataclass(frozen=True)
+class BucketOps:
+    """A gradient bucket's ops (``soap/buckets.py``), in backward order: per op its
+    parts and the phase its weight gradients are made in (``last``: its backward, or
+    its forward where it has none)."""
+
+    bucket: int
+    ops: tuple[int, ...]
+    parts: tuple[OpParts, ...]
+    last: tuple[tuple[int, Segment], ...]
+    summed: tuple[int, ...]  # the ops whose gradients its rings sum (``Buckets.summed``)
+
+    def groups(self, i: int) -> tuple[ReplicaGroup, ...]:
+        return self.parts[self.ops.index(i)].groups
+
+    def ready(self, ring: BucketRing) -> tuple[Ref, ...]:
+        """The tasks that make the ring's gradients: its members' backward tasks."""
+        refs: dict[Ref, None] = {}
+        for i, g in ring.members:
+            k = self.ops.index(i)
+            group = self.parts[k].groups[g]
+            refs |= dict.fromkeys(_group_ready(self.parts[k], self.last[k], group))
+        return tuple(refs)
+
+
+def weight_segments(
+    costs: Costs, lay: Layout, bucket: BucketOps, names: bool
+) -> tuple[list[Segment], dict[tuple[int, int], Ref]]:
+    """The weight slot of every op of the bucket: after the op's backward, each of its
+    groups ZeRO shards reduce-scattered alone, then the bucket's rings that start there
+    (``BucketRing.closing``: the ring of each device set after its last gradient is
+    made), while the rest of the backward goes on. Returns the segments and, per (op,
+    group) summed, the task that sums it. (The executor completes a rank's previous
+    reduce-scatter before it starts the next, which may hold its backward a little; not
+    modelled.)"""
+    rings = bucket_rings(bucket.bucket, bucket.summed, bucket.groups, costs.zero)
+    summed: dict[tuple[int, int], Ref] = {}
+    segments = []
+    for k, i in enumerate(bucket.ops):
+        b = _SegmentBuilder(lay.weights[i], names, costs.turns)
+        parts, last = bucket.parts[k], bucket.last[k]
+        for g, group in enumerate(parts.groups):
             sharded = zero_group(group, costs.zero)
-            if sharded is None:
-                numel = rect_volume(group.rect)
-                _group_ring(costs, b, group.devices, numel, ready, f"allreduce {group.weight}")
+            if sharded is None or len(group.devices) < 2:
                 continue
             seconds, links, nbytes = costs.half_ring(
                 group.devices, sharded.chunks, reduce_scatter_steps, costs.itemsize
             )
             what = f"reduce-scatter {group.weight}"
-            b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what)
-    return b.segment()
+            ready = _group_ready(parts, last, group)
+            summed[(i, g)] = b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what)
+        for ring in (r for r in rings if r.closing == i):
+            seconds, links, nbytes = costs.ring(ring.devices, ring.numel)
+            done = b.add(TaskKind.ALLREDUCE, seconds, links, bucket.ready(ring), nbytes, ring.name)
+            summed |= dict.fromkeys(ring.members, done)
+        segments.append(b.segment())
+    return segments, summed
 
 
 def update_segment(
@@ -850,22 +902,22 @@ def update_segment(
     slot: int,
     parts: OpParts,
     last: tuple[int, Segment],
-    rings: tuple[int, Segment],
+    summed: Mapping[int, Ref],
     names: bool,
 ) -> Segment:
-    """An SGD update per trainable weight shard and device, after its ring (or its own
-    device's backward tasks when the shard has one copy); under ZeRO each member updates
-    its rows, and an all-gather after every member's update gives them to all (at
-    ZeRO-3 none: each phase of the op gathers the Rect before its tasks, ``_weight_gathers``)."""
+    """An SGD update per trainable weight shard and device, after the task that sums its
+    group (``summed``, by group index: a bucket's ring or ZeRO's reduce-scatter), or its
+    own device's backward tasks when the shard has one copy; under ZeRO each member
+    updates its rows, and an all-gather after every member's update gives them to all
+    (at ZeRO-3 none: each phase of the op gathers the Rect before its tasks,
+    ``_weight_gathers``)."""
     b = _SegmentBuilder(slot, names, costs.turns)
-    ring = 0
-    for group in parts.groups:
+    for g, group in enumerate(parts.groups):
         if not group.trainable:
             continue  # state: updated by the forward, no gradient to sum or apply
         ready = _weight_ready(parts, last, group)
-        if len(group.devices) > 1:
-            ready = dict.fromkeys(group.devices, ((rings[0], ring),))
-            ring += 1
+        if g in summed:
+            ready = dict.fromkeys(group.devices, (summed[g],))
         sharded = zero_group(group, costs.zero)
         updates = []
         for d in group.devices:
@@ -881,6 +933,30 @@ def update_segment(
             what = f"all-gather {group.weight}"
             b.add(TaskKind.ALLREDUCE, seconds, links, updates, nbytes, what)
     return b.segment()
+
+
+def sync_segments(costs: Costs, lay: Layout, bucket: BucketOps, names: bool) -> tuple[Segment, ...]:
+    """The weight and update slots of a bucket's ops, in ``bucket_slots`` order: the
+    sums of their gradients and their updates."""
+    weights, summed = weight_segments(costs, lay, bucket, names)
+    updates = [
+        update_segment(
+            costs,
+            lay.updates[i],
+            parts,
+            last,
+            {g: ref for (j, g), ref in summed.items() if j == i},
+            names,
+        )
+        for i, parts, last in zip(bucket.ops, bucket.parts, bucket.last, strict=True)
+    ]
+    return (*weights, *updates)
+
+
+def bucket_slots(lay: Layout, ops: Sequence[int]) -> tuple[int, ...]:
+    """The slots a bucket's gradient sums and updates fill: its ops' weight slots, then
+    their update slots."""
+    return (*(lay.weights[i] for i in ops), *(lay.updates[i] for i in ops))
 
 
 def merged_preds(segment: Segment, feeds: Sequence[Segment]) -> tuple[tuple[Ref, ...], ...]:
@@ -952,31 +1028,67 @@ class SlotBuilder:
     lay: Layout
     names: bool = False
     kinds: SlotKinds | None = None
+    # the graph's gradient buckets (soap/buckets.py)
+    buckets: Buckets = field(default_factory=lambda: Buckets(()))
     # per (kind, configs): the op's or edge's index it was built at, and its segments
     _ops_built: dict[tuple, tuple[int, tuple[Segment, ...]]] = field(default_factory=dict)
     _edges_built: dict[tuple, tuple[int, tuple[Segment, Segment]]] = field(default_factory=dict)
+    # per (its ops' kinds, configs and sums): a bucket's ops and its sums' and updates'
+    _buckets_built: dict[tuple, tuple[tuple[int, ...], tuple[Segment, ...]]] = field(
+        default_factory=dict
+    )
+
+    def _shared(self) -> bool:
+        return self.kinds is not None and not self.names
 
     def op_slots(self, segments: list, i: int, parts: OpParts) -> None:
+        """The op's forward and backward slots (its weights' sums and updates are its
+        bucket's: ``bucket_slots``)."""
         lay = self.lay
-        slots = lay.of_op(i)
+        slots = (lay.forward[i], lay.backward[i])
         key = None
-        if self.kinds is not None and not self.names:
+        if self._shared():
             key = (self.kinds.ops[i], parts.config, parts.sums)
             found = self._ops_built.get(key)
             if found is not None:
-                moves = dict(zip(lay.of_op(found[0]), slots, strict=True))
+                i0 = found[0]
+                moves = {lay.forward[i0]: slots[0], lay.backward[i0]: slots[1]}
                 for s, seg in zip(slots, found[1], strict=True):
                     segments[s] = relocated(seg, moves)
                 return
         c, n = self.costs, self.names
-        f, bw, w, u = slots
+        f, bw = slots
         segments[f] = forward_segment(c, f, parts, n)
         segments[bw] = backward_segment(c, bw, parts, f, segments[f], n)
-        last = (bw, segments[bw]) if segments[bw].ends else (f, segments[f])
-        segments[w] = weight_segment(c, w, parts, last, n)
-        segments[u] = update_segment(c, u, parts, last, (w, segments[w]), n)
         if key is not None:
             self._ops_built[key] = (i, tuple(segments[s] for s in slots))
+
+    def bucket_slots(self, segments: list, b: int, parts: Sequence[OpParts]) -> None:
+        """The weight and update slots of bucket ``b``'s ops (``parts``: theirs, in the
+        bucket's order), after their forward and backward slots are built."""
+        lay, ops = self.lay, self.buckets.ops[b]
+        slots = bucket_slots(lay, ops)
+        key = None
+        if self._shared():
+            key = tuple(
+                (self.kinds.ops[i], p.config, p.sums) for i, p in zip(ops, parts, strict=True)
+            )
+            found = self._buckets_built.get(key)
+            if found is not None:
+                pairs = zip(found[0], ops, strict=True)
+                moves = {s0: s for i0, i in pairs for s0, s in _op_moves(lay, i0, i)}
+                for s, seg in zip(slots, found[1], strict=True):
+                    segments[s] = relocated(seg, moves)
+                return
+        last = []
+        for i in ops:
+            f, bw = lay.forward[i], lay.backward[i]
+            last.append((bw, segments[bw]) if segments[bw].ends else (f, segments[f]))
+        bucket = BucketOps(b, ops, tuple(parts), tuple(last), self.buckets.summed(b))
+        for s, seg in zip(slots, sync_segments(self.costs, lay, bucket, self.names), strict=True):
+            segments[s] = seg
+        if key is not None:
+            self._buckets_built[key] = (ops, tuple(segments[s] for s in slots))
 
     def edge_slots(self, segments: list, j: int, edge: Edge, ptasks, ctasks) -> None:
         lay, c, n = self.lay, self.costs, self.names
@@ -1030,12 +1142,20 @@ class SlotBuilder:
         )
 
 
+def _op_moves(lay: Layout, i0: int, i: int):
+    """(slot of op ``i0``, the same slot of op ``i``) for each of an op's slots."""
+    return zip(lay.of_op(i0), lay.of_op(i), strict=True)
+
+
 def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segment], list[tuple]]:
     """Every slot's segment and merged predecessors for ``pg``."""
     lay, ops = builder.lay, pg.graph.ops
     segments: list[Segment] = [EMPTY] * lay.size
-    for i, op in enumerate(ops):
-        builder.op_slots(segments, i, op_parts(pg, op))
+    parts = [op_parts(pg, op) for op in ops]
+    for i in range(len(ops)):
+        builder.op_slots(segments, i, parts[i])
+    for b, bucket in enumerate(builder.buckets.ops):
+        builder.bucket_slots(segments, b, [parts[i] for i in bucket])
     for j, edge in enumerate(pg.edges):
         p, c = edge.producer, edge.consumer
         configs = edge_configs(pg.strategy[p], pg.strategy[c], pg.sums[p])
@@ -1102,8 +1222,9 @@ def build_task_graph(
     memo: Memo | None = None,
     zero: ZeroStage = ZeroStage.NONE,
     recompute: frozenset[str] = frozenset(),
+    bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> TaskGraph:
-    costs = Costs(machine, cost, itemsize, memo or Memo(), zero, recompute)
+    costs = Costs(machine, cost, itemsize, memo or Memo(), zero, recompute, bucket_mb=bucket_mb)
     return build_with_slots(pg, costs, names)[0]
 
 
@@ -1115,7 +1236,9 @@ def build_with_slots(
     check_devices(pg, costs.machine)
     costs.memo.bind(pg.graph)
     lay = layout(pg.graph)
-    builder = SlotBuilder(costs, lay, names, slot_kinds(pg.graph, lay, costs.recompute))
+    kinds = slot_kinds(pg.graph, lay, costs.recompute)
+    buckets = gradient_buckets(pg.graph, costs.bucket_mb)
+    builder = SlotBuilder(costs, lay, names, kinds, buckets)
     segments, preds = all_segments(builder, pg)
     tg = flatten(segments, preds, costs.machine, names)
     sizes = [len(seg.duration) for seg in segments]

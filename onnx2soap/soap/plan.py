@@ -7,6 +7,7 @@
      "pipeline": {"schedule": "1f1b" | "gpipe", "microbatches": int,
                   "stages": [[op name]]} (absent: no pipeline; soap/pipeline.py),
      "recompute": [op name] (absent: none; ops whose activations the backward recomputes),
+     "bucket_mb": float > 0 (absent: 25; gradient buckets' MiB, soap/buckets.py),
      "ops": [{"name": str, "degrees": {dim: int}, "devices": [int]}],
      "predicted": {...} | null, "search": {...} | null}
 
@@ -36,6 +37,7 @@ from onnx2soap.errors import PlanError
 from onnx2soap.files import write_atomic
 from onnx2soap.ir import Graph, LossKind
 from onnx2soap.precision import Precision
+from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB, check_bucket_mb
 from onnx2soap.soap.dims import SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.pipeline import SCHEDULES, Pipeline, Schedule, check_pipeline_plan
@@ -96,6 +98,7 @@ class Plan:
     zero_stage: ZeroStage = ZeroStage.NONE  # written only when set: older plans read alike
     pipeline: Pipeline | None = None  # likewise
     recompute: tuple[str, ...] = ()  # likewise
+    bucket_mb: float = DEFAULT_BUCKET_MB  # gradient buckets (soap/buckets.py); likewise
 
     @property
     def graph_batch(self) -> int:
@@ -191,6 +194,7 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
         **({"zero_stage": int(plan.zero_stage)} if plan.zero_stage else {}),
         **({"pipeline": _pipeline_json(plan.pipeline)} if plan.pipeline else {}),
         **({"recompute": list(plan.recompute)} if plan.recompute else {}),
+        **({"bucket_mb": plan.bucket_mb} if plan.bucket_mb != DEFAULT_BUCKET_MB else {}),
         "ops": [
             {"name": o.name, "degrees": dict(o.degrees), "devices": list(o.devices)}
             for o in plan.ops
@@ -224,6 +228,12 @@ def _pipeline_json(pipeline: Pipeline) -> dict:
         "microbatches": pipeline.microbatches,
         "stages": [list(ops) for ops in pipeline.stages],
     }
+
+
+def plan_document(plan: Plan, folder: Path) -> dict:
+    """The plan as the JSON document ``save_plan`` writes, its paths relative to
+    ``folder`` (an annotated model keeps it in its metadata: soap/annotations)."""
+    return _to_json(plan, folder)
 
 
 def save_plan(plan: Plan, path: Path | str) -> None:
@@ -419,9 +429,15 @@ def load_plan(path: Path | str) -> Plan:
         doc = parse_json(text)
     except PlanError as e:
         raise PlanError(f"{path}: not a JSON plan file ({e})") from e
-    r = _Reader(str(path))
+    return plan_from_document(doc, str(path), path.parent)
+
+
+def plan_from_document(doc: object, source: str, folder: Path) -> Plan:
+    """A plan document checked field by field (errors name ``source`` and the field);
+    its paths are relative to ``folder``."""
+    r = _Reader(source)
     if not isinstance(doc, dict):
-        raise PlanError(f"{path}: a plan must be a JSON object")
+        raise PlanError(f"{source}: a plan must be a JSON object")
     if r.get(doc, "format", str, "format") != FORMAT:
         raise r.fail("format", f"must be '{FORMAT}', got {json.dumps(doc['format'])[:60]}")
     version = r.get(doc, "version", int, "version")
@@ -445,19 +461,20 @@ def load_plan(path: Path | str) -> Plan:
                 )
     batch = r.positive(model, "batch", "model.batch", most=MAX_BATCH)
     return Plan(
-        model_path=path.parent / r.path(model, "path", "model.path"),
+        model_path=folder / r.path(model, "path", "model.path"),
         model_sha256=sha,
         batch=batch,
         loss=LossKind(loss),
         devices=devices,
         ops=ops,
-        machine=_resolved_machine(r.path(doc, "machine", "machine", optional=True), path.parent),
+        machine=_resolved_machine(r.path(doc, "machine", "machine", optional=True), folder),
         predicted=_read_predicted(r, doc),
         search=_read_search(r, doc),
         precision=_read_precision(r, doc),
         zero_stage=_read_zero_stage(r, doc),
         pipeline=_read_pipeline(r, doc, batch, devices, {o.name for o in ops}),
         recompute=_read_recompute(r, doc, {o.name for o in ops}),
+        bucket_mb=_read_bucket_mb(r, doc),
     )
 
 
@@ -479,6 +496,16 @@ def _read_zero_stage(r: _Reader, doc: Mapping) -> ZeroStage:
     if value not in accepted:
         raise r.fail("zero_stage", f"must be one of {accepted} (a ZeRO stage), got {value}")
     return ZeroStage(value)
+
+
+def _read_bucket_mb(r: _Reader, doc: Mapping) -> float:
+    value = r.get(doc, "bucket_mb", (int, float), "bucket_mb", optional=True)
+    if value is None:
+        return DEFAULT_BUCKET_MB
+    try:
+        return check_bucket_mb(value)
+    except ValueError as e:
+        raise r.fail("bucket_mb", str(e)) from e
 
 
 def _read_pipeline(

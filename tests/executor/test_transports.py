@@ -178,15 +178,44 @@ def test_a_ring_holds_its_scratch_only_while_it_runs():
     the step keeps every finished ring to its end, and data parallelism had kept a
     1/k-sized scratch of every gradient through the backward (resnet18: 13 % of a rank's
     peak)."""
-    from executor.transport import _Counter, _Ring
+    from executor.transport import _Counter, _Ring, _Runs
 
     flat = np.arange(6, dtype=np.float64)
-    ring = _Ring(_PeerOfOnes(), flat, _Counter(), CpuDevice())
+    ring = _Ring(_PeerOfOnes(), _Runs([flat], np), _Counter(), CpuDevice())
     assert ring.scratch is None and not ring.done  # queued: nothing made yet
     assert ring.advance() and ring.done
     assert ring.scratch is None
     # rank 0 sums chunk 1 (its own + the peer's ones) and takes chunk 0 from the peer
     np.testing.assert_array_equal(flat, [1, 1, 1, 4, 5, 6])
+
+
+def test_a_bucket_rings_over_its_gradients_as_one_run():
+    """A gradient bucket's ring (soap/buckets.py) works on the arrays' concatenation,
+    never made: of the 7 elements, chunk 0, [0, 4), spans both arrays. Rank 0 sends it
+    first, as one message of a derived datatype over both arrays in place (freed once
+    sent), adds the peer's ones into chunk 1, then takes chunk 0 from the peer, piece
+    by piece."""
+    from executor.transport import _Counter, _Ring, _Runs
+
+    first, second = np.arange(3, dtype=np.float64), np.arange(10, 14, dtype=np.float64)
+    sent = []
+
+    class Peer(_PeerOfOnes):
+        def Isend(self, buf, dest):
+            sent.append(buf)
+            return MPI.REQUEST_NULL
+
+    runs = _Runs([first, second.reshape(2, 2)], np)
+    assert runs.size == 7
+    outgoing = runs.outgoing(0, 4)
+    assert outgoing.datatype is not None and outgoing.datatype.Get_size() == 4 * 8
+    assert [a.base is first or a.base is second for a in outgoing.held] == [True, True]
+    outgoing.release()
+    ring = _Ring(Peer(), runs, _Counter(), CpuDevice())
+    assert ring.advance() and ring.done
+    np.testing.assert_array_equal(first, [1, 1, 1])
+    np.testing.assert_array_equal(second, [1, 12, 13, 14])
+    assert len(sent) == 2 and sent[0][0] is MPI.BOTTOM and sent[1] is not None
 
 
 def test_closing_frees_the_groups_so_a_process_can_train_plan_after_plan():

@@ -101,6 +101,45 @@ def test_delta_matches_full(export_model, name: str, spec: str, data) -> None:
         assert per_resource(tg, timeline) == per_resource(tg2, timeline2)
 
 
+@pytest.mark.parametrize(
+    ("name", "spec", "bucket_bytes"),
+    [
+        ("bnnet", "cpu:4", 1000),  # buckets of ops 14, 10 and of ops 7, 4, 3, 1, 0
+        ("tokens", "cpu:4/cores=2/busy=3e-6", 400),  # of ops 8, 7, 1 and of op 0
+        ("cnn", "flexflow-p100:1", 2048),  # fc2; fc1; both branches' convolutions; conv1
+        ("bnnet", "cpu:4/ring=2e-5/cool=1.7e-4,4e-6", 1),  # an op a bucket
+    ],
+)
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_delta_matches_full_with_several_buckets(
+    export_model, name: str, spec: str, bucket_bytes: int, data
+) -> None:
+    """A proposal in a gradient bucket rebuilds its rings and its ops' updates: the
+    timeline and every resource's tasks are the full simulation's, bit for bit."""
+    graph, space, moves, machine, partitioner = case(export_model, name, spec)
+    bucket_mb = bucket_bytes / (1 << 20)
+    full = Simulator(machine, RooflineCost(), bucket_mb=bucket_mb)
+    delta = DeltaSimulator(Simulator(machine, RooflineCost(), bucket_mb=bucket_mb), partitioner)
+    assert len(delta.buckets.ops) >= 2
+    strategy = data_parallel(graph, space, machine.size)
+    _, state = delta.evaluate(strategy)
+    weighted = [graph.ops[i].name for ops in delta.buckets.ops for i in ops]
+    for _ in range(data.draw(st.integers(1, 12), label="proposals")):
+        op = data.draw(st.sampled_from(weighted), label="op")
+        strategy = strategy.replace(op, data.draw(st.sampled_from(moves[op]), label="config"))
+        ev, state = delta.evaluate(strategy, state)
+        pg = partitioner.partition(strategy)
+        assert ev == full.evaluate(pg)
+        tg = full.task_graph(pg)
+        timeline = simulate(tg)
+        tg2, timeline2 = delta.task_graph(state)
+        assert np.array_equal(timeline.end, timeline2.end)
+        assert per_resource(tg, timeline) == per_resource(tg2, timeline2)
+
+
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -46,7 +46,8 @@ def predicted(plan_path: Path) -> tuple[int, ...]:
     plan = load_plan(plan_path)
     graph = load_model(plan.model_path, plan.batch, import_loss(plan)).graph
     pg = Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
-    return Simulator(cpu(plan.devices), RooflineCost()).evaluate(pg).peak_memory_bytes
+    simulator = Simulator(cpu(plan.devices), RooflineCost(), bucket_mb=plan.bucket_mb)
+    return simulator.evaluate(pg).peak_memory_bytes
 
 
 @pytest.mark.parametrize(("name", "batch", "ranks", "strategy", "seed"), CASES)

@@ -85,6 +85,19 @@ def test_round_trip_without_optional_sections(tmp_path: Path) -> None:
     same_plan(load_plan(tmp_path / "p.json"), plan)
 
 
+def test_bucket_size_is_written_only_when_not_the_default(tmp_path: Path) -> None:
+    """Older plans (no ``bucket_mb``) read as DDP's 25 MiB, and such a plan is written
+    as they were."""
+    plan = sample_plan(tmp_path / "net.onnx")
+    assert plan.bucket_mb == 25.0
+    save_plan(plan, tmp_path / "p.json")
+    assert "bucket_mb" not in json.loads((tmp_path / "p.json").read_text())
+    small = replace(plan, bucket_mb=0.25)
+    save_plan(small, tmp_path / "q.json")
+    assert json.loads((tmp_path / "q.json").read_text())["bucket_mb"] == 0.25
+    same_plan(load_plan(tmp_path / "q.json"), small)
+
+
 def test_round_trip_from_a_relative_plan_path(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
@@ -379,6 +392,10 @@ OPTIONAL: list[tuple[str, tuple, object]] = [
     ("search.seed", ("search", "seed"), "7"),
     ("search.budget_s", ("search", "budget_s"), None),
     ("search.evaluated", ("search", "evaluated"), 1.5),
+    ("bucket_mb", ("bucket_mb",), 0),
+    ("bucket_mb", ("bucket_mb",), -2.5),
+    ("bucket_mb", ("bucket_mb",), "25"),
+    ("bucket_mb", ("bucket_mb",), True),
 ]
 
 

@@ -1,0 +1,55 @@
+"""What the gradient buckets' rings hold on a CPU rank, for the memory model.
+
+The MPI transport's ring (``executor/transport.py``) sums a bucket's gradients in place
+as one run (soap/buckets.py; a chunk that spans two gradients goes as one message in
+place), holding while it runs its receive scratch, as wide as its widest chunk: 1/k of
+the bucket. A rank runs one ring at a time per communicator, and rings move on only
+when it calls into the transport: in a data-parallel backward, which makes few calls,
+most of the buckets' rings run as the rank waits for them after its backward, every
+gradient held and the activations gone. The model counts them there: per
+communicator, the widest scratch of its rings. (Counted besides in the backward, from
+the op a ring starts after to the next ring's start, it put the example CNN's plan of
+2 KiB buckets 11 % above its measured peak: fc1's ring queues behind fc2's, whose
+scratch is tiny, until the next call.) GPUs hold none of it: NCCL sums in place,
+``mpi-host`` rings over host copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.buckets import BucketRing, all_rings, gradient_buckets
+from onnx2soap.soap.collectives import ring_chunks
+from onnx2soap.soap.zero import ZeroStage
+
+Widest = dict[tuple[int, ...], int]  # per communicator, the widest scratch of its rings
+
+
+def scratch_bytes(ring: BucketRing, itemsize: int) -> int:
+    """A member's receive scratch: the ring's widest chunk."""
+    return max(hi - lo for lo, hi in ring_chunks(ring.numel, len(ring.devices))) * itemsize
+
+
+def widest(rings: Iterable[BucketRing], itemsize: int, into: Widest | None = None) -> Widest:
+    """Per communicator, the widest scratch of ``rings`` (and of those ``into`` holds)."""
+    out = {} if into is None else into
+    for ring in rings:
+        out[ring.devices] = max(out.get(ring.devices, 0), scratch_bytes(ring, itemsize))
+    return out
+
+
+def ring_widest(pg: PartitionedGraph, bucket_mb: float, itemsize: int, zero: ZeroStage) -> Widest:
+    """``widest`` of every bucket's rings of ``pg``."""
+    ops = pg.graph.ops
+    by_op = all_rings(gradient_buckets(pg.graph, bucket_mb), lambda i: pg.groups[ops[i].name], zero)
+    return widest((r for rings in by_op.values() for r in rings), itemsize)
+
+
+def ring_scratch(held: Mapping[tuple[int, ...], int], devices: int) -> list[int]:
+    """Per device, what its communicators' rings hold together at most."""
+    out = [0] * devices
+    for members, n in held.items():
+        for d in members:
+            out[d] += n
+    return out
