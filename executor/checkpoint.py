@@ -1,21 +1,24 @@
 """Checkpoints: every rank's shards written atomically, restorable under any plan.
 
     DIR/LATEST               the name of the newest complete checkpoint (replaced atomically)
-    DIR/step-000000120/      one checkpoint: manifest.json and one .npy per saved shard
+    DIR/step-000000120/      one checkpoint: safetensors shards and their index
+                             (``checkpoint_files``; format 1, .npy files and a manifest,
+                             is still read: ``checkpoint_v1``)
     DIR/.tmp-step-.../       a checkpoint being written (never read; removed by the next save)
 
 A checkpoint holds, for every weight and state tensor, the Rects the plan splits it into
-(each written once, by the lowest device of its replica group), the optimizer's state
-(one array per Rect and slot; under ZeRO one per shard, written by its owner) and the
-step. The data position and the random streams (Dropout's bits) follow from the step and
-the seed, which the manifest records with the model's and the plan's sha256. A checkpoint
-appears only whole: all ranks write into a temporary folder, and rank 0 renames it into
-place and then points LATEST at it, so a crash at any moment leaves the previous
-checkpoint as it was.
+(each written once, by the lowest device of its replica group; under ZeRO-3 every member
+its rows), the optimizer's state (one array per Rect and slot; under ZeRO one per shard,
+written by its owner) and the step. Each rank writes what it holds into its own files.
+The data position and the random streams (Dropout's bits) follow from the step and the
+seed, which the index records with the model's and the plan's sha256. A checkpoint
+appears only whole: all ranks write into a temporary folder, rank 0 writes the index
+last, renames the folder into place and then points LATEST at it, so a crash at any
+moment leaves the previous checkpoint as it was.
 
-Restoring reads, for each Rect a rank holds, the saved Rects that overlap it (memory
-mapped, so a rank reads only what it needs): the same plan gets its shards back bit for
-bit, and another plan (other splits, another rank count) is re-sharded from them.
+Restoring reads, for each Rect a rank holds, the boxes of the saved Rects that overlap
+it (nothing else): the same plan gets its shards back bit for bit, and another plan
+(other splits, another rank count) is re-sharded from them.
 """
 
 from __future__ import annotations
@@ -23,19 +26,31 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 from mpi4py import MPI
 
+from executor import checkpoint_v1
 from executor.buffers import local_slices
+from executor.checkpoint_files import (
+    INDEX,
+    load_index,
+    rank_file,
+    shard_key,
+    stored_shards,
+    write_shard_file,
+)
 from executor.runtime import Runtime
 from onnx2soap.errors import UserError
 from onnx2soap.files import write_atomic
+from onnx2soap.importer.weights import StoredTensor
 from onnx2soap.soap.partition import Rect, intersect, rect_shape
 
-FORMAT = 1
+FORMAT = 2
 LATEST = "LATEST"
 VALUE = "value"  # an entry holding a weight's or state's values (else an optimizer slot)
 
@@ -59,6 +74,7 @@ class Entry:
     kind: str  # VALUE or an optimizer slot name
     rect: Rect
     file: str
+    stored: StoredTensor | None = None  # its place in a safetensors file (None: a .npy)
 
 
 @dataclass(frozen=True)
@@ -79,13 +95,6 @@ class LossScale:
     growth_tracker: int
 
 
-def _fsync_write(path: Path, array: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.save(f, np.ascontiguousarray(array))
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -94,11 +103,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _owned_arrays(rt: Runtime) -> list[tuple[str, str, Rect, object]]:
-    """(tensor, kind, rect, array) of every Rect this rank writes: the values of those
-    whose replica group has this rank as its lowest device, and their optimizer state;
-    under ZeRO every member writes the state of its own shard."""
-    out = []
+def _owned_arrays(rt: Runtime) -> dict[str, dict[str, object]]:
+    """This rank's arrays to write, by file kind (``model``, ``optimizer``) and key: the
+    values of the Rects whose replica group has this rank as its lowest device, and
+    their optimizer state; under ZeRO every member writes the state of its own shard."""
+    values, slots = {}, {}
     for op in rt.graph.ops:
         for group in rt.pg.groups[op.name]:
             key = (group.weight, group.rect)
@@ -106,18 +115,32 @@ def _owned_arrays(rt: Runtime) -> list[tuple[str, str, Rect, object]]:
                 continue
             for device, rect in rt.written(group):  # ZeRO-3: every member its rows
                 if device == rt.rank:
-                    out.append((group.weight, VALUE, rect, rt.shards[key]))
+                    values[shard_key(group.weight, rect)] = rt.shards[key]
             if group.devices[0] != rt.rank and key not in rt.zero:
                 continue
             for slot, array in rt.slots.get(key, {}).items():
-                out.append((group.weight, slot, rt.slot_rect(key), array))
-    return out
+                slots[shard_key(group.weight, rt.slot_rect(key), slot)] = array
+    return {"model": values, "optimizer": slots}
 
 
 def _agree(comm: MPI.Comm, error: str | None) -> None:
     errors = [e for e in comm.allgather(error) if e]
     if errors:
         raise UserError(errors[0])
+
+
+def _write_rank_files(rt: Runtime, tmp: Path, rank: int) -> tuple[dict, dict, int]:
+    """This rank's files (none where it holds nothing): the index's part of its maps,
+    and the bytes written."""
+    maps, total = {"model": {}, "optimizer": {}}, 0
+    for kind, arrays in _owned_arrays(rt).items():
+        if arrays:
+            file = rank_file(kind, rank)
+            total += write_shard_file(tmp / file, arrays.items(), rt.device.to_host, rt.dtype)
+            maps[kind] = dict.fromkeys(arrays, file)
+    if any(maps.values()):
+        _fsync_dir(tmp)
+    return maps["model"], maps["optimizer"], total
 
 
 def save_checkpoint(
@@ -130,8 +153,8 @@ def save_checkpoint(
     loss_scale: LossScale | None = None,
 ) -> Path:
     """Write the checkpoint after ``step`` completed steps (collective); returns its path."""
-    rank, name = comm.Get_rank(), f"step-{step:09d}"
-    tmp = directory / f".tmp-{name}"
+    rank = comm.Get_rank()
+    tmp = directory / f".tmp-step-{step:09d}"
     error = None
     if rank == 0:
         try:
@@ -142,60 +165,122 @@ def save_checkpoint(
         except OSError as e:
             error = f"{directory}: cannot write a checkpoint ({e.strerror or e})"
     _agree(comm, error)
-    entries, error = [], None
+    part, error = ({}, {}, 0), None
     try:
-        for i, (tensor, kind, rect, array) in enumerate(_owned_arrays(rt)):
-            file = f"r{rank}-{i}.npy"
-            _fsync_write(tmp / file, rt.device.to_host(array))
-            entries.append(Entry(tensor, kind, rect, file))
+        part = _write_rank_files(rt, tmp, rank)
     except OSError as e:
         error = f"{tmp}: cannot write a checkpoint ({e.strerror or e})"
     _agree(comm, error)
-    gathered = comm.gather(entries, root=0)
-    final = directory / name
+    parts = comm.gather(part, root=0)
+    name, error = None, None
     if rank == 0:
-        entries = tuple(e for part in gathered for e in part)
-        manifest = Manifest(identity, plan_sha, step, entries, loss_scale)
-        write_atomic(tmp / "manifest.json", json.dumps({"format": FORMAT, **asdict(manifest)}))
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
-        write_atomic(directory / LATEST, name + "\n")
-        for old in directory.glob("step-*"):
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-    comm.Barrier()
-    return final
+        metadata = _metadata(comm, step, identity, plan_sha, loss_scale)
+        try:
+            name = _publish(directory, tmp, step, metadata, parts)
+        except UserError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"{directory}: cannot write a checkpoint ({e.strerror or e})"
+    name, error = comm.bcast((name, error), root=0)
+    if error:
+        raise UserError(error)
+    return directory / name
 
 
-def _rect(value) -> Rect:
-    return tuple((int(lo), int(hi)) for lo, hi in value)
+def _metadata(
+    comm: MPI.Comm, step: int, identity: RunIdentity, plan_sha: str, scale: LossScale | None
+) -> dict:
+    """What the index records beside its maps: what the run must match, and where it was."""
+    return {
+        "format": "onnx2soap-checkpoint",
+        "version": FORMAT,
+        "step": step,
+        "identity": asdict(identity),
+        "plan_sha256": plan_sha,
+        "ranks": comm.Get_size(),
+        "loss_scale": None if scale is None else asdict(scale),
+    }
+
+
+def _publish(directory: Path, tmp: Path, step: int, metadata: dict, parts: list) -> str:
+    """Rank 0, once every rank's files are synced: the index, the rename, LATEST, and
+    the older checkpoints removed. Returns the checkpoint's name."""
+    weight_map = {k: f for part in parts for k, f in part[0].items()}
+    optimizer_map = {k: f for part in parts for k, f in part[1].items()}
+    metadata = {"total_size": sum(part[2] for part in parts), **metadata}
+    index = {"metadata": metadata, "weight_map": weight_map, "optimizer_map": optimizer_map}
+    write_atomic(tmp / INDEX, json.dumps(index, indent=1))
+    _fsync_dir(tmp)
+    # A fresh name: LATEST may name a checkpoint of this very step (a run started over),
+    # which must stay whole until LATEST names the new one.
+    name, again = f"step-{step:09d}", 1
+    while (directory / name).exists():
+        name, again = f"step-{step:09d}.{again}", again + 1
+    os.rename(tmp, directory / name)
+    _fsync_dir(directory)
+    write_atomic(directory / LATEST, name + "\n")
+    for old in directory.glob("step-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return name
 
 
 def read_manifest(directory: Path) -> tuple[Manifest, Path]:
-    """The newest complete checkpoint in ``directory``; one line if there is none."""
+    """The newest complete checkpoint in ``directory`` (every file it names checked
+    against its header); one line naming the file and the field if it cannot be read."""
     try:
         name = (directory / LATEST).read_text().strip()
-        path = directory / name
-        doc = json.loads((path / "manifest.json").read_text())
     except FileNotFoundError as e:
         raise UserError(f"{directory}: no checkpoint (missing {e.filename})") from e
-    except (OSError, ValueError) as e:
-        raise UserError(f"{directory}: unreadable checkpoint manifest ({e})") from e
-    try:
-        if doc.get("format", FORMAT) != FORMAT:
-            raise UserError(f"{path}: checkpoint format {doc['format']}, this reads {FORMAT}")
-        entries = tuple(
-            Entry(e["tensor"], e["kind"], _rect(e["rect"]), e["file"]) for e in doc["entries"]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{directory / LATEST}: cannot read ({e})") from e
+    path = directory / name
+    if "/" in name or not name.startswith("step-") or not path.is_dir():
+        raise UserError(f"{directory / LATEST}: names {name!r}, which is not a checkpoint here")
+    if (path / INDEX).is_file():
+        return _read_index(path), path
+    if (path / checkpoint_v1.MANIFEST).is_file():
+        doc, entries = checkpoint_v1.load_manifest(path)
+        manifest = _fields(doc, path / checkpoint_v1.MANIFEST)
+        return replace(manifest, entries=tuple(Entry(*e) for e in entries)), path
+    raise UserError(f"{directory}: no checkpoint (missing {path / INDEX})")
+
+
+def _read_index(path: Path) -> Manifest:
+    doc = load_index(path)
+    where = path / INDEX
+    version = doc["metadata"].get("version")
+    if version != FORMAT:
+        raise UserError(
+            f"{where}: metadata field 'version' is {version!r}; this reads checkpoints of "
+            f"format {checkpoint_v1.VERSION} and {FORMAT}"
         )
+    manifest = _fields(doc["metadata"], where)
+    try:
+        elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(manifest.identity.dtype))
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{where}: metadata field 'identity.dtype' is not a dtype") from e
+    entries = tuple(
+        Entry(s.tensor, VALUE if s.slot is None else s.slot, s.rect, s.file, s.where)
+        for s in stored_shards(path, doc, elem_type)
+    )
+    return replace(manifest, entries=entries)
+
+
+def _fields(doc: Mapping, where: Path) -> Manifest:
+    """The step, identity, plan and loss scale a checkpoint's metadata records."""
+    try:
         identity = RunIdentity(**doc["identity"])
         scale = doc.get("loss_scale")
         loss_scale = None if scale is None else LossScale(**scale)
-        manifest = Manifest(identity, doc["plan_sha256"], int(doc["step"]), entries, loss_scale)
-        return manifest, path
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{path}/manifest.json: not a checkpoint manifest ({e})") from e
+        step = doc["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"field 'step' is {step!r}, not a count of steps")
+        return Manifest(identity, str(doc["plan_sha256"]), step, (), loss_scale)
+    except KeyError as e:
+        raise UserError(f"{where}: no field {e} in the checkpoint's metadata") from e
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{where}: not a checkpoint's metadata ({e})") from e
 
 
 def check_identity(directory: Path, saved: RunIdentity, run: RunIdentity) -> None:
@@ -220,21 +305,32 @@ def check_identity(directory: Path, saved: RunIdentity, run: RunIdentity) -> Non
             )
 
 
-def _assemble(path: Path, entries: list[Entry], rect: Rect, dtype) -> np.ndarray:
-    """The values of ``rect`` from the saved Rects that overlap it."""
+def _read_box(path: Path, entry: Entry, box: Rect) -> np.ndarray:
+    """``box`` (inside the entry's Rect) of a saved Rect, read alone."""
+    if entry.stored is None:
+        return checkpoint_v1.read_npy_box(path / entry.file, entry.rect, box)
+    local = tuple((lo - at, hi - at) for (lo, hi), (at, _) in zip(box, entry.rect, strict=True))
+    return entry.stored.read(local)
+
+
+def _assemble(path: Path, entries: list[Entry], rect: Rect, dtype, what: str) -> np.ndarray:
+    """The values of ``rect`` of ``what`` (a tensor, or its slot) from the saved Rects
+    that overlap it."""
     out = np.empty(rect_shape(rect), dtype=dtype)
     covered = np.zeros(rect_shape(rect), dtype=bool)
     for entry in entries:
+        if len(entry.rect) != len(rect):
+            raise UserError(
+                f"{path / entry.file}: {what} is saved with {len(entry.rect)} axes; the "
+                f"model's has {len(rect)}"
+            )
         common = intersect(entry.rect, rect)
         if common is None:
             continue
-        saved = np.load(path / entry.file, mmap_mode="r")
-        if saved.shape != rect_shape(entry.rect):
-            raise UserError(f"{path / entry.file}: shape {list(saved.shape)} is not its Rect's")
-        out[local_slices(common, rect)] = saved[local_slices(common, entry.rect)]
+        out[local_slices(common, rect)] = _read_box(path, entry, common)
         covered[local_slices(common, rect)] = True
     if not covered.all():
-        raise UserError(f"{path}: the checkpoint does not cover {list(rect)} of a tensor")
+        raise UserError(f"{path}: no saved shard holds all of {list(rect)} of {what}")
     return out
 
 
@@ -246,12 +342,14 @@ def restore(rt: Runtime, manifest: Manifest, path: Path) -> None:
     try:
         for (tensor, rect), shard in rt.shards.items():
             held = rt.held_rect((tensor, rect))  # under ZeRO-3 the rank's rows only
-            values = _assemble(path, by_key.get((tensor, VALUE), []), held, rt.dtype)
+            saved = by_key.get((tensor, VALUE), [])
+            values = _assemble(path, saved, held, rt.dtype, repr(tensor))
             rt.device.to_device(values, out=shard)
             rt.refresh_compute_copy((tensor, rect))
             owned = rt.slot_rect((tensor, rect))  # under ZeRO the rank's rows only
             for slot, array in rt.slots.get((tensor, rect), {}).items():
-                state = _assemble(path, by_key.get((tensor, slot), []), owned, rt.dtype)
+                saved = by_key.get((tensor, slot), [])
+                state = _assemble(path, saved, owned, rt.dtype, f"{slot} of {tensor!r}")
                 rt.device.to_device(state, out=array)
     except OSError as e:
         raise UserError(f"{path}: cannot read the checkpoint ({e.strerror or e})") from e

@@ -135,8 +135,9 @@ def _add_checkpoint_options(run: argparse.ArgumentParser) -> None:
         "--checkpoint",
         type=Path,
         metavar="DIR",
-        help="write checkpoints here (atomically: a crash leaves the previous one whole), "
-        "at the end, on Ctrl-C/SIGTERM, and every --checkpoint-every steps",
+        help="write checkpoints here (each rank's shards as safetensors files and an "
+        "index; atomically: a crash leaves the previous one whole), at the end, on "
+        "Ctrl-C/SIGTERM, and every --checkpoint-every steps",
     )
     ckpt.add_argument(
         "--checkpoint-every",

@@ -38,6 +38,7 @@ from mpi4py import MPI
 from onnx import numpy_helper
 from safetensors.numpy import load_file as load_safetensors
 
+from executor.checkpoint import read_manifest
 from executor.train import train
 from onnx2soap.errors import UserError
 from onnx2soap.importer import file_sha256, load_model
@@ -225,14 +226,13 @@ def test_a_checkpoint_resumes_under_the_other_plan(plans, trained, first: str, t
     job, out = trained[f"{then}-resumes-{first}"]
     losses, weights = one_device(replace(job, plan=str(plans["one"]), resume=None))
     assert_like(out, losses[2:], weights, rtol=1e-10)
-    manifest = next(Path(trained[f"{first}-saves"][0].checkpoint).glob("step-*/manifest.json"))
-    entries = json.loads(manifest.read_text())["entries"]
-    moments = [e for e in entries if e["kind"] == "exp_avg"]
-    values = [e for e in entries if e["kind"] == "value"]
+    entries = read_manifest(Path(trained[f"{first}-saves"][0].checkpoint))[0].entries
+    moments = [e for e in entries if e.kind == "exp_avg"]
+    values = [e for e in entries if e.kind == "value"]
     # ZeRO's state is written per shard, each by its owner: more entries than weights;
     # ZeRO-3's values too, each member its rows
     assert (len(moments) > len(values)) == (first == "zero2"), (len(moments), len(values))
-    per_shard = len({e["tensor"] for e in values}) < len(values)
+    per_shard = len({e.tensor for e in values}) < len(values)
     assert per_shard == (first == "zero3")
 
 
