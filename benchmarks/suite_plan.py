@@ -7,9 +7,10 @@ recomputation (issue 31, part 4).
 ``benchmarks/suite.py`` times the walk alone: where no plain plan fits a device, its row
 says so. A user runs ``plan``, which after the walk prices pipelines, recomputation and
 ZeRO and returns the fastest that fits. This runs ``plan`` on each cell (the suite's
-models, exported once into ``--work``; the suite's batch and precision; roofline costs
-of the preset's datasheet) in a process of its own, timed from start to exit with its
-own peak RSS, and prints a row per cell:
+models, exported once into ``--work``; the suite's batch and precision; the costs
+``plan`` picks for the preset: ``--costs auto``, the published kernel rates of H100s and
+A100s, the datasheet's roofline for the papers' V100s and P100s) in a process of its
+own, timed from start to exit with its own peak RSS, and prints a row per cell:
 
 ``returns`` the plan ``plan`` wrote; ``step`` its predicted step; ``best rule`` the
 fastest plan a rule builds that fits (the baselines, the pipeline rule's shapes and the

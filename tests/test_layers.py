@@ -52,8 +52,18 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "executor": SHARED,
     # Runs the executor's kernels and links to write what sim reads.
     "onnx2soap.measure": (*SIM, "onnx2soap.search", "executor"),
+    # What ``onnx2soap inspect`` shows of a model, typed (the command and the API's).
+    "onnx2soap.inspection": SHARED,
+    # The Python API: plan, simulate, inspect; beside the command, never below it.
+    "onnx2soap.api": (*SIM, "onnx2soap.search", "onnx2soap.inspection"),
     # The onnx2soap command: planning and measuring, never the executor directly.
-    "onnx2soap.cli": (*SIM, "onnx2soap.search", "onnx2soap.viz", "onnx2soap.measure"),
+    "onnx2soap.cli": (
+        *SIM,
+        "onnx2soap.search",
+        "onnx2soap.viz",
+        "onnx2soap.measure",
+        "onnx2soap.inspection",
+    ),
     "onnx2soap.__main__": ("onnx2soap.cli",),
 }
 

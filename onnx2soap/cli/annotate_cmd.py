@@ -15,12 +15,12 @@ from onnx2soap.errors import UserError
 from onnx2soap.files import check_output
 from onnx2soap.importer import load_model
 from onnx2soap.ir import Graph
+from onnx2soap.sim.planned import read_plan  # noqa: F401 (simulate, start read it here)
 from onnx2soap.soap import Plan, analyze, import_loss, load_plan
 from onnx2soap.soap.annotations import (
     annotate,
     is_annotated_model,
     load_proto,
-    read_annotated,
     refer_to_data,
     write_annotated,
 )
@@ -69,13 +69,3 @@ def run(args: argparse.Namespace) -> int:
     write_annotated(annotated(plan, model, imported.graph, output), output)
     print(f"wrote {output}: {args.plan} as ONNX multi-device annotations")
     return 0
-
-
-def read_plan(path: Path | str, batch: int | None = None) -> Plan:
-    """A JSON plan file, or an annotated model read as a plan (``batch`` binds a
-    symbolic batch where the model has no onnx2soap metadata)."""
-    if not is_annotated_model(path):
-        if batch is not None:
-            raise UserError(f"{path}: --batch is for annotated models; a plan file has its batch")
-        return load_plan(path)
-    return read_annotated(path, lambda b, loss: load_model(path, b, loss), batch)

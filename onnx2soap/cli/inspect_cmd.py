@@ -6,9 +6,8 @@ import argparse
 import json
 
 from onnx2soap.cli.common import add_model_options, human, loss_choice
-from onnx2soap.importer import load_model
-from onnx2soap.importer.copies import weight_copies
-from onnx2soap.ir import Graph, Op
+from onnx2soap.inspection import inspect_graph, inspect_model, synced
+from onnx2soap.ir import Graph
 from onnx2soap.soap import DimKind, SoapDim, analyze
 
 
@@ -19,38 +18,9 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def op_params(op: Op, graph: Graph) -> int:
-    return sum(graph.tensors[t].numel for t in op.inputs if t in {w.name for w in graph.weights})
-
-
 def report(graph: Graph, model: str) -> dict:
-    space = analyze(graph)
-    return {
-        "model": model,
-        "batch": graph.batch,
-        "loss": graph.loss.value,
-        "ops": [
-            {
-                "name": op.name,
-                "type": op.type,
-                "output_shape": list(graph.tensors[op.output].shape),
-                "flops": op.nest.flops,
-                "params": op_params(op, graph),
-                "dims": [
-                    {
-                        "name": d.name,
-                        "size": d.size,
-                        "kind": d.kind.value,
-                        "axis": d.axis,
-                        "splittable": d.splittable,
-                        "synchronized": d.name in _synced(op),
-                    }
-                    for d in space[op.name]
-                ],
-            }
-            for op in graph.ops
-        ],
-    }
+    """``inspect --json``'s document of ``graph`` (read from ``model``)."""
+    return inspect_graph(graph, model).document()
 
 
 _KIND_LETTER = {
@@ -66,12 +36,6 @@ def _dim_text(d: SoapDim, synced: bool) -> str:
     return f"{d.name}={d.size}:{_KIND_LETTER[d.kind]}{mark}"
 
 
-def _synced(op: Op) -> set[str]:
-    """Names of the dims whose statistics are combined across a split (BatchNorm in
-    training mode); none for an op without statistics (BatchNorm in inference mode)."""
-    return {op.nest.dims[i].name for i in op.nest.sync_dims}
-
-
 def table(doc: dict, graph: Graph) -> str:
     space = analyze(graph)
     legend = "dims (S/A/P/R; - = not splittable; * = statistics synchronized)"
@@ -82,7 +46,7 @@ def table(doc: dict, graph: Graph) -> str:
                 op.name,
                 op.type,
                 "x".join(map(str, entry["output_shape"])) or "scalar",
-                " ".join(_dim_text(d, d.name in _synced(op)) for d in space[op.name]),
+                " ".join(_dim_text(d, d.name in synced(op)) for d in space[op.name]),
                 human(entry["flops"]),
                 human(entry["params"]),
             )
@@ -117,14 +81,10 @@ def copy_lines(copies) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.model, args.batch, loss_choice(args.loss))
-    doc = report(model.graph, args.model)
-    copies = weight_copies(model.weights)
-    doc["weight_copies"] = [
-        {"first": c.first, "second": c.second, "kind": c.kind.value} for c in copies
-    ]
+    inspected = inspect_model(args.model, args.batch, loss_choice(args.loss))
+    doc = inspected.document()
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print("\n".join([table(doc, model.graph), *copy_lines(copies)]))
+        print("\n".join([table(doc, inspected.graph), *copy_lines(inspected.weight_copies)]))
     return 0

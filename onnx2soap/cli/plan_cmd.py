@@ -2,9 +2,12 @@
 
 Without ``--strategy`` the plan is found by MCMC search over the simulator of
 ``--machine``; with ``--strategy`` it is built by that rule and only simulated. With
-``--start`` an annotated model's plan (ONNX multi-device annotations: cli/start_plan.py)
+``--start`` an annotated model's plan (ONNX multi-device annotations: search/start.py)
 is the plan to beat, or with ``--search none`` the plan. ``--annotate`` also writes the
 model with the plan as annotations.
+
+The planner's order is search/planner.py's (``make_plan``, which the Python API calls
+too): this module parses the options, writes the files and prints what was found.
 """
 
 from __future__ import annotations
@@ -13,29 +16,19 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import fields
 from pathlib import Path
 
 from onnx2soap.cli.annotate_cmd import annotated, check_annotated_output
-from onnx2soap.cli.common import add_model_options, loss_choice, seconds
-from onnx2soap.cli.pipeline_plan import (
-    Piped,
-    add_pipeline_options,
-    check_options,
-    more_baselines,
-    plan_pipeline,
-    recompute_names,
-    shape,
-)
-from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_costs
-from onnx2soap.cli.start_plan import Start, StartResult, kept_start, read_start, start_line
-from onnx2soap.errors import UserError
+from onnx2soap.cli.common import add_model_options, seconds
+from onnx2soap.cli.pipeline_plan import add_pipeline_options
+from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option
+from onnx2soap.cli.start_plan import start_line
 from onnx2soap.files import check_output
-from onnx2soap.importer import load_model
 from onnx2soap.options import float_in, int_in
 from onnx2soap.precision import Precision
-from onnx2soap.search.baselines import BASELINES, Rule, build
-from onnx2soap.search.ilp import IlpOptions, IlpResult
+from onnx2soap.search.baselines import Rule
+from onnx2soap.search.ilp import IlpResult
 from onnx2soap.search.mcmc import (
     MAX_BETA,
     MAX_BUDGET_S,
@@ -44,30 +37,19 @@ from onnx2soap.search.mcmc import (
     Progress,
     SearchOptions,
     SearchResult,
-    closest_words,
-    mcmc,
-    unfit_message,
 )
-from onnx2soap.search.pipeline_choice import Candidate, Choice, Pricing, pipeline_choice
-from onnx2soap.search.pipeline_rule import Recompute
+from onnx2soap.search.pipeline_choice import Candidate, Choice
 from onnx2soap.search.pipeline_walk import PipelineWalk
-from onnx2soap.sim import Evaluation, Simulator, make_simulator, resolve_machine
+from onnx2soap.search.plan_request import PlanRequest, decide
+from onnx2soap.search.planner import candidate_words, make_plan
+from onnx2soap.search.start import StartResult
+from onnx2soap.sim import Evaluation
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
-from onnx2soap.soap import (
-    Partitioner,
-    Plan,
-    Predicted,
-    SearchInfo,
-    Strategy,
-    analyze,
-    plan_ops,
-    save_plan,
-)
-from onnx2soap.soap import validate as validate_strategy
+from onnx2soap.soap import Plan, save_plan
 from onnx2soap.soap.annotations import write_annotated
-from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB, check_bucket_mb
+from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB
 from onnx2soap.soap.plan import MAX_DEVICES
-from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, check_zero
+from onnx2soap.soap.zero import ZERO_STAGES
 
 
 def register(sub) -> None:
@@ -171,22 +153,6 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def machine_spec(machine: str | None, devices: int | None) -> str:
-    if devices is not None and devices < 1:
-        raise UserError(f"--devices must be >= 1, got {devices}")
-    if machine and devices is not None:
-        m = resolve_machine(machine)
-        if m.size != devices:
-            raise UserError(
-                f"--devices {devices} disagrees with --machine {machine} ({m.size} devices)"
-            )
-    if machine:
-        return machine
-    if devices is None:
-        raise UserError("give --machine PRESET|FILE (or --devices N for this host's MPI ranks)")
-    return f"cpu:{devices}"
-
-
 def draw_progress(p: Progress) -> None:
     width = 30
     filled = min(width, int(width * p.elapsed_s / p.budget_s)) if p.budget_s > 0 else width
@@ -198,342 +164,45 @@ def draw_progress(p: Progress) -> None:
     sys.stderr.flush()
 
 
-def _mode(args) -> tuple[Rule | None, bool]:
-    if args.strategy and args.search == "mcmc":
-        raise UserError(
-            "--strategy builds a plan by rule; it cannot be combined with --search mcmc"
-        )
-    if args.zero_stage is not None and args.strategy not in (Rule.ZERO.value, Rule.CONTEXT.value):
-        raise UserError(
-            "--zero-stage goes with --strategy zero (data parallelism with ZeRO) or "
-            "--strategy context"
-        )
-    if args.sequence_parallel and args.strategy != Rule.MEGATRON.value:
-        raise UserError("--sequence-parallel goes with --strategy megatron")
-    if args.start and args.strategy:
-        raise UserError("--start gives the plan to start from; it cannot go with --strategy")
-    if args.start and args.recompute != "none":
-        raise UserError("--start's plan keeps its own recomputation; drop --recompute")
-    check_options(args, searching=not args.strategy and args.search != "none")
-    if args.strategy:
-        return Rule(args.strategy), False
-    if args.search == "none":
-        return (None, False) if args.start else (Rule.DATA_PARALLEL, False)
-    return None, True
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    strategy: Strategy
-    chosen: Evaluation
-    baselines: dict[str, Evaluation]
-    search: SearchInfo | None
-    time_s: float = 0.0  # reported, never written: the plan file stays reproducible
-    ilp: IlpResult | None = None  # the ILP's build and solve times and gap, reported
-    walk: SearchResult | None = None  # the search's starts and walks, reported
-    choice: Choice | None = None  # the search's pipelines and recomputation, reported
-
-
-def _search(args, graph, space, simulator: Simulator) -> _Outcome:
-    # a walk whose plans all overflow goes on: a pipeline or recomputation may fit
-    options = SearchOptions(args.budget, args.seed, args.beta, args.max_evals, must_fit=False)
-    show = None if args.quiet or args.json or not sys.stderr.isatty() else draw_progress
-    result = mcmc(graph, space, simulator, options, show)
-    if show:
-        sys.stderr.write("\n")
-    info = SearchInfo("mcmc", args.seed, args.budget, result.evaluated)
-    return _Outcome(
-        result.best,
-        result.evaluation,
-        dict(result.baselines),
-        info,
-        result.time_s,
-        result.ilp,
-        result,
-    )
-
-
-PIPELINE_MIN_S = 10.0
-
-
-@dataclass(frozen=True)
-class _Searched:
-    """The search's plan after its outer choice: a pipeline's on the microbatch's model."""
-
-    outcome: _Outcome
-    zero: ZeroStage
-    recompute: tuple[str, ...]
-    piped: Piped | None
-
-
-def _outer(args, outcome: _Outcome, graph, space, machine, costs, pricing) -> _Searched:
-    """``pipeline_choice`` after the walk and its ZeRO stage: the plan it chooses, if
-    any, replaces the walk's; its by-rule ``pipeline`` and ``zero`` join the baselines.
-    Nothing that fits at all: the walk's refusal."""
-    walk = outcome.walk
-
-    def load(batch: int):
-        return load_model(args.model, batch, loss_choice(args.loss)).graph
-
-    # the pricing's own bound, beside the walk's budget: half of it, 10 s at least
-    max_s = max(PIPELINE_MIN_S, args.budget / 2)
-    # the walk inside the best pipeline gets as long again
-    choice = pipeline_choice(
-        graph,
-        space,
-        load,
-        costs.model,
-        pricing,
-        walk.best,
-        walk.evaluation,
-        walk.zero_stage,
-        max_s,
-        max_s,
-        args.seed,
-    )
-    c: Candidate | None = choice.chosen
-    if c is None and walk.unfit:
-        raise UserError(_refusal(walk.unfit, walk, choice, pricing))
-    baselines = {**outcome.baselines, **{k: v.evaluation for k, v in choice.baselines.items()}}
-    outcome = replace(outcome, baselines=baselines, choice=choice)
-    if c is None:
-        return _Searched(outcome, walk.zero_stage, (), None)
-    outcome = replace(outcome, strategy=c.strategy, chosen=c.evaluation)
-    if c.pipeline is None:
-        return _Searched(outcome, c.zero_stage, c.recompute, None)
-    piped = Piped(c.strategy, c.pipeline, c.graph, c.space, c.recompute, c.evaluation)
-    return _Searched(outcome, c.zero_stage, c.recompute, piped)
-
-
-def _refusal(unfit: str, walk: SearchResult, choice: Choice, pricing: Pricing) -> str:
-    """The walk's refusal ``unfit``, naming instead the plan priced after it (a
-    pipeline, a plan recomputing) where that one came nearer: the walk's nearest alone
-    had GPT-1.3B on 64 V100s needing 125.6 GiB where a pipeline needed 24.6."""
-    near = min(choice.tried, key=lambda c: max(c.evaluation.peak_memory_bytes), default=None)
-    if near is None:
-        return unfit
-    peak = max(near.evaluation.peak_memory_bytes)
-    if peak >= max(walk.evaluation.peak_memory_bytes):
-        return unfit
-    memory = max(d.memory for d in pricing.machine.devices)
-    return unfit_message(closest_words(_candidate_words(near), peak, memory))
-
-
-def _zero_stage(args, rule: Rule | None) -> ZeroStage:
-    """``--strategy zero``'s stage (2 unless ``--zero-stage`` says 1 or 3); context
-    parallelism's where ``--zero-stage`` gives one (its weights are replicated over the
-    sequence's devices, as FSDP with context parallelism shards them); else none."""
-    if rule is Rule.CONTEXT and args.zero_stage:
-        return ZeroStage(args.zero_stage)
-    if rule is not Rule.ZERO:
-        return ZeroStage.NONE
-    return ZeroStage(args.zero_stage or ZeroStage.GRADIENTS)
-
-
-def _by_rule(
-    args,
-    rule: Rule,
-    graph,
-    space,
-    simulator: Simulator,
-    chosen_by: Simulator | None = None,
-    piped: Piped | None = None,
-) -> _Outcome:
-    """``chosen_by``: the chosen plan's simulator where it is not plain (its ZeRO stage,
-    its recomputation), which prices it (and ``--strategy zero``'s "zero" line among the
-    baselines); the baselines are plain. ``piped``: the pipeline rule's plan, built and
-    priced already."""
-    partitioner, devices = Partitioner(graph), simulator.machine.size
-
-    def evaluate(strategy: Strategy, by: Simulator = simulator) -> Evaluation:
-        return by.evaluate(partitioner.partition(strategy))
-
-    # --strategy ilp: the solver's time limit is the budget
-    ilp_options = IlpOptions(max(args.budget, 0.1)) if rule is Rule.ILP else None
-    built = (
-        {}
-        if piped
-        else {
-            rule: build(
-                rule,
-                graph,
-                space,
-                devices,
-                args.seed,
-                simulator,
-                ilp_options,
-                sequence_parallel=args.sequence_parallel,
-            )
-        }
-    )
-    for r in BASELINES:
-        if r not in built:
-            built[r] = build(r, graph, space, devices, 0, simulator)
-    if piped is None:
-        strategy = built[rule].strategy
-        validate_strategy(graph, space, strategy)
-        chosen = evaluate(strategy, chosen_by or simulator)
-    else:
-        strategy, chosen = piped.strategy, piped.evaluation
-    if not chosen.fits:
-        print(
-            f"onnx2soap: warning: the {rule.value} plan does not fit in device memory",
-            file=sys.stderr,
-        )
-    baselines = {r.value: evaluate(built[r].strategy) for r in BASELINES}
-    if rule is Rule.ZERO:
-        baselines[Rule.ZERO.value] = chosen
-    return _Outcome(strategy, chosen, baselines, None, ilp=built[Rule.ILP].ilp)
-
-
-def _bucket_mb(value: float) -> float:
-    try:
-        return check_bucket_mb(value)
-    except ValueError as e:
-        raise UserError(f"--bucket-mb: {e}") from e
-
-
-def _check_dims(space) -> None:
-    """Every dim must have a size: a zero-sized one leaves no config to run the op on."""
-    for name, dims in space.items():
-        empty = [d.name for d in dims if d.size < 1]
-        if empty:
-            raise UserError(f"op '{name}': dims {empty} have size 0; nothing to compute")
-
-
 def run(args: argparse.Namespace) -> int:
-    rule, searching = _mode(args)
-    bucket_mb = _bucket_mb(args.bucket_mb)
+    request = PlanRequest(**{f.name: getattr(args, f.name) for f in fields(PlanRequest)})
+    mode = decide(request)
     check_output(args.output)  # before the search, not after it
     if args.annotate:
         check_annotated_output(args.annotate)
-    spec = machine_spec(args.machine, args.devices)
-    machine = resolve_machine(spec)
-    if args.margin is not None:
-        machine = replace(machine, margin=args.margin)
-    costs = choose_costs(spec, machine, args.costs)  # a foreign cost DB: refused before work
-    model = load_model(args.model, args.batch, loss_choice(args.loss))
-    graph = model.graph
-    if graph.loss_op is None:
-        raise UserError(
-            f"{args.model}: the model has no loss to train with (--loss none); "
-            "choose --loss cross-entropy or mse"
-        )
-    space = analyze(graph)
-    _check_dims(space)
-    costs = costs.for_graph(graph, machine)
-    precision = Precision(args.precision)
-    slots = OPTIMIZER_SLOTS[args.optimizer]
-    simulator = make_simulator(machine, costs.model, slots, precision, bucket_mb=bucket_mb)
-    zero = _zero_stage(args, rule)
-    recompute, piped = recompute_names(args, graph, space, simulator), None
-    if rule is Rule.PIPELINE:  # refused in one line before any work where it cannot be
-        stages, microbatches, schedule = shape(args, machine, graph)
-    start = None
-    if args.start:
-        start = read_start(args, graph, machine, costs.model, slots, precision, bucket_mb)
-    started: StartResult | None = None
-    if searching:
-        outcome = _search(args, graph, space, simulator)
-        pricing = Pricing(machine, slots, precision, bucket_mb)
-        found = _outer(args, outcome, graph, space, machine, costs, pricing)
-        # the search's choices: its plan is priced under them
-        outcome, zero, recompute, piped = found.outcome, found.zero, found.recompute, found.piped
-        if start is not None:
-            started = kept_start(start, outcome.chosen)
-            if started.kept:
-                outcome = replace(outcome, strategy=start.strategy, chosen=start.evaluation)
-                zero, recompute, piped = start.plan.zero_stage, start.plan.recompute, start.piped
-    elif start is not None:
-        outcome = _from_start(start, graph, space, simulator)
-        zero, recompute, piped = start.plan.zero_stage, start.plan.recompute, start.piped
-        started = StartResult(str(args.start), start.evaluation, kept=True)
-    else:
-        if rule is Rule.PIPELINE:
-            piped = plan_pipeline(
-                args,
-                graph,
-                machine,
-                costs,
-                slots,
-                precision,
-                stages,
-                microbatches,
-                schedule,
-                Recompute(args.recompute),
-            )
-        chosen_by = make_simulator(
-            machine, costs.model, slots, precision, zero, recompute=recompute, bucket_mb=bucket_mb
-        )
-        plain = not zero and not recompute
-        outcome = _by_rule(args, rule, graph, space, simulator, None if plain else chosen_by, piped)
-    if not searching:  # the search's baselines are its starts: a plan beats them all
-        extra = more_baselines(args, graph, space, machine, costs, slots, precision)
-        if rule is Rule.ZERO:  # the plan's own stage stands for it
-            extra.pop(Rule.ZERO.value, None)
-        outcome = replace(outcome, baselines={**outcome.baselines, **extra})
-    if zero:  # a machine of one device replicates nothing: say so before writing
-        pg = Partitioner(graph).partition(outcome.strategy)
-        groups = (g for gs in pg.groups.values() for g in gs)
-        strategy = rule.value if rule is not None else "zero"
-        check_zero(zero, groups, str(args.model), f"--strategy {strategy} --zero-stage {int(zero)}")
-    chosen = outcome.chosen
-    predicted = Predicted(
-        step_time_s=chosen.step_time_s,
-        peak_memory_bytes=chosen.peak_memory_bytes,
-        bytes_moved=chosen.bytes_moved,
-        baselines=tuple((k, v.step_time_s) for k, v in outcome.baselines.items()),
-        infeasible=tuple(k for k, v in outcome.baselines.items() if not v.fits),
-    )
-    plan = Plan(
-        model_path=Path(args.model),
-        model_sha256=model.sha256,
-        batch=graph.batch,
-        loss=graph.loss,
-        devices=machine.size,
-        ops=plan_ops(outcome.strategy, *((piped.graph, piped.space) if piped else (graph, space))),
-        machine=spec,
-        predicted=predicted,
-        search=outcome.search,
-        precision=precision,
-        zero_stage=zero,
-        pipeline=piped.pipeline if piped else None,
-        recompute=piped.recompute if piped else recompute,
-        bucket_mb=bucket_mb,
-    )
+    show = None if args.quiet or args.json or not sys.stderr.isatty() else draw_progress
+    try:
+        planning = make_plan(request, show if mode.searching else None, mode)
+    finally:
+        if show and mode.searching:  # the bar's line ends, whatever ended the search
+            sys.stderr.write("\n")
+    for warning in planning.warnings:
+        print(f"onnx2soap: warning: {warning}", file=sys.stderr)
+    plan = planning.plan
     # made in full before either file is written: a refusal leaves neither half-written
     made = (
-        annotated(plan, Path(args.model), piped.graph if piped else graph, Path(args.annotate))
+        annotated(plan, Path(args.model), planning.graph, Path(args.annotate))
         if args.annotate
         else None
     )
     save_plan(plan, args.output)
     if made is not None:
         write_annotated(made, Path(args.annotate))
+    outcome = planning.outcome
     _report(
         args,
         plan,
-        machine.name,
-        machine.margin,
-        searching,
+        planning.machine.name,
+        planning.machine.margin,
+        mode.searching,
         outcome.time_s,
-        costs,
+        planning.costs,
         outcome.ilp,
         outcome.walk,
         outcome.choice,
-        started,
+        planning.started,
     )
     return 0
-
-
-def _from_start(start: Start, graph, space, simulator: Simulator) -> _Outcome:
-    """``--start`` with ``--search none``: the start is the plan, beside the baselines."""
-    partitioner, devices = Partitioner(graph), simulator.machine.size
-    built = {r: build(r, graph, space, devices, 0, simulator) for r in BASELINES}
-    baselines = {
-        r.value: simulator.evaluate(partitioner.partition(b.strategy)) for r, b in built.items()
-    }
-    return _Outcome(start.strategy, start.evaluation, baselines, None, ilp=built[Rule.ILP].ilp)
 
 
 def _ilp_doc(ilp: IlpResult) -> dict:
@@ -686,23 +355,7 @@ def _chosen_words(c: Candidate | None) -> str:
     if c is None:
         return "the walk's plan stands (none fits and is 1 % faster)"
     faster = " (a baseline, faster)" if c.pipeline is None and not c.recompute else ""
-    return f"chosen: {_candidate_words(c)}{faster}"
-
-
-def _candidate_words(c: Candidate) -> str:
-    """A plan priced after the walk, in words: its pipeline's shape, or whose plan it
-    recomputes, or ZeRO's data parallelism."""
-    if c.pipeline is not None:
-        redo = f", recomputing {len(c.recompute)} ops" if c.recompute else ""
-        return (
-            f"{c.shape.stages} stages x {c.shape.microbatches} microbatches, "
-            f"{c.pipeline.schedule.value}{redo}"
-        )
-    if c.recompute:
-        whose = "the walk's plan" if c.of == "walk" else c.of
-        how = " selectively (the products kept)" if c.selective else ""
-        return f"{whose} recomputing {len(c.recompute)} ops{how}"
-    return f"data parallel under ZeRO-{int(c.zero_stage)}"
+    return f"chosen: {candidate_words(c)}{faster}"
 
 
 def _walk_line(result: SearchResult) -> str:

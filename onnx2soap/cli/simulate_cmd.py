@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
-from pathlib import Path
 
-from onnx2soap.cli.annotate_cmd import read_plan
 from onnx2soap.cli.common import gib, seconds
-from onnx2soap.cli.profile_cmd import ChosenCosts, add_costs_option, choose_costs
+from onnx2soap.cli.profile_cmd import add_costs_option
 from onnx2soap.errors import UserError
-from onnx2soap.files import check_input, check_output
-from onnx2soap.importer import file_sha256, load_model
+from onnx2soap.files import check_output
 from onnx2soap.options import int_in
-from onnx2soap.sim import Evaluation, Machine, Simulator, make_simulator, resolve_machine
+from onnx2soap.sim import Evaluation
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
+from onnx2soap.sim.planned import (  # noqa: F401 (compare and show import these from here)
+    PlanOnMachine,
+    model_sha256,
+    partition,
+    place,
+    plan_simulator,
+    price,
+    read_plan,
+    step_costs,
+)
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.trace import write_trace
-from onnx2soap.soap import PartitionedGraph, Partitioner, Plan, analyze, import_loss
+from onnx2soap.soap import PartitionedGraph, Plan
 from onnx2soap.soap.plan import MAX_BATCH
-from onnx2soap.soap.zero import ZeroStage, check_zero
+from onnx2soap.soap.zero import ZeroStage
 
 
 def register(sub) -> None:
@@ -47,70 +53,16 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-@dataclass(frozen=True)
-class PlanOnMachine:
-    """A plan checked against its model file and the machine it is simulated on."""
-
-    plan: Plan
-    model: Path
-    spec: str  # the machine as given: a preset or a machine file
-    machine: Machine
-
-
 def plan_on_machine(args: argparse.Namespace, batch: int | None = None) -> PlanOnMachine:
     """What ``simulate``, ``compare`` and ``show`` read first (``args.plan``, ``.model``,
     ``.machine``): the model must be the plan's and the machine its size. ``args.plan``
     may be an annotated model (``batch``: see ``read_plan``)."""
-    plan = read_plan(args.plan, batch)
-    path = Path(args.model or plan.model_path)
-    if model_sha256(path) != plan.model_sha256:
-        raise UserError(f"{path}: not the model the plan was made for (sha256 differs)")
-    spec = args.machine or plan.machine or f"cpu:{plan.devices}"
-    machine = resolve_machine(spec)
-    if machine.size != plan.devices:
-        raise UserError(
-            f"{args.plan}: the plan is for {plan.devices} devices but machine "
-            f"'{machine.name}' has {machine.size}"
-        )
-    return PlanOnMachine(plan, path, spec, machine)
+    return place(read_plan(args.plan, batch), str(args.plan), args.model, args.machine)
 
 
 def partitioned(args: argparse.Namespace, planned: PlanOnMachine) -> PartitionedGraph:
-    """The plan's strategy on its model (a ZeRO stage only where something is replicated)."""
-    plan = planned.plan
-    graph = load_model(planned.model, plan.graph_batch, import_loss(plan)).graph
-    pg = Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
-    check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(args.plan))
-    return pg
-
-
-def step_costs(costs: ChosenCosts, planned: PlanOnMachine, pg: PartitionedGraph) -> ChosenCosts:
-    """``costs`` taken into the step by the model's calibration (``for_graph``), which
-    is made at the step's batch: a pipeline plan's graph is a microbatch's, so the model
-    is loaded a second time at the step's batch for it. With the microbatch's own graph
-    the calibration fell back to every model's (GPT-2's 2-stage, 2-microbatch plan:
-    predicted 5.3 ms against one device's 6.4, measured 1.0-1.4x one device's step)."""
-    plan = planned.plan
-    if plan.pipeline is None or not costs.calibrates:  # only profiled costs calibrate
-        return costs.for_graph(pg.graph, planned.machine)
-    step = load_model(planned.model, plan.batch, import_loss(plan)).graph
-    return costs.for_graph(step, planned.machine)
-
-
-def plan_simulator(planned: PlanOnMachine, cost, slots: int) -> Simulator:
-    """The plan's simulator: its precision, ZeRO stage, pipeline, recomputation and
-    gradient buckets."""
-    plan = planned.plan
-    return make_simulator(
-        planned.machine,
-        cost,
-        slots,
-        plan.precision,
-        plan.zero_stage,
-        plan.pipeline,
-        plan.recompute,
-        plan.bucket_mb,
-    )
+    """The plan's strategy on its model (sim/planned.py: ``partition``)."""
+    return partition(planned)
 
 
 def refuse_pipeline(planned: PlanOnMachine, option: str) -> None:
@@ -129,16 +81,11 @@ def run(args: argparse.Namespace) -> int:
     planned = plan_on_machine(args, args.batch)
     if args.trace:
         refuse_pipeline(planned, "--trace")
-    machine = planned.machine
-    costs = choose_costs(planned.spec, machine, args.costs)  # before loading the model
-    pg = partitioned(args, planned)
-    costs = step_costs(costs, planned, pg)
-    slots = OPTIMIZER_SLOTS[args.optimizer]
-    plan = planned.plan
-    simulator = plan_simulator(planned, costs.model, slots)
-    ev = simulator.evaluate(pg)
+    machine, plan = planned.machine, planned.plan
+    priced = price(planned, args.optimizer, args.costs)
+    ev, costs = priced.evaluation, priced.costs
     if args.trace:
-        tg = simulator.task_graph(pg, names=True)
+        tg = priced.simulator.task_graph(priced.graph, names=True)
         write_trace(args.trace, tg, simulate(tg), machine)
     if args.json:
         doc = {
@@ -169,15 +116,6 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"  trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     return 0
-
-
-def model_sha256(path) -> str:
-    """Only a regular file is hashed: /dev/zero or a FIFO would be read for ever."""
-    path = check_input(path, "model file")
-    try:
-        return file_sha256(path)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read the model file ({e.strerror or e})") from e
 
 
 def _zero(plan: Plan) -> str:
