@@ -105,22 +105,29 @@ class HalfStorage:
             return np.dtype(ml_dtypes.bfloat16 if self.xp is np else np.uint16)
         return np.dtype(np.float32)
 
-    def narrow(self, x):
-        """A float32 array (a kernel's result) as a new stored array; anything else as it
-        is. bfloat16's NaN is the quiet one torch's cast gives, whatever its sign."""
+    def empty(self, shape):
+        """A stored array for ``narrow`` to fill."""
+        return self.xp.empty(shape, dtype=self.dtype)
+
+    def narrow(self, x, into=None):
+        """A float32 array (a kernel's result) as a stored array: a new one, or ``into``
+        where it has the result's shape (a stored array made before the kernel ran:
+        ``Step._stored_tile``); anything else as it is. bfloat16's NaN is the quiet one
+        torch's cast gives, whatever its sign."""
         if not self.active or getattr(x, "dtype", None) != np.float32:
             return x
         xp = self.xp
-        if self.precision is Precision.FP16:
-            return x.astype(xp.float16)
-        if xp is np:
-            out = x.astype(ml_dtypes.bfloat16)
-            if _has_nan(x):  # no mask of the array's size unless there is a NaN
-                out.view(np.uint16)[np.isnan(x)] = _BF16_NAN >> 16
-            return out
+        if into is None or into.shape != x.shape:
+            into = self.empty(x.shape)
+        if self.precision is Precision.FP16 or xp is np:
+            into[...] = x  # the cast ``astype`` makes: nearest, ties to even
+            if self.precision is Precision.BF16 and _has_nan(x):  # no mask unless a NaN
+                into.view(np.uint16)[np.isnan(x)] = _BF16_NAN >> 16
+            return into
         rounded = xp.array(x, dtype=xp.float32)  # bfloat16 bits by hand: CuPy has none
         round_bf16(xp, rounded)
-        return (rounded.view(xp.uint32) >> xp.uint32(16)).astype(xp.uint16)
+        into[...] = rounded.view(xp.uint32) >> xp.uint32(16)
+        return into
 
     def widen(self, x):
         """A stored array as float32 for a kernel (exact); anything else as it is."""
@@ -134,6 +141,14 @@ class HalfStorage:
 
     def widen_all(self, arrays) -> list:
         return [self.widen(x) for x in arrays] if self.active else arrays
+
+    @staticmethod
+    def owned(stored, wide) -> tuple[bool, ...]:
+        """Per operand, whether ``widen_all`` made a float32 copy of it (``TaskArgs.owned``):
+        the kernel's own, nothing else holds it. A released operand's stand-in is none."""
+        return tuple(
+            w is not x and not isinstance(w, Released) for x, w in zip(stored, wide, strict=True)
+        )
 
 
 @dataclass

@@ -510,10 +510,13 @@ class Step:
         buffers = self.inputs[key] if synced else self._assemble_inputs(key)
         args = self._args(key)
         d = definition(op.type)
+        into = self._stored_tile(op, args)
         wide = self.half.widen_all(buffers)
+        if d.overwrites and not synced:  # statistics read the copies after the kernel
+            args = replace(args, owned=self.half.owned(buffers, wide))
         out = d.forward(self.xp, op.attrs, wide, args)
         if not op.is_loss:
-            out = self._stored(out, wide)
+            out = self._stored(out, wide, into)
         self.inputs[key], self.outputs[key] = buffers, out
         if synced and self.training:
             task = self.rt.task(key)
@@ -555,9 +558,10 @@ class Step:
         shared = op.nest.sync_dims or self.rt.pg.sums[op.name]
         grad_out = self.grad_outputs.pop(key) if shared else self._grad_output(key)
         inputs, out, wide_grad = self._widened(key, grad_out)
-        grads = definition(op.type).backward(
-            self.xp, op.attrs, inputs, out, wide_grad, self._args(key)
-        )
+        d, args = definition(op.type), self._args(key)
+        if d.overwrites:  # its float32 copies are the kernel's to write over
+            args = replace(args, owned=self.half.owned(self.inputs[key], inputs))
+        grads = d.backward(self.xp, op.attrs, inputs, out, wide_grad, args)
         self.stashes.pop(key, None)
         passed = [g is wide_grad for g in grads]  # the output gradient itself, passed on
         # the float32 copies go before rounding makes its temporaries (as the memory
@@ -602,12 +606,23 @@ class Step:
     def _activations(roles) -> list[bool]:
         return [role is TensorRole.ACTIVATION for role in roles]
 
-    def _stored(self, out, inputs):
-        """A kernel's result as the step keeps it: in the half format (a copy), or
-        rounded to its values in place where the kernel made it afresh (a view of an
-        input holds rounded values already)."""
+    def _stored_tile(self, op, args):
+        """Under mixed precision, the array a float op's forward result is narrowed
+        into, made before its kernel runs. The kernel's float32 arrays then lie above the
+        tile in the heap and, freed, merge back into its free top; made after them, the
+        kept tile would sit over the hole they leave, which glibc keeps
+        (``host_memory.py``): a bf16 GPT's ranks peaked 10 MB higher so."""
+        graph = self.rt.graph
+        if not self.half.active or op.is_loss or not graph.tensors[op.output].dtype.is_float:
+            return None
+        return self.half.empty(args.out_shape)
+
+    def _stored(self, out, inputs, into=None):
+        """A kernel's result as the step keeps it: in the half format (a copy, into
+        ``into`` where given), or rounded to its values in place where the kernel made
+        it afresh (a view of an input holds rounded values already)."""
         if self.half.active:
-            return self.half.narrow(out)
+            return self.half.narrow(out, into)
         if _owns(out, inputs):
             self.rounding(out)
         return out

@@ -61,6 +61,10 @@ class TaskArgs:
                 forward to its backward, for what the backward would otherwise remake
                 (attention's log-sum-exp of each row); None where no one keeps one (the
                 op tests, the ONNX backend): the backward remakes it.
+    owned:      per operand, whether the buffer is a float32 copy the step made for this
+                call alone (mixed precision's widened operands), which nothing reads
+                after it: the kernels of an op with ``OpDef.overwrites`` may write over
+                it; (): none is.
     """
 
     out_shape: tuple[int, ...]
@@ -76,11 +80,17 @@ class TaskArgs:
     matmul_dtype: Any = None
     wanted: tuple[bool, ...] = ()  # per operand, whether its gradient is used; (): all
     stash: dict | None = None  # kept from the forward to the backward (``OpDef.stashes``)
+    owned: tuple[bool, ...] = ()  # per operand, the call's own float32 copy
 
 
 def wants(args: TaskArgs, k: int) -> bool:
     """Whether the step uses the gradient of operand ``k`` (``Saved.only_for``)."""
     return not args.wanted or args.wanted[k]
+
+
+def owned(args: TaskArgs, k: int) -> bool:
+    """Whether operand ``k`` is the call's own float32 copy (``TaskArgs.owned``)."""
+    return bool(args.owned) and args.owned[k]
 
 
 @dataclass(frozen=True)
@@ -374,6 +384,12 @@ class OpDef:
     # forward to its backward, which the memory model counts with the input buffers
     # the backward reads; None: not priced.
     stash_bytes: StashBytes | None = None
+    # Operands whose float32 copy its kernels write over where ``TaskArgs.owned`` says
+    # the step made it for the call (mixed precision's widened operands): the forward
+    # works in it instead of a scratch of its size (which ``workspace`` counts), the
+    # backward returns the operand's gradient in it, as Megatron-LM's cross-entropy
+    # works in place in its float32 logits. The memory model counts neither then.
+    overwrites: frozenset[int] = frozenset()
 
     @property
     def is_loss(self) -> bool:

@@ -28,7 +28,8 @@ holds before and during one kernel:
   each trainable Rect's gradient: the first backward kernel's fresh array, which later
   ones are summed into, kept until the update. Under mixed precision every stored array
   is 2 bytes an element (``stored``) and a kernel holds float32 copies of its stored
-  operands and result (``_conversions``);
+  operands and result (``_conversions``: none of the operands its kernels write over,
+  ``OpDef.overwrites``) beside the stored tile it narrows into, made before it runs;
 - under ZeRO (soap/zero.py), a sharded group's optimizer state is the member's rows
   only; at stage 3 so is its weight (no half-format copy kept), gathered whole in
   the format the kernels read for the kernels of each phase of its op;
@@ -206,6 +207,9 @@ class EdgeMemory:
     # keeps it for its backward
     assembled: tuple[tuple[int, Region, int], ...] = ()
     keeps: bool = True
+    # the producer's output gradients that are a local consumer's whole input gradient,
+    # read as it is (``GradAlias``): no sum of pieces is made for them
+    grad_alias: Pieces = ()
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,7 @@ class EdgeTotals:
     # reader, whose forward ends it, device, bytes) where none keeps it
     shared_to_backward: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
     shared_to_forward: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+    grad_alias: dict[int, Pieces] = field(default_factory=dict)  # per producer op
 
 
 def _width(t, itemsize: int) -> int:
@@ -293,7 +298,7 @@ def _op_bytes(
     step stores between kernels (mixed precision's half format, ``executor/precision.py``:
     tiles, their buffers and gradients, data rows, weights' compute copies; 0: as
     ``itemsize``); a kernel then holds float32 copies of its stored operands and its
-    float32 result (``_conversions``)."""
+    float32 result (``_conversions``), and the stored tile it narrows that into."""
     stored = stored or itemsize
     sums = sum_groups(op, tasks) if sums is None else sums
     held: dict[int, int] = {}
@@ -356,6 +361,7 @@ def _op_bytes(
     chunks = held_rects(sums)  # a reduce-scattering holder's output and its gradient
     graded = {t.index for t in _graded(tasks, sums)} if backward and not op.is_loss else set()
     out_width = _width(graph.tensors[op.output], stored)
+    narrowed_out = not op.is_loss and graph.tensors[op.output].dtype.is_float
     workspace = definition(op.type).workspace
     stash = definition(op.type).stash_bytes if backward else None
     tensors = [graph.tensors[name] for name in op.inputs]
@@ -433,10 +439,15 @@ def _op_bytes(
             workspace(op.attrs, shapes, rect_shape(t.output), itemsize) if workspace else (0, 0)
         )
         if stored < itemsize:  # mixed precision: float32 copies beside the kernel's own
-            conv_fw, conv_bw = _conversions(op, t, tensors, keeps_inputs, keeps_output, itemsize)
+            conv_fw, conv_bw, scratch = _conversions(
+                op, t, tensors, keeps_inputs, keeps_output, itemsize
+            )
             weights_in = [r for x, r in zip(tensors, t.inputs, strict=True) if x.role is WEIGHT]
             widest = max((rect_volume(r.buffer) for r in weights_in), default=0) * rounding
-            fw, bw = fw + conv_fw, max(bw + conv_bw, widest)
+            # the stored tile is made before the kernel runs (``Step._stored_tile``); a
+            # recomputed op's is counted with its kernel already (``redone``)
+            premade = out if narrowed_out and not recompute else 0
+            fw, bw = max(fw - scratch, 0) + conv_fw + premade, max(bw + conv_bw, widest)
         forward[t.device] = max(forward.get(t.device, 0), fw)
         if backward:
             backward_[t.device] = max(backward_.get(t.device, 0), bw + dropped)
@@ -508,23 +519,33 @@ WEIGHT = TensorRole.WEIGHT
 STORED = (TensorRole.ACTIVATION, TensorRole.INPUT, TensorRole.WEIGHT)  # in the half format
 
 
-def _conversions(op, task, tensors, keeps_inputs, keeps_output, itemsize: int) -> tuple[int, int]:
+def _conversions(
+    op, task, tensors, keeps_inputs, keeps_output, itemsize: int
+) -> tuple[int, int, int]:
     """Under mixed precision, the float32 copies a task's kernels hold besides their own
     temporaries (``executor/step.py``: ``HalfStorage.widen`` and ``narrow``): forward,
     its stored operands widened and its result before it is narrowed; backward, the
     operands it keeps and its output widened, its output gradient widened, and its
-    activation inputs' gradients before they are narrowed."""
+    activation inputs' gradients before they are narrowed, but those the kernel returns
+    in the operand's copy (``OpDef.overwrites``). Third, the forward's scratch the
+    kernel keeps in such a copy instead (its workspace less that)."""
     out = rect_volume(task.output)
     stored = [
         (k, rect_volume(r.buffer), x.role)
         for k, (x, r) in enumerate(zip(tensors, task.inputs, strict=True))
         if x.role in STORED and x.dtype.is_float
     ]
+    overwrites = definition(op.type).overwrites
     forward = sum(n for _, n, _ in stored) + out
     kept = sum(n for k, n, _ in stored if k in keeps_inputs)
-    grads = sum(n for _, n, role in stored if role is TensorRole.ACTIVATION)
+    grads = sum(
+        n
+        for k, n, role in stored
+        if role is TensorRole.ACTIVATION and not (k in overwrites and k in keeps_inputs)
+    )
+    scratch = sum(n for k, n, _ in stored if k in overwrites)
     backward = kept + (out if keeps_output else 0) + out + grads
-    return forward * itemsize, backward * itemsize
+    return forward * itemsize, backward * itemsize, scratch * itemsize
 
 
 def op_held(
@@ -596,6 +617,7 @@ def _edge_bytes(
     recv_whole: dict[int, int] = {}
     recv_grads: dict[int, int] = {}
     recv_grad_out: dict[int, int] = {}
+    grad_alias: dict[int, int] = {}
     aliased = False
     in_place: set[int] = set()  # consumer tasks whose one piece is their input buffer
     instruction, piece = (PER_INSTRUCTION, PER_PIECE) if objects else (0, 0)
@@ -637,6 +659,8 @@ def _edge_bytes(
                     _add(held, c.device, o.volume * itemsize)  # staged before it is sent
             continue
         whole = o.rect == buffer == edge.source(p)
+        if grad and whole and sole and sends[o.src_task] == 1:
+            _add(grad_alias, p.device, o.volume * itemsize)  # its one piece, whole
         if whole and feeds[o.dst_task] == 1:
             aliased = True
             in_place.add(o.dst_task)
@@ -677,6 +701,7 @@ def _edge_bytes(
         tuple(recv_whole.items()),
         () if sole else tuple((d, region, n) for (d, region), n in first.items()),
         keeps,
+        tuple(grad_alias.items()),
     )
 
 
@@ -771,6 +796,7 @@ def edge_totals(edges) -> EdgeTotals:
     landed_whole: dict[int, dict[int, int]] = {}
     recv_grads: dict[tuple[int, int], Pieces] = {}
     recv_grad_out: dict[tuple[int, int], Pieces] = {}
+    grad_alias: dict[int, dict[int, int]] = {}
     readers: dict[tuple[int, int, Region], list[tuple[int, int, bool]]] = {}
     for p, c, k, m in edges:
         if m.aliased:
@@ -785,6 +811,7 @@ def edge_totals(edges) -> EdgeTotals:
         if m.recv_grad_out:
             recv_grad_out[(c, k)] = m.recv_grad_out
         _sum_into(grad_out, p, m.grad_out)
+        _sum_into(grad_alias, p, m.grad_alias)
         _sum_into(kept, c, m.kept_inputs)
         _sum_into(read, c, m.read_inputs)
         if m.sent_grads:
@@ -809,6 +836,7 @@ def edge_totals(edges) -> EdgeTotals:
         recv_grad_out,
         to_backward,
         to_forward,
+        {p: tuple(x.items()) for p, x in grad_alias.items()},
     )
 
 
@@ -1093,13 +1121,16 @@ def _backward_peaks(
         ahead = ops[i - 1].regathering if i > 0 else ()  # ZeRO-3: the next op's gathers
         for d, n in ahead:
             live[d] += n
+        gathered = _plus(m.grad_out, edges.grad_out.get(i, ()))
+        aliases = dict(edges.grad_alias.get(i, ()))
+        sums = {d: n for d, n in gathered.items() if n > aliases.get(d, 0)}
+        _gathering(backward, sums, m, live, pending, unmade, grads)
         read_whole = []  # received output gradients its kernel reads in place
         for c, k in gather.pop(i, ()):  # gathered into its output gradient
             _release(grads, ops[c], k, edges.sent.get((c, k), ()))
             for d, n in edges.recv_grads.get((c, k), ()):
                 grads[d] -= n
             read_whole += edges.recv_grad_out.get((c, k), ())
-        gathered = _plus(m.grad_out, edges.grad_out.get(i, ()))
         for _, d, n in m.act_grads:  # made by its kernel
             grads[d] += n
         for d, n in m.backward:
@@ -1127,6 +1158,19 @@ def _backward_peaks(
         for d, n in ahead:
             live[d] -= n
     return backward
+
+
+def _gathering(backward, sums, m: OpMemory, live, pending, unmade, grads) -> None:
+    """Raise ``backward`` to what a device holds as an op sums its output gradient from
+    its readers' pieces (``executor/step.py``'s ``_gather_grad``): the pieces (readers'
+    gradients, receive buffers) still alive beside the sum, its gathered weights
+    (ZeRO-3) too, its weight gradients not yet made. ``sums``: per device, the sum's
+    bytes, where one is made (not where one piece is the gradient whole, read as it is:
+    received, or a local consumer's, ``GradAlias``)."""
+    own, weights = dict(m.grads), dict(m.regathering)
+    for d, n in sums.items():
+        held = live[d] + pending[d] - unmade[d] - own.get(d, 0) + weights.get(d, 0)
+        backward[d] = max(backward[d], held + grads[d] + n)
 
 
 def _release(grads: list[int], m: OpMemory, k: int, sent: Pieces) -> None:

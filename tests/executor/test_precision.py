@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.precision import LossScaler, Rounding, round_bf16, round_fp16
+from executor.precision import HalfStorage, LossScaler, Rounding, round_bf16, round_fp16
 from onnx2soap.precision import Precision
 from tests.optional import require
 
@@ -57,6 +57,26 @@ def test_a_0d_array_rounds_as_torch_casts_it(rounding, dtype, value) -> None:
     rounding(np, x)
     assert x.shape == ()
     np.testing.assert_array_equal(x, want)
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [(Precision.BF16, torch.bfloat16), (Precision.FP16, torch.float16)]
+)
+@pytest.mark.parametrize("premade", [False, True], ids=["new", "premade"])
+def test_stored_values_are_torchs_cast(precision, dtype, premade: bool) -> None:
+    """What the step stores of a kernel's result, in a new array or in the one made before
+    the kernel ran (``Step._stored_tile``), is torch's cast of it, bit for bit but NaNs'
+    payloads (a NaN where torch has one), and widens back to those values exactly."""
+    x = _specials(np.random.default_rng(3))
+    half = HalfStorage(np, precision)
+    into = half.empty(x.shape) if premade else None
+    stored = half.narrow(x, into)
+    assert stored is into if premade else stored.dtype == half.dtype
+    want = torch.from_numpy(x.copy()).to(dtype)
+    numbers = ~np.isnan(x)
+    bits = want.view(torch.int16).numpy()
+    np.testing.assert_array_equal(stored.view(np.int16)[numbers], bits[numbers])
+    np.testing.assert_array_equal(half.widen(stored), want.float().numpy())
 
 
 def test_rounding_leaves_float32_training_and_other_dtypes_alone() -> None:

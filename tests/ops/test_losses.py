@@ -17,7 +17,8 @@ from onnx import helper
 from onnx2soap.importer import ImportedModel, load_model
 from onnx2soap.ir import LossKind, Op
 from onnx2soap.ops import definition
-from onnx2soap.ops.defs.losses import LossReduction
+from onnx2soap.ops.base import TaskArgs
+from onnx2soap.ops.defs.losses import LossAttrs, LossReduction
 from onnx2soap.soap import analyze
 from tests.ops.harness import (
     buffers,
@@ -27,7 +28,9 @@ from tests.ops.harness import (
     ort_run,
     task_args,
     tasks_of,
+    traced_peak,
 )
+from tests.optional import require
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -232,3 +235,71 @@ def test_loss_gradient_keeps_float32(cross_entropy) -> None:
     out = kernel.forward(np, op.attrs, bufs, args)
     (grad, _) = kernel.backward(np, op.attrs, bufs, out, np.array(1.0), args)
     assert grad.dtype == np.float32
+
+
+# --- what the executor gives the kernels: the stash, and the scores' own copy -----------
+
+
+def _kernel_args(shape: tuple[int, ...], loss_scale: float, owned: bool) -> TaskArgs:
+    """A training step's arguments: a stash kept from the forward to the backward and,
+    under mixed precision, the scores as the step's own float32 copy."""
+    return TaskArgs(out_shape=(), valid=(), loss_scale=loss_scale, stash={}, owned=(owned, False))
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["stored", "owned"])
+@pytest.mark.parametrize(
+    ("axis", "shape"), [(-1, (3, 5, 7)), (1, (3, 7, 5))], ids=["classes-last", "onnx-axis-1"]
+)
+def test_the_stash_and_the_owned_copy_give_torchs_loss_and_gradient(owned, axis, shape) -> None:
+    torch = require("torch")
+    rng = np.random.default_rng(4)
+    scores = (rng.standard_normal(shape) * 4).astype(np.float32)
+    labels = rng.integers(0, 7, (shape[0], 5))
+    labels[0, 1] = -100  # ignored
+    attrs = LossAttrs(LossReduction.MEAN, -100, class_axis=len(shape) - 1 if axis < 0 else axis)
+    kernel = definition("SoftmaxCrossEntropyLoss")
+    args = _kernel_args(shape, float((labels != -100).sum()), owned)
+    loss = kernel.forward(np, attrs, [scores.copy(), labels], args)
+    assert args.stash["lse"].shape[-1] == 1  # one number a row, kept for the backward
+    mine = scores.copy()  # the backward's own copy, as the step widens it again
+    grad, _ = kernel.backward(np, attrs, [mine, labels], loss, np.float32(1.0), args)
+    theirs = torch.tensor(scores, requires_grad=True)
+    logits = theirs if axis == 1 else theirs.movedim(-1, 1)
+    want = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels), ignore_index=-100)
+    want.backward()
+    assert float(loss) == pytest.approx(want.item(), rel=1e-6)
+    np.testing.assert_allclose(grad, theirs.grad.numpy(), rtol=1e-5, atol=1e-7)
+    # the gradient is made in the owned copy where its classes are rows, nowhere else
+    assert np.shares_memory(grad, mine) == (owned and axis < 0)
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["stored", "owned"])
+def test_the_kernels_peaks_are_their_workspace_less_what_they_overwrite(owned) -> None:
+    """tracemalloc's peaks (the executor's ``--trace`` measure) against
+    ``cross_entropy_workspace``, less the scratch the forward keeps in an owned copy
+    (``OpDef.overwrites``), and the gradient the backward returns, unless it is made in
+    the owned copy: as the memory model prices them (``sim/memory.py``)."""
+    shape = (8, 128, 512)
+    kernel = definition("SoftmaxCrossEntropyLoss")
+    attrs = LossAttrs(LossReduction.MEAN, None, class_axis=2)
+    rng = np.random.default_rng(5)
+    scores = rng.standard_normal(shape).astype(np.float32)
+    labels = rng.integers(0, shape[-1], shape[:2])
+    args = _kernel_args(shape, float(labels.size), owned)
+    kernel.backward(np, attrs, [scores.copy(), labels], None, np.float32(1.0), args)  # warm
+    copy = scores.copy()
+    forward, loss = traced_peak(lambda: kernel.forward(np, attrs, [copy, labels], args))
+    copy = scores.copy()
+    backward, (grad, _) = traced_peak(
+        lambda: kernel.backward(np, attrs, [copy, labels], loss, np.float32(1.0), args)
+    )
+    want_forward, want_backward = kernel.workspace(attrs, [shape, shape[:2]], (), 4)
+    assert kernel.overwrites == frozenset({0})
+    if owned:
+        want_forward -= scores.nbytes
+    want_backward += 0 if owned else grad.nbytes
+    # besides: each row's max, logsumexp, label, pick and mask, some 50 bytes, against
+    # a row of scores' 2 KiB (not priced)
+    rows = 64 * labels.size
+    assert want_forward <= forward <= want_forward + rows
+    assert want_backward <= backward <= want_backward + rows

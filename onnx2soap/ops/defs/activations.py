@@ -50,45 +50,68 @@ _ERFC_FRACTION_DEPTH = 30
 
 
 def _erf_portable(xp, x):
-    """erf in float64 from elementwise arithmetic and exp only (numpy has no erf)."""
+    """erf in float64 from elementwise arithmetic and exp only (numpy has no erf). The
+    terms and products are made in place, in the order the expressions they stand for
+    evaluate (the same values): five arrays of x's size at most, not a dozen."""
     a = xp.abs(x)
     # Each branch runs on its own clamped copy so that neither overflows nor divides by 0.
     s = xp.minimum(a, _ERF_SWITCH)
-    z = 2.0 * s * s
+    z = 2.0 * s
+    z *= s
     term = s.copy()
     total = s.copy()
     for n in range(1, _ERF_SERIES_TERMS + 1):
-        term = term * z / (2 * n + 1)
-        total = total + term
-    series = _TWO_OVER_SQRT_PI * xp.exp(-s * s) * total
+        term *= z  # term * z / (2n + 1)
+        term /= 2 * n + 1
+        total += term
+    xp.negative(s, out=term)  # series: 2/sqrt(pi) * exp(-s * s) * total
+    term *= s
+    xp.exp(term, out=term)
+    term *= _TWO_OVER_SQRT_PI
+    total *= term
+    del s, z, term
     c = xp.maximum(a, _ERF_SWITCH)
     f = c.copy()
     for k in range(_ERFC_FRACTION_DEPTH, 0, -1):
-        f = c + (0.5 * k) / f
-    tail = 1.0 - xp.exp(-c * c) / (_SQRT_PI * f)
-    magnitude = xp.where(a < _ERF_SWITCH, series, tail)
+        xp.divide(0.5 * k, f, out=f)  # c + (k / 2) / f
+        f += c
+    f *= _SQRT_PI  # tail: 1 - exp(-c * c) / (sqrt(pi) * f)
+    xp.negative(c, out=c)
+    c *= xp.negative(c)
+    xp.exp(c, out=c)
+    c /= f
+    del f
+    xp.subtract(1.0, c, out=c)
+    magnitude = xp.where(a < _ERF_SWITCH, total, c)
+    del a, total, c
     return xp.where(x < 0, -magnitude, magnitude)
 
 
-# The portable series runs on this many elements at a time: it holds about 13 float64
-# arrays of what it works on (27 float32 tiles' worth over a whole tile, the largest
-# temporary of a GPT step on CPU ranks); chunked, a fixed 7 MiB at most.
+# The portable series runs on this many elements at a time: it holds about 6 float64
+# arrays of what it works on (13 before its terms were made in place; 27 float32 tiles'
+# worth over a whole tile, once the largest temporary of a GPT step on CPU ranks);
+# chunked, a fixed 3 MiB at most.
 ERF_CHUNK = 1 << 16
 
 
-def _erf(xp, x):
-    """erf(x) in x's dtype, accurate to ~1e-15 (computed in float64). cupy has a native
-    erf (cupyx.scipy.special, no scipy needed); numpy gets the portable series, ``ERF_CHUNK``
-    elements at a time (elementwise: the same values as over the whole tile)."""
+def _erf(xp, x, scale: float = 1.0):
+    """erf(x · scale) in x's dtype, accurate to ~1e-15 (computed in float64). cupy has a
+    native erf (cupyx.scipy.special, no scipy needed); numpy gets the portable series,
+    ``ERF_CHUNK`` elements at a time (elementwise: the same values as over the whole
+    tile), each chunk scaled as it is taken (the float32 products ``x * scale`` gives,
+    without a tile of them)."""
     if xp.__name__ == "cupy":
         with contextlib.suppress(ImportError):  # an older cupy: the portable series
             from cupyx.scipy.special import erf
 
-            return erf(x)
+            return erf(x * scale if scale != 1.0 else x)
     out = xp.empty(x.shape, dtype=x.dtype)
     flat, into = x.reshape(-1), out.reshape(-1)
     for i in range(0, flat.size, ERF_CHUNK):
-        into[i : i + ERF_CHUNK] = _erf_portable(xp, flat[i : i + ERF_CHUNK].astype(xp.float64))
+        chunk = flat[i : i + ERF_CHUNK]
+        if scale != 1.0:
+            chunk = chunk * scale
+        into[i : i + ERF_CHUNK] = _erf_portable(xp, chunk.astype(xp.float64))
     return out
 
 
@@ -463,7 +486,11 @@ def gelu_forward(xp, attrs, inputs, args):
     if attrs.approximate is GeluApproximation.TANH:
         inner = attrs.tanh_scale * (x + attrs.cubic * x * x * x)
         return 0.5 * x * (1 + xp.tanh(inner))
-    return 0.5 * x * (1 + _erf(xp, x * _SQRT_HALF))
+    # 0.5 x (1 + erf(x / sqrt 2)), made in place in erf's fresh output, each product's
+    # operands in the expression's order (a NaN's sign follows the first)
+    out = _erf(xp, x, _SQRT_HALF)
+    out += 1
+    return xp.multiply(0.5 * x, out, out=out)
 
 
 def gelu_backward(xp, attrs, inputs, output, grad_output, args):
@@ -473,8 +500,19 @@ def gelu_backward(xp, attrs, inputs, output, grad_output, args):
         d_inner = attrs.tanh_scale * (1 + 3 * attrs.cubic * x * x)
         slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * d_inner
     else:
-        # d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density.
-        slope = 0.5 * (1 + _erf(xp, x * _SQRT_HALF)) + x * (_INV_SQRT_2PI * xp.exp(-0.5 * x * x))
+        # d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density: each term
+        # made in place in erf's fresh output, in the order the products evaluate.
+        slope = _erf(xp, x, _SQRT_HALF)
+        slope += 1
+        slope *= 0.5
+        density = x * -0.5
+        density *= x
+        xp.exp(density, out=density)
+        density *= _INV_SQRT_2PI
+        xp.multiply(x, density, out=density)
+        slope += density
+        del density
+        return (xp.multiply(grad_output, slope, out=slope),)
     return (grad_output * slope,)
 
 
@@ -498,9 +536,9 @@ def _op(name, versions, convert, forward, backward, *cases, saves: Saved, worksp
 
 def _erf_scratch(n: int) -> int:
     """The portable series' float64 arrays over a chunk (``ERF_CHUNK``): tracemalloc
-    measured 13.1 of the chunk's elements x 8 bytes, above the output, on tiles of 400 to
-    2 M elements."""
-    return 13 * 8 * min(n, ERF_CHUNK)
+    measured 6.0 of the chunk's elements x 8 bytes (the chunk in float64 and five made
+    from it), above the output, on tiles of 400 to 2 M elements."""
+    return 6 * 8 * min(n, ERF_CHUNK)
 
 
 def _erf_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
@@ -510,15 +548,15 @@ def _erf_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
 
 
 def _gelu_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
-    """Exact Gelu runs the portable erf in both passes: the forward holds x/sqrt(2) and
-    erf's output beside the series' scratch; the backward erf's output beside it, or two
-    tiles later (tracemalloc, numpy, tiles of 400 to 2 M elements). The tanh form, in
-    the tile's dtype: 3 and 5 tiles."""
+    """Exact Gelu runs the portable erf in both passes, on x/sqrt(2) a chunk at a time,
+    into the array it returns: beside it, the series' scratch and the scaled chunk, or
+    later one tile (0.5 x forward, the density's terms backward) (tracemalloc, numpy,
+    tiles of 400 to 2 M elements). The tanh form, in the tile's dtype: 3 and 5 tiles."""
     n = math.prod(out_shape)
     if attrs.approximate is GeluApproximation.TANH:
         return 3 * n * itemsize, 5 * n * itemsize
-    tile = n * itemsize
-    return _erf_scratch(n) + 2 * tile, max(_erf_scratch(n) + tile, 2 * tile)
+    held = max(_erf_scratch(n) + min(n, ERF_CHUNK) * itemsize, n * itemsize)
+    return held, held
 
 
 AWAY = Sample.AWAY_FROM_ZERO

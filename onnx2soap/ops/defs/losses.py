@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx2soap.ir import Operand, Tensor, identity
-from onnx2soap.ops.base import LABELS, SAVES_INPUTS, OpDef, X, case
+from onnx2soap.ops.base import LABELS, SAVES_INPUTS, OpDef, X, case, owned
 from onnx2soap.ops.context import NodeContext, axis_names, make_op, text
 
 CROSS_ENTROPY_NAME = "SoftmaxCrossEntropyLoss"
@@ -92,12 +92,13 @@ def mse_scale(attrs: LossAttrs, labels, pred_shape) -> float:
     return 1.0 if attrs.reduction is LossReduction.SUM else float(math.prod(pred_shape))
 
 
-def _log_sum_exp(xp, scores):
+def _log_sum_exp(xp, scores, in_place: bool = False):
     """Each row's log Σ exp over the last axis (keepdims), stable: the row max is
     subtracted before exp, so exp never overflows. One array of the scores' size lives
-    at a time (the shifted scores, exponentiated in place)."""
+    at a time (the shifted scores, exponentiated in place), or none where ``in_place``:
+    the scores themselves are shifted and exponentiated (the same values)."""
     top = scores.max(axis=-1, keepdims=True)
-    shifted = scores - top
+    shifted = xp.subtract(scores, top, out=scores) if in_place else scores - top
     total = xp.exp(shifted, out=shifted).sum(axis=-1, keepdims=True)
     return top + xp.log(total)
 
@@ -125,26 +126,45 @@ def _scale(xp, grad_output, args, dtype):
     return xp.asarray(grad_output / args.loss_scale, dtype=dtype)
 
 
+def _scores_owned(xp, attrs: LossAttrs, scores, args) -> bool:
+    """Whether the kernels may work in the scores (``OpDef.overwrites``): the step's own
+    float32 copy, its classes laid out as rows (the backward's gradient is made there)."""
+    return owned(args, 0) and xp.moveaxis(scores, attrs.class_axis, -1).flags.c_contiguous
+
+
 def cross_entropy_forward(xp, attrs: LossAttrs, inputs, args):
-    """Σ over counted rows of logsumexp(row) - row[label]."""
+    """Σ over counted rows of logsumexp(row) - row[label]. Each row's logsumexp is left
+    in the stash for the backward; where the scores are the step's own copy, it is made
+    in them (the label's score taken first)."""
     scores, labels = inputs
     last = xp.moveaxis(scores, attrs.class_axis, -1)
     index, counted = _picked(xp, attrs, labels, last.shape[-1])
-    chosen = xp.take_along_axis(last, index, axis=-1)
-    total = ((_log_sum_exp(xp, last) - chosen) * counted).sum()
+    chosen = xp.take_along_axis(last, index, axis=-1)  # a copy: the row's label's score
+    lse = _log_sum_exp(xp, last, _scores_owned(xp, attrs, scores, args))
+    if args.stash is not None:  # the executor keeps it for the backward
+        args.stash["lse"] = lse
+    total = ((lse - chosen) * counted).sum()
     return xp.asarray(total / args.loss_scale, dtype=scores.dtype)
 
 
 def cross_entropy_backward(xp, attrs: LossAttrs, inputs, output, grad_output, args):
     """softmax(row) - onehot(label), on counted rows, times the loss's scale: the softmax
-    made in place in the one array returned, the label's 1 taken off where it lies."""
+    made in place in the one array returned (the scores themselves where they are the
+    step's own copy), from the forward's logsumexp where it was kept, the label's 1
+    taken off where it lies."""
     scores, labels = inputs
     last = xp.moveaxis(scores, attrs.class_axis, -1)
     classes = last.shape[-1]
     index, counted = _picked(xp, attrs, labels, classes)
     scale = _scale(xp, grad_output, args, scores.dtype)
-    grad = xp.empty(last.shape, dtype=last.dtype)  # rows contiguous: viewed as [rows, C]
-    xp.subtract(last, _log_sum_exp(xp, last), out=grad)
+    lse = args.stash.get("lse") if args.stash is not None else None
+    if lse is None:
+        lse = _log_sum_exp(xp, last)
+    if _scores_owned(xp, attrs, scores, args):
+        grad = last
+    else:
+        grad = xp.empty(last.shape, dtype=last.dtype)  # rows contiguous: viewed as [rows, C]
+    xp.subtract(last, lse, out=grad)
     xp.exp(grad, out=grad)
     grad *= counted * scale
     rows = grad.reshape(-1, classes)
@@ -166,10 +186,10 @@ def mse_backward(xp, attrs: LossAttrs, inputs, output, grad_output, args):
 
 def cross_entropy_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
     """Per score: the forward's logsumexp holds the shifted scores, exponentiated in
-    place; the backward's logsumexp holds them once more beside the gradient it returns
-    (measured under tracemalloc)."""
-    n = math.prod(shapes[0])
-    return n * itemsize, n * itemsize
+    place (none where it works in the step's own copy: ``overwrites``); the backward
+    reads the forward's logsumexp from the stash and holds nothing beside the gradient
+    it returns (measured under tracemalloc: tests/ops/test_losses.py)."""
+    return math.prod(shapes[0]) * itemsize, 0
 
 
 CROSS_ENTROPY = OpDef(
@@ -181,6 +201,8 @@ CROSS_ENTROPY = OpDef(
     saves=SAVES_INPUTS,  # the scores and the labels, not the loss
     loss_scale=cross_entropy_scale,
     workspace=cross_entropy_workspace,
+    stashes=True,  # each row's logsumexp, from the forward to the backward (not priced)
+    overwrites=frozenset({0}),  # the scores' float32 copy under mixed precision
     cases=(
         case("ce_mean", CROSS_ENTROPY_NAME, X(6, 4), LABELS(6)),
         case("ce_sum", CROSS_ENTROPY_NAME, X(5, 3), LABELS(5), reduction="sum"),
