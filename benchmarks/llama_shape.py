@@ -7,7 +7,7 @@ those inputs then become initializers whose external data point into a sparse fi
 (``os.truncate``: no disk). The graph is the real one, full size; the weights are zeros
 nobody reads. Needs the dev extras (torch, transformers).
 
-    python -m benchmarks.llama_shape [--config llama3-8b] [--batch 8] [--seq 2048] -o DIR
+    python -m benchmarks.llama_shape [--config llama3-8b|llama3-70b] [--batch 8] [--seq 2048] -o DIR
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ CONFIGS = {
         intermediate_size=14336,
         num_hidden_layers=32,
         num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
         num_key_value_heads=8,
         vocab_size=128256,
     ),

@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnx2soap.importer.lazy import LazyValue, distinct_rows, distinct_shape_of
 from onnx2soap.importer.node_graph import Constant, NodeGraph, attribute, is_op
 from onnx2soap.ops.registry import FUSED_DOMAIN
 
@@ -174,29 +175,19 @@ def _is_scores_chain(g: _Graph, name: str) -> bool:
     return _is_scores(g, name)
 
 
-def _distinct(value: np.ndarray) -> np.ndarray:
-    """A broadcast constant's own values: index 0 of every axis it repeats along (the
-    importer holds a mask expanded to the batch as such a view, ``prepare.compact``)."""
-    repeated = tuple(
-        slice(0, 1) if stride == 0 and size > 1 else slice(None)
-        for stride, size in zip(value.strides, value.shape, strict=True)
+def _causal_rows(block: np.ndarray, first: int) -> bool:
+    """Whether rows ``first``... of a square mask's distinct values, every batch and head,
+    are the causal one's: 0 on and below the diagonal, at most ``MASKED`` above. Keys
+    before the first row are below every row's diagonal, keys past the last above it:
+    only the square band between is compared position by position."""
+    rows = block.shape[-2]
+    band = block[..., first : first + rows]
+    below = np.tri(rows, band.shape[-1], dtype=bool)  # key <= query, the diagonal included
+    return bool(
+        (block[..., :first] == 0).all()
+        and (block[..., first + rows :] <= MASKED).all()
+        and np.where(below, band == 0, band <= MASKED).all()
     )
-    return value[repeated]
-
-
-def _causal(distinct: np.ndarray) -> bool:
-    """Whether a constant mask's distinct values are the causal one in every batch and
-    head."""
-    if distinct.ndim < 2 or distinct.shape[-1] != distinct.shape[-2]:
-        return False
-    if distinct.dtype.kind != "f":
-        return False
-    size = distinct.shape[-1]
-    below = np.tri(size, size, dtype=bool)  # the diagonal included
-    for one in distinct.reshape(-1, size, size):
-        if not (np.all(one[below] == 0) and np.all(one[~below] <= MASKED)):
-            return False
-    return True
 
 
 def _boolean(g: _Graph, mask: str) -> str | None:
@@ -245,14 +236,21 @@ def _broadcasts(shape: tuple[int, ...], scores_shape: tuple[int, ...]) -> bool:
         return False
 
 
-def _constant_kind(value: np.ndarray, scores_shape: tuple[int, ...]) -> _Mask | None:
-    """A constant mask that adds nothing (ViT's zeros), or the causal one, or None."""
-    distinct = _distinct(value)
-    if not distinct.any():
+def _constant_kind(value: np.ndarray | LazyValue, scores_shape: tuple[int, ...]) -> _Mask | None:
+    """A constant mask that adds nothing (ViT's zeros), or the causal one, or None: read
+    on its distinct values (a broadcast view's, a lazy one's) a block of rows at a time,
+    so a lazy mask (``importer/lazy.py``) is never computed whole."""
+    shape = distinct_shape_of(value)
+    square = len(shape) >= 2 and shape[-1] == shape[-2] and scores_shape[-1] == scores_shape[-2]
+    zero, causal = True, square and value.dtype.kind == "f"
+    for first, block in distinct_rows(value):
+        zero = zero and not block.any()
+        causal = causal and _causal_rows(block, first)
+        if not (zero or causal):
+            return None
+    if zero:
         return _Mask("", False)
-    if scores_shape[-1] == scores_shape[-2] and _causal(distinct):
-        return _Mask("", True)
-    return None
+    return _Mask("", True) if causal else None
 
 
 def _operands(g: _Graph, product: onnx.NodeProto, links: list) -> tuple[str, str, float]:

@@ -22,6 +22,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.attention import fuse_attention
 from onnx2soap.importer.gelu import fuse_tanh_gelu
+from onnx2soap.importer.lazy import LazyValue, block_evaluator, lazy_elementwise, materialized
 from onnx2soap.importer.rms_norm import fuse_rms_norm
 from onnx2soap.importer.signature import untrained_initializers
 from onnx2soap.importer.silu import fuse_silu
@@ -448,19 +449,41 @@ def _evaluate_broadcast(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opse
     the bound batch: [16, 1, 8192, 8192], 4 GiB in float32, of 8,192² distinct values) is
     held as a broadcast view of its distinct values, and an elementwise op on such
     values computes each distinct result once: folding a LLaMA at 8,192 tokens took
-    23.7 GB before."""
+    23.7 GB before. Where even the distinct result is big, the op is not computed but
+    kept as a ``LazyValue`` (``importer/lazy.py``: a mask at 32,768 tokens)."""
     if node.op_type == "Expand" and len(node.input) == 2:
-        x, shape = np.asarray(feeds[node.input[0]]), np.asarray(feeds[node.input[1]])
+        x, shape = feeds[node.input[0]], np.asarray(feeds[node.input[1]])
         target = np.broadcast_shapes(x.shape, tuple(int(n) for n in shape))
+        if isinstance(x, LazyValue):
+            return [x.expanded(target)]
         return [np.broadcast_to(compact(x, compare=True), target)]
     if node.op_type not in ELEMENTWISE or len(node.output) != 1:
-        return _evaluate(node, feeds, opset)
-    shapes = [np.shape(v) for v in feeds.values()]
-    target = np.broadcast_shapes(*shapes)
-    distinct = {n: compact(v, compare=True) for n, v in feeds.items()}
+        return _evaluate(node, {n: materialized(v) for n, v in feeds.items()}, opset)
+    target = np.broadcast_shapes(*(v.shape for v in feeds.values()))
+    distinct = {
+        n: v if isinstance(v, LazyValue) else compact(v, compare=True) for n, v in feeds.items()
+    }
+    lazy = lazy_elementwise(node, distinct, target, _block_evaluator(node, opset))
+    if lazy is not None:
+        return [lazy]
     (out,) = _evaluate(node, distinct, opset)
     out = np.asarray(out)
     return [out if out.shape == target else np.broadcast_to(out, target)]
+
+
+def _block_evaluator(node: onnx.NodeProto, opset: int):
+    """Runs ``node`` on the blocks of a lazy value: one reference evaluator for all of
+    them (onnxruntime makes a session per call, which costs more than a block), and
+    ``_evaluate`` where it fails."""
+    evaluator = ReferenceEvaluator(node, opsets={"": opset})
+
+    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            return [np.asarray(v) for v in evaluator.run(None, feeds)]
+        except Exception:  # the reference fails on some valid inputs (see _evaluate)
+            return _evaluate(node, feeds, opset)
+
+    return block_evaluator(node, run)
 
 
 def _split_sequences(
@@ -588,7 +611,8 @@ def _fold_pass(
     present = {i.name for i in inits}
     for name, v in known.items():
         if name in needed and name not in present:
-            inits.append(_folded_initializer(name, np.asarray(v), large))
+            value = v if isinstance(v, LazyValue) else np.asarray(v)
+            inits.append(_folded_initializer(name, value, large))
     new_graph = onnx.helper.make_graph(
         kept, graph.name, list(graph.input), list(graph.output), inits
     )
@@ -600,15 +624,29 @@ def _fold_pass(
 LARGE_CONSTANT_BYTES = 64 << 10  # shape tensors and scalars are far smaller
 
 
-def _folded_initializer(name: str, value: np.ndarray, large: dict) -> onnx.TensorProto:
+def _folded_initializer(name: str, value: np.ndarray | LazyValue, large: dict) -> onnx.TensorProto:
     """A folded value as an initializer: whole when small (data propagation may read a
-    shape), else its dims only, the value kept in ``large``."""
-    if value.nbytes <= LARGE_CONSTANT_BYTES:
+    shape), else its dims only, the value kept in ``large`` (a lazy one always: it is
+    not computed)."""
+    if not isinstance(value, LazyValue) and value.nbytes <= LARGE_CONSTANT_BYTES:
         # asarray, not ascontiguousarray: that one makes a 0-d scalar 1-d.
         return numpy_helper.from_array(np.asarray(value, order="C"), name)
     large[name] = value
     elem = onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
     return onnx.TensorProto(name=name, data_type=elem, dims=value.shape)
+
+
+def _computed(
+    values: dict[str, np.ndarray | LazyValue],
+    nodes: list[onnx.NodeProto],
+    graph_outputs: tuple[str, ...],
+) -> dict[str, np.ndarray]:
+    """The constants with every lazy value that a node or the graph still reads computed,
+    and those nothing reads (a causal mask the fusion consumed) left out."""
+    read = {n for node in nodes for n in node.input} | set(graph_outputs)
+    return {
+        k: materialized(v) for k, v in values.items() if not isinstance(v, LazyValue) or k in read
+    }
 
 
 def prepare(path: Path, batch: int | None) -> Prepared:
@@ -671,7 +709,7 @@ def prepare(path: Path, batch: int | None) -> Prepared:
         batch=batch,
         nodes=tuple(nodes),
         types={**types, **{k: TensorType(*t) for k, t in fused.types.items()}},
-        constants=values,
+        constants=_computed(values, nodes, graph_outputs),
         float_initializers={k: v for k, v in stored.items() if k in init_names},
         graph_inputs=tuple(i.name for i in model.graph.input if i.name not in init_names),
         graph_outputs=graph_outputs,

@@ -11,8 +11,11 @@ others. Metropolis–Hastings accepts a proposal with probability
 ``min(1, exp(-beta * (cost(new) - cost(current)) / scale))``, so ``beta`` does not
 depend on the model's units.
 
-Before the first proposal the search evaluates every strategy built by rule: the
-baselines (data parallelism, expert, single device, model parallelism, Megatron-LM's
+Before the first proposal the search evaluates every strategy built by rule (the
+smallest task graph first, ``data-parallel:k`` after the others, none begun once the
+budget has passed or that would hold more than ``MAX_STARTS_SIZE`` tasks with those
+before):
+the baselines (data parallelism, expert, single device, model parallelism, Megatron-LM's
 tensor parallelism, Alpa's intra-operator ILP: ``search/baselines.py``) and data
 parallelism over the first k devices for every divisor k of the device count
 (``data-parallel:k``; devices are numbered node by node, so these are a node or a few).
@@ -29,15 +32,16 @@ chain restarted from the best so far or a random strategy), kept to measure agai
 ``scale``, the unit of ``beta``, is the best start's cost, so the temperature fits the
 costs the chains walk among.
 
-The budget is the walk's: it begins at the first proposal, after the setup (every start
-built by rule and simulated in full, the ILP's solve, within its own time limit), which
-is reported apart (``setup_s``), as is the ZeRO pricing after the walk (``zero_s``).
-The search stops at the time budget, with ``max_evals`` also after that many proposals
-(each one an evaluation, a revisited strategy answered from memory; the rounds are then
-counted in proposals, not seconds), or when the best has not improved for half of the
-last round (``Restarts.BEST``: for half the budget). Everything random comes from the
-seed, so a search that ends on ``max_evals`` (before the budget) is reproducible: same
-seed, same plan.
+The budget begins at the call: the setup (every start built by rule and simulated in
+full, the ILP's solve within its own time limit, at most a quarter of the budget) counts
+in it and is reported (``setup_s``), and the walk has what is left (none where the
+setup took it all: a LLaMA-3-8B shape's on 128 devices takes 25 s). The ZeRO pricing
+after the walk is reported apart (``zero_s``). The search stops at the time budget,
+with ``max_evals`` also after that many proposals (each one an evaluation, a revisited
+strategy answered from memory; the rounds are then counted in proposals, not seconds),
+or when the best has not improved for half of the last round (``Restarts.BEST``: for
+half the budget). Everything random comes from the seed, so a search that ends on
+``max_evals`` (before the budget) is reproducible: same seed, same plan.
 
 Each chain keeps its current strategy's simulation state, and a proposal is simulated by
 delta simulation from it (``sim/delta.py``): only the slots of the changed ops and their
@@ -125,6 +129,8 @@ class SearchOptions:
     # ``SearchResult.unfit`` says why) instead of refusing: a caller that goes on to
     # pipelines and recomputation (pipeline_choice.py) may still find one that fits.
     must_fit: bool = True
+    # Plans given to walk from beside the rules' (``plan --start``'s), by name.
+    starts: tuple[tuple[str, Strategy], ...] = ()
 
     def __post_init__(self) -> None:
         _check_range("budget", self.budget_s, 0.0, MAX_BUDGET_S, "seconds")
@@ -197,7 +203,7 @@ class SearchResult:
     # and data-parallel:k
     starts: Mapping[str, Evaluation] = field(default_factory=dict)
     best_from: str = "search"  # the start the best is (its name), or "search"
-    setup_s: float = 0.0  # from the call to the first proposal: outside the budget
+    setup_s: float = 0.0  # from the call to the first proposal: inside the budget
     proposals: int = 0
     # the best at the first proposal, then at each improvement
     history: tuple[Improvement, ...] = ()
@@ -216,6 +222,8 @@ class SearchResult:
     # the plan predicted fastest, where the machine's margin kept a start that moves
     # fewer bytes in its place (``search/margin.py``); None: the fastest was kept
     passed_over: Evaluation | None = None
+    # the starts built but not simulated: past the budget, or ``MAX_STARTS_SIZE``
+    skipped: tuple[str, ...] = ()
 
     @property
     def walk_gain(self) -> float | None:
@@ -232,9 +240,40 @@ class _Evaluator:
     evaluation of every one it has seen."""
 
     def __init__(self, graph: Graph, simulator: Simulator) -> None:
-        self.partitioner = Partitioner(graph)
-        self.delta = DeltaSimulator(simulator, self.partitioner)
+        self.partitioner, self.simulator = Partitioner(graph), simulator
+        self._delta: DeltaSimulator | None = None
         self.seen: dict[Strategy, Evaluation] = {}
+        self._allowance: float = math.inf  # segments the walk may add: ``bound``
+        self._since = 0
+
+    @property
+    def delta(self) -> DeltaSimulator:
+        if self._delta is None:
+            self._delta = DeltaSimulator(self.simulator, self.partitioner)
+        return self._delta
+
+    def forget(self) -> None:
+        """Let go of the memoized segments (every plan simulated keeps its evaluation):
+        a plan simulated after this is simulated afresh, or by delta from a state made
+        before (a state holds its own segments)."""
+        self._delta = None
+        self._since = 0
+
+    def memoized(self) -> int:
+        """The op and edge slots' segments held for reuse."""
+        d = self._delta
+        return 0 if d is None else len(d.op_segments) + len(d.edge_segments)
+
+    def bound(self) -> None:
+        """From here on (the walk), at most half again as many segments as now (the
+        starts') are held for reuse: past that they are let go. A walk's proposals (a
+        group move changes every layer) had doubled a LLaMA-3-8B shape's memo on 128
+        devices in 40 s, to 2.1 GB; what the chains' states hold stays either way."""
+        self._allowance, self._since = max(self.memoized() // 2, 1), self.memoized()
+
+    def trim(self) -> None:
+        if self.memoized() - self._since > self._allowance:
+            self.forget()
 
     @property
     def evaluated(self) -> int:
@@ -313,7 +352,7 @@ class _Chain:
     current: Strategy
     cost: Cost
     best_cost: Cost
-    state: DeltaState
+    state: DeltaState | None  # None once the chain walks no more
     best: Strategy
     evals: int = 0
     last_improvement: int = 0
@@ -464,6 +503,7 @@ def _rule_strategies(
     named = {name: b.strategy for name, b in built.items()}
     named.update(narrow_data_parallel(graph, space, devices))
     named.update(_sequence_starts(graph, space, simulator))
+    named.update(options.starts)
     return named, built[Rule.ILP.value].ilp
 
 
@@ -482,6 +522,55 @@ def _sequence_starts(graph: Graph, space, simulator: Simulator) -> dict[str, Str
         Rule.CONTEXT.value: build(Rule.CONTEXT, graph, space, devices, 0, simulator).strategy,
         "megatron-sequence-parallel": sp.strategy,
     }
+
+
+# The most the starts' simulations may hold together, in tasks plus tile overlaps of
+# their partitions: each holds about 340 bytes (LLaMA-3-8B's 13 distinct starts on 128
+# H100s are 2.9 M and held 1 GB; a 70B-shaped Llama's on 256 are 22.8 M and held 7.9 GB),
+# and the walk's memo may add half as much again. LLaMA-3-8B's all fit on 128 H100s.
+MAX_STARTS_SIZE = 3_500_000
+
+
+def _simulate_starts(
+    search: _Search, named: Mapping[str, Strategy], began: float, budget_s: float
+) -> tuple[dict[str, Evaluation], dict[Strategy, DeltaState], tuple[str, ...]]:
+    """Each start simulated in full (a delta from the nearest start saved nothing: a
+    LLaMA-3-8B shape on 64 devices, 25.7 against 26.1 s of CPU, its first changed op near
+    the front): the rules' plans before data parallelism over fewer devices, each the
+    smallest first (its partition's tasks and tile overlaps: what its simulation builds
+    and holds; the partitioner keeps them for the simulation), none begun once the
+    budget has passed or that would take the starts past ``MAX_STARTS_SIZE`` (a pace
+    measured on the small ones said nothing of the big: a simulation's fixed cost made
+    Megatron's on 256 devices look 250 s long). Those are skipped, named in the third
+    item: on a big model on many devices one start takes tens of seconds and GBs (a
+    70B-shaped Llama on 256 H100s: Krizhevsky's rule 20 M tasks, 28 s, 6 GB). The first
+    is always simulated."""
+    partitioner = search.evaluate.partitioner
+
+    def size(strategy: Strategy) -> int:
+        pg = partitioner.partition(strategy)
+        return sum(map(len, pg.tasks.values())) + sum(len(e.overlaps) for e in pg.edges)
+
+    sizes = {name: size(strategy) for name, strategy in named.items()}
+    # the rules' plans first, then data parallelism over fewer devices (``data-parallel:k``,
+    # stepping stones for the walk), each by size
+    narrow = f"{Rule.DATA_PARALLEL.value}:"
+    order = sorted(named, key=lambda n: (n.startswith(narrow), sizes[n]))
+    simulated: dict[str, Evaluation] = {}
+    states: dict[Strategy, DeltaState] = {}
+    skipped = []
+    held = 0  # the sizes simulated
+    for name in order:  # a stable sort: ties in the rules' order
+        strategy = named[name]
+        late = time.perf_counter() - began > budget_s
+        if simulated and strategy not in states and (late or held + sizes[name] > MAX_STARTS_SIZE):
+            skipped.append(name)
+            continue
+        if strategy not in states:  # a strategy built twice is held once
+            held += sizes[name]
+        simulated[name], state = search.evaluate.with_state(strategy)
+        states[strategy] = state or states[strategy]
+    return simulated, states, tuple(skipped)
 
 
 def mcmc(
@@ -508,13 +597,10 @@ def _mcmc(
     search = _Search(graph, space, simulator, options)
     seeds = np.random.SeedSequence(options.seed)
     named, ilp = _rule_strategies(graph, space, simulator, options)
-    starts, states = {}, {}
-    for name, strategy in named.items():
-        # in full: a delta from the nearest start saved nothing (a LLaMA-3-8B shape on 64
-        # devices: 25.7 against 26.1 s of CPU), its first changed op being near the front
-        starts[name], state = search.evaluate.with_state(strategy)
-        states[strategy] = state or states[strategy]  # a strategy built twice: one state
-        search.consider(strategy, search.cost(starts[name]))
+    simulated, states, skipped = _simulate_starts(search, named, began, options.budget_s)
+    starts = {name: simulated[name] for name in named if name in simulated}
+    for name, ev in starts.items():  # in the rules' order: the first of equals is kept
+        search.consider(named[name], search.cost(ev))
     # The distinct strategies built by rule, fastest first (a stable sort: ties keep the
     # order above), each with the names of the rules that built it; the search never
     # returns a plan slower than any of them.
@@ -522,9 +608,9 @@ def _mcmc(
     for name in sorted(starts, key=lambda n: search.cost(starts[n])):
         ranked.setdefault(named[name], []).append(name)
     scale = Scale.of(search.cost(ev) for ev in starts.values())
-    # The budget is the walk's: it begins at the first proposal, the setup before it
-    # (every start built and simulated in full, the ILP's solve) reported apart.
-    clock = _Clock(search, options, time.perf_counter(), progress, scale=scale)
+    # The budget begins at the call: the setup (every start built and simulated in full,
+    # the ILP's solve) counts in it, and the walk has what is left.
+    clock = _Clock(search, options, began, progress, scale=scale)
     walks: list[_Walk] = []
     single = all(len(moves) < 2 for moves in search.moves.values())
     # with one strategy in the whole space there is nothing to walk
@@ -534,10 +620,20 @@ def _mcmc(
             cost = search.cost(starts[names[0]])
             chain = _Chain(rng, strategy, cost, cost, states[strategy], strategy)
             walks.append(_Walk(tuple(names), chain, strategy, cost))
+        states.clear()  # each chain holds its own; a start's goes once its chain moves on
+        search.evaluate.bound()
         _walk_halving(search, clock, walks, seeds)
     elif not single:
+        search.evaluate.bound()
         _walk_best(search, clock, list(ranked), states, seeds)
+        states.clear()
     walked = time.perf_counter()
+    # What follows prices plans already evaluated (their evaluations are kept), and
+    # ZeRO's on simulators of its own: the walk's states and memoized segments go first
+    # (a LLaMA-3-8B shape on 128 devices held 2.9 GB of them, 3.5 with ZeRO's beside).
+    for walk in walks:
+        walk.chain.state = None
+    search.evaluate.forget()
     top = max(options.zero_stages, default=ZeroStage.NONE)
     finalists = _finalists(search, walks, ranked, top, simulator)
     zero = _with_zero(search, simulator, finalists, options.zero_stages)
@@ -549,7 +645,7 @@ def _mcmc(
         unfit = unfit_message(_closest(zero, named, search))
         if options.must_fit or zero.strategy is None:
             raise UserError(unfit)
-    baselines = {rule.value: starts[rule.value] for rule in BASELINES}
+    baselines = {rule.value: starts[rule.value] for rule in BASELINES if rule.value in starts}
     best_from = next((n for n, s in named.items() if s == zero.strategy), "search")
     fitting = [names[0] for names in ranked.values() if starts[names[0]].fits]
     return SearchResult(
@@ -571,6 +667,7 @@ def _mcmc(
         zero_s=zero_s,
         unfit=unfit,
         passed_over=fastest if zero.evaluation is not fastest else None,
+        skipped=skipped,
     )
 
 
@@ -718,13 +815,13 @@ def _with_zero(
     tried: list[tuple[str, ZeroStage, Evaluation]] = []
 
     def price(stage: ZeroStage, plans: Sequence[tuple[Strategy, str]]) -> _Zeroed:
-        # a simulator of its own: its memo keeps durations and memory under one stage
-        delta = DeltaSimulator(
-            replace(simulator, zero=stage, memo=Memo()), search.evaluate.partitioner
-        )
-        state, found = None, _Zeroed(None, stage, NOWHERE, None)
+        found = _Zeroed(None, stage, NOWHERE, None)
+        staged = replace(simulator, zero=stage, memo=Memo())  # durations under one stage
         for strategy, name in plans:
-            ev, state = delta.evaluate(strategy, state)
+            # each plan simulated in full by a delta simulator of its own, whose segments
+            # go with it: a finalist shares few with the one before (their memos together
+            # had LLaMA-3-8B's search on 128 devices at 3.5 GB)
+            ev, _ = DeltaSimulator(staged, search.evaluate.partitioner).evaluate(strategy)
             tried.append((name, stage, ev))
             if search.cost(ev) < found.cost:
                 found = _Zeroed(strategy, stage, search.cost(ev), ev)
@@ -802,7 +899,9 @@ class _Clock:
         self.proposals += 1
 
     def note(self) -> None:
-        """After a sweep of proposals: the best's history, and progress now and then."""
+        """After a sweep of proposals: the best's history, progress now and then, and
+        the memoized segments bounded (``_Evaluator.bound``)."""
+        self.search.evaluate.trim()
         elapsed = self.elapsed()
         if self.search.best_cost < self.best:
             self.best, self.improved_s, self.improved_at = (
@@ -864,7 +963,10 @@ def _walk_halving(
     last = len(counts) - 1
     alive = walks
     for round_, count in enumerate(counts):
-        alive = sorted(alive, key=lambda w: w.best_cost)[:count]  # stable: ties by start
+        ranked = sorted(alive, key=lambda w: w.best_cost)  # stable: ties by start
+        alive = ranked[:count]
+        for dropped in ranked[count:]:  # walked no more: its state's memory goes
+            dropped.chain.state = None
         end = 1.0 if round_ == last else (round_ + 1) / (2 * last)
         for walk in alive:
             walk.rounds += 1

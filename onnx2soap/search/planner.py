@@ -200,7 +200,9 @@ def _searched(
     start: Start | None,
     progress: Callable[[Progress], None] | None,
 ) -> _Made:
-    outcome = _search(s.request, s.graph, s.space, simulator, progress)
+    # a plain start (no pipeline: the walk splits one graph) is walked from too
+    walked = (("start", start.strategy),) if start and start.plan.pipeline is None else ()
+    outcome = _search(s.request, s.graph, s.space, simulator, progress, walked)
     pricing = Pricing(s.machine, s.slots, s.precision, s.mode.bucket_mb)
     found = _outer(s.request, outcome, s.graph, s.space, s.costs, pricing)
     if start is None:
@@ -259,9 +261,11 @@ def _search(
     space,
     simulator: Simulator,
     progress: Callable[[Progress], None] | None,
+    starts: tuple[tuple[str, Strategy], ...] = (),
 ) -> Outcome:
+    """The walk, from the rules' plans and ``starts`` (``--start``'s)."""
     # a walk whose plans all overflow goes on: a pipeline or recomputation may fit
-    options = SearchOptions(r.budget, r.seed, r.beta, r.max_evals, must_fit=False)
+    options = SearchOptions(r.budget, r.seed, r.beta, r.max_evals, must_fit=False, starts=starts)
     result = mcmc(graph, space, simulator, options, progress)
     info = SearchInfo("mcmc", r.seed, r.budget, result.evaluated)
     return Outcome(

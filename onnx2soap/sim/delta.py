@@ -18,6 +18,7 @@ bucket (``bucket_memory.py``).
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -72,7 +73,7 @@ class DeltaState:
     # per checkpointed slot: every resource's last end before it, the latest end, and
     # what each device owes for a resume and when it last communicated (``simulate.Wakes``;
     # empty on machines with neither a resume nor a cooling)
-    checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[float, ...]]]
+    checkpoints: dict[int, tuple[Sequence[float], float, tuple[float, ...]]]
     makespan: float
     moved: list[int]  # per slot: bytes moved
     bytes_moved: int
@@ -348,7 +349,7 @@ class DeltaSimulator:
         resume, cooling, devices = self.machine.resume, self.machine.cooling, self.machine.size
         if base is None:
             ends, moved = [()] * size, [0] * size
-            checkpoints: dict[int, tuple[tuple[float, ...], float, tuple[float, ...]]] = {}
+            checkpoints: dict[int, tuple[Sequence[float], float, tuple[float, ...]]] = {}
             first, free, last, owed = 0, [0.0] * self.num_resources, 0.0, ()
         else:
             ends, moved = list(base.ends), list(base.moved)
@@ -366,14 +367,20 @@ class DeltaSimulator:
         entries = self.entry_set
         for slot in range(first, size):
             if slot in entries:
-                checkpoints[slot] = (tuple(free), last, () if wakes is None else wakes.saved())
+                # end times as 8-byte doubles, not float objects: a state holds millions
+                # (tasks' ends, every checkpoint's resources), and a search many states
+                checkpoints[slot] = (
+                    array("d", free),
+                    last,
+                    () if wakes is None else wakes.saved(),
+                )
             seg = segments[slot]
             if not seg.duration:
                 ends[slot] = ()
                 continue
             # The formula of simulate.simulate, inlined; only ends are kept (a start is
             # recomputed from them where a timeline is asked for: ``task_graph``).
-            ends[slot] = cur = []  # before its tasks: they may wait on earlier ones
+            ends[slot] = cur = array("d")  # before its tasks: they may wait on earlier ones
             for d, kind, resources, ps in zip(
                 seg.duration, seg.kind, seg.resources, preds[slot], strict=True
             ):

@@ -379,8 +379,9 @@ def test_nothing_is_half_written(models, tmp_path: Path, capsys) -> None:
 
 
 def test_start_from_an_annotated_plan(models, capsys) -> None:
-    """``--start`` with ``--search none`` is the plan; with the search, the plan is the
-    start unless the search finds a faster one."""
+    """``--start`` with ``--search none`` is the plan; with the search, the walk starts
+    from it too (beside the rules' plans), and the plan is the start unless the search
+    finds a faster one."""
     model = models("mlp", "legacy")
     written, annotated = plan_and_annotate(model, "start", "--strategy", "expert")
     again = model.with_name("again.json")
@@ -391,6 +392,8 @@ def test_start_from_an_annotated_plan(models, capsys) -> None:
     assert cli([*base, "--max-evals", "20", "--budget", "5", "-o", str(again), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["start"]["path"] == str(annotated)
+    walked = [n for w in doc["walks"] for n in (w["start"], *w["also"])]
+    assert "start" in walked  # walked, or named beside a rule's plan it equals
     best = min(doc["predicted_step_time_s"], doc["start"]["step_time_s"])
     assert doc["predicted_step_time_s"] == best
     assert cli([*base, "--strategy", "megatron", "-o", str(again)]) == 2

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx2soap.importer import load_model
+from onnx2soap.importer import lazy, load_model
 from onnx2soap.ir import LossKind, TensorRole
 from tests.executor.test_forward_onnxruntime import (
     BATCH,
@@ -75,7 +75,11 @@ def _chain(
         inits.append(numpy_helper.from_array(value, "bias"))
         nodes.append(helper.make_node("Add", ["scaled", "bias"], ["biased"]))
         scores = "biased"
-    if mask != "none":
+    if mask.startswith("iota"):
+        nodes += _iota_mask(mask)
+        nodes.append(helper.make_node("Add", [scores, "mask"], ["masked"]))
+        scores = "masked"
+    elif mask != "none":
         above = np.triu(np.ones((ROWS, ROWS), bool), 1)
         value = np.where(above, np.float32(-3.4e38), 0).astype(np.float32)
         if mask == "padding":
@@ -107,6 +111,41 @@ def _chain(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
+
+
+def _iota_mask(kind: str) -> list[onnx.NodeProto]:
+    """ "mask" [B, 1, R, R] folded from positions, as transformers' SDPA masks are: the
+    keys' and queries' iotas compared, Where(seen, 0, -big), expanded to the batch.
+    ``iota-causal`` is the causal one; ``iota-strict`` masks the diagonal too,
+    ``iota-future`` sees only the keys ahead, ``iota-last-row`` masks the last query's
+    every key (a difference in the last rows only)."""
+    compare = {"iota-strict": "Less", "iota-future": "GreaterOrEqual"}.get(kind, "LessOrEqual")
+    nodes = [
+        _constant("zero", np.array(0, np.int64)),
+        _constant("rows", np.array(ROWS, np.int64)),
+        _constant("one", np.array(1, np.int64)),
+        helper.make_node("Range", ["zero", "rows", "one"], ["position"]),
+        _constant("key_axes", np.array([0, 1, 2], np.int64)),
+        _constant("query_axes", np.array([0, 1, 3], np.int64)),
+        helper.make_node("Unsqueeze", ["position", "key_axes"], ["key_at"]),
+        helper.make_node("Unsqueeze", ["position", "query_axes"], ["query_at"]),
+        helper.make_node(compare, ["key_at", "query_at"], ["seen"]),
+    ]
+    if kind == "iota-last-row":
+        nodes += [
+            _constant("last", np.array(ROWS - 1, np.int64)),
+            helper.make_node("Less", ["query_at", "last"], ["not_last"]),
+            helper.make_node("And", ["seen", "not_last"], ["seen_before_last"]),
+        ]
+    seen = "seen_before_last" if kind == "iota-last-row" else "seen"
+    return [
+        *nodes,
+        _constant("keep", np.array(0, np.float32)),
+        _constant("drop", np.array(-3.4e38, np.float32)),
+        helper.make_node("Where", [seen, "keep", "drop"], ["mask_rows"]),
+        _constant("batched", np.array([BATCH, 1, ROWS, ROWS], np.int64)),
+        helper.make_node("Expand", ["mask_rows", "batched"], ["mask"]),
+    ]
 
 
 def _save(model: onnx.ModelProto, tmp_path: Path) -> Path:
@@ -181,4 +220,34 @@ def test_near_misses_stay_as_written(tmp_path: Path, near_miss) -> None:
     path = _save(model, tmp_path)
     types = _types(path)
     assert "Attention" not in types and "Softmax" in types
+    _equals_onnxruntime(path)
+
+
+@pytest.mark.parametrize(
+    "mask", ["iota-causal", "iota-strict", "iota-future", "iota-last-row"], ids=str
+)
+def test_big_masks_are_read_a_block_of_rows_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mask: str
+) -> None:
+    """A mask too big to fold (here every elementwise result is: ``LAZY_ELEMENTS`` 0)
+    is kept lazy and checked two rows at a time: the causal one becomes ``is_causal``
+    without ever being computed whole; one that differs (on the diagonal, everywhere, in
+    its last row only) stays an operand, computed, and the forward equals
+    onnxruntime's on the file as written."""
+    monkeypatch.setattr(lazy, "LAZY_ELEMENTS", 0)
+    monkeypatch.setattr(lazy, "BLOCK_ELEMENTS", 2 * ROWS)
+    computed = []
+    whole = lazy.LazyValue.__array__
+
+    def counted(self, dtype=None, copy=None):
+        computed.append(self.shape)
+        return whole(self, dtype, copy)
+
+    monkeypatch.setattr(lazy.LazyValue, "__array__", counted)
+    path = _save(_chain(mask=mask), tmp_path)
+    graph = load_model(path, BATCH, LossKind.NONE).graph
+    (op,) = [op for op in graph.ops if op.type == "Attention"]
+    causal = mask == "iota-causal"
+    assert op.attrs.causal == causal and op.attrs.has_mask == (not causal)
+    assert computed == ([] if causal else [(BATCH, 1, ROWS, ROWS)])
     _equals_onnxruntime(path)

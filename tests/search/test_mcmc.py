@@ -13,9 +13,10 @@ from onnx2soap.cli import main as cli
 from onnx2soap.cli.plan_cmd import _walk_line, draw_progress
 from onnx2soap.errors import UserError
 from onnx2soap.importer import load_model
+from onnx2soap.search import mcmc as mcmc_module
 from onnx2soap.search.baselines import BASELINES, Rule, by_rule, narrow_data_parallel
 from onnx2soap.search.exhaustive import exhaustive, space_size
-from onnx2soap.search.mcmc import Progress, SearchOptions, _rule_strategies, mcmc
+from onnx2soap.search.mcmc import Progress, SearchOptions, SearchResult, _rule_strategies, mcmc
 from onnx2soap.sim import RooflineCost, Simulator
 from onnx2soap.sim.machine import ComputeDevice
 from onnx2soap.sim.memory import peak_memory
@@ -263,17 +264,89 @@ def test_the_result_names_its_starts_and_its_history_honestly(example_onnx: Path
     assert 0 < result.setup_s <= result.time_s and result.proposals <= 30 + 2
 
 
-def test_the_walk_gets_its_budget_after_the_setup(example_onnx: Path) -> None:
-    """The budget begins at the first proposal: a setup longer than the budget (every
-    start built and simulated, the ILP's solve) had left the walk no time at all."""
+def test_the_setup_counts_in_the_budget(example_onnx: Path) -> None:
+    """The budget begins at the call: the setup (every start built and simulated, the
+    ILP's solve) counts in it and the walk has what is left, none where the setup took
+    it all (planning a LLaMA-3-8B shape with ``--budget 50`` had taken 103 s)."""
     graph = load_model(example_onnx, batch=64).graph
     sim = Simulator(preset("flexflow-p100:4"), RooflineCost())  # 16 devices
-    budget = 0.3
-    result = mcmc(graph, analyze(graph), sim, SearchOptions(budget_s=budget, seed=0))
-    assert result.setup_s > budget and result.proposals > 0
-    walked = result.time_s - result.setup_s - result.zero_s
-    # the last round stops on a stall after half of its half of the budget at the least
-    assert budget * 0.7 <= walked <= budget * 1.5
+    space = analyze(graph)
+    short = mcmc(graph, space, sim, SearchOptions(budget_s=0.01, seed=0))
+    assert short.setup_s > 0.01 and short.proposals == 0
+    # past the budget no start's simulation is begun: the smallest alone was
+    named, _ = _rule_strategies(graph, space, sim, SearchOptions())
+    partitioner = Partitioner(graph)
+
+    def size(strategy: Strategy) -> int:
+        pg = partitioner.partition(strategy)
+        return sum(len(t) for t in pg.tasks.values()) + sum(len(e.overlaps) for e in pg.edges)
+
+    # one strategy simulated (under every name that built it: the ILP's, at times), the
+    # smallest (the ILP's, solved under another time limit here, aside)
+    assert sorted([*short.starts, *short.skipped]) == sorted(named)
+    first, *others = short.starts.values()
+    assert all(ev == first for ev in others) and short.baselines.keys() <= short.starts.keys()
+    assert size(short.best) <= min(size(s) for n, s in named.items() if n != Rule.ILP.value)
+    budget = 4.0  # room for every start (about a second under load) and a walk
+    result = mcmc(graph, space, sim, SearchOptions(budget_s=budget, seed=0))
+    assert sorted(result.starts) == sorted(named) and result.proposals > 0
+    walked_until = result.time_s - result.zero_s  # from the call to the walk's end
+    # the last round stops on a stall after half of what it had, at the least
+    assert result.setup_s + (budget - result.setup_s) * 0.2 <= walked_until <= budget * 1.1
+
+
+def test_starts_past_the_size_bound_are_not_simulated(example_onnx: Path, monkeypatch) -> None:
+    """Starts are simulated smallest first while what they hold together (tasks plus tile
+    overlaps) stays within ``MAX_STARTS_SIZE``: past it, the rest are skipped, whatever
+    the budget, and the walk goes from those simulated."""
+    graph = load_model(example_onnx, batch=64).graph
+    space = analyze(graph)
+    sim = Simulator(preset("flexflow-p100:4"), RooflineCost())
+    named, _ = _rule_strategies(graph, space, sim, SearchOptions())
+    partitioner = Partitioner(graph)
+
+    def size(strategy: Strategy) -> int:
+        pg = partitioner.partition(strategy)
+        return sum(len(t) for t in pg.tasks.values()) + sum(len(e.overlaps) for e in pg.edges)
+
+    sizes = sorted({size(s) for n, s in named.items() if n != Rule.ILP.value})
+    monkeypatch.setattr(mcmc_module, "MAX_STARTS_SIZE", sizes[0] + sizes[1] - 1)
+    result = mcmc(graph, space, sim, SearchOptions(budget_s=120, seed=0, max_evals=20))
+    kept = {named[n] for n in result.starts if n != Rule.ILP.value}
+    assert {size(s) for s in kept} == {sizes[0]} and result.skipped and result.proposals > 0
+    assert sorted([*result.starts, *result.skipped]) == sorted(named)
+
+
+def test_letting_go_of_the_memo_changes_no_step(example_onnx: Path, monkeypatch) -> None:
+    """The walk lets go of its memoized segments past a bound (``_Evaluator.bound``); a
+    chain's state holds its own, so the walk from it, forgetting after every sweep,
+    proposes, prices and keeps exactly what it does with the memo whole."""
+    graph = load_model(example_onnx, batch=64).graph
+    space = analyze(graph)
+    options = SearchOptions(budget_s=300, seed=4, max_evals=60)
+
+    def search() -> SearchResult:
+        return mcmc(graph, space, Simulator(preset("flexflow-p100:4"), RooflineCost()), options)
+
+    whole = search()
+    forgot = []
+    forget = mcmc_module._Evaluator.forget
+
+    def counted(self) -> None:
+        forgot.append(self.memoized())
+        forget(self)
+
+    monkeypatch.setattr(mcmc_module._Evaluator, "forget", counted)
+    monkeypatch.setattr(
+        mcmc_module._Evaluator, "bound", lambda self: setattr(self, "_allowance", 0)
+    )
+    trimmed = search()
+    assert len([n for n in forgot if n]) > 10  # after (nearly) every sweep that built any
+    assert (trimmed.best, trimmed.evaluation) == (whole.best, whole.evaluation)
+    assert [(h.proposals, h.step_time_s) for h in trimmed.history] == [
+        (h.proposals, h.step_time_s) for h in whole.history
+    ]
+    assert (trimmed.proposals, trimmed.walks) == (whole.proposals, whole.walks)
 
 
 def test_starts_are_simulated_exactly(example_onnx: Path) -> None:
