@@ -7,12 +7,12 @@ production stack launches for it (cuBLAS, FlashAttention, fused multi-tensor
 optimizers, PyTorch's eager elementwise kernels), from published measurements:
 
 - **Products** (MatMul, Gemm, Conv as an implicit GEMM): the best-shape GEMM rate
-  (``gemm_efficiency`` of the tensor cores' peak under mixed precision, of the FP32
-  peak in float32) and NVIDIA's wave quantization: the output is cut into
+  (``KernelRates.gemm`` of the tensor cores' peak under mixed precision, ``gemm_fp32``
+  of the FP32 peak in float32) and NVIDIA's wave quantization: the output is cut into
   ``GEMM_TILE`` tiles, one wave runs one tile per SM, and a wave costs what a full one
   does, so a product whose tiles leave a wave part empty runs below the rate; one with
-  fewer tiles than SMs splits its depth among more of them (split-K). The backward is two
-  products (the input's gradient and the weight's), each priced the same way.
+  fewer tiles than SMs splits its depth among more of them (split-K). The backward is
+  two products (the input's gradient and the weight's), each priced the same way.
 - **Fused attention** (the Attention op): its FLOPs at a published share of the
   peak, the forward and the backward (2.5x the forward's FLOPs, FlashAttention-2's
   five products against two) each at their own.
@@ -23,7 +23,8 @@ optimizers, PyTorch's eager elementwise kernels), from published measurements:
   gradient and the optimizer's state.
 
 Every kernel adds the device's ``kernel_overhead``. A device the table does not know
-(CPU ranks, machine files' own devices) is priced by the roofline; a profiled cost DB
+(CPU ranks, the papers' V100s and P100s, a machine file's device that names no GPU
+``model``) is priced by the roofline; a profiled cost DB
 (``profile``) replaces this model where a GPU is at hand.
 """
 
@@ -73,7 +74,7 @@ _H100 = KernelRates(
     "'Maximum Achievable Matmul FLOPS comparison table' (H100 SXM, CUDA 12.1); attention: "
     "FlashAttention-2 reaches 35 % of the H100's peak (Shah et al. 2024, FlashAttention-3, "
     "arXiv 2407.08608, abstract), PyTorch SDPA 288-304 TFLOPS forward at head dim 128 "
-    "(pytorch/benchmark PR 2296); its backward is slower (same paper, Fig. 6): 30 % assumed; "
+    "(pytorch/benchmark PR 2296); its backward runs slower than its forward: 30 % assumed; "
     "SGEMM and streaming bandwidth: assumed 85 % and 90 %",
 )
 _A100 = KernelRates(
