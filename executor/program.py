@@ -64,7 +64,7 @@ from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB, all_rings, gradient_bucket
 from onnx2soap.soap.partition import Rect
 from onnx2soap.soap.pipeline import Pass, Pipeline, Schedule, StagePass, stage_order
 from onnx2soap.soap.saved import backward_reads
-from onnx2soap.soap.zero import ZeroStage, zero_group
+from onnx2soap.soap.zero import Zero, ZeroStage, group_stage, zero_group
 
 
 class Phase(Enum):
@@ -431,7 +431,7 @@ def _summed_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
     return order
 
 
-def _gathers(pg, phase: Phase, i: int, op, zero: ZeroStage) -> list:
+def _gathers(pg, phase: Phase, i: int, op, zero: Zero) -> list:
     """ZeRO-3: the op's sharded weights' gathers for ``phase`` (for the backward, those
     it reads), each on its group's members."""
     if not zero.shards_weights:
@@ -439,13 +439,13 @@ def _gathers(pg, phase: Phase, i: int, op, zero: ZeroStage) -> list:
     return [
         (d, GatherWeight(phase, i, g, group.devices))
         for g, group in enumerate(pg.groups[op.name])
-        if zero_group(group, zero) is not None
+        if group_stage(group, zero).shards_weights and zero_group(group, zero) is not None
         if phase is Phase.FORWARD or backward_reads(pg.graph, op, group.weight)
         for d in group.devices
     ]
 
 
-def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync) -> list:
+def _with_gathers(pg, phase: Phase, run, zero: Zero, links, sync) -> list:
     """The phase of each op of ``run`` in turn, each op's ZeRO-3 gathers started as the
     op before it begins (the first op's at once): FSDP's prefetch of the next block.
     Every member of a group starts its gather at the same place in the global order."""
@@ -462,7 +462,7 @@ def _with_gathers(pg, phase: Phase, run, zero: ZeroStage, links, sync) -> list:
     return order
 
 
-def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync) -> list:
+def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: Zero, sync) -> list:
     """One phase of one op for one microbatch; after the backward, where ``sync`` (the
     stage's last backward: the rings by the op they start after), the op's
     weight-gradient sums."""
@@ -485,18 +485,18 @@ def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: ZeroStage, sync) -> 
 
 def global_order(
     pg: PartitionedGraph,
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
     stages: Stages | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> list[tuple[int, Instruction]]:
     """Every instruction of a step, with the device that executes it, in global order;
-    ``zero``: the plan's ZeRO stage (sharded groups reduce-scatter their gradients);
+    ``zero``: the plan's ZeRO stages (sharded groups reduce-scatter their gradients);
     ``stages``: the pipeline (None: one stage, one microbatch); ``bucket_mb``: the
     gradient buckets' size. Pass by pass in ``pass_order``: a forward runs the stage's
     ops in graph order, a backward in reverse, each instruction tagged with its
     microbatch; weight gradients are summed over replicas in the stage's last backward,
     once the microbatches' are accumulated."""
-    graph = pg.graph
+    graph, zero = pg.graph, Zero.of(zero)
     stages = stages or Stages((0,) * len(graph.ops))
     groups = [pg.groups[op.name] for op in graph.ops]
     rings = all_rings(gradient_buckets(graph, bucket_mb), groups.__getitem__, zero)
@@ -568,7 +568,7 @@ def _with_lifetimes(rank: int, instructions: list, microbatches: int) -> Program
 def compile_program(
     pg: PartitionedGraph,
     rank: int,
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
     pipeline: Pipeline | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> Program:

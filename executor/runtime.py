@@ -67,7 +67,7 @@ from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.soap.dims import DimKind
 from onnx2soap.soap.partition import Rect, Task, held_rects, owners, rect_shape
 from onnx2soap.soap.saved import backward_reads, wanted_gradients
-from onnx2soap.soap.zero import ZeroGroup, ZeroStage, zero_group
+from onnx2soap.soap.zero import Zero, ZeroGroup, ZeroStage, group_stage, zero_group
 
 WeightKey = tuple[str, Rect]
 
@@ -97,15 +97,15 @@ class Runtime:
         optimizer: OptimizerConfig | None = None,
         refuse_nonfinite: bool = False,
         precision: Precision = Precision.FP32,
-        zero: ZeroStage = ZeroStage.NONE,
+        zero: Zero | ZeroStage = ZeroStage.NONE,
         recompute: frozenset[str] = frozenset(),
     ) -> None:
         """``weights`` gives the initial values of the weights and of the state tensors:
         arrays, or ``StoredTensor``s, of which only the boxes this rank holds are read.
         ``refuse_nonfinite``: a NaN or infinity in them is a ``UserError``.
         ``precision``: mixed precision (``executor/precision.py``) on float32 shards.
-        ``zero``: the plan's ZeRO stage (soap/zero.py): the program must be compiled
-        with it. ``recompute``: the plan's recomputed ops (executor/recompute.py)."""
+        ``zero``: the plan's ZeRO stages (soap/zero.py): the program must be compiled
+        with them. ``recompute``: the plan's recomputed ops (executor/recompute.py)."""
         self.pg, self.graph, self.program = pg, pg.graph, program
         self.transport, self.dtype, self.rank = transport, np.dtype(dtype), program.rank
         self.device = device or CpuDevice()
@@ -129,7 +129,7 @@ class Runtime:
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
         self.shards: dict[WeightKey, object] = {}
         self.trainable: set[WeightKey] = set()
-        self.zero_stage = zero
+        self.zero_stages = zero = Zero.of(zero)
         # ZeRO: the rank's sharded groups; it updates, and keeps optimizer state for,
         # its own rows of each (``slot_rect``).
         self.zero: dict[WeightKey, ZeroGroup] = {}
@@ -143,7 +143,7 @@ class Runtime:
                     sharded = zero_group(group, zero)
                     if sharded is not None:
                         self.zero[key] = sharded
-                        if zero.shards_weights:
+                        if group_stage(group, zero).shards_weights:
                             self.zero3[key] = sharded
                     held = (group.weight, self.held_rect(key))
                     self.shards[key] = self._shard(weights[group.weight], held, refuse_nonfinite)
@@ -239,7 +239,8 @@ class Runtime:
         """Who writes a replica group's values, and which Rect of them (each Rect of a
         tensor once): the group's lowest device the whole shard, or under ZeRO-3 every
         member its rows. From the plan alone: the same on every rank, member or not."""
-        sharded = zero_group(group, self.zero_stage) if self.zero_stage.shards_weights else None
+        stage = group_stage(group, self.zero_stages)
+        sharded = zero_group(group, stage) if stage.shards_weights else None
         if sharded is None:
             return [(group.devices[0], group.rect)]
         return list(zip(group.devices, sharded.shards, strict=True))
@@ -256,7 +257,7 @@ class Runtime:
         ZeRO-2 the array ``Step`` kept of them."""
         grad = self.buffers.gradient(key, self.xp)
         sharded = self.zero.get(key)
-        if sharded is None or self.zero_stage.shards_gradients:
+        if sharded is None or self.zero_stages.weight(key[0]).shards_gradients:
             return grad
         lo, hi = sharded.rows(self.rank)
         return grad[lo:hi]

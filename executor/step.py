@@ -729,7 +729,7 @@ class Step:
         rank's rows of each gradient (a copy: a view would keep the whole buffer)."""
         for key, pending in self.scatters:
             self.rt.transport.wait(pending)
-            if self.rt.zero_stage.shards_gradients:
+            if self.rt.zero_stages.weight(key[0]).shards_gradients:
                 lo, hi = self.rt.zero[key].rows(self.rt.rank)
                 self.buf.grads[key] = self.buf.grads[key][lo:hi].copy()
         self.scatters.clear()

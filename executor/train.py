@@ -148,7 +148,7 @@ def _setup(comm: MPI.Comm, options: RunOptions) -> _Setup:
         model = replace(model, weights=weights, state=state)
     strategy = plan.strategy(model.graph, analyze(model.graph))
     pg = Partitioner(model.graph).partition(strategy)
-    check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), str(options.plan))
+    check_zero(plan.zero, (g for gs in pg.groups.values() for g in gs), str(options.plan))
     dtype = np.dtype(options.dtype.value)
     # A step is the plan's batch: a pipeline's microbatches of the graph's batch each.
     microbatches = plan.batch // plan.graph_batch
@@ -187,7 +187,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
     try:
         return Runtime(
             s.pg,
-            compile_program(s.pg, rank, s.plan.zero_stage, s.plan.pipeline, s.plan.bucket_mb),
+            compile_program(s.pg, rank, s.plan.zero, s.plan.pipeline, s.plan.bucket_mb),
             transport,
             {**s.model.weights, **s.model.state},
             np.dtype(options.dtype.value),
@@ -197,7 +197,7 @@ def _runtime(s: _Setup, options: RunOptions, rank: int, transport, device) -> Ru
             options.optimizer,
             refuse_nonfinite=not options.allow_nonfinite,
             precision=s.precision,
-            zero=s.plan.zero_stage,
+            zero=s.plan.zero,
             recompute=frozenset(s.plan.recompute),
         )
     except UserError as e:

@@ -422,6 +422,7 @@ def _report(
             "costs": costs.name,
             "precision": plan.precision.value,
             "zero_stage": int(plan.zero_stage),
+            "zero_stages": {w: int(z) for w, z in plan.zero_weights},
             "ilp": _ilp_doc(ilp) if ilp else None,
             **_walk_doc(walk),
             **_choice_doc(choice),
@@ -440,8 +441,8 @@ def _report(
         print(start_line(started, searching))
     if args.annotate:
         print(f"  annotated model: {args.annotate}")
-    if plan.zero_stage:
-        print(f"  ZeRO: stage {int(plan.zero_stage)} (replicated weights' state sharded)")
+    if plan.zero:
+        print(f"  ZeRO: {plan.zero.label} (replicated weights' state sharded)")
     if plan.pipeline:
         pipe = plan.pipeline
         sizes = ", ".join(str(len(ops)) for ops in pipe.stages)

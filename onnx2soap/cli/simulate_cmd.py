@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             "machine": machine.name,
             "costs": costs.name,
             "zero_stage": int(plan.zero_stage),
+            "zero_stages": {w: int(z) for w, z in plan.zero_weights},
             "recomputed_ops": len(plan.recompute),
             "pipeline": _pipeline_doc(ev),
         }
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.plan} on {machine.name}: step time {seconds(ev.step_time_s)}")
     print(f"  costs            {costs.description}")
-    if plan.zero_stage:
+    if plan.zero:
         print(f"  ZeRO             {_zero(plan)}")
     if plan.recompute:
         print(f"  recompute        {len(plan.recompute)} ops' activations, in the backward")
@@ -120,11 +121,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _zero(plan: Plan) -> str:
     shards = {
+        ZeroStage.NONE: "nothing",
         ZeroStage.OPTIMIZER: "optimizer state",
         ZeroStage.GRADIENTS: "optimizer state and gradients",
         ZeroStage.PARAMETERS: "optimizer state, gradients and weights (gathered for each use)",
     }[plan.zero_stage]
-    return f"stage {int(plan.zero_stage)}: {shards} sharded across data-parallel replicas"
+    line = f"stage {int(plan.zero_stage)}: {shards} sharded across data-parallel replicas"
+    if plan.zero_weights:
+        line += f" (by weight: {plan.zero.label})"
+    return line
 
 
 def _pipeline_doc(ev: Evaluation) -> dict | None:

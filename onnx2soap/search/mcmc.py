@@ -80,7 +80,7 @@ from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.taskgraph import Memo
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
 from onnx2soap.soap.partition import rect_volume
-from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage, data_parallel_groups, zero_group
+from onnx2soap.soap.zero import ZERO_STAGES, Zero, ZeroStage, data_parallel_groups, zero_group
 
 MAX_BUDGET_S = 7 * 24 * 3600.0  # a week: beyond it a budget is a typo, not a plan
 MAX_BETA = 1e6  # exp(-beta * x) with x >= 1e-6 is already 0 for every useful beta
@@ -214,6 +214,7 @@ class SearchResult:
     # the plan's ZeRO stage (``evaluation`` is under it), and every plan priced under a
     # stage after the walk: (its name, the stage, its evaluation under it)
     zero_stage: ZeroStage = ZeroStage.NONE
+    zero_weights: tuple[tuple[str, ZeroStage], ...] = ()  # weights at another stage
     zero_tried: tuple[tuple[str, ZeroStage, Evaluation], ...] = ()
     zero_s: float = 0.0  # pricing them, after the walk
     # where ``evaluation`` does not fit (``SearchOptions.must_fit`` False): the refusal
@@ -224,6 +225,11 @@ class SearchResult:
     passed_over: Evaluation | None = None
     # the starts built but not simulated: past the budget, or ``MAX_STARTS_SIZE``
     skipped: tuple[str, ...] = ()
+
+    @property
+    def zero(self) -> Zero:
+        """Every weight's stage (``zero_stage``, but ``zero_weights``'s)."""
+        return Zero(self.zero_stage, self.zero_weights)
 
     @property
     def walk_gain(self) -> float | None:

@@ -41,7 +41,7 @@ from onnx2soap.sim.chosen_costs import ChosenCosts, choose_costs
 from onnx2soap.sim.memory import OPTIMIZER_SLOTS
 from onnx2soap.soap import Partitioner, Plan, Predicted, SearchInfo, Strategy, analyze, plan_ops
 from onnx2soap.soap import validate as validate_strategy
-from onnx2soap.soap.zero import ZeroStage, check_zero
+from onnx2soap.soap.zero import Zero, ZeroStage, check_zero
 
 PIPELINE_MIN_S = 10.0
 
@@ -103,9 +103,8 @@ def make_plan(
         pg = Partitioner(graph).partition(outcome.strategy)
         groups = (g for gs in pg.groups.values() for g in gs)
         how = mode.rule.value if mode.rule is not None else "zero"
-        check_zero(
-            made.zero, groups, str(r.model), f"--strategy {how} --zero-stage {int(made.zero)}"
-        )
+        stage = int(made.zero.top)
+        check_zero(made.zero, groups, str(r.model), f"--strategy {how} --zero-stage {stage}")
     on = (piped.graph, piped.space) if piped else (graph, space)
     plan = Plan(
         model_path=Path(r.model),
@@ -118,7 +117,8 @@ def make_plan(
         predicted=_predicted(outcome),
         search=outcome.search,
         precision=setup.precision,
-        zero_stage=made.zero,
+        zero_stage=made.zero.stage,
+        zero_weights=made.zero.weights,
         pipeline=piped.pipeline if piped else None,
         recompute=piped.recompute if piped else made.recompute,
         bucket_mb=mode.bucket_mb,
@@ -142,7 +142,7 @@ class _Setup:
     def slots(self) -> int:
         return OPTIMIZER_SLOTS[self.request.optimizer]
 
-    def simulator(self, zero: ZeroStage = ZeroStage.NONE, recompute=()) -> Simulator:
+    def simulator(self, zero: Zero | ZeroStage = ZeroStage.NONE, recompute=()) -> Simulator:
         return make_simulator(
             self.machine,
             self.costs.model,
@@ -157,7 +157,7 @@ class _Setup:
 @dataclass(frozen=True)
 class _Made:
     outcome: Outcome
-    zero: ZeroStage
+    zero: Zero
     recompute: tuple[str, ...]
     piped: Piped | None
     started: StartResult | None = None
@@ -182,7 +182,7 @@ def _made(s: _Setup, progress: Callable[[Progress], None] | None) -> _Made:
         outcome = _from_start(start, s.graph, s.space, simulator)
         plan = start.plan
         started = StartResult(str(r.start), start.evaluation, kept=True)
-        made = _Made(outcome, plan.zero_stage, plan.recompute, start.piped, started)
+        made = _Made(outcome, plan.zero, plan.recompute, start.piped, started)
     else:
         made = _ruled(s, simulator, pipeline_shape)
     if s.mode.searching:  # the search's baselines are its starts: a plan beats them all
@@ -212,7 +212,7 @@ def _searched(
         return replace(found, started=started)
     outcome = replace(found.outcome, strategy=start.strategy, chosen=start.evaluation)
     plan = start.plan
-    return _Made(outcome, plan.zero_stage, plan.recompute, start.piped, started)
+    return _Made(outcome, plan.zero, plan.recompute, start.piped, started)
 
 
 def _ruled(s: _Setup, simulator: Simulator, pipeline_shape) -> _Made:
@@ -237,7 +237,7 @@ def _ruled(s: _Setup, simulator: Simulator, pipeline_shape) -> _Made:
     warnings = ()
     if not outcome.chosen.fits:
         warnings = (f"the {rule.value} plan does not fit in device memory",)
-    return _Made(outcome, zero, recompute, piped, warnings=warnings)
+    return _Made(outcome, Zero.of(zero), recompute, piped, warnings=warnings)
 
 
 def _predicted(outcome: Outcome) -> Predicted:
@@ -312,12 +312,12 @@ def _outer(
     baselines = {**outcome.baselines, **{k: v.evaluation for k, v in choice.baselines.items()}}
     outcome = replace(outcome, baselines=baselines, choice=choice)
     if c is None:
-        return _Made(outcome, walk.zero_stage, (), None)
+        return _Made(outcome, walk.zero, (), None)
     outcome = replace(outcome, strategy=c.strategy, chosen=c.evaluation)
     if c.pipeline is None:
-        return _Made(outcome, c.zero_stage, c.recompute, None)
+        return _Made(outcome, Zero.of(c.zero_stage), c.recompute, None)
     piped = Piped(c.strategy, c.pipeline, c.graph, c.space, c.recompute, c.evaluation)
-    return _Made(outcome, c.zero_stage, c.recompute, piped)
+    return _Made(outcome, Zero.of(c.zero_stage), c.recompute, piped)
 
 
 def _refusal(unfit: str, walk: SearchResult, choice: Choice, pricing: Pricing) -> str:

@@ -93,7 +93,7 @@ def read_start(
         cost,
         slots,
         precision,
-        plan.zero_stage,
+        plan.zero,
         plan.pipeline,
         plan.recompute,
         bucket_mb=bucket_mb,

@@ -24,7 +24,7 @@ from onnx2soap.sim.taskgraph import Costs, Memo, TaskGraph, build_with_slots
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB
 from onnx2soap.soap.pipeline import Pipeline
-from onnx2soap.soap.zero import ZeroStage
+from onnx2soap.soap.zero import NO_ZERO, Zero, ZeroStage
 
 __all__ = [
     "AchievedCost",
@@ -54,13 +54,13 @@ def make_simulator(
     cost: CostModel,
     optimizer_slots: int = 0,
     precision: Precision = Precision.FP32,
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
     pipeline: Pipeline | None = None,
     recompute: tuple[str, ...] | frozenset[str] = (),
     bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> Simulator:
     """A simulator of training in ``precision``: its costs (``precision_cost``) and its
-    memory both follow it; ``zero``: the plan's ZeRO stage (soap/zero.py); ``pipeline``
+    memory both follow it; ``zero``: the plan's ZeRO stages (soap/zero.py); ``pipeline``
     and ``recompute``: the plan's (``pipeline_price.py``; ops whose activations the
     backward recomputes); ``bucket_mb``: its gradient buckets (soap/buckets.py)."""
     return Simulator(
@@ -102,14 +102,18 @@ class Simulator:
     memo: Memo = field(default_factory=Memo, compare=False, repr=False)
     # Mixed precision: its memory here; its time in the cost model (``make_simulator``).
     precision: Precision = Precision.FP32
-    # ZeRO: sharded groups' rings, updates and memory (soap/zero.py); one stage per
-    # simulator, since its memo keeps durations and memory under it
-    zero: ZeroStage = ZeroStage.NONE
+    # ZeRO: sharded groups' rings, updates and memory (soap/zero.py); one ``Zero`` per
+    # simulator, since its memo keeps durations and memory under it (a stage is read as
+    # every weight's)
+    zero: Zero = NO_ZERO
     # A pipeline plan's stages (then ``evaluate`` takes the microbatch's partitioned graph
     # and prices the whole step); its recomputed ops, pipeline or not. One plan's.
     pipeline: Pipeline | None = None
     recompute: frozenset[str] = frozenset()
     bucket_mb: float = DEFAULT_BUCKET_MB  # gradient buckets' MiB (soap/buckets.py)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero", Zero.of(self.zero))
 
     @property
     def shard_slots(self) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.buckets import BucketRing, all_rings, gradient_buckets
 from onnx2soap.soap.collectives import ring_chunks
-from onnx2soap.soap.zero import ZeroStage
+from onnx2soap.soap.zero import Zero, ZeroStage
 
 Widest = dict[tuple[int, ...], int]  # per communicator, the widest scratch of its rings
 
@@ -39,7 +39,9 @@ def widest(rings: Iterable[BucketRing], itemsize: int, into: Widest | None = Non
     return out
 
 
-def ring_widest(pg: PartitionedGraph, bucket_mb: float, itemsize: int, zero: ZeroStage) -> Widest:
+def ring_widest(
+    pg: PartitionedGraph, bucket_mb: float, itemsize: int, zero: Zero | ZeroStage
+) -> Widest:
     """``widest`` of every bucket's rings of ``pg``."""
     ops = pg.graph.ops
     by_op = all_rings(gradient_buckets(pg.graph, bucket_mb), lambda i: pg.groups[ops[i].name], zero)

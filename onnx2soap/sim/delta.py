@@ -103,8 +103,8 @@ class DeltaSimulator:
             simulator.bucket_mb,
         )
         self.lay = layout(graph)
-        self.kinds = slot_kinds(graph, self.lay, simulator.recompute)
-        self.held_kinds = op_kinds_held(graph, simulator.recompute)
+        self.kinds = slot_kinds(graph, self.lay, simulator.recompute, simulator.zero)
+        self.held_kinds = op_kinds_held(graph, simulator.recompute, simulator.zero)
         self.buckets = gradient_buckets(graph, simulator.bucket_mb)
         self.bucket_of = self.buckets.bucket_of()
         self.builder = SlotBuilder(self.costs, self.lay, kinds=self.kinds, buckets=self.buckets)

@@ -91,7 +91,7 @@ from onnx2soap.soap.partition import (
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import backward_reads, kept_for_backward
-from onnx2soap.soap.zero import ZeroStage, zero_group
+from onnx2soap.soap.zero import Zero, ZeroStage, group_stage, zero_group
 
 # Arrays of optimizer state per trainable shard (the executor's ``--optimizer``).
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2}
@@ -278,7 +278,7 @@ def _op_bytes(
     slots: int = 0,
     objects: bool = True,
     rounding: int = 0,
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
     optimizer_slots: int = 0,
     recompute: bool = False,
     sums: tuple[SumGroup, ...] | None = None,
@@ -332,11 +332,11 @@ def _op_bytes(
             _add(held, d, n)
             _add(weights, d, n)
             continue
-        sharded = zero_group(group, zero)
+        sharded, stage = zero_group(group, zero), group_stage(group, zero)
         own = n if sharded is None else sharded.numel(d) * itemsize
         # the master and, in mixed precision, its half-format copy (ZeRO-3: the rank's
         # rows alone, narrowed as they are gathered whole for each phase in that format)
-        whole = sharded is None or not zero.shards_weights
+        whole = sharded is None or not stage.shards_weights
         master = n if whole else own
         copy = (slots - optimizer_slots) * rect_volume(rect) * stored if whole else 0
         if not whole:
@@ -347,7 +347,7 @@ def _op_bytes(
         _add(held, d, master + copy + optimizer_slots * own)
         # Its gradient: the first backward kernel's own, until the update; at ZeRO-2 the
         # rank's rows of it, once the reduce-scatter is done.
-        grad = own if zero.shards_gradients else n
+        grad = own if stage.shards_gradients else n
         _add(held, d, grad)
         _add(weights, d, master + copy + optimizer_slots * own + grad)
         _add(grads, d, grad)
@@ -1191,7 +1191,7 @@ def peak_memory(
     slots: int = 0,
     objects: bool = True,
     rounding: int = 0,
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
     optimizer_slots: int = 0,
     recompute: frozenset[str] = frozenset(),
     stored: int = 0,
@@ -1207,7 +1207,7 @@ def peak_memory(
     graph = pg.graph
     held = batch_bytes(pg, devices, itemsize)
     parts = []
-    kinds = op_kinds_held(graph, recompute)
+    kinds = op_kinds_held(graph, recompute, Zero.of(zero))
     for op in graph.ops:
         key = memory_key(op.name, pg.strategy[op.name], pg.sums[op.name])
         # an op of a kind priced under these configs holds what it holds

@@ -54,7 +54,7 @@ def partition(planned: PlanOnMachine) -> PartitionedGraph:
     plan = planned.plan
     graph = load_model(planned.model, plan.graph_batch, import_loss(plan)).graph
     pg = Partitioner(graph).partition(plan.strategy(graph, analyze(graph)))
-    check_zero(plan.zero_stage, (g for gs in pg.groups.values() for g in gs), planned.label)
+    check_zero(plan.zero, (g for gs in pg.groups.values() for g in gs), planned.label)
     return pg
 
 
@@ -80,7 +80,7 @@ def plan_simulator(planned: PlanOnMachine, cost, slots: int) -> Simulator:
         cost,
         slots,
         plan.precision,
-        plan.zero_stage,
+        plan.zero,
         plan.pipeline,
         plan.recompute,
         plan.bucket_mb,

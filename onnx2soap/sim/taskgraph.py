@@ -79,7 +79,7 @@ from onnx2soap.soap.partition import (
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import backward_reads
-from onnx2soap.soap.zero import ZeroStage, zero_group
+from onnx2soap.soap.zero import NO_ZERO, Zero, ZeroStage, group_stage, zero_group
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
 
@@ -301,7 +301,7 @@ class Costs:
     cost: CostModel
     itemsize: int
     memo: Memo
-    zero: ZeroStage = ZeroStage.NONE  # the plan's: sharded groups' rings and updates
+    zero: Zero = NO_ZERO  # the plan's: sharded groups' rings and updates
     # the plan's recomputed ops: their backward first runs their forward again
     recompute: frozenset[str] = frozenset()
     # Bytes an element of what the executor stores and sends between kernels: mixed
@@ -612,7 +612,7 @@ def _weight_gathers(costs: Costs, b, parts: OpParts, after: list, backward: bool
     graph = costs.memo.graph
     for group in parts.groups:
         sharded = zero_group(group, costs.zero)
-        if sharded is None:
+        if sharded is None or not group_stage(group, costs.zero).shards_weights:
             continue
         if backward and graph is not None and not backward_reads(graph, parts.op, group.weight):
             continue
@@ -931,7 +931,8 @@ def update_segment(
             updates.append(
                 b.add(TaskKind.UPDATE, seconds, (d,), ready[d], 0, f"update {group.weight}")
             )
-        if sharded is not None and not costs.zero.shards_weights:  # ZeRO-3: before uses
+        # ZeRO-3: before its uses
+        if sharded is not None and not group_stage(group, costs.zero).shards_weights:
             seconds, links, nbytes = costs.half_ring(
                 group.devices, sharded.chunks, all_gather_steps, costs.itemsize
             )
@@ -981,15 +982,17 @@ class SlotKinds:
     hold the same segments under the same configs but for the slots' numbers (the same
     op or edge of every layer): an op's partition kind (``op_kinds``), whether its output
     and its inputs take a gradient, how many operands read its output and whether the
-    plan recomputes it; an edge's two ops' kinds and its operand. Its memory is the
-    same too (``op_kinds_held``)."""
+    plan recomputes it (and its weights' ZeRO stages, where they differ); an edge's two
+    ops' kinds and its operand. Its memory is the same too (``op_kinds_held``)."""
 
     ops: tuple[int, ...]
     edges: tuple[int, ...]
 
 
-def slot_kinds(graph: Graph, lay: Layout, recompute: frozenset[str]) -> SlotKinds:
-    held = op_kinds_held(graph, recompute)
+def slot_kinds(
+    graph: Graph, lay: Layout, recompute: frozenset[str], zero: Zero = NO_ZERO
+) -> SlotKinds:
+    held = op_kinds_held(graph, recompute, zero)
     readers = Counter(t for op in graph.ops for t in op.inputs)
     interned: dict[tuple, int] = {}
     ops = tuple(
@@ -1232,10 +1235,11 @@ def build_task_graph(
     itemsize: int = 4,
     names: bool = False,
     memo: Memo | None = None,
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
     recompute: frozenset[str] = frozenset(),
     bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> TaskGraph:
+    zero = Zero.of(zero)
     costs = Costs(machine, cost, itemsize, memo or Memo(), zero, recompute, bucket_mb=bucket_mb)
     return build_with_slots(pg, costs, names)[0]
 
@@ -1248,7 +1252,7 @@ def build_with_slots(
     check_devices(pg, costs.machine)
     costs.memo.bind(pg.graph)
     lay = layout(pg.graph)
-    kinds = slot_kinds(pg.graph, lay, costs.recompute)
+    kinds = slot_kinds(pg.graph, lay, costs.recompute, costs.zero)
     buckets = gradient_buckets(pg.graph, costs.bucket_mb)
     builder = SlotBuilder(costs, lay, names, kinds, buckets)
     segments, preds = all_segments(builder, pg)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from onnx2soap.ir import Graph, TensorRole
 from onnx2soap.soap.partition import ReplicaGroup, rect_volume
-from onnx2soap.soap.zero import ZeroStage, zero_group
+from onnx2soap.soap.zero import Zero, ZeroStage, zero_group
 
 DEFAULT_BUCKET_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
 MIB = 1 << 20
@@ -80,7 +80,7 @@ def gradient_buckets(graph: Graph, bucket_mb: float = DEFAULT_BUCKET_MB) -> Buck
     return Buckets(tuple(buckets), frozenset(unsummed))
 
 
-def summed_by_ring(group: ReplicaGroup, zero: ZeroStage) -> bool:
+def summed_by_ring(group: ReplicaGroup, zero: Zero | ZeroStage) -> bool:
     """Whether a bucket's all-reduce sums the group's gradient: a trainable group over
     several devices that ZeRO does not shard (a sharded one is reduce-scattered alone)."""
     return group.trainable and len(group.devices) > 1 and zero_group(group, zero) is None
@@ -116,7 +116,7 @@ def bucket_rings(
     bucket: int,
     ops: Sequence[int],
     groups: Callable[[int], Sequence[ReplicaGroup]],
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
 ) -> tuple[BucketRing, ...]:
     """The rings of bucket ``bucket`` (its ``ops`` in backward order; ``groups(i)``: op
     i's replica groups under its config), one per device set, in the order their
@@ -136,7 +136,7 @@ def bucket_rings(
 def all_rings(
     buckets: Buckets,
     groups: Callable[[int], Sequence[ReplicaGroup]],
-    zero: ZeroStage = ZeroStage.NONE,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
 ) -> dict[int, tuple[BucketRing, ...]]:
     """Every bucket's rings by the op they start after (``BucketRing.closing``), in
     the order they start there."""

@@ -26,6 +26,7 @@ from onnx2soap.soap.partition import (
 )
 from onnx2soap.soap.strategy import Strategy
 from onnx2soap.soap.sum_scatter import scattered
+from onnx2soap.soap.zero import NO_ZERO, Zero
 
 
 @dataclass(frozen=True)
@@ -125,17 +126,28 @@ def op_kinds(graph: Graph) -> dict[str, int]:
     return {op.name: interned.setdefault(op_kind(graph, op), len(interned)) for op in graph.ops}
 
 
-def op_kinds_held(graph: Graph, recompute: frozenset[str]) -> dict[str, tuple]:
+def op_kinds_held(
+    graph: Graph, recompute: frozenset[str], zero: Zero = NO_ZERO
+) -> dict[str, tuple]:
     """Per op, what its memory and its edges' depend on besides configs: its partition
-    kind (``op_kinds``), whether its output and inputs take a gradient and whether the
-    plan recomputes it (identical layers share it: the simulator's memory and task slots)."""
+    kind (``op_kinds``), whether its output and inputs take a gradient, whether the
+    plan recomputes it and, where weights differ in ZeRO stage, its weights' stages
+    (identical layers share it: the simulator's memory and task slots)."""
     base = op_kinds(graph)
+
+    def stages(op: Op) -> tuple:
+        if not zero.weights:
+            return ()
+        weights = (t for t in op.inputs if graph.tensors[t].role is TensorRole.WEIGHT)
+        return tuple(zero.weight(t) for t in weights)
+
     return {
         op.name: (
             base[op.name],
             graph.differentiable(op.output),
             tuple(graph.differentiable(t) for t in op.inputs),
             op.name in recompute,
+            *stages(op),
         )
         for op in graph.ops
     }

@@ -4,6 +4,8 @@
      "model": {"path": str, "sha256": str, "batch": int}, "loss": str, "devices": int,
      "machine": str | null, "precision": "fp32" | "bf16" | "fp16" (absent: fp32),
      "zero_stage": 1 | 2 | 3 (absent: no ZeRO; soap/zero.py),
+     "zero_stages": {weight name: 0 | 1 | 2 | 3} (absent: every weight at zero_stage;
+                    named weights at their own stage, as FSDP wraps some layers),
      "pipeline": {"schedule": "1f1b" | "gpipe", "microbatches": int,
                   "stages": [[op name]]} (absent: no pipeline; soap/pipeline.py),
      "recompute": [op name] (absent: none; ops whose activations the backward recomputes),
@@ -42,7 +44,7 @@ from onnx2soap.soap.dims import SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.pipeline import SCHEDULES, Pipeline, Schedule, check_pipeline_plan
 from onnx2soap.soap.strategy import Strategy, validate
-from onnx2soap.soap.zero import ZERO_STAGES, ZeroStage
+from onnx2soap.soap.zero import ZERO_STAGES, Zero, ZeroStage
 
 FORMAT = "onnx2soap.plan"
 VERSION = 1
@@ -99,6 +101,12 @@ class Plan:
     pipeline: Pipeline | None = None  # likewise
     recompute: tuple[str, ...] = ()  # likewise
     bucket_mb: float = DEFAULT_BUCKET_MB  # gradient buckets (soap/buckets.py); likewise
+    zero_weights: tuple[tuple[str, ZeroStage], ...] = ()  # stages by weight; likewise
+
+    @property
+    def zero(self) -> Zero:
+        """Every weight's ZeRO stage: ``zero_stage`` but where ``zero_weights`` names it."""
+        return Zero(self.zero_stage, self.zero_weights)
 
     @property
     def graph_batch(self) -> int:
@@ -117,6 +125,10 @@ class Plan:
         for i, name in enumerate(self.recompute):
             if name not in space:
                 raise PlanError(f"recompute[{i}]: '{name}' is not an op of the model")
+        trainable = {t.name for t in graph.weights}
+        for name, _ in self.zero_weights:
+            if name not in trainable:
+                raise PlanError(f"zero_stages.{name}: not a trainable weight of the model")
         configs = {}
         for op in self.ops:
             if op.name not in space:
@@ -192,6 +204,7 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
         "machine": _relative_machine(plan.machine, plan_dir),
         "precision": plan.precision.value,
         **({"zero_stage": int(plan.zero_stage)} if plan.zero_stage else {}),
+        **({"zero_stages": {w: int(z) for w, z in plan.zero_weights}} if plan.zero_weights else {}),
         **({"pipeline": _pipeline_json(plan.pipeline)} if plan.pipeline else {}),
         **({"recompute": list(plan.recompute)} if plan.recompute else {}),
         **({"bucket_mb": plan.bucket_mb} if plan.bucket_mb != DEFAULT_BUCKET_MB else {}),
@@ -472,6 +485,7 @@ def plan_from_document(doc: object, source: str, folder: Path) -> Plan:
         search=_read_search(r, doc),
         precision=_read_precision(r, doc),
         zero_stage=_read_zero_stage(r, doc),
+        zero_weights=_read_zero_weights(r, doc),
         pipeline=_read_pipeline(r, doc, batch, devices, {o.name for o in ops}),
         recompute=_read_recompute(r, doc, {o.name for o in ops}),
         bucket_mb=_read_bucket_mb(r, doc),
@@ -496,6 +510,20 @@ def _read_zero_stage(r: _Reader, doc: Mapping) -> ZeroStage:
     if value not in accepted:
         raise r.fail("zero_stage", f"must be one of {accepted} (a ZeRO stage), got {value}")
     return ZeroStage(value)
+
+
+def _read_zero_weights(r: _Reader, doc: Mapping) -> tuple[tuple[str, ZeroStage], ...]:
+    given = r.get(doc, "zero_stages", dict, "zero_stages", optional=True)
+    if given is None:
+        return ()
+    accepted = [int(s) for s in ZeroStage]
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value not in accepted:
+            raise r.fail(
+                f"zero_stages.{name[:60]}",
+                f"must be one of {accepted} (a ZeRO stage), got {value!r}",
+            )
+    return tuple(sorted((name, ZeroStage(value)) for name, value in given.items()))
 
 
 def _read_bucket_mb(r: _Reader, doc: Mapping) -> float:

@@ -1,7 +1,9 @@
 """ZeRO stages 1, 2 and 3 (DeepSpeed; stage 3 is PyTorch's FSDP): a data-parallel replica
 group shards what its copies would each hold whole.
 
-A plan's ``zero_stage`` applies to every trainable replica group over k > 1 devices:
+A plan's ``zero_stage`` applies to every trainable replica group over k > 1 devices
+(``zero_stages`` may set another stage for named weights, FSDP's wrapping of some
+layers and not others: ``Zero``):
 
 - stage 1: each member keeps the optimizer's state of its shard only; the gradient is
   reduce-scattered (each member ends with the sum of its shard; the full-size gradient
@@ -32,6 +34,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 
 from onnx2soap.errors import PlanError
 from onnx2soap.soap.partition import Interval, Rect, ReplicaGroup, chunk
@@ -61,6 +64,67 @@ class ZeroStage(IntEnum):
 
 
 ZERO_STAGES = (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
+
+
+@dataclass(frozen=True)
+class Zero:
+    """The ZeRO stage of every weight: ``stage``, but for the weights ``weights`` names
+    (sorted by name; a stage there may be NONE: that weight's replicas all-reduce)."""
+
+    stage: ZeroStage = ZeroStage.NONE
+    weights: tuple[tuple[str, ZeroStage], ...] = ()
+
+    def __post_init__(self) -> None:
+        if list(self.weights) != sorted(set(self.weights)):
+            raise ValueError("Zero.weights must be sorted by name, each weight once")
+
+    @staticmethod
+    def of(zero: Zero | ZeroStage) -> Zero:
+        """``zero`` as a ``Zero`` (one stage: every weight at it)."""
+        return zero if isinstance(zero, Zero) else Zero(ZeroStage(zero))
+
+    @staticmethod
+    def mixed(stage: ZeroStage, by_weight: dict[str, ZeroStage]) -> Zero:
+        """``stage`` everywhere but ``by_weight``'s weights (those at ``stage`` dropped)."""
+        named = sorted((w, s) for w, s in by_weight.items() if s is not stage)
+        return Zero(stage, tuple(named))
+
+    @cached_property
+    def _by_weight(self) -> dict[str, ZeroStage]:  # asked per replica group, per plan priced
+        return dict(self.weights)
+
+    def weight(self, name: str) -> ZeroStage:
+        """The stage of weight ``name``."""
+        return self._by_weight.get(name, self.stage)
+
+    @property
+    def stages(self) -> frozenset[ZeroStage]:
+        return frozenset({self.stage, *(s for _, s in self.weights)})
+
+    @property
+    def top(self) -> ZeroStage:
+        """The highest stage of any weight."""
+        return max(self.stages)
+
+    @property
+    def shards_weights(self) -> bool:
+        """Whether some weight is at stage 3."""
+        return self.top.shards_weights
+
+    @property
+    def label(self) -> str:
+        """``ZeRO-2``, or with weights at other stages ``ZeRO-2, 64 weights ZeRO-3``."""
+        counts: dict[ZeroStage, int] = {}
+        for _, stage in self.weights:
+            counts[stage] = counts.get(stage, 0) + 1
+        other = (f"{n} weights {stage.label}" for stage, n in sorted(counts.items()))
+        return ", ".join((self.stage.label, *other))
+
+    def __bool__(self) -> bool:
+        return self.top is not ZeroStage.NONE
+
+
+NO_ZERO = Zero()  # every weight whole on each of its replicas
 
 
 def zero_stage(value: int) -> ZeroStage:
@@ -108,10 +172,16 @@ class ZeroGroup:
         return hi - lo
 
 
-def zero_group(group: ReplicaGroup, stage: ZeroStage) -> ZeroGroup | None:
-    """The group's shards under ``stage``; None where the group stays whole: no ZeRO, a
-    state tensor (no gradient or optimizer state), one device, fewer rows than devices."""
-    if stage is ZeroStage.NONE or not group.trainable:
+def group_stage(group: ReplicaGroup, zero: Zero | ZeroStage) -> ZeroStage:
+    """The stage of ``group``'s weight under ``zero``."""
+    return zero.weight(group.weight) if isinstance(zero, Zero) else zero
+
+
+def zero_group(group: ReplicaGroup, zero: Zero | ZeroStage) -> ZeroGroup | None:
+    """The group's shards under ``zero``; None where the group stays whole: no ZeRO for
+    its weight, a state tensor (no gradient or optimizer state), one device, fewer rows
+    than devices."""
+    if group_stage(group, zero) is ZeroStage.NONE or not group.trainable:
         return None
     shards = row_shards(group.rect, len(group.devices))
     if shards is None:
@@ -128,10 +198,11 @@ def data_parallel_groups(groups: Iterable[ReplicaGroup]) -> int:
 
 
 def check_zero(
-    stage: ZeroStage, groups: Iterable[ReplicaGroup], source: str, what: str | None = None
+    zero: Zero | ZeroStage, groups: Iterable[ReplicaGroup], source: str, what: str | None = None
 ) -> None:
     """A ZeRO stage needs data parallelism: some weight replicated over devices.
     ``what`` names the stage where it is not the plan file's field."""
+    stage = Zero.of(zero).top
     if stage is not ZeroStage.NONE and not data_parallel_groups(groups):
         what = what or f"field 'zero_stage': {int(stage)}"
         raise PlanError(

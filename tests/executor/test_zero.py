@@ -117,6 +117,8 @@ def plans(tmp_path_factory, example_onnx: Path) -> dict[str, Path]:
     out |= {name: folder / f"{name}.json" for name in ("one", "dp")}
     out["random"] = _random_zero_plan(model, folder / "random.json")
     out["random3"] = _random_zero_plan(model, folder / "random3.json", stage=ZeroStage.PARAMETERS)
+    out["mixed"] = _mixed(out["zero2"], folder / "mixed.json")
+    out["random-mixed"] = _mixed(out["random"], folder / "random-mixed.json")
     # ZeRO-3 recomputing every op but the loss: a recomputed op keeps its gathered
     # weights, its forward run again from them
     doc = json.loads(out["zero3"].read_text())
@@ -142,6 +144,19 @@ def _random_zero_plan(
     return path
 
 
+def _mixed(plan: Path, path: Path) -> Path:
+    """``plan`` with its weights at stages 2, 3, none and 1 in turn by name
+    (``zero_stages``; the CNN's kernels at 3 and 1, its biases at 2 and none): FSDP
+    wrapping some layers, DDP others."""
+    doc = load_plan(plan)
+    graph = load_model(doc.model_path, doc.batch).graph
+    names = sorted(t.name for t in graph.weights)
+    stages = (ZeroStage.GRADIENTS, ZeroStage.PARAMETERS, ZeroStage.NONE, ZeroStage.OPTIMIZER)
+    weights = tuple((name, stages[i % 4]) for i, name in enumerate(names))
+    save_plan(replace(doc, zero_weights=weights), path)
+    return path
+
+
 # Every optimizer at stage 2 and three at stage 1; momentum at stage 1 on GPT-2
 # (tests/sequences/test_zero.py) and Adam in a ZeRO-1 run resumed from a checkpoint.
 STAGES = {name: (2, 1) if name in ("sgd", "nesterov", "adamw") else (2,) for name in OPTIMIZERS}
@@ -161,6 +176,8 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
     jobs["random-adam"] = Job(str(plans["random"]), str(folder / "random-adam.npz"), "adam")
     jobs["random3-adam"] = Job(str(plans["random3"]), str(folder / "random3-adam.npz"), "adam")
     jobs["zero3redo-adam"] = Job(str(plans["zero3redo"]), str(folder / "z3redo-adam.npz"), "adam")
+    for name in ("mixed", "random-mixed"):
+        jobs[f"{name}-adam"] = Job(str(plans[name]), str(folder / f"{name}-adam.npz"), "adam")
     # The weights written by each shard's owner (every member holds them whole; at
     # ZeRO-3 each member writes its rows).
     adam, sgd, adam3 = jobs["zero2-adam"], jobs["zero1-sgd"], jobs["zero3-adam"]
@@ -206,13 +223,21 @@ def test_zero3_recomputing_trains_like_one_device(plans, trained) -> None:
     assert_like(out, losses, weights, rtol=1e-10)
 
 
-@pytest.mark.parametrize("name", ["random", "random3"])
+@pytest.mark.parametrize("name", ["random", "random3", "mixed", "random-mixed"])
 def test_zero_on_a_random_plan_trains_like_one_device(plans, trained, name: str) -> None:
+    """A random plan under one stage, and plans with a stage per weight (every stage
+    on some weight, the data-parallel plan's and the random one's)."""
     loaded = load_plan(plans[name])
     graph = load_model(plans["model"], BATCH).graph
     pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
-    sharded = [g for gs in pg.groups.values() for g in gs if zero_group(g, loaded.zero_stage)]
+    sharded = [g for gs in pg.groups.values() for g in gs if zero_group(g, loaded.zero)]
     assert sharded and len(sharded) < sum(len(gs) for gs in pg.groups.values())
+    replicated = {g.weight for gs in pg.groups.values() for g in gs if len(g.devices) > 1}
+    stages = {loaded.zero.weight(w) for w in replicated}
+    if name == "mixed":
+        assert stages == set(ZeroStage)
+    elif name == "random-mixed":
+        assert ZeroStage.PARAMETERS in stages and len(stages) > 2
     job, out = trained[f"{name}-adam"]
     losses, weights = one_device(replace(job, plan=str(plans["one"])))
     assert_like(out, losses, weights, rtol=1e-10)
@@ -271,7 +296,7 @@ def _simulated_bytes(plan: Path, precision: Precision = Precision.FP32) -> int:
     graph = load_model(loaded.model_path, loaded.batch).graph
     pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
     machine = cpu(loaded.devices)
-    simulator = make_simulator(machine, RooflineCost(), precision=precision, zero=loaded.zero_stage)
+    simulator = make_simulator(machine, RooflineCost(), precision=precision, zero=loaded.zero)
     return simulator.evaluate(pg).bytes_moved
 
 
@@ -286,6 +311,12 @@ def test_zero_moves_the_all_reduces_bytes(plans, trained) -> None:
     moved = {name: _simulated_bytes(plans[name]) for name in ("dp", "zero3")}
     assert zero3.sum() / sent["dp"].sum() == pytest.approx(moved["zero3"] / moved["dp"])
     assert 1 < moved["zero3"] / moved["dp"] < 1.5
+    # a stage per weight: what the simulator moves, between the two
+    mixed = read_result(trained["mixed-adam"][1]).sent
+    moved["mixed"] = _simulated_bytes(plans["mixed"])
+    steps = trained["mixed-adam"][0].steps
+    assert mixed.sum() / steps / sent["dp"].sum() * 2 == pytest.approx(moved["mixed"] / moved["dp"])
+    assert moved["dp"] < moved["mixed"] < moved["zero3"]
 
 
 def test_zero3_in_bf16_gathers_the_half_format_copies(plans, trained) -> None:

@@ -9,7 +9,8 @@ to the memory model's own tests (tests/sim/test_zero.py). Each run has a fifth r
 that the plan leaves idle: an executor with the same interpreter, libraries, MPI, graph
 and plan, but no shards. Each working rank's peak RSS less the idle one's is the
 simulated peak within 20 %, and ZeRO-2's is at most 0.7x data parallelism's, measured
-and simulated (issue 32).
+and simulated (issue 32). A plan with ZeRO-3 on half the layers and ZeRO-2 on the rest
+(``zero_stages``) lies between, by what it shards.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _simulated(plan: Path) -> list[int]:
     graph = load_model(loaded.model_path, loaded.batch).graph
     pg = Partitioner(graph).partition(loaded.strategy(graph, analyze(graph)))
     machine = resolve_machine(f"cpu:{loaded.devices}")
-    simulator = make_simulator(machine, RooflineCost(), ADAM, zero=loaded.zero_stage)
+    simulator = make_simulator(machine, RooflineCost(), ADAM, zero=loaded.zero)
     return list(simulator.evaluate(pg).peak_memory_bytes)
 
 
@@ -66,6 +67,14 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
         doc = json.loads(plan.read_text())
         plan.write_text(json.dumps({**doc, "devices": RANKS + 1}))  # the last rank idle
         runs[name] = _run(plan)
+    # FSDP wrapping the first half of the layers: ZeRO-3 there, ZeRO-2 after
+    graph = load_model(mlp.model, BATCH).graph
+    first = [op.inputs[1] for op in graph.ops if len(op.inputs) > 1][: LAYERS // 2]
+    assert all(graph.tensors[w].shape == (HIDDEN, HIDDEN) for w in first), first
+    doc = json.loads((folder / "zero2.json").read_text())
+    doc["zero_stages"] = dict.fromkeys(first, 3)
+    (folder / "mixed.json").write_text(json.dumps(doc))
+    runs["mixed"] = _run(folder / "mixed.json")
     return runs
 
 
@@ -92,3 +101,15 @@ def test_zero3_holds_a_quarter_of_the_weights(measured) -> None:
     saved = (LAYERS * 3 // 4 - 1) * HIDDEN * HIDDEN * 4
     for got in (used, simulated):
         assert got["zero2"] - got["zero3"] == pytest.approx(saved, rel=0.2), got
+
+
+def test_zero3_on_half_the_layers_saves_their_share(measured) -> None:
+    """ZeRO-3 on the first four layers alone (``zero_stages``), ZeRO-2 on the others:
+    three quarters of those four layers' weights come off ZeRO-2's peak, less the one
+    gathered, measured and simulated (within 20 %)."""
+    used = {name: max(peaks) - idle for name, (peaks, idle, _) in measured.items()}
+    simulated = {name: max(run[2]) for name, run in measured.items()}
+    saved = (LAYERS // 2 * 3 // 4 - 1) * HIDDEN * HIDDEN * 4
+    for got in (used, simulated):
+        assert got["zero2"] - got["mixed"] == pytest.approx(saved, rel=0.2), got
+        assert got["zero3"] < got["mixed"] < got["zero2"], got

@@ -21,6 +21,7 @@ from onnx2soap.soap.dims import analyze
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.plan import OpPlan, Plan, Predicted, SearchInfo, load_plan, plan_ops, save_plan
 from onnx2soap.soap.strategy import Strategy
+from onnx2soap.soap.zero import ZeroStage
 from tests.soap.builders import small_cnn
 
 GRAPH = small_cnn()
@@ -499,6 +500,7 @@ STRATEGY_CASES: list[tuple[Callable[[Plan], Plan], list[str]]] = [
     (lambda p: _with_op(p, OpPlan("relu", (("n", 2),), (0, 4))), ["'relu'", "device 4"]),
     (lambda p: replace(p, ops=(*p.ops, OpPlan("bogus", (), (0,)))), ["'bogus'"]),
     (lambda p: replace(p, ops=tuple(o for o in p.ops if o.name != "pool")), ["'pool'", "missing"]),
+    (lambda p: replace(p, zero_weights=(("x", ZeroStage.PARAMETERS),)), ["zero_stages.x"]),
 ]
 
 

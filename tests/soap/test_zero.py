@@ -22,7 +22,7 @@ from onnx2soap.soap.collectives import (
     ring_bytes_sent,
 )
 from onnx2soap.soap.partition import ReplicaGroup, rect_shape
-from onnx2soap.soap.zero import ZeroStage, check_zero, row_shards, zero_group
+from onnx2soap.soap.zero import Zero, ZeroStage, check_zero, row_shards, zero_group
 
 
 def _group(rect, devices=(0, 1, 2), trainable=True) -> ReplicaGroup:
@@ -137,3 +137,45 @@ def test_zero_without_data_parallelism_is_refused() -> None:
         check_zero(ZeroStage.GRADIENTS, whole, "p.json")
     check_zero(ZeroStage.NONE, whole, "p.json")
     check_zero(ZeroStage.OPTIMIZER, [*whole, _group(((0, 1),), (0, 1))], "p.json")
+
+
+def test_the_plan_file_carries_stages_by_weight(tmp_path: Path) -> None:
+    """``zero_stages`` names weights at another stage than ``zero_stage`` (written only
+    where some are); the plan's ``Zero`` gives every weight its stage."""
+    path = _plan(tmp_path, ZeroStage.GRADIENTS)
+    doc = json.loads(path.read_text())
+    assert "zero_stages" not in doc
+    doc["zero_stages"] = {"w2": 3, "w1": 0}
+    path.write_text(json.dumps(doc))
+    loaded = load_plan(path)
+    assert loaded.zero_weights == (("w1", ZeroStage.NONE), ("w2", ZeroStage.PARAMETERS))
+    zero = loaded.zero
+    assert [zero.weight(w) for w in ("w1", "w2", "w3")] == [0, 3, 2]
+    assert zero.top is ZeroStage.PARAMETERS and zero.shards_weights
+    assert zero.label == "ZeRO-2, 1 weights none, 1 weights ZeRO-3"
+    save_plan(loaded, path)
+    assert json.loads(path.read_text())["zero_stages"] == {"w1": 0, "w2": 3}
+
+
+@pytest.mark.parametrize("bad", [4, -1, "2", True, 1.5, None, [3]])
+def test_a_bad_stage_by_weight_is_named(tmp_path: Path, bad) -> None:
+    path = _plan(tmp_path, ZeroStage.OPTIMIZER)
+    doc = json.loads(path.read_text())
+    doc["zero_stages"] = {"fc.weight": bad}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=r"field 'zero_stages.fc.weight'") as e:
+        load_plan(path)
+    assert "\n" not in str(e.value)
+
+
+def test_stages_by_weight_alone_need_data_parallelism() -> None:
+    """A plan at no stage but with weights at one is ZeRO all the same."""
+    whole = [_group(((0, 8),), (0,)), _group(((0, 8),), (1,))]
+    zero = Zero(ZeroStage.NONE, (("w", ZeroStage.PARAMETERS),))
+    with pytest.raises(PlanError, match=r"field 'zero_stage': 3 needs data parallel"):
+        check_zero(zero, whole, "p.json")
+    group = _group(((0, 4),), (0, 1))
+    assert zero_group(group, zero) is not None  # _group's weight is "w"
+    assert zero_group(group, Zero(ZeroStage.PARAMETERS, (("w", ZeroStage.NONE),))) is None
+    with pytest.raises(ValueError, match="sorted"):
+        Zero(ZeroStage.NONE, (("b", ZeroStage.NONE), ("a", ZeroStage.NONE)))
