@@ -74,6 +74,7 @@ from onnx2soap.search.groups import GroupMove, GroupMoves
 from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.margin import steadiest
 from onnx2soap.search.regions import RegionMoves
+from onnx2soap.search.zero_layers import fewest_sharded, layer_groups
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.sim.heap import collector_paused
@@ -669,6 +670,7 @@ def _mcmc(
         best_start=fitting[0] if fitting else None,
         walks=tuple(w.result(starts) for w in walks),
         zero_stage=zero.stage,
+        zero_weights=zero.weights,
         zero_tried=zero.tried,
         zero_s=zero_s,
         unfit=unfit,
@@ -694,7 +696,12 @@ def _steadied(
         return zero
     kept = starts[pick]
     return replace(
-        zero, strategy=named[pick], stage=ZeroStage.NONE, cost=search.cost(kept), evaluation=kept
+        zero,
+        strategy=named[pick],
+        stage=ZeroStage.NONE,
+        weights=(),
+        cost=search.cost(kept),
+        evaluation=kept,
     )
 
 
@@ -715,7 +722,8 @@ def _closest(zero: _Zeroed, named: Mapping[str, Strategy], search: _Search) -> s
     if zero.evaluation is None:
         return ""
     name = next((n for n, s in named.items() if s == zero.strategy), "the walk's")
-    stage = f" with {zero.stage.label}" if zero.stage else ""
+    zeroed = Zero(zero.stage, zero.weights)
+    stage = f" with {zeroed.label}" if zeroed else ""
     peak, memory = max(zero.evaluation.peak_memory_bytes), max(search.memory)
     return closest_words(f"{name}{stage}", peak, memory)
 
@@ -770,13 +778,15 @@ def _finalists(
 
 @dataclass(frozen=True)
 class _Zeroed:
-    """The plan the search returns: its strategy, ZeRO stage, cost and evaluation."""
+    """The plan the search returns: its strategy, ZeRO stage (``weights`` at another),
+    cost and evaluation."""
 
     strategy: Strategy | None
     stage: ZeroStage
     cost: Cost
     evaluation: Evaluation | None
     tried: tuple[tuple[str, ZeroStage, Evaluation], ...] = ()
+    weights: tuple[tuple[str, ZeroStage], ...] = ()
 
 
 def _could_fit(search: _Search, strategy: Strategy, stage: ZeroStage, simulator: Simulator) -> bool:
@@ -842,11 +852,41 @@ def _with_zero(
             if low.cost <= zeroed.cost:
                 zeroed = low
                 break
+        else:
+            if zeroed.stage is ZeroStage.PARAMETERS and zeroed.cost.fits and lower:
+                layered = _layered(search, simulator, zeroed, max(lower), pick[1], tried)
+                zeroed = min(zeroed, layered, key=lambda z: z.cost)
     if chosen.cost.fits and zeroed.cost.fits:
         better = zeroed.cost.step_time_s < chosen.cost.step_time_s * (1 - ZERO_GAIN)
     else:
         better = zeroed.cost < chosen.cost  # one that fits, else the least overflow
     return replace(zeroed if better else chosen, tried=tuple(tried))
+
+
+def _layered(
+    search: _Search,
+    simulator: Simulator,
+    zeroed: _Zeroed,
+    low: ZeroStage,
+    name: str,
+    tried: list[tuple[str, ZeroStage, Evaluation]],
+) -> _Zeroed:
+    """``zeroed`` (a plan that fits under ZeRO-3 alone) with ZeRO-3 on the fewest
+    groups of layers that fit and ``low`` on the rest (``zero_layers.py``), or
+    ``zeroed`` where none fits that way."""
+    groups = layer_groups(search.graph, search.space)
+
+    def price(zero: Zero) -> Evaluation:
+        staged = replace(simulator, zero=zero, memo=Memo())
+        ev, _ = DeltaSimulator(staged, search.evaluate.partitioner).evaluate(zeroed.strategy)
+        tried.append((f"{name}, {zero.label}", ZeroStage.PARAMETERS, ev))
+        return ev
+
+    found = fewest_sharded(groups, ZeroStage.PARAMETERS, low, price, lambda ev: ev.fits)
+    if found is None:
+        return zeroed
+    cost = search.cost(found.priced)
+    return _Zeroed(zeroed.strategy, low, cost, found.priced, weights=found.zero.weights)
 
 
 @dataclass

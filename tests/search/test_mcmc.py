@@ -121,6 +121,7 @@ def test_plan_cli_json(example_onnx: Path, tmp_path: Path, capsys) -> None:
         "costs",
         "precision",
         "zero_stage",
+        "zero_stages",
         "ilp",
         "best_start",
         "walk_gain",

@@ -128,3 +128,44 @@ def test_only_plans_that_zero_could_bring_within_memory_are_priced(case) -> None
         assert _could_fit(search, dp, ZeroStage.OPTIMIZER, sim) is (
             memory >= peaks[ZeroStage.NONE] - 2 * weight * 3 // 4
         )
+
+
+def test_zero3_on_the_fewest_groups_of_layers_that_fit(tmp_path: Path) -> None:
+    """A plan that fits under ZeRO-3 but not ZeRO-2 gets ZeRO-3 on as few groups of
+    layers as fit, the rest at ZeRO-2 (``zero_layers.py``): an MLP of eight layers, data
+    parallel on 4 devices with Adam, in a memory that four of them at ZeRO-3 fit. Every
+    count priced by brute force: the fewest that fit is four, and it runs faster than
+    ZeRO-3 on all (fewer gathers)."""
+    from benchmarks.sparse_mlp import write_sparse_mlp
+    from onnx2soap.importer import load_model
+    from onnx2soap.search.mcmc import _with_zero
+    from onnx2soap.search.zero_layers import layer_groups
+    from onnx2soap.soap.zero import ZERO_STAGES, Zero
+
+    mlp = write_sparse_mlp(tmp_path, 8, 256)
+    graph = load_model(mlp.model, 8).graph
+    space = analyze(graph)
+    dp = by_rule(Rule.DATA_PARALLEL, graph, space, 4)
+    pg = Partitioner(graph).partition(dp)
+    weights = [f"w{i}" for i in range(8)]
+    assert layer_groups(graph, space).weights == tuple((w,) for w in weights)
+
+    def priced(zero, memory=1 << 30):
+        return make_simulator(_machine(memory), RooflineCost(), ADAM, zero=zero).evaluate(pg)
+
+    def first(n: int) -> Zero:
+        return Zero.mixed(ZeroStage.GRADIENTS, dict.fromkeys(weights[:n], ZeroStage.PARAMETERS))
+
+    memory = max(priced(first(4)).peak_memory_bytes)
+    fitting = [n for n in range(9) if max(priced(first(n)).peak_memory_bytes) <= memory]
+    assert fitting[0] == 4 and fitting == list(range(4, 9))
+    sim = make_simulator(_machine(memory), RooflineCost(), ADAM)
+    search = _Search(graph, space, sim, SearchOptions())
+    search.consider(dp, search.cost(search.evaluate(dp)))
+    assert not search.best_cost.fits
+    zeroed = _with_zero(search, sim, {dp: "data-parallel"}, ZERO_STAGES)
+    assert zeroed.strategy == dp and zeroed.stage is ZeroStage.GRADIENTS
+    assert Zero(zeroed.stage, zeroed.weights) == first(4)
+    assert zeroed.evaluation == priced(first(4), memory)
+    assert zeroed.evaluation.step_time_s < priced(ZeroStage.PARAMETERS).step_time_s
+    assert any("ZeRO-2, 4 weights ZeRO-3" in name for name, _, _ in zeroed.tried)
