@@ -87,8 +87,17 @@ def export_llama_shape(folder: Path, config: str = "llama3-8b", batch: int = 8, 
     model_path, data_path = folder / "llama.onnx", folder / "llama.onnx.data"
     model = _llama(config, seq)
     ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
+    # The batch symbolic: the importer binds it, a pipeline's microbatch included (with
+    # a fixed one, Expand's shapes hold the batch and no microbatch loads).
+    sample = torch.export.Dim("batch", min=1, max=1 << 20)
     program = torch.onnx.export(
-        model, (ids,), dynamo=True, optimize=False, kwargs={"use_cache": False}, verbose=False
+        model,
+        (ids,),
+        dynamo=True,
+        optimize=False,
+        kwargs={"use_cache": False},
+        dynamic_shapes={"input_ids": {0: sample}, "use_cache": None},
+        verbose=False,
     )
     program.save(str(model_path), include_initializers=False, keep_initializers_as_inputs=True)
     proto = onnx.load(str(model_path), load_external_data=False)

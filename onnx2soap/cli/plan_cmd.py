@@ -70,9 +70,9 @@ def register(sub) -> None:
         "--zero-stage",
         type=int,
         choices=[int(z) for z in ZERO_STAGES],
-        help="with --strategy zero (or context): 1 shards the optimizer's state across the "
-        "replicas, 2 (the default with zero) also the summed gradients, 3 also the weights "
-        "(each gathered before the ops that read it, as FSDP)",
+        help="with --strategy zero (or context, or pipeline): 1 shards the optimizer's state "
+        "across the replicas, 2 (the default with zero) also the summed gradients, 3 also "
+        "the weights (each gathered before the ops that read it, as FSDP)",
     )
     p.add_argument(
         "--sequence-parallel",
@@ -275,8 +275,9 @@ def _choice_doc(choice: Choice | None) -> dict:
             "microbatches": c.shape.microbatches,
             "schedule": c.shape.schedule.value if c.shape.schedule else None,
             "recompute": c.shape.recompute,
-            "selective": c.selective,  # a plain plan recomputing all but the products
+            "selective": c.selective,  # recomputing all but the products
             "zero_stage": int(c.zero_stage),
+            "zero_stages": {w: int(z) for w, z in c.zero_weights},
             "of": c.of or None,  # a plain plan's: "walk", a rule's name, or "zero"
             "walked": c is walked,  # the walk inside a pipeline's best, not a rule's plan
         }

@@ -74,7 +74,7 @@ from onnx2soap.search.groups import GroupMove, GroupMoves
 from onnx2soap.search.ilp import IlpOptions, IlpResult
 from onnx2soap.search.margin import steadiest
 from onnx2soap.search.regions import RegionMoves
-from onnx2soap.search.zero_layers import fewest_sharded, layer_groups
+from onnx2soap.search.zero_layers import fastest_layered, layer_groups
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.sim.heap import collector_paused
@@ -871,9 +871,9 @@ def _layered(
     name: str,
     tried: list[tuple[str, ZeroStage, Evaluation]],
 ) -> _Zeroed:
-    """``zeroed`` (a plan that fits under ZeRO-3 alone) with ZeRO-3 on the fewest
-    groups of layers that fit and ``low`` on the rest (``zero_layers.py``), or
-    ``zeroed`` where none fits that way."""
+    """``zeroed`` (a plan that fits under ZeRO-3) with its first groups of layers at
+    ``low`` instead, the fastest that fits (``zero_layers.py``); ``zeroed`` where none
+    fits so."""
     groups = layer_groups(search.graph, search.space)
 
     def price(zero: Zero) -> Evaluation:
@@ -882,11 +882,17 @@ def _layered(
         tried.append((f"{name}, {zero.label}", ZeroStage.PARAMETERS, ev))
         return ev
 
-    found = fewest_sharded(groups, ZeroStage.PARAMETERS, low, price, lambda ev: ev.fits)
+    found = fastest_layered(groups, ZeroStage.PARAMETERS, low, price)
     if found is None:
         return zeroed
-    cost = search.cost(found.priced)
-    return _Zeroed(zeroed.strategy, low, cost, found.priced, weights=found.zero.weights)
+    zero = found.zero
+    return _Zeroed(
+        zeroed.strategy,
+        zero.stage,
+        search.cost(found.evaluation),
+        found.evaluation,
+        weights=zero.weights,
+    )
 
 
 @dataclass

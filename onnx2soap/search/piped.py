@@ -70,10 +70,13 @@ def plan_pipeline(
     microbatches: int,
     schedule: Schedule,
     recompute: Recompute,
+    zero: ZeroStage = ZeroStage.NONE,
 ) -> Piped:
-    """The pipeline rule's plan for ``graph`` (the model at the step's batch), priced.
-    ``costs``: taken into the step by ``graph``'s calibration (``for_graph``), made at
-    the step's batch, which the microbatch's tasks are taken in by too."""
+    """The pipeline rule's plan for ``graph`` (the model at the step's batch), priced
+    under ZeRO ``zero`` (one stage: data parallelism accumulating the microbatches'
+    gradients). ``costs``: taken into the step by ``graph``'s calibration
+    (``for_graph``), made at the step's batch, which the microbatch's tasks are taken
+    in by too."""
     check_shape(machine.size, graph.batch, len(graph.ops), stages, microbatches)
     micro = load_model(request.model, graph.batch // microbatches, _loss(request)).graph
     space = analyze(micro)
@@ -84,7 +87,7 @@ def plan_pipeline(
     validate_strategy(micro, space, built.strategy)
     check_pipeline_plan(built.pipeline, micro, built.strategy.configs, machine.size)
     priced = make_simulator(
-        machine, model, slots, precision, pipeline=built.pipeline, recompute=names
+        machine, model, slots, precision, zero, pipeline=built.pipeline, recompute=names
     )
     evaluation = priced.evaluate(Partitioner(micro).partition(built.strategy))
     return Piped(built.strategy, built.pipeline, micro, space, names, evaluation)

@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
@@ -48,12 +49,13 @@ from onnx2soap.search.pipeline_rule import (
 )
 from onnx2soap.search.pipeline_walk import PipelineWalk, walk_pipeline
 from onnx2soap.search.priced import Candidate, Pricing, Shape, Simulators
+from onnx2soap.search.zero_layers import fastest_layered, layer_groups
 from onnx2soap.sim import Evaluation, Machine
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Partitioner, Strategy, analyze
 from onnx2soap.soap import validate as validate_strategy
 from onnx2soap.soap.pipeline import Schedule, check_pipeline_plan
-from onnx2soap.soap.zero import ZeroStage
+from onnx2soap.soap.zero import Zero, ZeroStage
 
 GAIN = ZERO_GAIN  # the same margin, for the same reason: the simulator's optimism
 STAGE_COUNTS = (2, 4, 8)  # and the node count
@@ -105,11 +107,13 @@ def price_pipeline(
     shape: Shape,
     names: tuple[str, ...] | None = None,
     simulators: Simulators | None = None,
+    zero: Zero | ZeroStage = ZeroStage.NONE,
 ) -> Candidate:
     """The rule's pipeline of ``shape`` on ``micro`` (the model at the microbatch's
-    batch), checked and priced as ``plan --strategy pipeline`` prices it. ``names``:
-    ``full_recompute``'s list for ``micro`` where known (it finds the model's blocks);
-    ``simulators``: shared with the other plans priced (a fresh one's else)."""
+    batch), checked and priced as ``plan --strategy pipeline`` prices it, under ZeRO
+    ``zero``. ``names``: ``full_recompute``'s list for ``micro`` where known (it finds
+    the model's blocks); ``simulators``: shared with the other plans priced (a fresh
+    one's else)."""
     plain = pricing.simulator(cost)
     if shape.recompute and names is None:
         names = full_recompute(micro, space, plain)
@@ -120,10 +124,19 @@ def price_pipeline(
     validate_strategy(micro, space, built.strategy)
     check_pipeline_plan(built.pipeline, micro, built.strategy.configs, pricing.machine.size)
     simulators = simulators or Simulators(pricing)
-    priced = simulators.get(micro, cost, recompute=names, pipeline=built.pipeline)
+    priced = simulators.get(micro, cost, zero, names, built.pipeline)
     evaluation = priced.evaluate(Partitioner(micro).partition(built.strategy))
+    zero = Zero.of(zero)
     return Candidate(
-        shape, built.strategy, micro, space, built.pipeline, names, ZeroStage.NONE, evaluation
+        shape,
+        built.strategy,
+        micro,
+        space,
+        built.pipeline,
+        names,
+        zero.stage,
+        evaluation,
+        zero_weights=zero.weights,
     )
 
 
@@ -195,6 +208,8 @@ def rules_recomputing(
     plans = [
         ("megatron", megatron(graph, space, devices, node_size(pricing.machine)), ZeroStage.NONE),
         ("data-parallel", data_parallel(graph, space, devices), ZeroStage.GRADIENTS),
+        # FSDP with activation checkpointing: torchtitan's published Llama runs
+        ("fsdp", data_parallel(graph, space, devices), ZeroStage.PARAMETERS),
     ]
     return [
         c
@@ -309,6 +324,7 @@ def pipeline_choice(
         micro, micro_space, cost = models[size]
         names = redo_names.get(size, ())
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names, simulators))
+    tried += accumulating(graph, load, models, cost, pricing, simulators)
     walk_s = max_s if walk_s is None else walk_s
     walked = _walk_best(tried, models, redo_names, load, cost, simulators, walk_s, seed)
     moved = walked.best if walked is not None and walked.best is not walked.start else None
@@ -334,6 +350,78 @@ def pipeline_choice(
     chosen = choose(best_evaluation, tried, list(baselines.values()), margin)
     took = time.perf_counter() - began
     return Choice(chosen, tuple(tried), took, baselines, skipped, walked)
+
+
+# Gradient accumulation's microbatch counts priced, the fewest first (each microbatch
+# a full simulation of the model at its batch)
+ACCUMULATIONS = 2
+
+
+def accumulation_counts(devices: int, batch: int) -> list[int]:
+    """Microbatch counts for gradient accumulation over every device (a pipeline of one
+    stage): 2 and up, dividing the batch with a sample for every device in each."""
+    counts = [m for m in range(2, batch + 1) if batch % m == 0 and batch // m >= devices]
+    return counts[:ACCUMULATIONS]
+
+
+def accumulating(
+    graph: Graph,
+    load: Loader,
+    models: dict[int, tuple[Graph, Space, CostModel]],
+    cost: CostModel,
+    pricing: Pricing,
+    simulators: Simulators,
+) -> list[Candidate]:
+    """Data parallelism over every device accumulating the gradients of ``m``
+    microbatches (``accumulation_counts``), under ZeRO-3 (FSDP gathering the weights
+    for each microbatch, as torchtitan's gradient accumulation does): a microbatch's
+    activations instead of the batch's, for more gathers. Where it fits, also under
+    ZeRO-2 (no gathers: faster where the whole weights fit); where it does not, with
+    the products kept and the ops between them recomputed. A model whose batch is fixed
+    (its microbatch cannot be loaded) has none."""
+    devices = pricing.machine.size
+    found: list[Candidate] = []
+    if devices == 1:
+        return found
+    for m in accumulation_counts(devices, graph.batch):
+        size = graph.batch // m
+        if size not in models:
+            try:
+                micro = load(size)
+            except UserError:
+                break
+            models[size] = (micro, analyze(micro), cost)
+        micro, space, cost = models[size]
+        plain = Shape(1, m, Schedule.ONE_F_ONE_B, False)
+        price = partial(price_pipeline, micro, space, cost, pricing, plain, (), simulators)
+        stage3 = ZeroStage.PARAMETERS
+        fsdp = price(stage3)
+        found.append(fsdp)
+        if fsdp.evaluation.fits:
+            found.append(price(ZeroStage.GRADIENTS))
+            found += _first_layers_kept(micro, space, price)
+        elif kept := kept_products(micro):
+            redo = replace(plain, recompute=True)
+            redone = price_pipeline(micro, space, cost, pricing, redo, kept, simulators, stage3)
+            found.append(replace(redone, selective=True))
+    return found
+
+
+def _first_layers_kept(
+    graph: Graph, space: Space, price: Callable[[Zero], Candidate]
+) -> list[Candidate]:
+    """The fastest that fits of ``price``'s plan with its first groups of layers at
+    ZeRO-2 and the rest at ZeRO-3 (``zero_layers.py``: the gathers that start each
+    microbatch's forward go), if any."""
+    priced: dict[Zero, Candidate] = {}
+
+    def evaluation(zero: Zero) -> Evaluation:
+        priced[zero] = price(zero)
+        return priced[zero].evaluation
+
+    groups = layer_groups(graph, space)
+    found = fastest_layered(groups, ZeroStage.PARAMETERS, ZeroStage.GRADIENTS, evaluation)
+    return [] if found is None else [priced[found.zero]]
 
 
 def _walk_best(

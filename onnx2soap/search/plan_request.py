@@ -101,16 +101,20 @@ def _check_values(r: PlanRequest) -> None:
             raise UserError(f"{name} must be a number in [{low}, {high}], got {value!r}")
 
 
+# the rules whose plans may be given a ZeRO stage (``--zero-stage``)
+ZERO_RULES = (Rule.ZERO.value, Rule.CONTEXT.value, Rule.PIPELINE.value)
+
+
 def _rule(request: PlanRequest) -> tuple[Rule | None, bool]:
     r = request
     if r.strategy and r.search == "mcmc":
         raise UserError(
             "--strategy builds a plan by rule; it cannot be combined with --search mcmc"
         )
-    if r.zero_stage is not None and r.strategy not in (Rule.ZERO.value, Rule.CONTEXT.value):
+    if r.zero_stage is not None and r.strategy not in ZERO_RULES:
         raise UserError(
-            "--zero-stage goes with --strategy zero (data parallelism with ZeRO) or "
-            "--strategy context"
+            "--zero-stage goes with --strategy zero (data parallelism with ZeRO), "
+            "--strategy context or --strategy pipeline"
         )
     if r.sequence_parallel and r.strategy != Rule.MEGATRON.value:
         raise UserError("--sequence-parallel goes with --strategy megatron")
@@ -164,9 +168,10 @@ def machine_spec(machine: str | None, devices: int | None) -> str:
 
 def zero_stage(request: PlanRequest, rule: Rule | None) -> ZeroStage:
     """``--strategy zero``'s stage (2 unless ``--zero-stage`` says 1 or 3); context
-    parallelism's where ``--zero-stage`` gives one (its weights are replicated over the
-    sequence's devices, as FSDP with context parallelism shards them); else none."""
-    if rule is Rule.CONTEXT and request.zero_stage:
+    parallelism's and a pipeline's where ``--zero-stage`` gives one (their weights are
+    replicated over a stage's or the sequence's devices, which ZeRO shards them over);
+    else none."""
+    if rule in (Rule.CONTEXT, Rule.PIPELINE) and request.zero_stage:
         return ZeroStage(request.zero_stage)
     if rule is not Rule.ZERO:
         return ZeroStage.NONE

@@ -230,6 +230,7 @@ def _ruled(s: _Setup, simulator: Simulator, pipeline_shape) -> _Made:
             s.precision,
             *pipeline_shape,
             Recompute(r.recompute),
+            zero,
         )
     plain = not zero and not recompute
     chosen_by = None if plain else s.simulator(zero, recompute)
@@ -315,9 +316,9 @@ def _outer(
         return _Made(outcome, walk.zero, (), None)
     outcome = replace(outcome, strategy=c.strategy, chosen=c.evaluation)
     if c.pipeline is None:
-        return _Made(outcome, Zero.of(c.zero_stage), c.recompute, None)
+        return _Made(outcome, c.zero, c.recompute, None)
     piped = Piped(c.strategy, c.pipeline, c.graph, c.space, c.recompute, c.evaluation)
-    return _Made(outcome, Zero.of(c.zero_stage), c.recompute, piped)
+    return _Made(outcome, c.zero, c.recompute, piped)
 
 
 def _refusal(unfit: str, walk: SearchResult, choice: Choice, pricing: Pricing) -> str:
@@ -339,9 +340,12 @@ def candidate_words(c: Candidate) -> str:
     recomputes, or ZeRO's data parallelism."""
     if c.pipeline is not None:
         redo = f", recomputing {len(c.recompute)} ops" if c.recompute else ""
+        zero = f", {c.zero.label}" if c.zero else ""
+        if len(c.pipeline.stages) == 1:
+            return f"data parallel accumulating {c.pipeline.microbatches} microbatches{zero}{redo}"
         return (
-            f"{c.shape.stages} stages x {c.shape.microbatches} microbatches, "
-            f"{c.pipeline.schedule.value}{redo}"
+            f"{len(c.pipeline.stages)} stages x {c.pipeline.microbatches} microbatches, "
+            f"{c.pipeline.schedule.value}{zero}{redo}"
         )
     if c.recompute:
         whose = "the walk's plan" if c.of == "walk" else c.of

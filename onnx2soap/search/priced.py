@@ -13,7 +13,7 @@ from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Strategy
 from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB
 from onnx2soap.soap.pipeline import Pipeline, Schedule
-from onnx2soap.soap.zero import ZeroStage
+from onnx2soap.soap.zero import Zero, ZeroStage
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,13 @@ class Candidate:
     zero_stage: ZeroStage
     evaluation: Evaluation
     of: str = ""  # a plain plan's origin: "walk", or the rule's name; "" for a pipeline
-    selective: bool = False  # a plain plan recomputing all but the products
+    selective: bool = False  # recomputing all but the products (not ``--recompute all``)
+    zero_weights: tuple[tuple[str, ZeroStage], ...] = ()  # weights at another stage
+
+    @property
+    def zero(self) -> Zero:
+        """Every weight's stage (``zero_stage``, but ``zero_weights``'s)."""
+        return Zero(self.zero_stage, self.zero_weights)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class Simulators:
         self,
         graph: Graph,
         cost: CostModel,
-        zero: ZeroStage = ZeroStage.NONE,
+        zero: Zero | ZeroStage = ZeroStage.NONE,
         recompute: tuple[str, ...] = (),
         pipeline: Pipeline | None = None,
     ) -> Simulator:

@@ -66,7 +66,11 @@ def test_with_ample_memory_the_walk_stands_unless_one_percent_faster(searched, c
     # GPipe: priced once, at the fastest 1F1B shape of the rule's that fits (the walk
     # inside pipelines comes after it)
     gpipe = [t for t in doc["pipeline_tried"] if t["schedule"] == "gpipe"]
-    rules = (t for t in _fitting(doc) if t["schedule"] == "1f1b" and not t["walked"])
+    rules = (
+        t
+        for t in _fitting(doc)
+        if t["schedule"] == "1f1b" and not t["walked"] and t["stages"] > 1  # the grid's
+    )
     top = min(rules, key=lambda t: t["step_time_s"])
     keys = ("stages", "microbatches", "recompute")
     assert len(gpipe) == 1 and all(gpipe[0][k] == top[k] for k in keys)
@@ -119,17 +123,26 @@ def test_where_no_plain_plan_fits_a_pipeline_or_recomputation_does(searched, cap
             continue  # the walk's best recomputing, the walk inside pipelines: no rule's
         extra = ["--strategy", "pipeline", "--stages", str(t["stages"])]
         extra += ["--microbatches", str(t["microbatches"]), "--schedule", t["schedule"]]
-        extra += ["--recompute", "all" if t["recompute"] else "none"]
+        redo = ("selective" if t["selective"] else "all") if t["recompute"] else "none"
+        extra += ["--recompute", redo]
+        if t["zero_stage"]:  # gradient accumulation (one stage) under ZeRO
+            extra += ["--zero-stage", str(t["zero_stage"])]
         rule = _plan(capsys, model, str(small), folder / "rule.json", *extra)
         rule_plan = json.loads((folder / "rule.json").read_text())
-        peak = max(rule_plan["predicted"]["peak_memory_bytes"])
-        assert math.isclose(rule["predicted_step_time_s"], t["step_time_s"], rel_tol=1e-9)
+        step, peak = rule["predicted_step_time_s"], max(rule_plan["predicted"]["peak_memory_bytes"])
+        if t["zero_stages"]:  # its first layers at another stage: the file edited so
+            rule_plan["zero_stages"] = t["zero_stages"]
+            (folder / "rule.json").write_text(json.dumps(rule_plan))
+            assert cli(["simulate", str(folder / "rule.json"), "--json"]) == 0
+            priced_again = json.loads(capsys.readouterr().out)
+            step, peak = priced_again["step_time_s"], max(priced_again["peak_memory_bytes"])
+        assert math.isclose(step, t["step_time_s"], rel_tol=1e-9)
         assert peak == t["peak_memory_bytes"] and (peak <= low) == t["fits"]
-        again.append((rule["predicted_step_time_s"], peak <= low, t))
+        again.append((step, peak <= low, t))
     best = min((s, t) for s, ok, t in again if ok) if any(ok for _, ok, _ in again) else None
     if chosen["stages"] > 0 and not chosen["walked"]:
         assert best is not None and best[0] == doc["predicted_step_time_s"]
-        keys = ("stages", "microbatches", "schedule", "recompute")
+        keys = ("stages", "microbatches", "schedule", "recompute", "zero_stage", "zero_stages")
         assert all(best[1][k] == chosen[k] for k in keys)
     elif chosen["walked"]:  # the walk's, from the best rule's pipeline: no slower
         assert best is None or doc["predicted_step_time_s"] <= best[0]

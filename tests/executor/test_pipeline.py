@@ -59,6 +59,9 @@ CASES = {
     "cnn-4x1-1f1b-momentum": ("cnn", 4, 1, 2, ONE_F_ONE_B, "momentum", 0),
     "cnn-2x2-1f1b-adam-zero2": ("cnn", 2, 2, 4, ONE_F_ONE_B, "adam", 2),
     "cnn-2x2-1f1b-momentum-zero3": ("cnn", 2, 2, 4, ONE_F_ONE_B, "momentum", 3),
+    # one stage: data parallelism accumulating two microbatches' gradients, under FSDP
+    # (each microbatch gathers the weights again), as the search offers it
+    "gpt-1x4-1f1b-momentum-zero3": ("gpt", 1, 4, 2, ONE_F_ONE_B, "momentum", 3),
 }
 # The walk's plans inside pipelines (search/pipeline_walk.py): (model, each stage's
 # tensor-parallel degree over 2 ranks, microbatches, optimizer, ZeRO stage, random

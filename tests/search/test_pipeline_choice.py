@@ -150,7 +150,10 @@ def test_the_time_bound_prices_the_rules_default_first(example_onnx) -> None:
     shapes = grid(machine, graph.batch, len(graph.ops))
     assert full.skipped == 0 and len(shapes) > 1 and bound.skipped == len(shapes) - 1
     default = default_shape(machine, graph.batch, len(graph.ops))
-    one_f = [c for c in bound.tried if c.shape.schedule is Schedule.ONE_F_ONE_B]
+    # (gradient accumulation, a pipeline of one stage, is priced past the bound)
+    one_f = [
+        c for c in bound.tried if c.shape.schedule is Schedule.ONE_F_ONE_B and c.shape.stages > 1
+    ]
     assert {(c.shape.stages, c.shape.microbatches) for c in one_f} == {default}
     assert bound.baselines["pipeline"].evaluation == full.baselines["pipeline"].evaluation
 
@@ -218,3 +221,63 @@ def test_the_rules_recomputing_selectively_are_priced_as_plan_prices_them(
     assert math.isclose(doc["predicted"]["step_time_s"], got.evaluation.step_time_s, rel_tol=1e-9)
     assert max(doc["predicted"]["peak_memory_bytes"]) == max(got.evaluation.peak_memory_bytes)
     assert got.evaluation.step_time_s <= full.evaluation.step_time_s
+
+
+def test_gradient_accumulation_is_priced_as_the_pipeline_rule_under_zero(
+    example_onnx, tmp_path, capsys
+) -> None:
+    """The choice offers data parallelism accumulating microbatches' gradients (a
+    pipeline of one stage) under ZeRO-3, priced as ``plan --strategy pipeline --stages 1
+    --microbatches 2 --zero-stage 3`` prices it; where it fits, also under ZeRO-2 and
+    with its first groups of layers at ZeRO-2 (``zero_layers.py``)."""
+    import json
+
+    from onnx2soap.cli import main as cli
+    from onnx2soap.search.pipeline_choice import Simulators, accumulating
+
+    machine = resolve_machine("cpu:4")
+    graph = load_model(example_onnx, 8).graph
+    pricing = Pricing(machine, 0, Precision.FP32)
+
+    def load(batch: int):
+        return load_model(example_onnx, batch).graph
+
+    found = accumulating(graph, load, {}, RooflineCost(), pricing, Simulators(pricing))
+    fsdp, zero2, layered = found  # 8 samples over 4 devices: 2 microbatches at most
+    assert fsdp.shape == Shape(1, 2, Schedule.ONE_F_ONE_B, False)
+    assert (fsdp.zero_stage, zero2.zero_stage) == (ZeroStage.PARAMETERS, ZeroStage.GRADIENTS)
+    assert fsdp.pipeline is not None and len(fsdp.pipeline.stages) == 1
+    assert layered.zero_stage is ZeroStage.PARAMETERS and layered.zero_weights
+    out = tmp_path / "accumulated.json"
+    argv = ["plan", str(example_onnx), "--batch", "8", "--devices", "4", "--costs", "roofline"]
+    argv += ["--strategy", "pipeline", "--stages", "1", "--microbatches", "2"]
+    assert cli([*argv, "--zero-stage", "3", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["zero_stage"] == 3 and doc["pipeline"]["microbatches"] == 2
+    step = doc["predicted"]["step_time_s"]
+    assert math.isclose(step, fsdp.evaluation.step_time_s, rel_tol=1e-9)
+    assert max(doc["predicted"]["peak_memory_bytes"]) == max(fsdp.evaluation.peak_memory_bytes)
+    # the layered one: the plan file with its stages by weight, simulated afresh
+    doc["zero_stages"] = {w: int(z) for w, z in layered.zero_weights}
+    out.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert cli(["simulate", str(out), "--costs", "roofline", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["zero_stages"] == doc["zero_stages"]
+    assert math.isclose(again["step_time_s"], layered.evaluation.step_time_s, rel_tol=1e-9)
+    assert tuple(again["peak_memory_bytes"]) == layered.evaluation.peak_memory_bytes
+
+
+def test_a_fixed_batch_model_accumulates_nothing(tmp_path) -> None:
+    """A model whose microbatch cannot be loaded offers no gradient accumulation."""
+    from onnx2soap.errors import UserError
+    from onnx2soap.search.pipeline_choice import Simulators, accumulating
+    from tests.sim.tiny import gemm_model
+
+    graph = load_model(gemm_model(tmp_path / "g.onnx"), batch=8).graph
+    pricing = Pricing(resolve_machine("cpu:4"), 0, Precision.FP32)
+
+    def load(batch: int):
+        raise UserError("fixed batch")
+
+    assert accumulating(graph, load, {}, RooflineCost(), pricing, Simulators(pricing)) == []
