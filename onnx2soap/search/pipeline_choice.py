@@ -30,7 +30,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 
 from onnx2soap.errors import UserError
 from onnx2soap.ir import Graph
@@ -195,29 +194,38 @@ def rules_recomputing(
     names: tuple[str, ...],
     simulators: Simulators | None = None,
     selective: tuple[str, ...] = (),
+    deadline: float = math.inf,
 ) -> list[Candidate]:
-    """The rules users pair with recomputation, recomputing all (``names``) and
-    selectively (``selective``, where given): Megatron-LM (its activation checkpointing
-    and selective recomputation) and data parallelism under ZeRO-2 (DeepSpeed's). The
-    walk prices plans without recomputation, so a rule that fits only recomputing
-    (Megatron on GPT-1.3B over 64 H100s: 95 GiB plain, 67 recomputing, the fastest
-    that fits) is found here or nowhere."""
+    """The rules users pair with recomputation, recomputing selectively (``selective``,
+    where given: faster where it fits) and all (``names``): data parallelism under ZeRO-3
+    (FSDP with activation checkpointing, torchtitan's published Llama runs) and ZeRO-2
+    (DeepSpeed's), and Megatron-LM (its activation checkpointing and selective
+    recomputation), in that order, the first always and the rest until ``deadline``
+    (``time.perf_counter``'s: LLaMA-3-8B on 128 GPUs takes some 15 s a plan). The walk
+    prices plans without recomputation, so a rule that fits only recomputing (Megatron
+    on GPT-1.3B over 64 H100s: 95 GiB plain, 67 recomputing, the fastest that fits) is
+    found here or nowhere."""
     devices = pricing.machine.size
     if devices == 1:
         return []
     plans = [
-        ("megatron", megatron(graph, space, devices, node_size(pricing.machine)), ZeroStage.NONE),
-        ("data-parallel", data_parallel(graph, space, devices), ZeroStage.GRADIENTS),
-        # FSDP with activation checkpointing: torchtitan's published Llama runs
         ("fsdp", data_parallel(graph, space, devices), ZeroStage.PARAMETERS),
+        ("data-parallel", data_parallel(graph, space, devices), ZeroStage.GRADIENTS),
+        ("megatron", megatron(graph, space, devices, node_size(pricing.machine)), ZeroStage.NONE),
     ]
-    return [
-        c
-        for name, strategy, zero in plans
-        for c in recomputing(
-            graph, space, cost, pricing, strategy, zero, name, (names, selective), simulators
-        )
-    ]
+    lists = [(selective, True)] if selective else []
+    lists.append((names, False))
+    found: list[Candidate] = []
+    for name, strategy, zero in plans:
+        for redo, kept in lists:
+            if found and time.perf_counter() > deadline:
+                return found
+            found.append(
+                price_recompute(
+                    graph, space, cost, pricing, strategy, zero, name, redo, simulators, kept
+                )
+            )
+    return found
 
 
 def choose(
@@ -324,7 +332,11 @@ def pipeline_choice(
         micro, micro_space, cost = models[size]
         names = redo_names.get(size, ())
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names, simulators))
-    tried += accumulating(graph, load, models, cost, pricing, simulators)
+    # past the grid's bound, half as long again for what follows, the likeliest first
+    extras = began + 1.5 * max_s
+    # (the plans priced once each get simulators of their own, whose memos go with them:
+    # LLaMA-3-8B on 128 GPUs held 2.4 GB with them shared)
+    tried += accumulating(graph, load, models, cost, pricing, extras)
     walk_s = max_s if walk_s is None else walk_s
     walked = _walk_best(tried, models, redo_names, load, cost, simulators, walk_s, seed)
     moved = walked.best if walked is not None and walked.best is not walked.start else None
@@ -333,10 +345,10 @@ def pipeline_choice(
     if graph.batch not in redo_names:
         redo_names[graph.batch] = full_recompute(graph, space, pricing.simulator(cost))
     whole, selective = redo_names[graph.batch], kept_products(graph)
-    if not best_evaluation.fits:
+    if not best_evaluation.fits and time.perf_counter() <= extras:
         lists = (whole, selective)
-        tried += recomputing(graph, space, cost, pricing, best, zero, "walk", lists, simulators)
-    tried += rules_recomputing(graph, space, cost, pricing, whole, simulators, selective)
+        tried += recomputing(graph, space, cost, pricing, best, zero, "walk", lists)
+    tried += rules_recomputing(graph, space, cost, pricing, whole, None, selective, extras)
     baselines = {}
     if default is not None:
         rule = Shape(*default, Schedule.ONE_F_ONE_B, False)
@@ -370,15 +382,16 @@ def accumulating(
     models: dict[int, tuple[Graph, Space, CostModel]],
     cost: CostModel,
     pricing: Pricing,
-    simulators: Simulators,
+    deadline: float = math.inf,
 ) -> list[Candidate]:
     """Data parallelism over every device accumulating the gradients of ``m``
     microbatches (``accumulation_counts``), under ZeRO-3 (FSDP gathering the weights
     for each microbatch, as torchtitan's gradient accumulation does): a microbatch's
-    activations instead of the batch's, for more gathers. Where it fits, also under
-    ZeRO-2 (no gathers: faster where the whole weights fit); where it does not, with
-    the products kept and the ops between them recomputed. A model whose batch is fixed
-    (its microbatch cannot be loaded) has none."""
+    activations instead of the batch's, for more gathers. Where it fits, also with its
+    first groups of layers at ZeRO-2, up to all of them (``_first_layers_kept``, until
+    ``deadline``); where it does not, with the products kept and the ops between them
+    recomputed. A model whose batch is fixed (its microbatch cannot be loaded) has
+    none."""
     devices = pricing.machine.size
     found: list[Candidate] = []
     if devices == 1:
@@ -393,34 +406,36 @@ def accumulating(
             models[size] = (micro, analyze(micro), cost)
         micro, space, cost = models[size]
         plain = Shape(1, m, Schedule.ONE_F_ONE_B, False)
-        price = partial(price_pipeline, micro, space, cost, pricing, plain, (), simulators)
         stage3 = ZeroStage.PARAMETERS
-        fsdp = price(stage3)
+        alone = Simulators(pricing)
+        fsdp = price_pipeline(micro, space, cost, pricing, plain, (), alone, stage3)
         found.append(fsdp)
         if fsdp.evaluation.fits:
-            found.append(price(ZeroStage.GRADIENTS))
-            found += _first_layers_kept(micro, space, price)
+            found += _first_layers_kept(micro, space, cost, pricing, plain, deadline)
         elif kept := kept_products(micro):
             redo = replace(plain, recompute=True)
-            redone = price_pipeline(micro, space, cost, pricing, redo, kept, simulators, stage3)
+            alone = Simulators(pricing)
+            redone = price_pipeline(micro, space, cost, pricing, redo, kept, alone, stage3)
             found.append(replace(redone, selective=True))
     return found
 
 
 def _first_layers_kept(
-    graph: Graph, space: Space, price: Callable[[Zero], Candidate]
+    graph: Graph, space: Space, cost: CostModel, pricing: Pricing, shape: Shape, deadline: float
 ) -> list[Candidate]:
-    """The fastest that fits of ``price``'s plan with its first groups of layers at
-    ZeRO-2 and the rest at ZeRO-3 (``zero_layers.py``: the gathers that start each
-    microbatch's forward go), if any."""
+    """The fastest that fits of the rule's plan of ``shape`` with its first groups of
+    layers at ZeRO-2 and the rest at ZeRO-3 (``zero_layers.py``: the gathers that start
+    each microbatch's forward go), if any. Each priced on a simulator of its own, whose
+    memo (of a plan priced once) goes with it."""
     priced: dict[Zero, Candidate] = {}
 
     def evaluation(zero: Zero) -> Evaluation:
-        priced[zero] = price(zero)
+        alone = Simulators(pricing)
+        priced[zero] = price_pipeline(graph, space, cost, pricing, shape, (), alone, zero)
         return priced[zero].evaluation
 
     groups = layer_groups(graph, space)
-    found = fastest_layered(groups, ZeroStage.PARAMETERS, ZeroStage.GRADIENTS, evaluation)
+    found = fastest_layered(groups, ZeroStage.PARAMETERS, ZeroStage.GRADIENTS, evaluation, deadline)
     return [] if found is None else [priced[found.zero]]
 
 

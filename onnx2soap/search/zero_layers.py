@@ -11,12 +11,16 @@ embedding and the first four layers at ZeRO-2, the rest at 3: 1.874 s, 7 GB more
 The weights are grouped by the model's repeated blocks (``groups.py``: a transformer's
 layers, a ResNet stage's blocks; an op outside every block is a group of its own), in
 graph order. The first ``k`` groups stay at the lower stage and the rest go to ZeRO-3;
-``k`` doubles from 1 while the plan fits (each group more at the lower stage holds its
-weight whole, so the memory only grows with ``k``), and the fastest that fits is kept.
+``k`` doubles from 1 (then all the groups: the lower stage everywhere) while the plan
+fits (each group more at the lower stage holds its weight whole, so the memory only
+grows with ``k``) and time is left, and the fastest that fits is kept: a plan of a
+big model on many devices takes seconds to price (LLaMA-3-8B on 128 GPUs: tens).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,11 +39,15 @@ class LayerGroups:
 
     def zero(self, kept: int, high: ZeroStage, low: ZeroStage) -> Zero:
         """The first ``kept`` groups' weights at ``low``, every other at ``high``."""
+        if kept >= len(self.weights):
+            return Zero(low)
         return Zero.mixed(high, {w: low for group in self.weights[:kept] for w in group})
 
     def counts(self) -> list[int]:
-        """The ``kept`` counts priced: 1, 2, 4, ... below the number of groups."""
-        return [1 << i for i in range(len(self.weights)) if 1 << i < len(self.weights)]
+        """The ``kept`` counts priced: 1, 2, 4, ... below the number of groups, then all
+        of them (the lower stage everywhere)."""
+        every = len(self.weights)
+        return [*(1 << i for i in range(every) if 1 << i < every), every]
 
 
 def layer_groups(graph: Graph, space: Space) -> LayerGroups:
@@ -70,12 +78,16 @@ def fastest_layered(
     high: ZeroStage,
     low: ZeroStage,
     price: Callable[[Zero], Evaluation],
+    deadline: float = math.inf,
 ) -> Layered | None:
-    """The fastest that fits of the first 1, 2, 4, ... groups at ``low`` and the rest
-    at ``high`` (``price`` gives a plan's evaluation under a ``Zero``), pricing until
-    one does not fit; None where the first group alone does not."""
+    """The fastest that fits of the first 1, 2, 4, ... groups (then all) at ``low`` and
+    the rest at ``high`` (``price`` gives a plan's evaluation under a ``Zero``), pricing
+    until one does not fit or ``deadline`` (``time.perf_counter``'s) has passed; None
+    where the first group alone does not fit."""
     best: Layered | None = None
     for kept in groups.counts():
+        if best is not None and time.perf_counter() > deadline:
+            break
         zero = groups.zero(kept, high, low)
         evaluation = price(zero)
         if not evaluation.fits:
