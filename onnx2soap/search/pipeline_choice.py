@@ -13,7 +13,13 @@ built by the pipeline rule and full recomputation, priced over a small grid.
 - Recomputation of the walk's best: where that plan does not fit, it is priced with
   ``--recompute all``'s list and with ``selective``'s (the products kept: faster than
   all where it fits) under its own ZeRO stage; and of the rules users pair with it,
-  Megatron-LM and ZeRO-2 data parallelism (``rules_recomputing``), both ways.
+  FSDP, ZeRO-2 data parallelism and Megatron-LM (``rules_recomputing``), both ways.
+- Gradient accumulation (``accumulating``): data parallelism over every device
+  accumulating 2 microbatches' gradients (a pipeline of one stage) under ZeRO-3, with
+  its first groups of layers at ZeRO-2 where that fits (``zero_layers.py``), or keeping
+  the products and recomputing the rest where it does not; FSDP recomputing is among
+  the rules' plans. These and the rules' are priced the likeliest first, until the
+  grid's time bound and half again.
 - The walk inside the best pipeline priced (``pipeline_walk``): stage boundaries, each
   stage's tensor parallelism, microbatches, ZeRO, recomputation per stage and single
   ops' configs, its best among the plans chosen from.
@@ -334,8 +340,8 @@ def pipeline_choice(
         tried.append(price_pipeline(micro, micro_space, cost, pricing, shape, names, simulators))
     # past the grid's bound, half as long again for what follows, the likeliest first
     extras = began + 1.5 * max_s
-    # (the plans priced once each get simulators of their own, whose memos go with them:
-    # LLaMA-3-8B on 128 GPUs held 2.4 GB with them shared)
+    # (a plan priced once gets simulators of its own, whose memo no other plan reuses:
+    # it goes with them, not kept to the choice's end)
     tried += accumulating(graph, load, models, cost, pricing, extras)
     walk_s = max_s if walk_s is None else walk_s
     walked = _walk_best(tried, models, redo_names, load, cost, simulators, walk_s, seed)
