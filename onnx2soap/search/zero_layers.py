@@ -51,6 +51,8 @@ class LayerGroups:
 
 
 def layer_groups(graph: Graph, space: Space) -> LayerGroups:
+    """The trainable weights of each block instance (``groups.find_groups``) and of each
+    op outside every block, in the order the graph first reads them."""
     instance = find_groups(graph, space).instance
     seen: set[str] = set()
     groups: dict[str, list[str]] = {}  # by the first op of its block instance
