@@ -75,7 +75,8 @@ class Zero:
     weights: tuple[tuple[str, ZeroStage], ...] = ()
 
     def __post_init__(self) -> None:
-        if list(self.weights) != sorted(set(self.weights)):
+        names = [name for name, _ in self.weights]
+        if names != sorted(set(names)):
             raise ValueError("Zero.weights must be sorted by name, each weight once")
 
     @staticmethod

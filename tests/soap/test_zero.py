@@ -179,3 +179,5 @@ def test_stages_by_weight_alone_need_data_parallelism() -> None:
     assert zero_group(group, Zero(ZeroStage.PARAMETERS, (("w", ZeroStage.NONE),))) is None
     with pytest.raises(ValueError, match="sorted"):
         Zero(ZeroStage.NONE, (("b", ZeroStage.NONE), ("a", ZeroStage.NONE)))
+    with pytest.raises(ValueError, match="once"):
+        Zero(ZeroStage.NONE, (("a", ZeroStage.NONE), ("a", ZeroStage.PARAMETERS)))
