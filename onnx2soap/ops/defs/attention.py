@@ -196,9 +196,11 @@ def workspace(attrs: AttentionAttrs, shapes, out_shape, itemsize: int) -> tuple[
     once (the scores, their exponentials, the causal triangle or the dropout's draws),
     the keys scaled once, and the rows' running statistics; in the backward one more
     tile (the scores' gradient) and each row's normalizer and rowsum(dO ∘ O).
-    Tiles alive at once, measured under tracemalloc (to within 25 %): 2 forward and 3
-    backward; 3 and 5 under a causal mask, whose small tiles leave more of the
-    temporaries beside them."""
+    Tiles priced: 2 forward and 3 backward; 3 and 5 under a causal mask, whose small
+    tiles leave more of the temporaries beside them. The kernels (``flash.py``) now hold
+    two tiles a pass and a copy of V (forward) or of K and V (backward) widened by a
+    column; these counts stand for that too, measured under tracemalloc at 0.91-1.22x
+    of priced (tests/ops/test_attention_workspace.py asks 25 %)."""
     b, h, m, d = out_shape
     n = shapes[1][2]
     bq, bk = flash.blocks(b * h, m, n, flash.Problem(attrs.scale, attrs.causal))
