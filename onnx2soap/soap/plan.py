@@ -128,7 +128,7 @@ class Plan:
         trainable = {t.name for t in graph.weights}
         for name, _ in self.zero_weights:
             if name not in trainable:
-                raise PlanError(f"zero_stages.{name}: not a trainable weight of the model")
+                raise PlanError(f"zero_stages.{name[:60]}: not a trainable weight of the model")
         configs = {}
         for op in self.ops:
             if op.name not in space:
@@ -521,7 +521,7 @@ def _read_zero_weights(r: _Reader, doc: Mapping) -> tuple[tuple[str, ZeroStage],
         if isinstance(value, bool) or not isinstance(value, int) or value not in accepted:
             raise r.fail(
                 f"zero_stages.{name[:60]}",
-                f"must be one of {accepted} (a ZeRO stage), got {value!r}",
+                f"must be one of {accepted} (a ZeRO stage), got {json.dumps(value)[:60]}",
             )
     return tuple(sorted((name, ZeroStage(value)) for name, value in given.items()))
 
