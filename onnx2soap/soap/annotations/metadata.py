@@ -4,7 +4,7 @@ under keys of ours, so that our own round trip is exact:
 - model ``onnx2soap.plan``: the plan file's document (soap/plan.py) without the model's
   path and hash (the annotated file is the model) and with only the ops no node
   computes in ``ops`` (the attached loss, a shared weight's Identity, a fusion's
-  stand-ins): batch, loss, devices, machine, precision, ZeRO stage, pipeline (its
+  stand-ins): batch, loss, devices, machine, precision, ZeRO stages, pipeline (its
   microbatches and schedule, which the standard has no field for), recomputation,
   prediction and search.
 - node ``onnx2soap.ops``: the exact config of each op the node computes, as in the plan
