@@ -3,7 +3,10 @@
 The ops that own trainable weights are taken in backward order (reverse graph order, the
 order their backward kernels make the gradients) and cut into buckets of at least
 ``bucket_mb`` MiB of whole weights each (the last may hold less), as DDP fills its
-buckets: a bucket closes once the weights put in it reach the size. The cut depends on
+buckets: a bucket closes once the weights put in it reach the size. The first bucket
+closes at ``FIRST_BUCKET_MB`` already (or ``bucket_mb`` where less), as DDP's does
+(``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), so that the first ring starts
+early in the backward. The cut depends on
 the model and ``bucket_mb`` alone, never on the ops' configs, so a proposal that changes
 one op's config changes only the rings of its own bucket (delta simulation).
 
@@ -27,6 +30,7 @@ from onnx2soap.soap.partition import ReplicaGroup, rect_volume
 from onnx2soap.soap.zero import Zero, ZeroStage, zero_group
 
 DEFAULT_BUCKET_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
+FIRST_BUCKET_MB = 1.0  # and its first bucket's (dist._DEFAULT_FIRST_BUCKET_BYTES)
 MIB = 1 << 20
 
 
@@ -59,8 +63,9 @@ def weight_bytes(graph: Graph, op_index: int) -> int:
 
 
 def gradient_buckets(graph: Graph, bucket_mb: float = DEFAULT_BUCKET_MB) -> Buckets:
-    """The weight ops in backward order, cut where a bucket reaches ``bucket_mb`` MiB."""
-    cap = bucket_mb * MIB
+    """The weight ops in backward order, cut where a bucket reaches ``bucket_mb`` MiB
+    (the first at ``FIRST_BUCKET_MB``)."""
+    cap = min(FIRST_BUCKET_MB, bucket_mb) * MIB
     buckets: list[tuple[int, ...]] = []
     current: list[int] = []
     filled, unsummed = 0, set()
@@ -74,7 +79,7 @@ def gradient_buckets(graph: Graph, bucket_mb: float = DEFAULT_BUCKET_MB) -> Buck
         filled += size
         if filled >= cap:
             buckets.append(tuple(current))
-            current, filled = [], 0
+            current, filled, cap = [], 0, bucket_mb * MIB
     if current:
         buckets.append(tuple(current))
     return Buckets(tuple(buckets), frozenset(unsummed))

@@ -144,3 +144,37 @@ def test_a_bucket_size_is_a_finite_number_above_zero(value) -> None:
     with pytest.raises(ValueError, match="MiB"):
         check_bucket_mb(value)
     assert check_bucket_mb(25) == 25.0 and check_bucket_mb(0.001) == 0.001
+
+
+def test_the_first_bucket_closes_at_one_mib(tmp_path: Path) -> None:
+    """DDP's first bucket holds 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``), the rest
+    ``bucket_mb``: Gemms of 512 KiB of weights each (a [256, 512] float32 kernel, no
+    bias) cut into 2, then 3 and 3 at 1.5 MiB; a bucket size under 1 MiB holds for the
+    first too."""
+    shapes = [(256, 512), (512, 256)] * 4
+    weights = [
+        numpy_helper.from_array(np.ones(s, np.float32), f"W{i}") for i, s in enumerate(shapes)
+    ]
+    names, x = [], "x"
+    nodes = []
+    for i in range(len(shapes)):
+        nodes.append(helper.make_node("MatMul", [x, f"W{i}"], [f"h{i}"], name=f"mm{i}"))
+        names.append(f"mm{i}")
+        x = f"h{i}"
+    graph_proto = helper.make_graph(
+        nodes,
+        "mms",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 256])],
+        [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, ["batch", 256])],
+        weights,
+    )
+    path = tmp_path / "mms.onnx"
+    model = helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, path)
+    graph = load_model(path, batch=4).graph
+    assert all(weight_bytes(graph, i) == 512 * 1024 for i in _index(graph, *names))
+    backward = names[::-1]
+    want = [backward[:2], backward[2:5], backward[5:]]
+    assert gradient_buckets(graph, 1.5).ops == tuple(_index(graph, *b) for b in want)
+    half = [backward[i : i + 1] for i in range(8)]
+    assert gradient_buckets(graph, 0.5).ops == tuple(_index(graph, *b) for b in half)
