@@ -35,14 +35,20 @@ LAYERS, WIDTH, BATCH = 64, 256, 32
 
 
 def chain_model() -> Path:
-    """x [B, 256] -> 64 x Gemm(W [256, 256]): 64 weights of 256 KiB."""
+    """The chain, exported once into the build folder."""
+    path = BUILD / "chain64.onnx"
+    if not path.exists():
+        BUILD.mkdir(parents=True, exist_ok=True)
+        write_chain(path)
+    return path
+
+
+def write_chain(path: Path) -> Path:
+    """x [B, 256] -> 64 x Gemm(W [256, 256], no bias): 64 weights of 256 KiB."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
 
-    path = BUILD / "chain64.onnx"
-    if path.exists():
-        return path
     weights = [
         numpy_helper.from_array(np.full((WIDTH, WIDTH), 0.01, np.float32), f"W{k}")
         for k in range(LAYERS)
@@ -57,7 +63,6 @@ def chain_model() -> Path:
         for n in ("x", "logits")
     ]
     graph = helper.make_graph(nodes, "chain", io[:1], io[1:], weights)
-    BUILD.mkdir(parents=True, exist_ok=True)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
 

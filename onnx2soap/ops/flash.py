@@ -168,7 +168,7 @@ def _as_column(x: Array) -> Array:
     return x.reshape(*x.shape[:-2], x.shape[-1], 1)
 
 
-def _as_row(x: Array, xp) -> Array:
+def _as_row(xp, x: Array) -> Array:
     """[..., r, 1] as [..., 1, r], to broadcast along a tile's rows (a view)."""
     return xp.swapaxes(x, -1, -2)
 
@@ -199,18 +199,19 @@ class _Tiles:
     def key_spans(self, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
         return _spans(self.n, self.block_k, self.key_stop(rows))
 
-    def shape(self, rows: tuple[int, int], cols: tuple[int, int], width: int = 0):
-        """A tile's shape [b, hk, g, keys, rows]; with ``width``, a row block's
-        [b, hk, g, rows, width] (``cols`` unused)."""
-        b, hk, g = self.q.shape[:3]
-        if width:
-            return (b, hk, g, rows[1] - rows[0], width)
-        return (b, hk, g, cols[1] - cols[0], rows[1] - rows[0])
+    def shape(self, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, ...]:
+        """A tile's shape, [b, hk, g, keys, rows]."""
+        return (*self.q.shape[:3], cols[1] - cols[0], rows[1] - rows[0])
+
+    def rows_shape(self, rows: tuple[int, int], width: int) -> tuple[int, ...]:
+        """A row block's operand's shape, [b, hk, g, rows, width]."""
+        return (*self.q.shape[:3], rows[1] - rows[0], width)
 
     def scratch(self, width: int = 0) -> _Scratch:
         """A buffer for the largest tile, or with ``width`` for a row block's operand."""
-        full = ((0, self.block_q), (0, self.block_k))
-        return _Scratch(self.xp, self.shape(*full, width), self.q.dtype)
+        rows, cols = (0, self.block_q), (0, self.block_k)
+        shape = self.rows_shape(rows, width) if width else self.shape(rows, cols)
+        return _Scratch(self.xp, shape, self.q.dtype)
 
     def mask_into(self, s: Array, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """Adds the mask's tile to ``s`` and hides the keys past the diagonal, in place."""
@@ -321,7 +322,7 @@ class _ForwardRows:
         scale = float(tiles.problem.scale)
         qt = _transposed(xp, tiles.q[..., rows[0] : rows[1], :], scale, None, self.queries)
         base = xp.zeros(tiles.shape(rows, (0, 1)), dtype=qt.dtype)  # [.., 1, r]
-        acc = xp.zeros(tiles.shape(rows, (), width), dtype=qt.dtype)
+        acc = xp.zeros(tiles.rows_shape(rows, width), dtype=qt.dtype)
         total = acc[..., -1:] if self.summed else xp.zeros((*acc.shape[:-1], 1), qt.dtype)
         zero_base = True
         for cols in tiles.key_spans(rows):
@@ -366,7 +367,7 @@ class _ForwardRows:
         xp = self.tiles.xp
         top = s.max(axis=-2, keepdims=True)  # [.., 1, r]
         over = top > base + self.slack
-        fresh = _as_row(total, xp) == 0  # nothing summed yet: nothing to rescale
+        fresh = _as_row(xp, total) == 0  # nothing summed yet: nothing to rescale
         under = (top < base - self.slack) & (top != -xp.inf) & fresh
         new_base = xp.where(over | under, top, base)
         # capped: a row moved down has summed 0, which exp(inf) would make NaN
@@ -458,7 +459,7 @@ class _Gradients:
             s = _product(xp, self.keys[..., j0:j1, :], qt, self.probs.view(shape), self.half)
             tiles.mask_into(s, rows, cols)
             if not self.fold_lse:
-                s -= _as_row(lse, xp)
+                s -= _as_row(xp, lse)
             p = xp.exp(s, out=s)
             keep = tiles.keep(rows, cols)
             if self.dv is not None:
@@ -470,7 +471,7 @@ class _Gradients:
             if keep is not None:  # the gradient of the undropped probabilities
                 ds *= keep
             if not self.fold_delta:
-                ds -= _as_row(delta, xp)
+                ds -= _as_row(xp, delta)
             ds *= p  # dSᵀ
             self._add(ds, rows, cols, scaled)
 

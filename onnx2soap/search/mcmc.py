@@ -882,7 +882,8 @@ def _layered(
         tried.append((f"{name}, {zero.label}", ZeroStage.PARAMETERS, ev))
         return ev
 
-    found = fastest_layered(groups, ZeroStage.PARAMETERS, low, price)
+    # ``low`` everywhere: priced by ``_with_zero`` already, which kept stage 3
+    found = fastest_layered(groups, ZeroStage.PARAMETERS, low, price, every=False)
     if found is None:
         return zeroed
     zero = found.zero

@@ -43,11 +43,11 @@ class LayerGroups:
             return Zero(low)
         return Zero.mixed(high, {w: low for group in self.weights[:kept] for w in group})
 
-    def counts(self) -> list[int]:
-        """The ``kept`` counts priced: 1, 2, 4, ... below the number of groups, then all
-        of them (the lower stage everywhere)."""
-        every = len(self.weights)
-        return [*(1 << i for i in range(every) if 1 << i < every), every]
+    def counts(self, every: bool = True) -> list[int]:
+        """The ``kept`` counts priced: 1, 2, 4, ... below the number of groups, then,
+        where ``every``, all of them (the lower stage everywhere)."""
+        groups = len(self.weights)
+        return [*(1 << i for i in range(groups) if 1 << i < groups), *([groups] if every else [])]
 
 
 def layer_groups(graph: Graph, space: Space) -> LayerGroups:
@@ -81,13 +81,15 @@ def fastest_layered(
     low: ZeroStage,
     price: Callable[[Zero], Evaluation],
     deadline: float = math.inf,
+    every: bool = True,
 ) -> Layered | None:
-    """The fastest that fits of the first 1, 2, 4, ... groups (then all) at ``low`` and
-    the rest at ``high`` (``price`` gives a plan's evaluation under a ``Zero``), pricing
+    """The fastest that fits of the first 1, 2, 4, ... groups (then all, where
+    ``every``: the caller has not priced ``low`` everywhere already) at ``low`` and the
+    rest at ``high`` (``price`` gives a plan's evaluation under a ``Zero``), pricing
     until one does not fit or ``deadline`` (``time.perf_counter``'s) has passed; None
     where the first group alone does not fit."""
     best: Layered | None = None
-    for kept in groups.counts():
+    for kept in groups.counts(every):
         if best is not None and time.perf_counter() > deadline:
             break
         zero = groups.zero(kept, high, low)

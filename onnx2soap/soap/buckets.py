@@ -6,9 +6,9 @@ order their backward kernels make the gradients) and cut into buckets of at leas
 buckets: a bucket closes once the weights put in it reach the size. The first bucket
 closes at ``FIRST_BUCKET_MB`` already (or ``bucket_mb`` where less), as DDP's does
 (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), so that the first ring starts
-early in the backward. The cut depends on
-the model and ``bucket_mb`` alone, never on the ops' configs, so a proposal that changes
-one op's config changes only the rings of its own bucket (delta simulation).
+early in the backward. The cut depends on the model and ``bucket_mb`` alone, never on
+the ops' configs, so a proposal that changes one op's config changes only the rings of
+its own bucket (delta simulation).
 
 Within a bucket, the gradients replicated over the same devices (the trainable replica
 groups over more than one device with the same ``devices``, not sharded by ZeRO) are

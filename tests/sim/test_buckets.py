@@ -4,13 +4,9 @@ the bucket's last gradient is made and overlaps the rest of the backward."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
-import onnx
 import pytest
-from onnx import helper, numpy_helper
 
+from benchmarks.buckets import LAYERS, write_chain
 from onnx2soap.importer import load_model
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.sim import RooflineCost, Simulator
@@ -19,35 +15,13 @@ from onnx2soap.sim.presets import resolve_machine
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import Partitioner, analyze
 
-LAYERS, WIDTH = 64, 256  # 64 weights of 256 KiB: 16 MiB of float32 gradients
 MACHINE = "dgx-h100:2"  # 16 H100s on two nodes
-
-
-def chain(path: Path) -> Path:
-    """x [B, 256] -> 64 x Gemm(W [256, 256], no bias)."""
-    weights = [
-        numpy_helper.from_array(np.full((WIDTH, WIDTH), 0.01, np.float32), f"W{k}")
-        for k in range(LAYERS)
-    ]
-    names = ["x", *(f"h{k}" for k in range(1, LAYERS)), "logits"]
-    nodes = [
-        helper.make_node("Gemm", [names[k], f"W{k}"], [names[k + 1]], name=f"gemm{k}")
-        for k in range(LAYERS)
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
-        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", WIDTH])],
-        weights,
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def data_parallel_chain(tmp_path_factory):
-    graph = load_model(chain(tmp_path_factory.mktemp("chain") / "m.onnx"), batch=32).graph
+    path = write_chain(tmp_path_factory.mktemp("chain") / "m.onnx")
+    graph = load_model(path, batch=32).graph
     machine = resolve_machine(MACHINE)
     pg = Partitioner(graph).partition(data_parallel(graph, analyze(graph), machine.size))
     return pg, machine
