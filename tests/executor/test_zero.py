@@ -196,8 +196,8 @@ def trained(plans) -> dict[str, tuple[Job, Path]]:
         jobs[f"{then}-resumes-{first}"] = Job(
             str(plans[then]), str(folder / f"{then}-resumes-{first}.npz"), "adam", 3, resume=ckpt
         )
-    for stage, precision in ((2, "bf16"), (1, "fp16"), (3, "bf16")):
-        plan = str(plans[f"zero{stage}"])
+    for stage, precision in ((2, "bf16"), (1, "fp16"), (3, "bf16"), ("mixed", "bf16")):
+        plan = str(plans[stage if stage == "mixed" else f"zero{stage}"])
         out = str(folder / f"z{stage}-{precision}.npz")
         # Momentum: Adam's normalized steps turn a half-format ulp of difference in a
         # gradient (summed in another order over ranks, ZeRO or not) into a step of lr.
@@ -261,8 +261,12 @@ def test_a_checkpoint_resumes_under_the_other_plan(plans, trained, first: str, t
     assert per_shard == (first == "zero3")
 
 
-@pytest.mark.parametrize(("stage", "precision"), [(2, "bf16"), (1, "fp16"), (3, "bf16")])
+@pytest.mark.parametrize(
+    ("stage", "precision"), [(2, "bf16"), (1, "fp16"), (3, "bf16"), ("mixed", "bf16")]
+)
 def test_mixed_precision_with_zero_trains_like_one_device(plans, trained, stage, precision):
+    """Each stage, and a stage per weight (every stage on some weight), in half
+    precision."""
     job, out = trained[f"zero{stage}-{precision}"]
     losses, weights = one_device(replace(job, plan=str(plans["one"])))
     assert_like(out, losses, weights, rtol=2e-3, atol=2e-3)

@@ -158,14 +158,19 @@ def test_the_time_bound_prices_the_rules_default_first(example_onnx) -> None:
     assert bound.baselines["pipeline"].evaluation == full.baselines["pipeline"].evaluation
 
 
-@pytest.mark.parametrize(
-    ("rule", "strategy"), [("megatron", "megatron"), ("data-parallel", "zero")]
-)
+RULES = [
+    ("megatron", ("megatron",)),
+    ("data-parallel", ("zero",)),
+    ("fsdp", ("zero", "--zero-stage", "3")),
+]
+
+
+@pytest.mark.parametrize(("rule", "strategy"), RULES)
 def test_the_rules_recomputing_are_priced_as_plan_prices_them(
-    example_onnx, tmp_path, rule: str, strategy: str
+    example_onnx, tmp_path, rule: str, strategy: tuple[str, ...]
 ) -> None:
-    """Megatron recomputing, and data parallelism under ZeRO-2 recomputing, as ``plan
-    --strategy megatron|zero --recompute all`` price them."""
+    """Megatron recomputing, and data parallelism under ZeRO-2 and ZeRO-3 recomputing,
+    as ``plan --strategy megatron|zero [--zero-stage 3] --recompute all`` price them."""
     import json
 
     from onnx2soap.cli import main as cli
@@ -179,7 +184,7 @@ def test_the_rules_recomputing_are_priced_as_plan_prices_them(
     got = {c.of: c for c in rules_recomputing(graph, space, RooflineCost(), pricing, names)}[rule]
     out = tmp_path / "r.json"
     argv = ["plan", str(example_onnx), "--batch", "8", "--devices", "4", "--costs", "roofline"]
-    assert cli([*argv, "--strategy", strategy, "--recompute", "all", "-o", str(out)]) == 0
+    assert cli([*argv, "--strategy", *strategy, "--recompute", "all", "-o", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert sorted(doc["recompute"]) == sorted(got.recompute) and got.recompute
     assert doc.get("zero_stage", 0) == int(got.zero_stage)
@@ -187,11 +192,9 @@ def test_the_rules_recomputing_are_priced_as_plan_prices_them(
     assert max(doc["predicted"]["peak_memory_bytes"]) == max(got.evaluation.peak_memory_bytes)
 
 
-@pytest.mark.parametrize(
-    ("rule", "strategy"), [("megatron", "megatron"), ("data-parallel", "zero")]
-)
+@pytest.mark.parametrize(("rule", "strategy"), RULES)
 def test_the_rules_recomputing_selectively_are_priced_as_plan_prices_them(
-    example_onnx, tmp_path, rule: str, strategy: str
+    example_onnx, tmp_path, rule: str, strategy: tuple[str, ...]
 ) -> None:
     """Each rule is also offered recomputing selectively (the products kept): priced
     as ``plan --strategy megatron|zero --recompute selective`` prices it, between the
@@ -215,7 +218,8 @@ def test_the_rules_recomputing_selectively_are_priced_as_plan_prices_them(
     assert got.recompute == selective and set(got.recompute) < {op.name for op in graph.ops}
     out = tmp_path / "r.json"
     argv = ["plan", str(example_onnx), "--batch", "8", "--devices", "4", "--costs", "roofline"]
-    assert cli([*argv, "--strategy", strategy, "--recompute", "selective", "-o", str(out)]) == 0
+    redo = ["--recompute", "selective", "-o", str(out)]
+    assert cli([*argv, "--strategy", *strategy, *redo]) == 0
     doc = json.loads(out.read_text())
     assert doc["recompute"] == list(got.recompute)
     assert math.isclose(doc["predicted"]["step_time_s"], got.evaluation.step_time_s, rel_tol=1e-9)
@@ -283,3 +287,23 @@ def test_a_fixed_batch_model_accumulates_nothing(tmp_path) -> None:
         raise UserError("fixed batch")
 
     assert accumulating(graph, load, {}, RooflineCost(), pricing) == []
+
+
+def test_past_the_deadline_only_the_first_rule_is_priced(example_onnx) -> None:
+    """The rules recomputing are priced FSDP's first, selectively first; past the
+    deadline no other is begun."""
+    from onnx2soap.search.pipeline_choice import rules_recomputing
+    from onnx2soap.search.pipeline_rule import selective_recompute
+
+    graph = load_model(example_onnx, 8).graph
+    space = analyze(graph)
+    pricing = Pricing(resolve_machine("cpu:4"), 0, Precision.FP32)
+    names = full_recompute(graph, space, pricing.simulator(RooflineCost()))
+    selective = selective_recompute(graph)
+    args = (graph, space, RooflineCost(), pricing, names, None, selective)
+    every = rules_recomputing(*args)
+    order = [(c.of, c.selective) for c in every]
+    assert order == [(r, k) for r in ("fsdp", "data-parallel", "megatron") for k in (True, False)]
+    (first,) = rules_recomputing(*args, deadline=0.0)
+    assert (first.of, first.selective) == ("fsdp", True)
+    assert first.evaluation == every[0].evaluation

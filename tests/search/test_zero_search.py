@@ -173,3 +173,34 @@ def test_zero3_but_on_the_first_groups_of_layers(tmp_path: Path) -> None:
     assert zeroed.evaluation == evaluations[4]
     assert zeroed.evaluation.step_time_s < evaluations[0].step_time_s  # ZeRO-3 on all
     assert any("ZeRO-3, 4 weights ZeRO-2" in name for name, _, _ in zeroed.tried)
+
+
+def test_the_layers_kept_double_until_one_does_not_fit_or_time_is_out() -> None:
+    """``fastest_layered`` over 5 groups: 1, 2, 4 and then all at the lower stage,
+    stopping at the first that does not fit or past its deadline, the fastest that fits
+    kept; an evaluation made up by hand for each count."""
+    from onnx2soap.search.zero_layers import LayerGroups, fastest_layered
+    from onnx2soap.sim import Evaluation
+
+    groups = LayerGroups(tuple((f"w{i}",) for i in range(5)))
+    assert groups.counts() == [1, 2, 4, 5] and groups.counts(every=False) == [1, 2, 4]
+    high, low = ZeroStage.PARAMETERS, ZeroStage.GRADIENTS
+    assert groups.zero(5, high, low).weights == () and groups.zero(5, high, low).stage is low
+    step = {1: 3.0, 2: 2.0, 4: 2.5, 5: 1.0}  # seconds by groups kept
+
+    def run(fits_up_to: int, deadline: float = float("inf")):
+        priced = []
+
+        def price(zero):
+            kept = 5 if not zero.weights else len(zero.weights)
+            priced.append(kept)
+            return Evaluation(step[kept], (0,), 0, kept <= fits_up_to)
+
+        found = fastest_layered(groups, high, low, price, deadline)
+        return (None if found is None else found.kept), priced
+
+    assert run(5) == (5, [1, 2, 4, 5])
+    assert run(4) == (2, [1, 2, 4, 5])  # all does not fit: the fastest before it
+    assert run(1) == (1, [1, 2])
+    assert run(0) == (None, [1])
+    assert run(5, deadline=0.0) == (1, [1])  # past the deadline: only the first
