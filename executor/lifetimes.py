@@ -9,8 +9,9 @@ backward, only the input buffers its backward reads; the others become ``Release
 (shape and dtype) once its forward has run, so an input it read in place (``Alias``)
 lives only as long as its producer or another reader keeps it, and an assembled one
 (made by the step) goes at once. After its backward a task keeps nothing. A piece sent
-as a view keeps its whole tile with the transport until the step ends. Recomputed ops
-follow ``executor/recompute.py``.
+as a view keeps its whole tile with the transport until the send completes (the
+transport lets it go then, executor/transport.py). Recomputed ops follow
+``executor/recompute.py``.
 
 An activation gradient (a consumer task's gradient of one of its inputs) is read by the
 producer tasks that gather their output gradient from it (a local piece copied, or the
@@ -18,7 +19,7 @@ whole of it used as it is: ``GradAlias``) and by the ``Send``s of its pieces to 
 ranks. The step drops it after the last of those on the rank, so that a backward holds
 the gradients between the ops it has run and their producers, not every gradient of the
 step (``sim/memory.py`` prices the same). A piece sent as a view of it keeps the array
-alive until the transport lets the send go at the step's end.
+alive until the transport lets the send go, once it has completed.
 
 A tile's events are its readers' forward ``("compute", op, task)`` and the forward
 ``("send", transfer id)`` of its pieces. A gradient's are ``("gather", op, task)``,

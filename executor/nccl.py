@@ -9,15 +9,19 @@ then always has both ends at the head of their streams, so the streams cannot de
 The host waits for nothing inside a step but the loss at its end: a send waits (on the
 GPU) for an event recorded on the compute stream after its producer; a consumer's
 kernels wait for the event recorded after its receive; a weight group's all-reduce runs
-while the compute stream goes on with the backward pass. The arrays in flight stay
-referenced until the step after theirs has ended, since cupy's memory pool would
-otherwise hand a freed array to the next kernel while NCCL still reads it.
+while the compute stream goes on with the backward pass. cupy's memory pool would hand
+a freed array to the next kernel while NCCL still reads it, so the transport keeps what
+NCCL reads referenced: a sent array until the event recorded after its send on the
+communication stream has completed (found at a later call into the transport, as
+PyTorch's caching allocator frees a buffer once the streams that used it are past it);
+an all-reduced one until the step after its own has ended.
 
 NCCL refuses two ranks on one GPU: ``--transport auto`` picks ``mpi-host`` there.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -55,8 +59,11 @@ class NcclTransport:
         self.world = self._communicator(comm)
         self._groups: dict[tuple[int, ...], Any] = {}
         self._made: set[tuple[int, ...]] = set()
-        self._held: list[Any] = []  # arrays of this step's communication
+        self._held: list[Any] = []  # arrays of this step's collectives
         self._retired: list[Any] = []  # last step's, freed once that step has synchronized
+        # sent arrays, oldest first, with the event recorded after each send on the
+        # communication stream: NCCL has read one once its event has completed
+        self._sending: deque[tuple[Any, Any]] = deque()
         self._types = {
             "float32": nccl.NCCL_FLOAT32,
             "float64": nccl.NCCL_FLOAT64,
@@ -87,13 +94,24 @@ class NcclTransport:
         return self._types[array.dtype.name]
 
     def send(self, array, dest: int) -> None:
+        self._retire_sends()
         stream = self.device.comm_stream()
         self.device.wait_event(self.device.record(), stream)
         self.world.send(array.data.ptr, array.size, self._type(array), dest, stream.ptr)
-        self._held.append(array)
+        self._sending.append((self.device.record(stream), array))
         self.bytes_sent += array.nbytes
 
+    def let_go(self) -> None:
+        self._retire_sends()
+
+    def _retire_sends(self) -> None:
+        """Let go of the sent arrays NCCL is done with. One stream runs the sends in
+        order, so their events complete in order: the first not done ends the search."""
+        while self._sending and self._sending[0][0].done:
+            self._sending.popleft()
+
     def recv(self, buffer, source: int):
+        self._retire_sends()
         stream = self.device.comm_stream()
         # The step makes each receive buffer when it posts the receive (executor/step.py),
         # from the compute stream's pool: memory kernels issued before may still read.
@@ -177,13 +195,16 @@ class NcclTransport:
 
     def wait(self, event) -> None:
         self.device.wait_event(event)
+        self._retire_sends()
 
     def end_step(self) -> None:
         """The compute stream waits for the step's communication (the update follows
-        it); the host does not. The arrays in flight stay referenced until the next
-        step's end, after this step's closing synchronization."""
+        it); the host does not. The collectives' arrays stay referenced until the next
+        step's end, after this step's closing synchronization; sends still in flight
+        until a later call finds them done."""
         self.device.wait_event(self.device.record(self.device.comm_stream()))
         self._retired, self._held = self._held, []
+        self._retire_sends()
 
     def close(self) -> None:
         """Destroy the NCCL communicators once the communication in flight is done."""
@@ -193,3 +214,4 @@ class NcclTransport:
         self._groups.clear()
         self._made.clear()
         self._held, self._retired = [], []
+        self._sending.clear()

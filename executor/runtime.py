@@ -6,8 +6,8 @@ buffers, output tiles and gradients. What it moves, and where to, comes from the
 compiled program.
 
 What every step reuses is made once, before the first step (executor/layout.py): the
-data rows' buffers with their padding, staging buffers, statistics slots, the kernels'
-fixed arguments. A step (executor/step.py) then fills those buffers, makes what lives
+data rows' buffers with their padding, statistics slots, the kernels' fixed
+arguments. A step (executor/step.py) then fills those buffers, makes what lives
 less than a step (receive buffers, assembled inputs, gathered gradients, partial sums'
 arrays: executor/lifetimes.py), calls the kernels (whose results cupy
 takes from its memory pool) and moves tiles; on a GPU
@@ -465,7 +465,6 @@ class _Buffers:
         self.grad_outputs: dict[TaskKey, GradSource] = {}
         self.args: dict[TaskKey, TaskArgs] = {}
         self.slots: dict[tuple, object] = {}  # statistics and partial sums, by group
-        self.staging: dict[int, object] = {}  # strided tiles to send, by transfer
         for ins in first:
             self._prepare(rt, ins)
         # How many local tasks read each assembled buffer (layout.Assembled.share): the

@@ -138,12 +138,9 @@ class Step:
         }
 
     def reopen(self, ins: Reopen) -> None:
-        """This microbatch takes buffers an earlier one of the step used. A strided tile
-        that one sent may still be in flight from its staging buffer (the transport holds
-        it to the step's end): this one stages into new ones. On a GPU the host waits
-        for the device, so that no receive (communication stream) or host copy writes a
-        buffer the earlier microbatch's kernels still read."""
-        self.buf.staging.clear()
+        """This microbatch takes buffers an earlier one of the step used. On a GPU the
+        host waits for the device, so that no receive (communication stream) or host copy
+        writes a buffer the earlier microbatch's kernels still read."""
         if self.xp is not np:
             self.rt.device.synchronize()
 
@@ -184,12 +181,10 @@ class Step:
             origin = self.rt.task(t.consumer).inputs[t.operand].buffer
         tile = whole[local_slices(t.rect, origin)]
         if not tile.flags.c_contiguous:
-            # A strided tile goes through a buffer made in the first step.
-            staging = self.buf.staging.get(t.id)
-            if staging is None:
-                staging = self.buf.staging[t.id] = self.xp.empty(tile.shape, dtype=tile.dtype)
-            staging[...] = tile
-            tile = staging
+            # A strided piece goes through a copy made for this send, which the transport
+            # holds until the send completes and then lets go: kept per transfer across
+            # steps, Megatron's sequence-parallel pieces of LLaMA-3-8B had been 151 GB
+            tile = self.xp.ascontiguousarray(tile)
         self.rt.transport.send(tile, t.dst)
         if not self.training:
             return
@@ -319,6 +314,10 @@ class Step:
         return replace(args, origin=tuple(origin), full_shape=tuple(full))
 
     def compute(self, ins: Compute) -> None:
+        # sends found complete go before the kernel allocates: without a call into the
+        # transport since, a rank would keep them through it (sim/memory.py prices a
+        # sent piece through the kernel that reads it, where its receiver has taken it)
+        self.rt.transport.let_go()
         if ins.phase is Phase.FORWARD:
             self.forward(ins)
         else:
@@ -397,6 +396,7 @@ class Step:
     def sum_outputs(self, ins: SumOutputs) -> None:
         """The group's partial tiles summed; this rank's holder's output becomes the sum,
         or where the group reduce-scatters, its chunk of the sum."""
+        self.rt.transport.let_go()  # before the sum's arrays, as before a kernel
         group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
         if group.scatter is not None:
             self._scatter_outputs(ins, group)
@@ -460,6 +460,7 @@ class Step:
         received, summed over the group (all-reduce); where the group reduce-scattered,
         each holder's pieces cover its chunk alone, and an all-gather of the chunks
         gives every member the whole tile's gradient."""
+        self.rt.transport.let_go()  # before the gradient's copy, as before a kernel
         group = self.rt.pg.sums[self.rt.graph.ops[ins.op].name][ins.group]
         mine = self._local(ins.op, group.tasks)
         holder = (ins.op, group.holder(self.rt.rank))

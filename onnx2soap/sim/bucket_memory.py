@@ -26,9 +26,19 @@ from onnx2soap.soap.zero import Zero, ZeroStage
 Widest = dict[tuple[int, ...], int]  # per communicator, the widest scratch of its rings
 
 
+def ring_scratch_bytes(
+    numel: int, members: int, itemsize: int, chunks: tuple[tuple[int, int], ...] = ()
+) -> int:
+    """A member's receive scratch in a ring over ``numel`` elements: its widest chunk
+    (any of the MPI transport's rings: all-reduce, reduce-scatter, all-gather), balanced
+    unless ``chunks`` (a reduce-scatter's runs) says otherwise."""
+    runs = chunks or ring_chunks(numel, members)
+    return max(hi - lo for lo, hi in runs) * itemsize
+
+
 def scratch_bytes(ring: BucketRing, itemsize: int) -> int:
-    """A member's receive scratch: the ring's widest chunk."""
-    return max(hi - lo for lo, hi in ring_chunks(ring.numel, len(ring.devices))) * itemsize
+    """A member's receive scratch: the bucket ring's widest chunk."""
+    return ring_scratch_bytes(ring.numel, len(ring.devices), itemsize)
 
 
 def widest(rings: Iterable[BucketRing], itemsize: int, into: Widest | None = None) -> Widest:

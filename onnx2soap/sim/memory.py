@@ -8,14 +8,15 @@ holds before and during one kernel:
   weight and state Rect it holds, once, with the optimizer's state per trainable one
   (none for SGD, one array for momentum, two for Adam) and mixed precision's half-format
   copy; per task, the buffers of its data rows, labels (at their own width) and
-  constants' cuts (none for a broadcast constant read without padding: a view); a
-  staging copy per strided tile sent;
+  constants' cuts (none for a broadcast constant read without padding: a view);
 - made by each step, each living as long as something reads it
   (``executor/lifetimes.py``; what an op's backward reads: ``soap/saved.py``): the
   batch rows its tasks read (the labels and the constants whole); every task's output
   tile, to its op's backward where that reads it, else to its last reader's forward
-  (longer where a reader keeps it in place, or a send holds it as a view: ``EdgeMemory``),
-  a partial sum's partial tiles while the sum runs and the sum then as any tile; its
+  (longer where a reader keeps it in place: ``EdgeMemory``),
+  a partial sum's partial tiles while the sum runs (with a CPU rank's ring scratch,
+  1/k of the sum, as the backward's share of its gradient has) and the sum then as any
+  tile; its
   activation inputs' buffers, to its backward where that reads them, else while its
   forward runs, none where one piece fills one whole (a local producer's whole tile, or
   a received piece, whose receive buffer is then the input buffer); each receive
@@ -23,8 +24,10 @@ holds before and during one kernel:
   consumer's backward to the producer's gather, or to the end of its backward where it
   is the output gradient whole); the gradients of
   its activation inputs, from its backward until their producer's backward has gathered
-  them (a piece sent as a view of one keeps it, with the transport, until the step
-  ends); each task's gathered output gradient while its backward runs; the losses; and
+  them (one whose pieces all go to other devices, and none as a view, until they are
+  sent: ``EdgeMemory.unread_grads``); each task's gathered output gradient while its
+  backward runs (an op with partial sums: the holder's while ``ShareGrad`` copies it
+  into the group's shared one, which alone its kernels read); the losses; and
   each trainable Rect's gradient: the first backward kernel's fresh array, which later
   ones are summed into, kept until the update. Under mixed precision every stored array
   is 2 bytes an element (``stored``) and a kernel holds float32 copies of its stored
@@ -37,6 +40,23 @@ holds before and during one kernel:
   gradient counts in its op's backward kernels (their peak) and stays, in flight,
   through the backward of the ops after it in the backward's order until the rank's
   next reduce-scatter starts (``executor/step.py`` completes one before the next);
+- sent pieces: the transport holds a sent array until its send completes, no longer
+  (executor/transport.py, nccl.py), and a strided piece is sent from a copy made for the
+  send (``executor/step.py``). A send completes once its receiver has taken it, which
+  the receiver waits for where it reads it (the consumer's forward, the producer's
+  gather); the sender finds it complete at its own next call into the transport, most
+  often after the kernel that follows (measured: tests/executor/test_sends_let_go.py).
+  So in the model's step order a sent piece lives through the kernel of the op that
+  reads it: a tile a piece of which is sent as a view, to its readers' forwards as any
+  tile (their kernels included); a staged forward piece on the producer's device from
+  its send through the consumer's forward kernel (``EdgeMemory.staged_tiles``); a
+  gradient a piece of which is sent as a view, and a staged gradient piece, on the
+  consumer's device through the producer's backward kernel (``sent_grads``,
+  ``staged_grads``), not only to its gather. Held to the step's end instead, as the
+  executor had held them, pieces sent as views had been all of a tensor-parallel
+  LLaMA-3-8B's column-parallel linears' input gradients (1.07 GB each), and the staged
+  ones, under sequence parallelism, a permanent copy of every strided piece: 365 GB a
+  GPU priced, 197 GB now;
 - on top of that, what a kernel holds while it runs (``OpDef.workspace``: Conv's
   columns, MaxPool's tap copies), in the backward with the fresh gradients of data
   inputs (and of weights already given one) it returns before they are summed or
@@ -73,7 +93,7 @@ from dataclasses import dataclass, field
 
 from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.ops import definition
-from onnx2soap.sim.bucket_memory import ring_scratch, ring_widest
+from onnx2soap.sim.bucket_memory import ring_scratch, ring_scratch_bytes, ring_widest
 from onnx2soap.soap import Edge, PartitionedGraph
 from onnx2soap.soap.partition import (
     ParallelConfig,
@@ -154,7 +174,7 @@ class OpMemory:
     grad_out: Pieces = ()
     # (executor/lifetimes.py) output tiles its backward reads, from its forward to its
     # backward; those only its readers' forwards read, until the last of them (longer
-    # where a reader keeps one in place or a send holds it: ``EdgeMemory.extend``)
+    # where a reader keeps one in place: ``EdgeMemory.kept_by``)
     kept_tiles: Pieces = ()
     read_tiles: Pieces = ()
     # the input buffers the step makes for its activation operands: those its backward
@@ -166,15 +186,20 @@ class OpMemory:
     # live through that op too (``_forward_peaks``, ``_backward_peaks``)
     gathering: Pieces = ()
     regathering: Pieces = ()
+    # an op with partial sums: of ``grad_out``, the holders' own gathered gradients,
+    # which ``ShareGrad`` copies into the group's shared one and lets go before the
+    # kernels run; and a CPU rank's ring scratch while that all-reduce runs
+    shared_from: Pieces = ()
+    share_scratch: Pieces = ()
 
 
 @dataclass(frozen=True)
 class EdgeMemory:
-    """What one edge adds per device: ``held`` through the step (staging copies,
-    objects); ``grad_out``, a change to
-    the producer's gathered output gradient (negative where a received piece is it
-    whole); ``sent_grads``, of the consumer's input gradient, the arrays a piece of which
-    the transport holds, as a view, until the step ends."""
+    """What one edge adds per device: ``held`` through the step (the runtime's objects);
+    ``grad_out``, a change to the producer's gathered output gradient (negative where a
+    received piece is it whole); ``sent_grads``, of the consumer's input gradient, the
+    arrays a piece of which the transport holds, as a view, through the producer's
+    backward kernel (its send completes as that backward waits for it)."""
 
     held: Pieces
     grad_out: Pieces = ()
@@ -183,11 +208,10 @@ class EdgeMemory:
     # none is made where it reads a piece in place
     kept_inputs: Pieces = ()
     read_inputs: Pieces = ()
-    # the producer's tile held longer: by a consumer that reads it in place and keeps it
-    # for its backward (``kept_by``), by the transport where a piece of it is sent as a
-    # view, until the step ends (``sent_tiles``)
+    # the producer's tile held longer, by a consumer that reads it in place and keeps it
+    # for its backward (a piece sent as a view holds it no longer than its readers do:
+    # the send completes once the consumer's receive has taken it)
     kept_by: Pieces = ()
-    sent_tiles: Pieces = ()
     # a consumer task reads a producer's whole tile in place (``layout.Alias``): where
     # the producer is recomputed, that reader needs it made again
     aliased: bool = False
@@ -210,6 +234,16 @@ class EdgeMemory:
     # the producer's output gradients that are a local consumer's whole input gradient,
     # read as it is (``GradAlias``): no sum of pieces is made for them
     grad_alias: Pieces = ()
+    # strided pieces sent from a copy made for the send, which the transport lets go once
+    # the send completes (executor/step.py): a forward piece's on the producer's device,
+    # from its send through the consumer's forward kernel; a gradient piece's on the
+    # consumer's device, from its backward through the producer's backward kernel
+    staged_tiles: Pieces = ()
+    staged_grads: Pieces = ()
+    # the consumer's input gradients no producer task on their device gathers from, nor
+    # a send views: the step drops one once its pieces are sent (executor/lifetimes.py),
+    # right after the consumer's backward, not at its producer's
+    unread_grads: Pieces = ()
 
 
 @dataclass(frozen=True)
@@ -227,19 +261,22 @@ class Order:
 
 @dataclass(frozen=True)
 class EdgeTotals:
-    """The edges' ``grad_out`` summed per producer op, their ``sent_grads`` per
-    (consumer op, operand), their input buffer changes summed per consumer op, and per
-    producer op and device the latest its tile is held to (``until``: the op whose
-    backward ends it, -1 for the step's end) and its bytes, for ``total``."""
+    """The edges' ``grad_out`` summed per producer op, the gradient pieces they send per
+    (consumer op, operand) (``sent``: views' whole arrays and staged copies, held through
+    the producer's backward kernel), their input buffer changes summed per consumer op,
+    and per producer op and device the latest its tile is held to (``until``: the op
+    whose backward ends it) and its bytes, for ``total``."""
 
     grad_out: dict[int, Pieces]
-    sent: dict[tuple[int, int], Pieces]
+    sent: dict[tuple[int, int], Pieces] = field(default_factory=dict)
     kept_inputs: dict[int, Pieces] = field(default_factory=dict)
     read_inputs: dict[int, Pieces] = field(default_factory=dict)
     until: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
     aliased: frozenset[tuple[int, int]] | None = None  # (producer, consumer) read in place
     # receive buffers in flight (``EdgeMemory.recv_tiles``): posted after each producer
-    # op's forward, read by each consumer op's (copied, or taken as the input buffer)
+    # op's forward, read by each consumer op's (copied, or taken as the input buffer);
+    # the staging copies of strided pieces sent (``staged_tiles``) are posted as they
+    # are and go after each consumer op's forward kernel (``unstaged``)
     posted: dict[int, Pieces] = field(default_factory=dict)
     landed: dict[int, Pieces] = field(default_factory=dict)
     landed_whole: dict[int, Pieces] = field(default_factory=dict)
@@ -252,6 +289,12 @@ class EdgeTotals:
     shared_to_backward: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
     shared_to_forward: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
     grad_alias: dict[int, Pieces] = field(default_factory=dict)  # per producer op
+    unstaged: dict[int, Pieces] = field(default_factory=dict)  # per consumer op
+    # the staging copies of strided gradient pieces sent, per (consumer op, operand):
+    # made after the consumer's backward, gone after the producer's backward kernel
+    staged_grads: dict[tuple[int, int], Pieces] = field(default_factory=dict)
+    # per (consumer op, operand): input gradients gone once sent (``EdgeMemory``)
+    unread_grads: dict[tuple[int, int], Pieces] = field(default_factory=dict)
 
 
 def _width(t, itemsize: int) -> int:
@@ -467,9 +510,18 @@ def _op_bytes(
             _add(kept_inputs, d, n * stored)
     slot_width = _width(graph.tensors[op.output], itemsize)  # sums are float32
     half = out_width < slot_width
+    shared_from = dict(grad_out) if sums else {}
+    share_scratch: dict[int, int] = {}
     for group in sums:
         n = group.numel * slot_width
+        # a CPU rank's ring holds a receive scratch as wide as its widest chunk while the
+        # sum (and the backward's all-reduce or all-gather) runs (``bucket_memory.py``)
+        runs = group.scatter.runs(group.tile) if group.scatter is not None else ()
+        members = len(group.devices)
+        scratch = ring_scratch_bytes(group.numel, members, slot_width, runs) if objects else 0
         for d in group.devices:
+            if backward:
+                share_scratch[d] = max(share_scratch.get(d, 0), scratch)
             # The sum (or the chunk of it) the holder keeps as the op's output, a tile
             # like any other (executor/lifetimes.py); its gradient, shared by the
             # group's tasks, while the op's backward runs.
@@ -477,11 +529,14 @@ def _op_bytes(
             _add(kept_tiles if keeps_output else read_tiles, d, chunk)
             if backward:
                 _add(grad_out, d, n)
-            # While the sum runs: the partial tiles, the step's float32 sum (where the
-            # group reduce-scatters and the ring's layout is not the tile's, a copy
-            # beside it) and, in the half format, the output narrowed from it.
+            # While the sum runs: the partial tiles, the step's float32 sum (an
+            # all-reduce's made afresh; a reduce-scatter's is the first partial tile
+            # itself, or its float32 copy in the half format, and a copy in the ring's
+            # layout where that is not the tile's), the ring's scratch and, in the half
+            # format, the output narrowed from it.
             in_place = group.scatter is None or group.scatter.in_place(group.tile)
-            ring = (n if in_place else 2 * n) + (chunk if half else 0)
+            made = n if group.scatter is None or half else 0
+            ring = made + (0 if in_place else n) + (chunk if half else 0) + scratch
             forward[d] = max(forward.get(d, 0), partials.get(d, 0) + ring)
             if backward and not in_place:
                 # The tasks read the gathered gradient strided, through a view of the
@@ -509,6 +564,8 @@ def _op_bytes(
     ahead = (  # ZeRO-3: the array being gathered while the op before runs
         tuple((d, n * stored) for d, n in gathered.items()),
         tuple((d, n * stored) for d, n in regathered.items()) if backward else (),
+        tuple(shared_from.items()),
+        tuple(share_scratch.items()),
     )
     return OpMemory(
         *(tuple(x.items()) for x in parts), made, *(tuple(x.items()) for x in lives), *ahead
@@ -595,13 +652,16 @@ def _edge_bytes(
     receives one piece covering its whole tile, the output gradient it would gather,
     which the receive buffer stands in for (``executor/layout.py``: ``Alias``, ``Received``). A
     local consumer's whole input gradient read as the output gradient (``GradAlias``)
-    needs no change: it is counted as that, the input gradient gone by then. A piece of
-    a consumer's input gradient sent as a view keeps the whole array with the transport
-    until the step ends (``sent_grads``). ``keeps``: whether the consumer keeps the
+    needs no change: it is counted as that, the input gradient gone by then. The
+    transport holds a sent array until the send completes (module docstring): a piece
+    sent as a view of a tile adds nothing (the tile lives through its readers' forward
+    kernels anyway), one of a consumer's input gradient keeps the whole array through
+    the producer's backward kernel (``sent_grads``), a strided piece's staging copy
+    lives through the kernel that reads the piece (``staged_tiles``,
+    ``staged_grads``). ``keeps``: whether the consumer keeps the
     operand for its backward (``soap/saved.py``): its buffer, or the producer's tile it
-    reads in place, lives until then; a tile a piece of which is sent as a view stays
-    with the transport until the step ends. ``stored``: bytes an element of the pieces
-    and gradients moved (mixed precision's half format; 0: ``itemsize``)."""
+    reads in place, lives until then. ``stored``: bytes an element of the pieces and
+    gradients moved (mixed precision's half format; 0: ``itemsize``)."""
     itemsize = stored or itemsize  # what every buffer here holds
     width = _width(graph.tensors[edge.tensor], itemsize)
     grad = graph.differentiable(edge.tensor)
@@ -611,8 +671,10 @@ def _edge_bytes(
     grad_out: dict[int, int] = {}
     inputs: dict[int, int] = {}  # the consumer's input buffers not made
     kept_by: dict[int, int] = {}
-    sent_tiles: dict[int, int] = {}
+    staged_tiles: dict[int, int] = {}
+    staged_grads: dict[int, int] = {}
     viewed: set[int] = set()  # consumer tasks whose input gradient a send views
+    gathered: set[int] = set()  # consumer tasks a producer task on their device reads
     recv_tiles: dict[int, int] = {}
     recv_whole: dict[int, int] = {}
     recv_grads: dict[int, int] = {}
@@ -642,11 +704,8 @@ def _edge_bytes(
             else:
                 _add(recv_tiles, c.device, o.volume * width)
             source = edge.source(p)
-            if rect_contiguous(o.rect, source):
-                tile = rect_volume(source) * width
-                sent_tiles[p.device] = max(sent_tiles.get(p.device, 0), tile)
-            else:
-                _add(held, p.device, o.volume * width)  # staged, made once
+            if not rect_contiguous(o.rect, source):  # staged; a view adds nothing
+                _add(staged_tiles, p.device, o.volume * width)
             if grad:  # the gradient piece's receive buffer, in flight until gathered
                 if o.rect == source and sole and sends[o.src_task] == 1:
                     _add(grad_out, p.device, -o.volume * itemsize)  # read in place
@@ -655,9 +714,10 @@ def _edge_bytes(
                     _add(recv_grads, p.device, o.volume * itemsize)
                 if rect_contiguous(o.rect, buffer):
                     viewed.add(o.dst_task)
-                else:
-                    _add(held, c.device, o.volume * itemsize)  # staged before it is sent
+                else:  # staged before it is sent
+                    _add(staged_grads, c.device, o.volume * itemsize)
             continue
+        gathered.add(o.dst_task)
         whole = o.rect == buffer == edge.source(p)
         if grad and whole and sole and sends[o.src_task] == 1:
             _add(grad_alias, p.device, o.volume * itemsize)  # its one piece, whole
@@ -685,6 +745,10 @@ def _edge_bytes(
     for index in viewed:
         c = ctasks[index]
         _add(sent, c.device, rect_volume(c.inputs[edge.operand].buffer) * itemsize)
+    unread: dict[int, int] = {}
+    for index in set(feeds) - gathered - viewed if grad else ():
+        c = ctasks[index]
+        _add(unread, c.device, rect_volume(c.inputs[edge.operand].buffer) * itemsize)
     changed = tuple(inputs.items())
     return EdgeMemory(
         tuple(held.items()),
@@ -693,7 +757,6 @@ def _edge_bytes(
         changed if keeps else (),
         () if keeps else changed,
         tuple(kept_by.items()),
-        tuple(sent_tiles.items()),
         aliased,
         tuple(recv_tiles.items()),
         tuple(recv_grads.items()),
@@ -702,6 +765,9 @@ def _edge_bytes(
         () if sole else tuple((d, region, n) for (d, region), n in first.items()),
         keeps,
         tuple(grad_alias.items()),
+        tuple(staged_tiles.items()),
+        tuple(staged_grads.items()),
+        tuple(unread.items()),
     )
 
 
@@ -743,8 +809,8 @@ def add_edges(
     recompute: frozenset[str] = frozenset(),
     stored: int = 0,
 ) -> EdgeTotals:
-    """Add to ``held`` (per device) what every edge holds through the step: its staging
-    copies and their objects (``_edge_bytes``), found once
+    """Add to ``held`` (per device) what every edge holds through the step: the
+    runtime's objects of its pieces (``_edge_bytes``), found once
     per kind of edge and configs (``op_kinds_held``: the same edge of every layer); the
     rest of what they change, for ``total``. ``recompute``: the plan's recomputed ops,
     which keep every input; ``stored``: as ``_edge_bytes``."""
@@ -783,12 +849,15 @@ def _sum_into(into: dict[int, dict[int, int]], op: int, pieces: Pieces) -> None:
 
 def edge_totals(edges) -> EdgeTotals:
     """``EdgeTotals`` from (producer op, consumer op, operand, ``EdgeMemory``) per edge.
-    A tile held by several edges is held to the latest of them: the step's end where a
-    send holds it, else the backward of the earliest reader (in graph order) keeping it."""
+    A tile a reader keeps in place is held to the backward of the earliest reader (in
+    graph order) keeping it."""
     grad_out: dict[int, dict[int, int]] = {}
     kept: dict[int, dict[int, int]] = {}
     read: dict[int, dict[int, int]] = {}
     sent: dict[tuple[int, int], Pieces] = {}
+    unstaged: dict[int, dict[int, int]] = {}
+    staged_grads: dict[tuple[int, int], Pieces] = {}
+    unread_grads: dict[tuple[int, int], Pieces] = {}
     until: dict[int, dict[int, tuple[int, int]]] = {}
     aliased: set[tuple[int, int]] = set()
     posted: dict[int, dict[int, int]] = {}
@@ -803,24 +872,28 @@ def edge_totals(edges) -> EdgeTotals:
             aliased.add((p, c))
         for d, region, n in m.assembled:
             readers.setdefault((p, d, region), []).append((c, n, m.keeps))
-        _sum_into(posted, p, (*m.recv_tiles, *m.recv_whole))
+        _sum_into(posted, p, (*m.recv_tiles, *m.recv_whole, *m.staged_tiles))
         _sum_into(landed, c, m.recv_tiles)
         _sum_into(landed_whole, c, m.recv_whole)
+        _sum_into(unstaged, c, m.staged_tiles)
         if m.recv_grads:
             recv_grads[(c, k)] = m.recv_grads
+        if m.sent_grads:
+            sent[(c, k)] = m.sent_grads
+        if m.staged_grads:
+            staged_grads[(c, k)] = m.staged_grads
+        if m.unread_grads:
+            unread_grads[(c, k)] = m.unread_grads
         if m.recv_grad_out:
             recv_grad_out[(c, k)] = m.recv_grad_out
         _sum_into(grad_out, p, m.grad_out)
         _sum_into(grad_alias, p, m.grad_alias)
         _sum_into(kept, c, m.kept_inputs)
         _sum_into(read, c, m.read_inputs)
-        if m.sent_grads:
-            sent[(c, k)] = m.sent_grads
-        for at, pieces in ((c, m.kept_by), (-1, m.sent_tiles)):
-            for d, n in pieces:
-                row = until.setdefault(p, {})
-                old_at, old_n = row.get(d, (at, n))
-                row[d] = (min(at, old_at), max(n, old_n))
+        for d, n in m.kept_by:
+            row = until.setdefault(p, {})
+            old_at, old_n = row.get(d, (c, n))
+            row[d] = (min(c, old_at), max(n, old_n))
     to_backward, to_forward = _shared_buffers(readers, kept, read)
     return EdgeTotals(
         {p: tuple(x.items()) for p, x in grad_out.items()},
@@ -837,6 +910,9 @@ def edge_totals(edges) -> EdgeTotals:
         to_backward,
         to_forward,
         {p: tuple(x.items()) for p, x in grad_alias.items()},
+        {c: tuple(x.items()) for c, x in unstaged.items()},
+        staged_grads,
+        unread_grads,
     )
 
 
@@ -972,7 +1048,7 @@ def total(
     buckets' rings hold on CPU ranks as the rank waits for them after its backward,
     beside every gradient (``bucket_memory.py``)."""
     devices = len(held)
-    edges = edges or EdgeTotals({}, {})
+    edges = edges or EdgeTotals({})
     later, update = [0] * devices, [0] * devices
     for m in ops:
         for d, n in m.grads:
@@ -1005,13 +1081,14 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
     still read or kept, the input buffers kept for their backwards, its own input
     buffers and its kernel's workspace, then its tile. A tile only readers' forwards
     read goes after its last reader's (``order.consumers``), or where a reader keeps it
-    in place or a send holds it, later (``EdgeTotals.until``); a recomputed op's tiles
+    in place, after that reader's backward (``EdgeTotals.until``); a recomputed op's tiles
     (``redone``) live until its last reader's kernel."""
     consumers = order.consumers if order is not None else ()
     made, forward = [0] * devices, [0] * devices
     live = [0] * devices  # tiles and buffers of the forward, besides ``made``
     free: dict[int, dict[int, int]] = {}  # op -> what goes after its backward
-    gone: dict[int, list[Pieces]] = {}  # op -> read tiles that go after its forward
+    # op -> read tiles (and staged pieces sent to it) that go after its forward kernel
+    gone: dict[int, list[Pieces]] = {c: [x] for c, x in edges.unstaged.items()}
     for i, m in enumerate(ops):
         kept_in = _plus(m.kept_inputs, edges.kept_inputs.get(i, ()))
         read_in = _plus(m.read_inputs, edges.read_inputs.get(i, ()))
@@ -1048,24 +1125,22 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
         for d, n in kept_in.items():
             after[d] = after.get(d, 0) + n
         for d, n in m.kept_tiles:
-            if until.get(d, (0, 0))[0] != -1:  # a send holds it to the step's end
-                after[d] = after.get(d, 0) + n
+            after[d] = after.get(d, 0) + n
         short = []
         for d, n in m.read_tiles:
             at = until.get(d, (None, 0))[0]
             if at is None:
                 short.append((d, n))
-            elif at >= 0:  # a reader keeps it in place until its backward
+            else:  # a reader keeps it in place until its backward
                 free.setdefault(at, {})[d] = free.get(at, {}).get(d, 0) + n
         if order is not None and short:
             last = max(consumers[i], default=i)
             gone.setdefault(last, []).append(tuple(short))
         for d, n in m.redone:  # made by its kernel, read until its last reader's
-            live[d] += n  # (a send holds it to the step's end)
+            live[d] += n
         if m.redone:
             last = max(consumers[i], default=i) if consumers else i
-            read = tuple((d, n) for d, n in m.redone if until.get(d, (0, 0))[0] != -1)
-            gone.setdefault(last, []).append(read)
+            gone.setdefault(last, []).append(m.redone)
         for pieces in gone.pop(i, ()):
             for d, n in pieces:
                 live[d] -= n
@@ -1090,7 +1165,8 @@ def _backward_peaks(
     left (``saved``: tiles and buffers kept for backwards, each gone after its op's,
     ``free``), the recomputed tiles made again, ZeRO-2's gradient in flight, the
     activation gradients whose producer's backward has yet to gather them (those the
-    op gathers go before its kernel runs; pieces sent as views stay with the transport),
+    op gathers go before its kernel runs, but for the pieces of them sent, which the
+    transport holds through it),
     and the op's gathered output gradients (``executor/lifetimes.py``)."""
     consumers = order.consumers if order is not None else ()
     keepers = order.keepers if order is not None else ()
@@ -1109,7 +1185,7 @@ def _backward_peaks(
     grads = [0] * devices  # activation gradients not yet gathered, or with the transport
     gather: dict[int, list[tuple[int, int]]] = {}  # producer -> (consumer, operand)
     posts: dict[int, list[tuple[int, int]]] = {}  # consumer -> its gradients' receives
-    for c, k in dict.fromkeys((*edges.recv_grads, *edges.recv_grad_out)):
+    for c, k in dict.fromkeys((*edges.recv_grads, *edges.recv_grad_out, *edges.staged_grads)):
         posts.setdefault(c, []).append((c, k))
     for i in reversed(range(len(ops))):
         m = ops[i]
@@ -1123,31 +1199,46 @@ def _backward_peaks(
             live[d] += n
         gathered = _plus(m.grad_out, edges.grad_out.get(i, ()))
         aliases = dict(edges.grad_alias.get(i, ()))
-        sums = {d: n for d, n in gathered.items() if n > aliases.get(d, 0)}
+        # the sum made, less a local reader's gradient read as it is (``GradAlias``)
+        sums = {d: n - aliases.get(d, 0) for d, n in gathered.items() if n > aliases.get(d, 0)}
         _gathering(backward, sums, m, live, pending, unmade, grads)
+        for d, n in m.shared_from:  # copied into the shared gradient, gone before its kernels
+            gathered[d] -= n
         read_whole = []  # received output gradients its kernel reads in place
+        through = []  # sent gradient pieces the transport holds through its kernel
         for c, k in gather.pop(i, ()):  # gathered into its output gradient
-            _release(grads, ops[c], k, edges.sent.get((c, k), ()))
+            _release(grads, ops[c], k)
+            for d, n in edges.unread_grads.get((c, k), ()):  # gone when they were sent
+                grads[d] += n
             for d, n in edges.recv_grads.get((c, k), ()):
                 grads[d] -= n
+            for d, n in edges.sent.get((c, k), ()):  # what a view keeps, a while yet
+                grads[d] += n
             read_whole += edges.recv_grad_out.get((c, k), ())
+            through += (*edges.sent.get((c, k), ()), *edges.staged_grads.get((c, k), ()))
         for _, d, n in m.act_grads:  # made by its kernel
             grads[d] += n
         for d, n in m.backward:
             extra = grads[d] + max(gathered.get(d, 0), 0)
             backward[d] = max(backward[d], n + live[d] + pending[d] - unmade[d] + extra)
-        for d, n in read_whole:
+        for d, n in (*read_whole, *through):
             grads[d] -= n
         for key in posts.get(i, ()):  # its gradients' pieces, on their way
-            for d, n in (*edges.recv_grads.get(key, ()), *edges.recv_grad_out.get(key, ())):
+            for d, n in (
+                *edges.recv_grads.get(key, ()),
+                *edges.recv_grad_out.get(key, ()),
+                *edges.staged_grads.get(key, ()),
+            ):
                 grads[d] += n
         for k in {k for k, _, _ in m.act_grads} | {k for _, k in posts.get(i, ())}:
             p = producers[i][k] if producers else None
             if p is None or p >= i:  # no producer to gather it (or no order): kept
                 if producers:
-                    _release(grads, m, k, edges.sent.get((i, k), ()))
+                    _release(grads, m, k)
                 continue
             gather.setdefault(p, []).append((i, k))
+            for d, n in edges.unread_grads.get((i, k), ()):  # sent whole: dropped now
+                grads[d] -= n
         for j in redone_until.get(i, ()):  # made again for backwards now done
             for d, n in ops[j].redone:
                 live[d] -= n
@@ -1166,21 +1257,21 @@ def _gathering(backward, sums, m: OpMemory, live, pending, unmade, grads) -> Non
     gradients, receive buffers) still alive beside the sum, its gathered weights
     (ZeRO-3) too, its weight gradients not yet made. ``sums``: per device, the sum's
     bytes, where one is made (not where one piece is the gradient whole, read as it is:
-    received, or a local consumer's, ``GradAlias``)."""
-    own, weights = dict(m.grads), dict(m.regathering)
+    received, or a local consumer's, ``GradAlias``); where the op's partial sums share
+    it, with the ring's scratch on a CPU rank (``OpMemory.share_scratch``)."""
+    own, weights, scratch = dict(m.grads), dict(m.regathering), dict(m.share_scratch)
     for d, n in sums.items():
         held = live[d] + pending[d] - unmade[d] - own.get(d, 0) + weights.get(d, 0)
-        backward[d] = max(backward[d], held + grads[d] + n)
+        backward[d] = max(backward[d], held + grads[d] + n + scratch.get(d, 0))
 
 
-def _release(grads: list[int], m: OpMemory, k: int, sent: Pieces) -> None:
-    """Its producer has gathered the gradients of operand ``k`` of an op: they go, but
-    for the arrays a send holds as a view until the step ends."""
+def _release(grads: list[int], m: OpMemory, k: int) -> None:
+    """Its producer has gathered the gradients of operand ``k`` of an op: they go (but
+    for the arrays the transport holds through the producer's kernel, ``EdgeTotals.sent``,
+    which the caller adds back)."""
     for kk, d, n in m.act_grads:
         if kk == k:
             grads[d] -= n
-    for d, n in sent:
-        grads[d] += n
 
 
 def peak_memory(

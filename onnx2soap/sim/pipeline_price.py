@@ -329,51 +329,6 @@ def microbatch_instructions(
     return out
 
 
-@dataclass(frozen=True)
-class Sent:
-    """Per device, the pieces one microbatch sends to other devices, which the
-    transport holds until the step ends (``Transport.send``), past the microbatch's
-    ``Close``: tiles of kept ops (while the microbatch is held, among its output
-    tiles), of recomputed ops (held by the transport alone), and input gradients."""
-
-    kept: list[int]
-    redone: list[int]
-    grads: list[int]
-
-
-def sent_per_microbatch(
-    pg: PartitionedGraph, memory: Mapping[str, OpMemory], itemsize: int, devices: int
-) -> Sent:
-    kept, redone, grads = [0] * devices, [0] * devices, [0] * devices
-    ops = {op.name: op for op in pg.graph.ops}
-    for edge in pg.edges:
-        width = itemsize if pg.graph.tensors[edge.tensor].dtype.is_float else 8
-        grad = pg.graph.differentiable(edge.tensor)
-        tiles = redone if memory[ops[edge.producer].name].redone else kept
-        ptasks, ctasks = pg.tasks[edge.producer], pg.tasks[edge.consumer]
-        for o in edge.overlaps:
-            p, c = ptasks[o.src_task].device, ctasks[o.dst_task].device
-            if p != c:
-                tiles[p] += o.volume * width
-                grads[c] += o.volume * itemsize if grad else 0
-    return Sent(kept, redone, grads)
-
-
-def backward_moments(
-    schedule: Schedule, stage: int, stages: int, microbatches: int
-) -> list[tuple[int, int]]:
-    """Per backward pass of ``stage``, in its order: (the other microbatches whose
-    forward is done and backward not, those whose backward is done)."""
-    moments, open_, closed = [], 0, 0
-    for p in stage_order(schedule, stage, stages, microbatches):
-        if p.kind is Pass.FORWARD:
-            open_ += 1
-        else:
-            moments.append((open_ - 1, closed))
-            open_, closed = open_ - 1, closed + 1
-    return moments
-
-
 def price_memory(
     pg: PartitionedGraph,
     pipeline: Pipeline,
@@ -386,30 +341,23 @@ def price_memory(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(peak per device, held microbatches per stage): the plain peak of one
     microbatch's step (of a later one's, which finds every weight gradient made), the
-    other slots' buffers and microbatches' instructions, and the most, over the
-    stage's backward passes, of the other microbatches' output tiles held and of the
-    closed ones' pieces the transport still holds (at least the output tiles of the
-    most microbatches held at once, as a forward may run with them)."""
+    other slots' buffers and microbatches' instructions, and the output tiles of the
+    other microbatches the stage holds at once. A closed microbatch holds nothing: the
+    transport lets each sent piece go once its send completes (executor/transport.py),
+    not at the step's end."""
     count, m, schedule = len(pipeline.stages), pipeline.microbatches, pipeline.schedule
     held = tuple(held_at_most(schedule, s, count, m) for s in range(count))
     slots = tuple(open_at_most(schedule, s, count, m) for s in range(count))
     configs = {op.name: pg.strategy[op.name] for op in pg.graph.ops}
     extra = held_activations(pg, memory, itemsize, len(plain), objects, recompute, stored)
-    sent = sent_per_microbatch(pg, memory, stored or itemsize, len(plain))
     peak = list(plain)
     instructions = microbatch_instructions(pg, memory, len(plain), objects)
     if m > 1:
         later = later_microbatch(pg, memory, itemsize, len(plain), objects, recompute, stored)
         peak = [max(a, b) for a, b in zip(plain, later, strict=True)]
     for s, devs in enumerate(stage_devices(pipeline, configs)):
-        moments = backward_moments(schedule, s, count, m)
         for d in devs:
-            activations = (held[s] - 1) * extra.activations[d]
-            gone = sent.kept[d] + sent.redone[d] + sent.grads[d]
-            for others, closed in moments:
-                at = others * (extra.activations[d] + sent.redone[d]) + closed * gone
-                activations = max(activations, at)
-            peak[d] += activations
+            peak[d] += (held[s] - 1) * extra.activations[d]
             peak[d] += (slots[s] - 1) * extra.buffers[d]
             peak[d] += (m - 1) * instructions[d]
     return tuple(peak), held

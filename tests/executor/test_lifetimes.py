@@ -62,6 +62,9 @@ class _Alone:
     def make_groups(self, groups) -> None:
         list(groups)
 
+    def let_go(self) -> None:
+        """Nothing is sent: nothing to let go of."""
+
 
 def _runtime(tmp_path: Path, recompute: frozenset[str] = frozenset()) -> Runtime:
     model = load_model(_model(tmp_path / "chain.onnx"), BATCH)

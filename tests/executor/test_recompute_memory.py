@@ -7,8 +7,8 @@ Plans come from ``plan --recompute all`` on ``cpu:2``: a checkpoint per transfor
 and 1F1B and GPipe pipelines of two stages of one rank and four microbatches (the executor
 rematerializes a layer's inside at its first backward need and holds each tile until
 the last backward that reads it; a held microbatch keeps its checkpoints; a slot of
-buffers per microbatch open at once; the transport holds every sent piece to the step's
-end); and from ``--recompute selective`` (the products kept, the ops between them made
+buffers per microbatch open at once; the transport holds each sent piece until its send
+completes); and from ``--recompute selective`` (the products kept, the ops between them made
 again), data parallel and 1F1B.
 """
 

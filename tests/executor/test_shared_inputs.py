@@ -57,6 +57,9 @@ class _Alone:
     def make_groups(self, groups) -> None:
         list(groups)
 
+    def let_go(self) -> None:
+        """Nothing is sent: nothing to let go of."""
+
 
 def _plan(tmp_path: Path):
     model = load_model(_model(tmp_path / "shared.onnx"), BATCH)

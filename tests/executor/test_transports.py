@@ -84,7 +84,7 @@ def test_host_staged_transport_trains_like_one_device(export_model, tmp_path, na
 def _persistent(rt: Runtime) -> set[int]:
     """The ids of every array a step reuses."""
     b = rt.buffers
-    arrays = [*b.grads.values(), *b.slots.values(), *b.staging.values()]
+    arrays = [*b.grads.values(), *b.slots.values()]
     for sources in b.inputs.values():
         arrays += [getattr(s, "buffer", None) for s in sources]
     arrays += [getattr(s, "buffer", None) for s in b.grad_outputs.values()]

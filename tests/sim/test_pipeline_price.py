@@ -125,8 +125,9 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
     microbatch open at once (``open_at_most``): 2 on each stage under 1F1B (stage 1's
     next microbatch opens with the receive stage 0's forward posts), 4 under GPipe.
 
-    A held microbatch's activations: on device 0 g1's tile [2, 2] (16 bytes); on device
-    1 g2's tile [2, 4] (32), the loss's scalar (4) and y's input buffer (16: the receive
+    A held microbatch's activations: on device 0 none (g1's tile y [2, 2] goes once its
+    one reader, the send to stage 1, has completed: g1's backward does not read it); on
+    device 1 g2's tile [2, 4] (32), the loss's scalar (4) and y's input buffer (16: the receive
     buffer of its one piece, made by the step that posts the receive and kept for g2's
     backward): 52. A slot's buffers: on device 0 x's input buffer [2, 8] (64; g1's
     output gradient arrives in a receive buffer the step makes); on device 1 the labels
@@ -138,11 +139,9 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
     peak of one microbatch, in the stage's first op's backward, is the plain step's plus
     that op's weight gradient, W1's 8 * 2 * 4 = 64 bytes, W2's 2 * 4 * 4 = 32.
 
-    A closed microbatch's pieces sent to the other stage stay with the transport to the
-    step's end: y (16 bytes) from device 0, its gradient (16) from device 1. At each
-    backward pass, the other microbatches held and those closed: under 1F1B stage 0's
-    B0..B3 see (1, 0), (1, 1), (1, 2), (0, 3): at most 16 + 2 * 16 = 48 = 3 * 16; stage
-    1's (0, k): 3 * 16 = 48. Under GPipe (3 - k, k): 3 * 16 on device 0, 3 * 52 on 1."""
+    A closed microbatch holds nothing: the transport lets its pieces sent to the other
+    stage go once their sends complete. So the other microbatches held add, under 1F1B,
+    (2 - 1) * 0 on device 0 and (1 - 1) * 52 on device 1; under GPipe 3 * 0 and 3 * 52."""
     pg, stages = _two_stages(_graph(tmp_path))
     plain = make_simulator(round_machine(2), RooflineCost()).evaluate(pg).peak_memory_bytes
     peaks = {}
@@ -151,9 +150,9 @@ def test_one_f_one_b_holds_fewer_microbatches(tmp_path) -> None:
         sim = make_simulator(round_machine(2), RooflineCost(), pipeline=pipeline)
         peaks[schedule] = sim.evaluate(pg).peak_memory_bytes
     gpipe, one = peaks[Schedule.GPIPE], peaks[Schedule.ONE_F_ONE_B]
-    assert one[0] == plain[0] + 64 + 3 * 16 + (2 - 1) * 64
-    assert one[1] == plain[1] + 32 + 3 * 16 + (2 - 1) * 16
-    assert gpipe[0] == plain[0] + 64 + 3 * 16 + (4 - 1) * 64
+    assert one[0] == plain[0] + 64 + (2 - 1) * 0 + (2 - 1) * 64
+    assert one[1] == plain[1] + 32 + (1 - 1) * 52 + (2 - 1) * 16
+    assert gpipe[0] == plain[0] + 64 + 3 * 0 + (4 - 1) * 64
     assert gpipe[1] == plain[1] + 32 + 3 * 52 + (4 - 1) * 16
 
 

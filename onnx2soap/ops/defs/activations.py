@@ -559,6 +559,18 @@ def _gelu_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
     return held, held
 
 
+# numpy casts an operand of another dtype (Relu's boolean mask) through a buffer of this
+# many elements as a ufunc runs (``np.getbufsize()``'s default)
+UFUNC_BUFFER = 8192
+
+
+def _relu_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
+    """Backward: the mask x > 0, a byte an element, and numpy's buffer casting it to the
+    gradient's dtype as it multiplies (tracemalloc, 1 k to 1 M elements)."""
+    n = math.prod(out_shape)
+    return 0, n + min(n, UFUNC_BUFFER) * itemsize
+
+
 AWAY = Sample.AWAY_FROM_ZERO
 POSITIVE = Sample.POSITIVE
 
@@ -570,6 +582,7 @@ RELU = _op(
     relu_backward,
     case("relu", "Relu", X(2, 3, 4), sample=AWAY),
     saves=SAVES_INPUTS,  # x > 0
+    workspace=_relu_workspace,
 )
 
 IDENTITY = replace(
