@@ -33,11 +33,13 @@ TOLERANCE = 0.10
 # keeps it through the kernel that reads it. Where sent pieces are a large share of a
 # rank's peak, the measured peak moves with how soon each side calls into MPI: the
 # tokens plan's strided LayerNorm pieces, sent early and read late, were measured at
-# 3.85-4.16 MB against 4.41 priced (the receiver takes them well before its reader).
+# 3.85-4.16 MB against 4.41 priced (the receiver takes them well before its reader);
+# the CNN's 3-rank plan's device 2, whose AveragePool sends 0.5 MB of gradient pieces
+# to pool1's devices, at 6.66-7.19 MB against 7.60.
 RACY = 0.15
 CASES = [  # model, batch, ranks, strategy, seed[, tolerance]
     ("cnn", 32, 2, "random", 1),
-    ("cnn", 32, 3, "random", 2),
+    ("cnn", 32, 3, "random", 2, RACY),
     ("cnn", 32, 2, "data-parallel", 0),
     ("bnnet", 64, 3, "random", 3),
     ("bnnet", 64, 2, "data-parallel", 0),
