@@ -481,11 +481,78 @@ def convert_gelu(ctx: NodeContext, *, approximate="none", tanh_scale=None, cubic
     return _unary(ctx, attrs, 24 if mode is GeluApproximation.NONE else 8)
 
 
+# The tanh form's chain of passes runs over chunks of this many elements on a CPU: a
+# chunk and its temporaries stay in a core's L2 cache from the chain's first pass to its
+# last, so the tile is read from memory once, not once a pass (a GPT-2 step's [1024, 2048]
+# MLP tiles on one CPU thread: the forward 2.3x, the backward 2.8x faster than passes over
+# the whole tile).
+# A GPU streams every pass at its memory's bandwidth: its chunks (16 MiB of float32) are
+# only so large that a tile takes few launches and their temporaries stay bounded.
+TANH_GELU_CHUNK, GPU_TANH_GELU_CHUNK = 1 << 15, 1 << 22
+
+
+def _tanh_gelu_chunks(xp, *arrays):
+    """Matching chunks of same-shaped arrays, flat (views of the C-contiguous ones: the
+    arrays written must be), and the chunk's size."""
+    chunk = TANH_GELU_CHUNK if xp.__name__ == "numpy" else GPU_TANH_GELU_CHUNK
+    flat = [a.reshape(-1) for a in arrays]
+    size = flat[0].size
+    return ([f[lo : lo + chunk] for f in flat] for lo in range(0, size, chunk)), min(chunk, size)
+
+
+def _tanh_term(xp, attrs, x, out):
+    """tanh(tanh_scale · (x + cubic · x³)) into ``out``, each product in the
+    expression's order."""
+    t = xp.multiply(attrs.cubic, x, out=out)
+    t *= x
+    t *= x
+    t += x
+    t *= attrs.tanh_scale
+    return xp.tanh(t, out=t)
+
+
+def _tanh_gelu_forward(xp, attrs, x):
+    """0.5 x (1 + tanh(...)), chunk by chunk (``TANH_GELU_CHUNK``), in the array it
+    returns; 0.5 x in one chunk beside it."""
+    out = xp.empty(x.shape, dtype=x.dtype)
+    chunks, size = _tanh_gelu_chunks(xp, x, out)
+    half = xp.empty(size, dtype=x.dtype)
+    for xs, ys in chunks:
+        t = _tanh_term(xp, attrs, xs, ys)
+        t += 1
+        t *= xp.multiply(0.5, xs, out=half[: xs.size])
+    return out
+
+
+def _tanh_gelu_backward(xp, attrs, x, grad_output):
+    """dy · (0.5 (1 + t) + 0.5 x (1 - t²) · tanh_scale (1 + 3 cubic x²)), t the forward's
+    tanh, chunk by chunk in the array it returns; three chunks beside it."""
+    out = xp.empty(x.shape, dtype=x.dtype)
+    chunks, size = _tanh_gelu_chunks(xp, x, grad_output, out)
+    inner, square, term = (xp.empty(size, dtype=x.dtype) for _ in range(3))
+    for xs, gs, slope in chunks:
+        n = xs.size
+        t = _tanh_term(xp, attrs, xs, slope)
+        d_inner = xp.multiply(3 * attrs.cubic, xs, out=inner[:n])
+        d_inner *= xs
+        d_inner += 1
+        d_inner *= attrs.tanh_scale
+        fall = xp.multiply(t, t, out=square[:n])
+        xp.subtract(1, fall, out=fall)
+        second = xp.multiply(0.5, xs, out=term[:n])
+        second *= fall
+        second *= d_inner
+        t += 1
+        t *= 0.5
+        t += second
+        t *= gs
+    return out
+
+
 def gelu_forward(xp, attrs, inputs, args):
     x = inputs[0]
     if attrs.approximate is GeluApproximation.TANH:
-        inner = attrs.tanh_scale * (x + attrs.cubic * x * x * x)
-        return 0.5 * x * (1 + xp.tanh(inner))
+        return _tanh_gelu_forward(xp, attrs, x)
     # 0.5 x (1 + erf(x / sqrt 2)), made in place in erf's fresh output, each product's
     # operands in the expression's order (a NaN's sign follows the first)
     out = _erf(xp, x, _SQRT_HALF)
@@ -496,24 +563,20 @@ def gelu_forward(xp, attrs, inputs, args):
 def gelu_backward(xp, attrs, inputs, output, grad_output, args):
     x = inputs[0]
     if attrs.approximate is GeluApproximation.TANH:
-        t = xp.tanh(attrs.tanh_scale * (x + attrs.cubic * x * x * x))
-        d_inner = attrs.tanh_scale * (1 + 3 * attrs.cubic * x * x)
-        slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * d_inner
-    else:
-        # d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density: each term
-        # made in place in erf's fresh output, in the order the products evaluate.
-        slope = _erf(xp, x, _SQRT_HALF)
-        slope += 1
-        slope *= 0.5
-        density = x * -0.5
-        density *= x
-        xp.exp(density, out=density)
-        density *= _INV_SQRT_2PI
-        xp.multiply(x, density, out=density)
-        slope += density
-        del density
-        return (xp.multiply(grad_output, slope, out=slope),)
-    return (grad_output * slope,)
+        return (_tanh_gelu_backward(xp, attrs, x, grad_output),)
+    # d/dx [x Phi(x)] = Phi(x) + x phi(x), phi the standard normal density: each term
+    # made in place in erf's fresh output, in the order the products evaluate.
+    slope = _erf(xp, x, _SQRT_HALF)
+    slope += 1
+    slope *= 0.5
+    density = x * -0.5
+    density *= x
+    xp.exp(density, out=density)
+    density *= _INV_SQRT_2PI
+    xp.multiply(x, density, out=density)
+    slope += density
+    del density
+    return (xp.multiply(grad_output, slope, out=slope),)
 
 
 # --- definitions ----------------------------------------------------------------------------
@@ -551,10 +614,13 @@ def _gelu_workspace(attrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
     """Exact Gelu runs the portable erf in both passes, on x/sqrt(2) a chunk at a time,
     into the array it returns: beside it, the series' scratch and the scaled chunk, or
     later one tile (0.5 x forward, the density's terms backward) (tracemalloc, numpy,
-    tiles of 400 to 2 M elements). The tanh form, in the tile's dtype: 3 and 5 tiles."""
+    tiles of 400 to 2 M elements). The tanh form, in the tile's dtype: a chunk forward,
+    three backward (``TANH_GELU_CHUNK``, as numpy runs it; a GPU's chunks are larger,
+    ``GPU_TANH_GELU_CHUNK``: 16 MiB of float32 each at most, unpriced)."""
     n = math.prod(out_shape)
     if attrs.approximate is GeluApproximation.TANH:
-        return 3 * n * itemsize, 5 * n * itemsize
+        chunk = min(n, TANH_GELU_CHUNK) * itemsize
+        return chunk, 3 * chunk
     held = max(_erf_scratch(n) + min(n, ERF_CHUNK) * itemsize, n * itemsize)
     return held, held
 

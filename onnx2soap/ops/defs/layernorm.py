@@ -8,10 +8,15 @@ the batch axis is allowed: it is then hidden like any normalized axis, never spl
 Only the first output is computed: a read Mean or InvStdDev output is refused by the
 importer (``stash_type`` 1, what exporters write, is the only precision accepted: the
 statistics are computed in the run's float dtype).
+
+The backward reads X, the scale and each row's mean and inverse deviation, which the
+forward leaves in ``TaskArgs.stash`` (two numbers a row, ``stash_bytes``); where no one
+keeps them (the op tests, the ONNX backend) they are remade from X.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from onnx2soap.ops.base import OpDef, Sample, Saved, W, X, case, output_copies
@@ -43,36 +48,60 @@ def convert(ctx: NodeContext, *, axis=-1, epsilon=1e-5, stash_type=1):
     return make_op(ctx, operands, attrs, dims, range(rank), _FLOPS_PER_POINT)
 
 
-def _normalized(xp, attrs: LayerNormAttrs, x):
-    """(xhat, 1 / sqrt(var + epsilon)) over the normalized axes (two passes: stable)."""
+def _centered(xp, attrs: LayerNormAttrs, x):
+    """(x - mean, mean, 1 / sqrt(var + epsilon)), the statistics over the normalized
+    axes, one each a row (kept dims; two passes: stable)."""
     axes = tuple(range(attrs.axis, x.ndim))
-    centered = x - x.mean(axis=axes, keepdims=True)
+    mean = x.mean(axis=axes, keepdims=True)
+    centered = x - mean
     inv = 1 / xp.sqrt((centered * centered).mean(axis=axes, keepdims=True) + attrs.epsilon)
-    return centered * inv, inv
+    return centered, mean, inv
 
 
 def forward(xp, attrs: LayerNormAttrs, inputs, args):
-    xhat, _ = _normalized(xp, attrs, inputs[0])
-    y = xhat * inputs[1]
+    # made in place in the centered x: one array beside it, the square, for a moment
+    centered, mean, inv = _centered(xp, attrs, inputs[0])
+    if args.stash is not None:  # the executor keeps them for the backward
+        args.stash["mean"], args.stash["inv"] = mean, inv
+    y = xp.multiply(centered, inv, out=centered)  # xhat
+    y *= inputs[1]  # the parameters broadcast to y
     if len(inputs) > 2:
-        y = y + inputs[2]
+        y += inputs[2]
     return y
 
 
 def backward(xp, attrs: LayerNormAttrs, inputs, output, grad_output, args):
     # With g = dL/dxhat = dy * scale and n the normalized size:
-    # dx = inv * (g - mean(g) - xhat * mean(g * xhat)).
+    # dx = inv * (g - mean(g) - xhat * mean(g * xhat)); made in place in g, holding
+    # xhat and one product beside it.
     x, scale = inputs[0], inputs[1]
     axes = tuple(range(attrs.axis, x.ndim))
-    xhat, inv = _normalized(xp, attrs, x)
-    g = grad_output * scale
-    grad_x = inv * (
-        g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True)
-    )
-    grads = [grad_x, unbroadcast(xp, grad_output * xhat, scale.shape)]
+    stash = args.stash or {}
+    mean, inv = stash.get("mean"), stash.get("inv")
+    if mean is None or inv is None:  # no one kept them (op tests, the ONNX backend)
+        xhat, _, inv = _centered(xp, attrs, x)
+    else:
+        xhat = x - mean
+    xhat *= inv
+    product = grad_output * xhat
+    grads = [None, unbroadcast(xp, product, scale.shape)]
     if len(inputs) > 2:
         grads.append(unbroadcast(xp, grad_output, inputs[2].shape))
+    g = grad_output * scale
+    xhat *= xp.multiply(g, xhat, out=product).mean(axis=axes, keepdims=True)
+    del product
+    g -= g.mean(axis=axes, keepdims=True)
+    g -= xhat
+    del xhat
+    g *= inv
+    grads[0] = g
     return tuple(grads)
+
+
+def stash_bytes(attrs: LayerNormAttrs, out_shape: tuple[int, ...], itemsize: int) -> int:
+    """The mean and the inverse deviation the forward keeps for the backward: two
+    numbers a row."""
+    return 2 * math.prod(out_shape[: attrs.axis]) * itemsize
 
 
 def _ln(id: str, *inputs, **kw):
@@ -86,7 +115,12 @@ LAYER_NORMALIZATION = OpDef(
     forward=forward,
     backward=backward,
     saves=Saved(inputs=(0, 1), output=False),  # x and the scale; B's shape only
-    workspace=output_copies(2.2, 3.5),
+    # tracemalloc, numpy, tiles of 128 K to 2 M elements: the forward's square beside
+    # the centered x it makes its output in; the backward holds xhat and one product
+    # beside dx
+    workspace=output_copies(1.1, 2.1),
+    stashes=True,
+    stash_bytes=stash_bytes,
     cases=(
         _ln("layernorm_last", X(3, 4, 6), W(6), W(6)),
         _ln("layernorm_no_bias", X(2, 3, 5), W(5)),

