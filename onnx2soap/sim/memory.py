@@ -44,19 +44,22 @@ holds before and during one kernel:
   (executor/transport.py, nccl.py), and a strided piece is sent from a copy made for the
   send (``executor/step.py``). A send completes once its receiver has taken it, which
   the receiver waits for where it reads it (the consumer's forward, the producer's
-  gather); the sender finds it complete at its own next call into the transport, most
-  often after the kernel that follows (measured: tests/executor/test_sends_let_go.py).
-  So in the model's step order a sent piece lives through the kernel of the op that
-  reads it: a tile a piece of which is sent as a view, to its readers' forwards as any
-  tile (their kernels included); a staged forward piece on the producer's device from
-  its send through the consumer's forward kernel (``EdgeMemory.staged_tiles``); a
-  gradient a piece of which is sent as a view, and a staged gradient piece, on the
-  consumer's device through the producer's backward kernel (``sent_grads``,
-  ``staged_grads``), not only to its gather. Held to the step's end instead, as the
-  executor had held them, pieces sent as views had been all of a tensor-parallel
-  LLaMA-3-8B's column-parallel linears' input gradients (1.07 GB each), and the staged
-  ones, under sequence parallelism, a permanent copy of every strided piece: 365 GB a
-  GPU priced, 197 GB now;
+  gather); the sender finds it complete at its own next call into the transport or
+  before its next kernel (``Transport.let_go``; tests/executor/test_sends_let_go.py). An
+  MPI message past the eager size moves only as both ranks call into MPI, so on CPU
+  ranks a send may complete well before that reader, or, its sender computing, after it:
+  what small plans measure moves by their sent pieces' bytes (the measured tests' wider
+  tolerances say where). So in the model's step order a sent piece lives through the
+  kernel of the op that reads it: a tile a piece of which is sent as a view, to its
+  readers' forwards as any tile (their kernels included); a staged forward piece on the
+  producer's device from its send through the consumer's forward kernel
+  (``EdgeMemory.staged_tiles``); a gradient a piece of which is sent as a view, and a
+  staged gradient piece, on the consumer's device through the producer's backward kernel
+  (``sent_grads``, ``staged_grads``), not only to its gather. Held to the step's end
+  instead, as the executor had held them, pieces sent as views had been all of a
+  tensor-parallel LLaMA-3-8B's column-parallel linears' input gradients (1.07 GB each),
+  and the staged ones, under sequence parallelism, a permanent copy of every strided
+  piece: 365 GB a GPU priced, 197 GB once they were let go;
 - on top of that, what a kernel holds while it runs (``OpDef.workspace``: Conv's
   columns, MaxPool's tap copies), in the backward with the fresh gradients of data
   inputs (and of weights already given one) it returns before they are summed or
