@@ -78,7 +78,6 @@ from onnx2soap.search.zero_layers import fastest_layered, layer_groups
 from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.sim.heap import collector_paused
-from onnx2soap.sim.taskgraph import Memo
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
 from onnx2soap.soap.partition import rect_volume
 from onnx2soap.soap.zero import ZERO_STAGES, Zero, ZeroStage, data_parallel_groups, zero_group
@@ -832,12 +831,8 @@ def _with_zero(
 
     def price(stage: ZeroStage, plans: Sequence[tuple[Strategy, str]]) -> _Zeroed:
         found = _Zeroed(None, stage, NOWHERE, None)
-        staged = replace(simulator, zero=stage, memo=Memo())  # durations under one stage
         for strategy, name in plans:
-            # each plan simulated in full by a delta simulator of its own, whose segments
-            # go with it: a finalist shares few with the one before (their memos together
-            # had LLaMA-3-8B's search on 128 devices at 3.5 GB)
-            ev, _ = DeltaSimulator(staged, search.evaluate.partitioner).evaluate(strategy)
+            ev = _under(simulator, stage, search.evaluate.partitioner, strategy)
             tried.append((name, stage, ev))
             if search.cost(ev) < found.cost:
                 found = _Zeroed(strategy, stage, search.cost(ev), ev)
@@ -863,6 +858,17 @@ def _with_zero(
     return replace(zeroed if better else chosen, tried=tuple(tried))
 
 
+def _under(
+    simulator: Simulator, zero: Zero | ZeroStage, partitioner: Partitioner, strategy: Strategy
+) -> Evaluation:
+    """``strategy`` under ``zero``, simulated in full (its flat task graph, as plan and
+    simulate price it; a delta simulator's segments and state were a finalist's only
+    reuse, and their memos together had LLaMA-3-8B's search on 128 devices at 3.5 GB).
+    Its memo shares the walk's durations and collectives' times: none depends on ZeRO."""
+    staged = replace(simulator, zero=zero, memo=simulator.memo.sharing())
+    return staged.evaluate(partitioner.partition(strategy))
+
+
 def _layered(
     search: _Search,
     simulator: Simulator,
@@ -877,8 +883,7 @@ def _layered(
     groups = layer_groups(search.graph, search.space)
 
     def price(zero: Zero) -> Evaluation:
-        staged = replace(simulator, zero=zero, memo=Memo())
-        ev, _ = DeltaSimulator(staged, search.evaluate.partitioner).evaluate(zeroed.strategy)
+        ev = _under(simulator, zero, search.evaluate.partitioner, zeroed.strategy)
         tried.append((f"{name}, {zero.label}", ZeroStage.PARAMETERS, ev))
         return ev
 

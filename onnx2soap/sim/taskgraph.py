@@ -43,7 +43,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
-from itertools import chain
 
 import numpy as np
 
@@ -52,6 +51,7 @@ from onnx2soap.ir import Graph, Op
 from onnx2soap.sim.collectives import Collective, collective_time, group_shape
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Cooling, Machine, Resume
+from onnx2soap.sim.slot_arrays import Feeds, Refs, Sources, merged, refs_of
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph
 from onnx2soap.soap.buckets import (
     DEFAULT_BUCKET_MB,
@@ -210,6 +210,26 @@ class Memo:
             self.compute.clear()
             self.memory.clear()
             self.readers = Counter(t for op in graph.ops for t in op.inputs)
+
+    def sharing(self) -> Memo:
+        """A memo of the same graph that shares this one's durations and collectives'
+        times (they depend on no ZeRO stage and no recomputation) and keeps per-op
+        memory of its own (which does)."""
+        return Memo(
+            graph=self.graph,
+            compute=self.compute,
+            rings=self.rings,
+            routes=self.routes,
+            groups=self.groups,
+            readers=self.readers,
+        )
+
+    def forget(self) -> None:
+        """Let go of everything memoized, for whoever is done with this memo's plans."""
+        self.graph = None
+        for memo in (self.compute, self.rings, self.routes, self.memory, self.groups):
+            memo.clear()
+        self.readers = Counter()
 
 
 @dataclass(frozen=True)
@@ -965,13 +985,14 @@ def bucket_slots(lay: Layout, ops: Sequence[int]) -> tuple[int, ...]:
     return (*(lay.weights[i] for i in ops), *(lay.updates[i] for i in ops))
 
 
-def merged_preds(segment: Segment, feeds: Sequence[Segment]) -> tuple[tuple[Ref, ...], ...]:
+def merged_preds(segment: AnySegment, feeds: Sequence[AnySegment]) -> tuple[tuple[Ref, ...], ...]:
     """A compute slot's predecessors: its own, and what its edges' ``feeds`` bring."""
-    if not any(f.feeds for f in feeds):
+    fed = [f.feeds for f in feeds]  # each read once: a moved segment's are made anew
+    if not any(fed):
         return segment.preds
     preds = [list(p) for p in segment.preds]
-    for f in feeds:
-        for target, ref in f.feeds:
+    for f in fed:
+        for target, ref in f:
             preds[target].append(ref)
     return tuple(tuple(p) for p in preds)
 
@@ -1003,32 +1024,82 @@ def slot_kinds(
     return SlotKinds(ops, edges)
 
 
-def relocated(segment: Segment, moves: Mapping[int, int]) -> Segment:
+class Moved:
+    """A segment as built at other slots (``relocated``): the source's tasks, whose
+    references to the moved slots (``moves``: old slot -> new) point to these. Its
+    durations, kinds, bytes and resources are the source's objects; its predecessors and
+    feeds are made as tuples each time they are read, never kept here: a full
+    simulation reads them as arrays, moved by a lookup (``slot_arrays``), and delta
+    simulation keeps the predecessors in its state and merges the feeds into its compute
+    slots' (a 70B-shaped Llama's Megatron-LM plan on 256 GPUs: 0.4 GB of moved feeds,
+    kept per slot, were most of its state)."""
+
+    __slots__ = ("moves", "source")
+
+    def __init__(self, source: Segment, moves: Mapping[int, int]) -> None:
+        self.source, self.moves = source, moves
+
+    @property
+    def duration(self) -> tuple[float, ...]:
+        return self.source.duration
+
+    @property
+    def kind(self) -> tuple[int, ...]:
+        return self.source.kind
+
+    @property
+    def nbytes(self) -> tuple[int, ...]:
+        return self.source.nbytes
+
+    @property
+    def resources(self) -> tuple[tuple[int, ...], ...]:
+        return self.source.resources
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.source.names
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return self.source.starts
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return self.source.ends
+
+    @property
+    def preds(self) -> tuple[tuple[Ref, ...], ...]:
+        moves = self.moves
+        # a list of predecessors shared by several tasks is moved once and stays
+        # shared; list comprehensions, not generators: once per task
+        moved: dict[int, tuple[Ref, ...]] = {}
+        preds = []
+        for p in self.source.preds:
+            q = moved.get(id(p))
+            if q is None:
+                q = moved[id(p)] = tuple([(moves[s], k) for s, k in p]) if p else p
+            preds.append(q)
+        return tuple(preds)
+
+    @property
+    def feeds(self) -> tuple[tuple[int, Ref], ...]:
+        moves = self.moves
+        return tuple([(t, (moves[s], k)) for t, (s, k) in self.source.feeds])
+
+
+AnySegment = Segment | Moved
+
+
+def relocated(segment: AnySegment, moves: Mapping[int, int]) -> AnySegment:
     """``segment`` as built at other slots, with its references to them moved (``moves``:
-    old slot -> new); its durations, resources and bytes are the same objects."""
+    old slot -> new): a ``Moved`` of its source (one moved already is moved again from
+    its source, the two moves in one)."""
+    if isinstance(segment, Moved):
+        moves = {s: moves[t] for s, t in segment.moves.items() if t in moves}
+        segment = segment.source
     if not segment.preds and not segment.feeds:  # an edge on one device may only feed
         return segment
-    # list comprehensions, not generators: this runs once per task of every shared slot
-    # a list of predecessors shared by several tasks is moved once and stays shared
-    moved: dict[int, tuple[Ref, ...]] = {}
-    preds = []
-    for p in segment.preds:
-        q = moved.get(id(p))
-        if q is None:
-            q = moved[id(p)] = tuple([(moves[s], k) for s, k in p]) if p else p
-        preds.append(q)
-    feeds = tuple([(t, (moves[s], k)) for t, (s, k) in segment.feeds])
-    return Segment(  # its constructor, not dataclasses.replace: a third of the time here
-        segment.duration,
-        segment.kind,
-        segment.nbytes,
-        segment.resources,
-        tuple(preds),
-        segment.names,
-        segment.starts,
-        segment.ends,
-        feeds,
-    )
+    return Moved(segment, moves)
 
 
 @dataclass
@@ -1162,10 +1233,10 @@ def _op_moves(lay: Layout, i0: int, i: int):
     return zip(lay.of_op(i0), lay.of_op(i), strict=True)
 
 
-def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segment], list[tuple]]:
-    """Every slot's segment and merged predecessors for ``pg``."""
+def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> list[AnySegment]:
+    """Every slot's segment for ``pg``."""
     lay, ops = builder.lay, pg.graph.ops
-    segments: list[Segment] = [EMPTY] * lay.size
+    segments: list[AnySegment] = [EMPTY] * lay.size
     parts = [op_parts(pg, op) for op in ops]
     for i in range(len(ops)):
         builder.op_slots(segments, i, parts[i])
@@ -1177,33 +1248,59 @@ def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> tuple[list[Segme
         builder.shared_edge_slots(
             segments, j, configs, lambda e=edge: (e, pg.tasks[e.producer], pg.tasks[e.consumer])
         )
-    preds = [s.preds for s in segments]
-    for i in range(len(ops)):
-        preds[lay.forward[i]] = builder.preds(segments, ("fwd", i))
-        preds[lay.backward[i]] = builder.preds(segments, ("bwd", i))
-    return segments, preds
+    return segments
+
+
+def _source(segment: AnySegment) -> tuple[Segment, Mapping[int, int] | None]:
+    """The segment a slot's tasks were built in, and the move from its slots (None: the
+    slot's own)."""
+    if isinstance(segment, Moved):
+        return segment.source, segment.moves
+    return segment, None
+
+
+def slot_refs(lay: Layout, segments: Sequence[AnySegment], sources: Sources) -> list[Refs]:
+    """Every slot's predecessors as arrays: a compute slot's merged with what its edges'
+    feeds bring (``merged_preds``' order)."""
+    refs = [sources.refs(*_source(s)) for s in segments]
+
+    def feeds(slots: Sequence[int]) -> list[Feeds]:
+        return [sources.feeds(*_source(segments[s])) for s in slots]
+
+    for i in range(len(lay.forward)):
+        f, b = lay.forward[i], lay.backward[i]
+        refs[f] = merged(refs[f], feeds([lay.edge_forward[j] for j in lay.ins[i]]))
+        refs[b] = merged(refs[b], feeds([lay.edge_backward[j] for j in lay.outs[i]]))
+    return refs
 
 
 def flatten(
-    segments: Sequence[Segment], preds: Sequence[tuple], machine: Machine, names: bool
+    segments: Sequence[AnySegment],
+    preds: Sequence[tuple | Refs],
+    machine: Machine,
+    names: bool,
+    sources: Sources | None = None,
 ) -> TaskGraph:
+    """One task graph of the slots' tasks in slot order; ``preds``: per slot, its tasks'
+    predecessors (``Ref`` tuples, or ``Refs``); ``sources``: the segments' arrays made
+    already (``slot_refs``')."""
+    sources = sources or Sources()
+    tasks = [sources.tasks(_source(s)[0]) for s in segments]
     offsets = np.zeros(len(segments) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(s.duration) for s in segments])
-    base = offsets.tolist()
-    flat_preds = [[base[s] + k for s, k in p] for ps in preds for p in ps]
-    resources = [r for s in segments for r in s.resources]
+    offsets[1:] = np.cumsum([len(t.duration) for t in tasks])
+    refs = [p if isinstance(p, Refs) else refs_of(p) for p in preds]
 
-    def chained(field: str, dtype) -> np.ndarray:  # C-level iteration: millions of tasks
-        return np.fromiter(chain.from_iterable(getattr(s, field) for s in segments), dtype)
+    def joined(field: str, dtype) -> np.ndarray:
+        return np.concatenate([np.zeros(0, dtype), *(getattr(t, field) for t in tasks)])
 
     return TaskGraph(
-        duration=chained("duration", np.float64),
-        kind=chained("kind", np.int8),
-        nbytes=chained("nbytes", np.int64),
-        res_ptr=_ptr(resources),
-        res_idx=np.fromiter(chain.from_iterable(resources), dtype=np.int64),
-        pred_ptr=_ptr(flat_preds),
-        pred_idx=np.fromiter(chain.from_iterable(flat_preds), dtype=np.int64),
+        duration=joined("duration", np.float64),
+        kind=joined("kind", np.int8),
+        nbytes=joined("nbytes", np.int64),
+        res_ptr=_ptr(joined("res_counts", np.int64)),
+        res_idx=joined("res_idx", np.int64),
+        pred_ptr=_ptr(np.concatenate([np.zeros(0, np.int64), *(r.counts for r in refs)])),
+        pred_idx=np.concatenate([np.zeros(0, np.int64), *(r.numbered(offsets) for r in refs)]),
         num_resources=machine.resources,
         names=tuple(x for s in segments for x in s.names) if names else (),
         resume=machine.resume,
@@ -1214,9 +1311,9 @@ def flatten(
     )
 
 
-def _ptr(lists: Sequence[Sequence[int]]) -> np.ndarray:
-    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
-    ptr[1:] = np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)))
+def _ptr(counts: np.ndarray) -> np.ndarray:
+    ptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=ptr[1:])
     return ptr
 
 
@@ -1255,7 +1352,8 @@ def build_with_slots(
     kinds = slot_kinds(pg.graph, lay, costs.recompute, costs.zero)
     buckets = gradient_buckets(pg.graph, costs.bucket_mb)
     builder = SlotBuilder(costs, lay, names, kinds, buckets)
-    segments, preds = all_segments(builder, pg)
-    tg = flatten(segments, preds, costs.machine, names)
+    segments = all_segments(builder, pg)
+    sources = Sources()
+    tg = flatten(segments, slot_refs(lay, segments, sources), costs.machine, names, sources)
     sizes = [len(seg.duration) for seg in segments]
     return tg, builder.lay, np.repeat(np.arange(len(segments)), sizes)

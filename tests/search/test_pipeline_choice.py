@@ -28,6 +28,7 @@ from onnx2soap.search.pipeline_rule import (
     pipeline_plan,
     shape_accepted,
 )
+from onnx2soap.search.planner import PIPELINE_MIN_S, choice_bound
 from onnx2soap.sim import Evaluation, RooflineCost, make_simulator, resolve_machine
 from onnx2soap.soap import Partitioner, Strategy, analyze
 from onnx2soap.soap.pipeline import Schedule
@@ -307,3 +308,12 @@ def test_past_the_deadline_only_the_first_rule_is_priced(example_onnx) -> None:
     (first,) = rules_recomputing(*args, deadline=0.0)
     assert (first.of, first.selective) == ("fsdp", True)
     assert first.evaluation == every[0].evaluation
+
+
+def test_the_choice_is_bounded_less_what_the_search_took_past_its_budget() -> None:
+    """Half the budget, less the search's overshoot spread over the choice's 2.5 bounds
+    (the caller keeps 10 s at least): planning's whole time counts the overshoot once."""
+    assert choice_bound(60, 45) == choice_bound(60, 60) == 30
+    assert choice_bound(60, 110) == 10
+    assert max(PIPELINE_MIN_S, choice_bound(60, 180)) == PIPELINE_MIN_S
+    assert 2.5 * (choice_bound(60, 85) - choice_bound(60, 60)) == -25

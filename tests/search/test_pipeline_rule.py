@@ -98,6 +98,19 @@ def test_the_rule_cuts_where_the_best_of_every_cut_is(graph, devices, stages) ->
     assert plan.pipeline.microbatches == 2 and plan.pipeline.schedule is Schedule.ONE_F_ONE_B
 
 
+@pytest.mark.parametrize("devices", [1, 4])
+def test_one_stage_holds_every_op_split_over_every_device(graph, devices) -> None:
+    """Gradient accumulation's pipeline of one stage: no ops' times to balance."""
+    machine = round_machine(devices)
+    space = analyze(graph)
+    plan = pipeline_plan(graph, space, make_simulator(machine, RooflineCost()), 1, 3)
+    assert plan.pipeline.stages == (tuple(op.name for op in graph.ops),)
+    group = tuple(range(devices))
+    assert plan.strategy.configs == {
+        op.name: replica_config(space[op.name], group) for op in graph.ops
+    }
+
+
 def test_device_groups_are_whole_nodes_where_stages_divide_them() -> None:
     machine = resolve_machine("dgx-h100:4")  # 4 nodes of 8 GPUs
     node = node_size(machine)
