@@ -94,7 +94,7 @@ class NcclTransport:
         return self._types[array.dtype.name]
 
     def send(self, array, dest: int) -> None:
-        self._retire_sends()
+        self.let_go()
         stream = self.device.comm_stream()
         self.device.wait_event(self.device.record(), stream)
         self.world.send(array.data.ptr, array.size, self._type(array), dest, stream.ptr)
@@ -102,16 +102,13 @@ class NcclTransport:
         self.bytes_sent += array.nbytes
 
     def let_go(self) -> None:
-        self._retire_sends()
-
-    def _retire_sends(self) -> None:
         """Let go of the sent arrays NCCL is done with. One stream runs the sends in
         order, so their events complete in order: the first not done ends the search."""
         while self._sending and self._sending[0][0].done:
             self._sending.popleft()
 
     def recv(self, buffer, source: int):
-        self._retire_sends()
+        self.let_go()
         stream = self.device.comm_stream()
         # The step makes each receive buffer when it posts the receive (executor/step.py),
         # from the compute stream's pool: memory kernels issued before may still read.
@@ -195,7 +192,7 @@ class NcclTransport:
 
     def wait(self, event) -> None:
         self.device.wait_event(event)
-        self._retire_sends()
+        self.let_go()
 
     def end_step(self) -> None:
         """The compute stream waits for the step's communication (the update follows
@@ -204,7 +201,7 @@ class NcclTransport:
         until a later call finds them done."""
         self.device.wait_event(self.device.record(self.device.comm_stream()))
         self._retired, self._held = self._held, []
-        self._retire_sends()
+        self.let_go()
 
     def close(self) -> None:
         """Destroy the NCCL communicators once the communication in flight is done."""

@@ -265,10 +265,11 @@ class Order:
 @dataclass(frozen=True)
 class EdgeTotals:
     """The edges' ``grad_out`` summed per producer op, the gradient pieces they send per
-    (consumer op, operand) (``sent``: views' whole arrays and staged copies, held through
-    the producer's backward kernel), their input buffer changes summed per consumer op,
-    and per producer op and device the latest its tile is held to (``until``: the op
-    whose backward ends it) and its bytes, for ``total``."""
+    (consumer op, operand) (``sent``: the whole arrays views of which are sent, held
+    through the producer's backward kernel; ``staged_grads``: strided pieces' copies),
+    their input buffer changes summed per consumer op, and per producer op and device
+    the latest its tile is held to (``until``: the op whose backward ends it) and its
+    bytes, for ``total``."""
 
     grad_out: dict[int, Pieces]
     sent: dict[tuple[int, int], Pieces] = field(default_factory=dict)
@@ -1207,24 +1208,17 @@ def _backward_peaks(
         _gathering(backward, sums, m, live, pending, unmade, grads)
         for d, n in m.shared_from:  # copied into the shared gradient, gone before its kernels
             gathered[d] -= n
-        read_whole = []  # received output gradients its kernel reads in place
-        through = []  # sent gradient pieces the transport holds through its kernel
+        # received output gradients its kernel reads in place, and sent gradient pieces
+        # the transport holds through it: both gone after it
+        after_kernel: list[tuple[int, int]] = []
         for c, k in gather.pop(i, ()):  # gathered into its output gradient
-            _release(grads, ops[c], k)
-            for d, n in edges.unread_grads.get((c, k), ()):  # gone when they were sent
-                grads[d] += n
-            for d, n in edges.recv_grads.get((c, k), ()):
-                grads[d] -= n
-            for d, n in edges.sent.get((c, k), ()):  # what a view keeps, a while yet
-                grads[d] += n
-            read_whole += edges.recv_grad_out.get((c, k), ())
-            through += (*edges.sent.get((c, k), ()), *edges.staged_grads.get((c, k), ()))
+            after_kernel += _gathered(grads, edges, ops[c], c, k)
         for _, d, n in m.act_grads:  # made by its kernel
             grads[d] += n
         for d, n in m.backward:
             extra = grads[d] + max(gathered.get(d, 0), 0)
             backward[d] = max(backward[d], n + live[d] + pending[d] - unmade[d] + extra)
-        for d, n in (*read_whole, *through):
+        for d, n in after_kernel:
             grads[d] -= n
         for key in posts.get(i, ()):  # its gradients' pieces, on their way
             for d, n in (
@@ -1269,12 +1263,28 @@ def _gathering(backward, sums, m: OpMemory, live, pending, unmade, grads) -> Non
 
 
 def _release(grads: list[int], m: OpMemory, k: int) -> None:
-    """Its producer has gathered the gradients of operand ``k`` of an op: they go (but
-    for the arrays the transport holds through the producer's kernel, ``EdgeTotals.sent``,
-    which the caller adds back)."""
+    """The gradients of operand ``k`` of an op go."""
     for kk, d, n in m.act_grads:
         if kk == k:
             grads[d] -= n
+
+
+def _gathered(grads: list[int], edges: EdgeTotals, m: OpMemory, c: int, k: int) -> Pieces:
+    """The producer of operand ``k`` of op ``c`` (``m``) has gathered its gradients and
+    their received pieces: they go, but for those sent whole, gone already
+    (``unread_grads``), and the arrays the transport holds through the producer's
+    kernel (``sent``); returns what goes after that kernel: those held, the staged
+    copies sent, and the received pieces the kernel reads in place."""
+    _release(grads, m, k)
+    for d, n in (*edges.unread_grads.get((c, k), ()), *edges.sent.get((c, k), ())):
+        grads[d] += n
+    for d, n in edges.recv_grads.get((c, k), ()):
+        grads[d] -= n
+    return (
+        *edges.recv_grad_out.get((c, k), ()),
+        *edges.sent.get((c, k), ()),
+        *edges.staged_grads.get((c, k), ()),
+    )
 
 
 def peak_memory(

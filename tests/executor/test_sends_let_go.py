@@ -69,9 +69,7 @@ def test_let_go_drops_a_completed_send_and_keeps_one_in_flight() -> None:
     transport.send(first, 0)
     transport.send(second, 0)
     del first, second
-    request = pending.request
-    while not request.Test():  # the receive completes without a call into the transport
-        pass
+    pending.request.Wait()  # the receive completes without a call into the transport
     transport.let_go()
     assert gone_first() is None, "let_go kept a completed send"
     assert gone_second() is not None, "let_go dropped a send in flight"
