@@ -19,10 +19,20 @@ collective as a latency plus its bytes at an algorithm bandwidth:
 The constants are NCCL's; the code is ours. Where this machine's topology would be
 NCCL's channel search, we read it off the machine's links: a rank's bus bandwidth
 inside a node is what its links to the other members carry (one NVSwitch port, or the
-sum of its NVLinks to them), across nodes what the node's network links carry
-together (every NIC, as NCCL stripes its channels over them), the least over members
-and nodes. Left out: NCCL's tree correction table for mid sizes, its per-channel
-LL128 caps, NVLS and CollNet (switch reductions).
+sum of its NVLinks to them) at the share of an NVLink NCCL counts on
+(``NodeLayout.nvlink_share``: topo.h's 20.6 GB/s an NVLink 4 link), across nodes what
+the node's network links carry together (every NIC, as NCCL stripes its channels over
+them), the least over members and nodes.
+
+On nodes whose NVSwitches reduce (``NodeLayout.nvls``: H100's NVLink SHARP) NCCL also
+prices NVLS for an all-reduce (the switch sums what the GPUs write and multicasts the
+sum, inside a node) and NVLS-tree (NVLS inside each node, a tree of nodes across the
+network), Simple protocol only, with a channel per GPU of the node. Those constants
+are from the newer tuning.cc at commit 5067397 (the all-reduce's two pipelined halves,
+the tree's per-channel cap, NVLS's 25 us NVLink and 18-20.9 us network latencies); its
+efficiency is what NVLS reaches (``NVLS_EFFICIENCY``).
+Left out: NCCL's tree correction table for mid sizes, its per-channel LL128 caps, and
+CollNet (a network switch's reductions).
 
 Ranks that copy their own messages (CPU ranks, ``Machine.transfers_use_compute``) and
 machines without nodes run the executor's own lock-step ring instead
@@ -64,6 +74,8 @@ class Collective(Enum):
 class Algorithm(Enum):
     RING = "ring"
     TREE = "tree"
+    NVLS = "nvls"  # the NVSwitch reduces (one node)
+    NVLS_TREE = "nvls-tree"  # NVLS in each node, a tree of nodes
 
 
 class Protocol(Enum):
@@ -95,6 +107,22 @@ TREE_CAP_GBS = {True: 80.0, False: 110.0}  # more than two nodes, or not
 RING_PLATEAU = 1.9  # multi-node Simple ring all-reduces above k/16 * 64 KiB: lat x 1.9
 
 
+# NVLS (tuning.cc at 5067397): the per-hop latencies of NVLS
+# and NVLS-tree, Simple, on NVLink and on the network (their base latency is 0); the
+# NVLS-tree's per-channel bandwidth cap (GB/s) on 2 nodes and on more.
+#
+# The NVLS efficiency prices what NVLS reaches, not NCCL's 0.85 (which only has to rank
+# the algorithms): 8 H100s' NVLS all-reduce reaches ~480 GB/s busbw (NVIDIA/nccl-tests
+# issue 212, an NVIDIA maintainer), where 0.85 gives 551 on their 8 x 18 NVLink 4 links
+# at topo.h's 20.6 GB/s (x 7/8 channels, x 2 halves); 0.85 x 480 / 551 = 0.74.
+NVLS_EFFICIENCY = 0.74
+NVLS_LATENCY_US = {
+    Algorithm.NVLS: {Hop.NVLINK: 25.0, Hop.NET: 18.0},
+    Algorithm.NVLS_TREE: {Hop.NVLINK: 25.0, Hop.NET: 20.9},
+}
+NVLS_TREE_CHANNEL_CAP_GBS = {2: 57.7, 4: 45.5}
+
+
 def _hop_latency(hop: Hop, algorithm: Algorithm, protocol: Protocol) -> float:
     return HOP_LATENCY_US[hop][algorithm][_PROTOCOLS.index(protocol)] * US
 
@@ -114,6 +142,7 @@ class GroupShape:
     intra: Hop
     intra_bandwidth: float
     inter_bandwidth: float
+    nvls: bool = False  # the nodes' switches reduce, and each holds 2 or more ranks
 
     @property
     def per_node(self) -> float:
@@ -132,6 +161,7 @@ def group_shape(machine: Machine, devices: Sequence[int]) -> GroupShape:
     members: dict[int, list[int]] = {}
     for d in devices:
         members.setdefault(node_of[d], []).append(d)
+    share = layout.nvlink_share if layout.intra is IntraLink.NVLINK else 1.0
     intra = math.inf
     for group in members.values():
         for a in group:
@@ -139,7 +169,7 @@ def group_shape(machine: Machine, devices: Sequence[int]) -> GroupShape:
             if others:
                 out = _distinct(machine, (machine.route(a, b)[0] for b in others))
                 into = _distinct(machine, (machine.route(b, a)[-1] for b in others))
-                intra = min(intra, out, into)
+                intra = min(intra, out * share, into * share)
     inter = math.inf
     if len(members) > 1:
         for node, group in members.items():
@@ -152,7 +182,8 @@ def group_shape(machine: Machine, devices: Sequence[int]) -> GroupShape:
             )
             inter = min(inter, egress, ingress)
     hop = Hop.NVLINK if layout.intra is IntraLink.NVLINK else Hop.PCI
-    return GroupShape(len(devices), len(members), hop, intra, inter)
+    nvls = layout.nvls and all(len(group) >= 2 for group in members.values())
+    return GroupShape(len(devices), len(members), hop, intra, inter, nvls)
 
 
 def _distinct(machine: Machine, links) -> float:
@@ -176,9 +207,15 @@ class Priced:
     seconds: float
 
 
-def collective_time(shape: GroupShape, kind: Collective, nbytes: int) -> Priced:
+def collective_time(
+    shape: GroupShape,
+    kind: Collective,
+    nbytes: int,
+    allowed: frozenset[Algorithm] | None = None,
+) -> Priced:
     """The fastest (algorithm, protocol) NCCL's model gives ``kind`` of ``nbytes``
-    (the whole buffer: an all-gather's or reduce-scatter's k chunks) over the group."""
+    (the whole buffer: an all-gather's or reduce-scatter's k chunks) over the group;
+    ``allowed``: only these algorithms (as ``NCCL_ALGO`` restricts them), all if None."""
     if shape.ranks < 2:
         return Priced(Algorithm.RING, Protocol.SIMPLE, 0.0)
     if kind is Collective.ALL_TO_ALL:
@@ -189,9 +226,49 @@ def collective_time(shape: GroupShape, kind: Collective, nbytes: int) -> Priced:
     options = [
         Priced(a, p, _latency(shape, kind, a, p, nbytes) + nbytes / _bandwidth(shape, kind, a, p))
         for a in algorithms
+        if allowed is None or a in allowed
         for p in _PROTOCOLS
     ]
+    nvls = _nvls_algorithm(shape, kind)
+    if nvls is not None and (allowed is None or nvls in allowed):
+        seconds = _nvls_latency(shape, nvls) + nbytes / _nvls_bandwidth(shape, kind, nvls)
+        options.append(Priced(nvls, Protocol.SIMPLE, seconds))
+    if not options:
+        raise ValueError(f"none of {sorted(a.value for a in allowed or ())} runs {kind.value}")
     return min(options, key=lambda x: x.seconds)
+
+
+def _nvls_algorithm(shape: GroupShape, kind: Collective) -> Algorithm | None:
+    """NVLS for an all-reduce where the switches reduce: in a node, or over nodes as
+    NVLS-tree. NCCL also offers NVLS for a reduce-scatter or all-gather in a node, but
+    its model (bandwidth x (k-1)/k, no ring's k/(k-1)) never prefers it to the ring
+    there, so it is left out."""
+    if not shape.nvls or kind is not Collective.ALL_REDUCE:
+        return None
+    return Algorithm.NVLS if shape.nodes == 1 else Algorithm.NVLS_TREE
+
+
+def _nvls_bandwidth(shape: GroupShape, kind: Collective, a: Algorithm) -> float:
+    """The algorithm bandwidth of an NVLS or NVLS-tree all-reduce (tuning.cc): a
+    channel per GPU of the node, one of them lost; the reduce and multicast halves
+    pipelined (x2); across nodes at most the network's (twice it for a tree of 2 nodes)
+    and the tree's per-channel cap; k/(2(k-1)) of that the algorithm's, as a ring's."""
+    channels = shape.per_node
+    bus = 2 * shape.intra_bandwidth * NVLS_EFFICIENCY * (channels - 1) / channels
+    if a is Algorithm.NVLS_TREE:
+        bus = min(bus, shape.inter_bandwidth * (2 if shape.nodes <= 2 else 1))
+        cap = NVLS_TREE_CHANNEL_CAP_GBS[2 if shape.nodes <= 2 else 4] * GB * channels
+        bus = min(bus, cap)
+    return bus * shape.ranks / _steps(shape, kind)[0]
+
+
+def _nvls_latency(shape: GroupShape, a: Algorithm) -> float:
+    """NVLS: its NVLink hop, and one network hop over nodes; NVLS-tree: its NVLink hop
+    and two network hops a level of the tree of nodes."""
+    intra, net = (NVLS_LATENCY_US[a][h] * US for h in (Hop.NVLINK, Hop.NET))
+    if a is Algorithm.NVLS:
+        return intra + (net if shape.nodes > 1 else 0.0)
+    return intra + 2 * math.floor(math.log2(shape.nodes)) * net
 
 
 def _steps(shape: GroupShape, kind: Collective) -> tuple[int, int]:

@@ -159,6 +159,13 @@ class NodeLayout:
 
     of: tuple[int, ...]
     intra: IntraLink = IntraLink.NVLINK
+    # The share of an NVLink's datasheet bandwidth NCCL's topology counts on for its
+    # collectives (NVIDIA/nccl src/graph/topo.h: an NVLink 4 link at 20.6 GB/s of its
+    # 25, NVLink 2 and 3 at 20 of 25, NVLink 1 at 18 of 20); 1 for PCIe.
+    nvlink_share: float = 1.0
+    # Whether the node's NVSwitches reduce (NVLink SHARP, third-generation NVSwitch:
+    # H100 nodes), so that NCCL may run its NVLS algorithms (``sim/collectives.py``).
+    nvls: bool = False
 
 
 @dataclass(frozen=True)
@@ -448,16 +455,21 @@ def _ring_curve(doc, source: str) -> RingCurve | None:
     return RingCurve(tuple(points))
 
 
+_NODE_FIELDS = {"of", "intra", "nvlink_share", "nvls"}
+
+
 def _nodes(doc, devices: int, source: str) -> NodeLayout | None:
-    """``nodes: {of: [0, 0, 1, 1], intra: nvlink}``: each device's node (integers),
-    and what links a node's devices (nvlink or pcie, nvlink if left out)."""
+    """``nodes: {of: [0, 0, 1, 1], intra: nvlink, nvlink_share: 0.824, nvls: true}``:
+    each device's node (integers), what links a node's devices (nvlink or pcie, nvlink
+    if left out), the share of an NVLink's bandwidth NCCL counts on (above 0, at most
+    1; 1 if left out) and whether the switches reduce (false if left out)."""
     if doc is None:
         return None
     kinds = ", ".join(k.value for k in IntraLink)
-    if not isinstance(doc, Mapping) or not set(doc) <= {"of", "intra"} or "of" not in doc:
+    if not isinstance(doc, Mapping) or not set(doc) <= _NODE_FIELDS or "of" not in doc:
         raise MachineError(
-            f"{source}: nodes: must be a mapping of 'of' (each device's node) and 'intra' "
-            f"({kinds}), got {doc!r}"[:300]
+            f"{source}: nodes: must be a mapping of 'of' (each device's node), 'intra' "
+            f"({kinds}), 'nvlink_share' and 'nvls', got {doc!r}"[:300]
         )
     of = doc["of"]
     valid = isinstance(of, list) and all(
@@ -470,7 +482,15 @@ def _nodes(doc, devices: int, source: str) -> NodeLayout | None:
     intra = doc.get("intra", IntraLink.NVLINK.value)
     if intra not in {k.value for k in IntraLink}:
         raise MachineError(f"{source}: nodes.intra: must be one of {kinds}, got {intra!r}")
-    return NodeLayout(tuple(of), IntraLink(intra))
+    share = doc.get("nvlink_share", 1.0)
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+        raise MachineError(
+            f"{source}: nodes.nvlink_share: must be above 0 and at most 1, got {share!r}"
+        )
+    nvls = doc.get("nvls", False)
+    if not isinstance(nvls, bool):
+        raise MachineError(f"{source}: nodes.nvls: must be true or false, got {nvls!r}")
+    return NodeLayout(tuple(of), IntraLink(intra), float(share), nvls)
 
 
 def _cooling(doc, source: str) -> Cooling | None:
@@ -545,7 +565,12 @@ def machine_to_dict(m: Machine) -> dict:
 
 
 def _nodes_dict(nodes: NodeLayout) -> dict:
-    return {"of": list(nodes.of), "intra": nodes.intra.value}
+    doc: dict = {"of": list(nodes.of), "intra": nodes.intra.value}
+    if nodes.nvlink_share != 1.0:
+        doc["nvlink_share"] = nodes.nvlink_share
+    if nodes.nvls:
+        doc["nvls"] = True
+    return doc
 
 
 def _read_machine_text(path: Path) -> str:

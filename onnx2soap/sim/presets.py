@@ -41,6 +41,10 @@ class NodeSpec:
     nic_bandwidth: float
     nic_latency: float
     nic_per_gpu: bool = False
+    # NCCL's figure for an NVLink over the datasheet's (NodeLayout.nvlink_share), and
+    # whether the NVSwitches reduce (NVLS)
+    nvlink_share: float = 1.0
+    nvls: bool = False
 
 
 # Datasheet peaks: FP32, and (last) FP16 matrix products: P100's packed FP16, V100's and
@@ -57,6 +61,13 @@ H100_96 = ComputeDevice("H100-96GB", 61.8e12, 2.4e12, 96 * 10**9, 4e-6, 912e12, 
 # A100 SXM 80 GB: 19.5 TFLOPS FP32, 312 TFLOPS BF16/FP16 dense, 2,039 GB/s HBM2e.
 A100 = ComputeDevice("A100", 19.5e12, 2.039e12, 80 * GiB, 4e-6, 312e12, "A100 SXM")
 
+# NCCL's bandwidth for one NVLink over the datasheet's (NVIDIA/nccl src/graph/topo.h,
+# SM60/SM70/SM80/SM90_NVLINK_BW: 18, 20, 20 and 20.6 GB/s a link each way, against 20,
+# 25, 25 and 25): what its collectives' channels get of a GPU's NVLinks. 18 NVLink 4
+# links at 20.6 give the ~370 GB/s an 8-H100 ring all-reduce reaches (nccl-tests
+# issue 212).
+NVLINK1, NVLINK2, NVLINK3, NVLINK4 = 18 / 20, 20 / 25, 20 / 25, 20.6 / 25
+
 CLUSTERS = {
     "flexflow-p100": NodeSpec(
         "N nodes x 4 P100 on NVLink, 100 Gb/s InfiniBand between nodes (FlexFlow paper)",
@@ -67,6 +78,7 @@ CLUSTERS = {
         1e-6,
         12.5e9,
         2e-6,
+        nvlink_share=NVLINK1,
     ),
     "flexflow-k80": NodeSpec(
         "N nodes x 4 K80 on PCIe, 56 Gb/s InfiniBand between nodes (FlexFlow paper)",
@@ -87,6 +99,7 @@ CLUSTERS = {
         1e-6,
         3.125e9,
         25e-6,
+        nvlink_share=NVLINK2,
     ),
     "dgx-h100": NodeSpec(
         "N nodes x 8 H100 on NVSwitch, one 400 Gb/s InfiniBand NIC per GPU",
@@ -98,6 +111,8 @@ CLUSTERS = {
         50e9,
         3e-6,
         nic_per_gpu=True,
+        nvlink_share=NVLINK4,
+        nvls=True,
     ),
     "grand-teton": NodeSpec(
         "N Meta Grand Teton hosts x 8 H100 SXM (96 GB HBM2e, 2.4 TB/s, 500 W) on NVLink 4 "
@@ -111,6 +126,8 @@ CLUSTERS = {
         50e9,
         3e-6,
         nic_per_gpu=True,
+        nvlink_share=NVLINK4,
+        nvls=True,
     ),
     "dgx-a100": NodeSpec(
         "N DGX A100 nodes x 8 A100 SXM 80 GB on NVLink 3 (300 GB/s a GPU each way through "
@@ -124,6 +141,7 @@ CLUSTERS = {
         25e9,
         3e-6,
         nic_per_gpu=True,
+        nvlink_share=NVLINK3,
     ),
 }
 
@@ -180,7 +198,7 @@ def cluster(name: str, spec: NodeSpec, nodes: int) -> Machine:
             hops = (nic_out[na], nic_in[nc])
             b.routes[(a, c)] = (up[a], *hops, down[c]) if spec.fabric is Fabric.PCIE else hops
     intra = IntraLink.PCIE if spec.fabric is Fabric.PCIE else IntraLink.NVLINK
-    layout = NodeLayout(tuple(d // g for d in range(total)), intra)
+    layout = NodeLayout(tuple(d // g for d in range(total)), intra, spec.nvlink_share, spec.nvls)
     return Machine(f"{name}:{nodes}", devices, tuple(b.links), b.routes, nodes=layout)
 
 

@@ -170,7 +170,7 @@ def test_plan_says_what_the_walk_added_in_one_line(example_onnx: Path, tmp_path:
     lines = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("walk:")]
     # the example CNN on 16 P100s: 4-way data parallelism, which 40 proposals do not beat
     assert lines == [
-        "  walk: data-parallel:4 (253.0 us) is the best start; the walk found nothing faster"
+        "  walk: data-parallel:4 (253.1 us) is the best start; the walk found nothing faster"
     ]
 
 

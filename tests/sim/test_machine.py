@@ -147,6 +147,10 @@ def _doc() -> dict:
         (lambda d: d.update(nodes={"of": [0, -1]}), "nodes.of"),
         (lambda d: d.update(nodes={"of": [0, True]}), "nodes.of"),
         (lambda d: d.update(nodes={"of": [0, 1], "intra": "nvswitch"}), "nodes.intra"),
+        (lambda d: d.update(nodes={"of": [0, 1], "nvlink_share": 0}), "nodes.nvlink_share"),
+        (lambda d: d.update(nodes={"of": [0, 1], "nvlink_share": 1.2}), "nodes.nvlink_share"),
+        (lambda d: d.update(nodes={"of": [0, 1], "nvlink_share": True}), "nodes.nvlink_share"),
+        (lambda d: d.update(nodes={"of": [0, 1], "nvls": "yes"}), "nodes.nvls"),
     ],
 )
 def test_bad_machine_file_names_the_field(edit, field: str) -> None:
@@ -197,11 +201,12 @@ def test_machine_cli(capsys, tmp_path: Path) -> None:
     out = capsys.readouterr().out
     assert "4 devices" in out and "route 0 -> 1: nvlink-0-1" in out
     # the all-reduce's busbw over the machine, as the simulator prices it (NCCL's model:
-    # 1 GiB over 16 H100s of two nodes, their 8 NICs a node striped, the Simple ring)
+    # 1 GiB over 16 H100s of two nodes: NVLS in each node, a tree of the two, at its
+    # per-channel cap; tests/sim/test_collectives.py has it by hand)
     assert cli(["machine", "show", "dgx-h100:2"]) == 0
     out = capsys.readouterr().out
     assert "all-reduce over all 16 devices (NCCL's model)" in out
-    assert "1 GiB: 5,266.5 us, busbw 382GB/s, ring/Simple" in out
+    assert "1 GiB: 4,428.3 us, busbw 455GB/s, nvls-tree/Simple" in out
     assert cli(["machine", "show", "cpu:2", "--yaml"]) == 0
     path = tmp_path / "cpu2.yaml"
     path.write_text(capsys.readouterr().out)
