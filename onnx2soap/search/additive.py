@@ -50,21 +50,31 @@ from onnx2soap.sim.memory import op_held
 from onnx2soap.sim.taskgraph import Costs, OpParts, graph_edges
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
 from onnx2soap.soap.collectives import all_gather_steps, reduce_scatter_steps
-from onnx2soap.soap.partition import Rect, SumGroup, Task, owners, stat_groups, sum_groups
+from onnx2soap.soap.copies import weight_only_ops
+from onnx2soap.soap.partition import (
+    Rect,
+    SumGroup,
+    Task,
+    copy_groups,
+    owners,
+    stat_groups,
+    sum_groups,
+)
 from onnx2soap.soap.sum_scatter import scattered
 
 Space = Mapping[str, tuple[SoapDim, ...]]
 
 
 def mesh_configs(
-    dims: Sequence[SoapDim], devices: int, mesh_only: bool
+    dims: Sequence[SoapDim], devices: int, mesh_only: bool, copies: bool = False
 ) -> tuple[ParallelConfig, ...]:
     """The configs an op chooses among: on a block of devices starting at device 0 (the
     device mesh; a block elsewhere is the same split, moved). ``mesh_only``: as Alpa's
     intra-op pass, which maps a tensor's dims onto the two axes of a logical 2-D mesh,
     those that split at most two dims into the most tasks the op can have (every device,
-    where its dims allow), and the op whole on device 0."""
-    found = [c for c in candidates(dims, devices) if c.devices[0] == 0]
+    where its dims allow), and the op whole on device 0. ``copies``: a weight-only op,
+    whose candidates include copies (``candidates``)."""
+    found = [c for c in candidates(dims, devices, copies) if c.devices[0] == 0]
     if not mesh_only:
         return tuple(found)
     most = max(c.tasks for c in found)
@@ -427,8 +437,8 @@ class AdditiveCost:
 @dataclass(frozen=True)
 class Tiles:
     """A producer's output tiles under one config, as arrays: per tile its rect, its
-    owner's device, and the devices that hold it (a partial sum's group, else the
-    owner's)."""
+    owner's device, and the devices that hold it (a partial sum's group, a copied box's
+    copies, else the owner's)."""
 
     lo: np.ndarray  # [tile, axis]
     hi: np.ndarray
@@ -453,6 +463,7 @@ def tiles(
     holder alone (``partition.summed_overlaps``: a piece comes from its chunk's holder)."""
     sums = sum_groups(producer, ptasks) if sums is None else sums
     group_of = {g.owner: g for g in sums}
+    copied = copy_groups(ptasks)  # a box's copies: its readers read the local one
     rects: list[Rect] = []
     device: list[int] = []
     holders: list[tuple[int, ...]] = []
@@ -466,7 +477,8 @@ def tiles(
         else:
             rects.append(t.output)
             device.append(t.device)
-            holders.append(group.devices if group is not None else (t.device,))
+            held = tuple(copied[t.index]) if copied else (t.device,)
+            holders.append(group.devices if group is not None else held)
     holds = np.zeros((len(rects), devices), dtype=bool)
     for i, ds in enumerate(holders):
         holds[i, list(ds)] = True
@@ -559,9 +571,10 @@ class Decisions:
         merge: bool = True,
     ) -> None:
         self.graph, self.model = graph, model
-        devices = model.machine.size
+        devices, copied = model.machine.size, weight_only_ops(graph)
         self.configs = {
-            op.name: mesh_configs(space[op.name], devices, mesh_only) for op in graph.ops
+            op.name: mesh_configs(space[op.name], devices, mesh_only, op.name in copied)
+            for op in graph.ops
         }
         # follows[f] = the latest op whose output f reads (Alpa: its deepest operand)
         self.follows: dict[str, str] = followed(graph) if merge else {}

@@ -21,6 +21,7 @@ from onnx2soap.search.megatron import megatron, node_size
 from onnx2soap.search.pipeline_rule import staged_strategy
 from onnx2soap.search.replicas import replica_config, split_first
 from onnx2soap.sim import Simulator
+from onnx2soap.soap.copies import weight_only_ops
 from onnx2soap.soap.dims import DimKind, SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.strategy import Strategy
@@ -64,17 +65,18 @@ class Built:
 def data_parallel(graph: Graph, space: Space, devices: int, width: int | None = None) -> Strategy:
     """Every op split by samples over devices ``0..width-1`` (all devices by default).
 
-    An op without a sample dim is split along a weight dim over the same devices
-    (``replicas.replica_split_kind``): whole on device 0 it had sent every replica the whole
-    tensor and received every replica's gradient of it (GPT-1.3B's data-parallel peak
-    grew with the GPUs: 87, 93, 131 GiB at 8, 16, 64)."""
+    A weight-only op (``soap/copies.py``) is computed whole on each of them (copies:
+    ``replicas.replica_config``); another op without a sample dim is split along a
+    weight dim over the same devices (``replicas.replica_split_kind``): whole on device 0
+    it had sent every replica the whole tensor and received every replica's gradient of
+    it (GPT-1.3B's data-parallel peak grew with the GPUs: 87, 93, 131 GiB at 8, 16, 64)."""
     width = devices if width is None else width
     if not 1 <= width <= devices:
         raise ValueError(f"data parallelism over {width} of {devices} devices")
-    configs = {}
+    configs, copied = {}, weight_only_ops(graph)
     for op in graph.ops:
         dims = space[op.name]
-        configs[op.name] = replica_config(dims, tuple(range(width)))
+        configs[op.name] = replica_config(dims, tuple(range(width)), op.name in copied)
     return Strategy(devices, configs)
 
 

@@ -79,6 +79,7 @@ from onnx2soap.sim import Evaluation, Simulator
 from onnx2soap.sim.delta import DeltaSimulator, DeltaState
 from onnx2soap.sim.heap import collector_paused
 from onnx2soap.soap import ParallelConfig, Partitioner, SoapDim, Strategy, candidates
+from onnx2soap.soap.copies import weight_only_ops
 from onnx2soap.soap.partition import rect_volume
 from onnx2soap.soap.zero import ZERO_STAGES, Zero, ZeroStage, data_parallel_groups, zero_group
 
@@ -383,8 +384,9 @@ class _Search:
         self.memory = tuple(d.memory for d in simulator.machine.devices)
         self.evaluate = _Evaluator(graph, simulator)
         self.ops = [op.name for op in graph.ops]
+        copied = weight_only_ops(graph)
         self.moves: dict[str, tuple[ParallelConfig, ...]] = {
-            name: candidates(space[name], self.devices) for name in self.ops
+            name: candidates(space[name], self.devices, name in copied) for name in self.ops
         }
         for name, moves in self.moves.items():
             if not moves:  # even one task on one device needs every dim of size >= 1

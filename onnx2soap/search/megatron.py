@@ -23,7 +23,9 @@ cut (its *sharding*: an axis in equal chunks, chunk ``c`` on the node's device o
   by samples over the nodes and along the sequence inside each (the loss on each node's
   first device: ``_data_parallel``); ops computed from weights alone (a
   tied weight's Identity, its Transpose) are cut as their first consumer reads them, on
-  the first node.
+  the first node; a weight-only one (``soap/copies.py``) each chunk copied on every
+  device that reads it (the LSTM weights' Slice x 4 -> Concat on every replica), but
+  inside a pipeline stage (``megatron_at``).
 
 Every op with a rule is also split by samples over the nodes (task of node ``j`` and
 rank ``i`` on device ``j * tp + i``). ``tp`` is the largest divisor of the node size
@@ -47,6 +49,7 @@ from enum import Enum
 
 from onnx2soap.ir import Affine, Graph, Grouped, Op
 from onnx2soap.sim.machine import Machine
+from onnx2soap.soap.copies import weight_only_ops
 from onnx2soap.soap.dims import DimKind, SoapDim
 from onnx2soap.soap.partition import ParallelConfig, task_coords
 from onnx2soap.soap.strategy import Strategy
@@ -121,12 +124,14 @@ def megatron(
     # the largest tensor-parallel degree (above 1, where the node has more than one
     # device) under which no cut stops for a size; else the one where fewest do
     for tp in sorted((t for t in range(2, node + 1) if node % t == 0), reverse=True):
-        strategy, broken = _plan(graph, space, devices, tp, sequence_parallel)
+        strategy, broken = _plan(graph, space, devices, tp, sequence_parallel, copies=True)
         if broken == 0:
             return strategy
         if best is None or broken < best[0]:
             best = (broken, strategy)
-    return best[1] if best is not None else _plan(graph, space, devices, 1, sequence_parallel)[0]
+    if best is not None:
+        return best[1]
+    return _plan(graph, space, devices, 1, sequence_parallel, copies=True)[0]
 
 
 def megatron_at(graph: Graph, space: Space, devices: int, tp: int) -> Strategy:
@@ -138,9 +143,15 @@ def megatron_at(graph: Graph, space: Space, devices: int, tp: int) -> Strategy:
 
 
 def _plan(
-    graph: Graph, space: Space, devices: int, tp: int, sequence_parallel: bool = False
+    graph: Graph,
+    space: Space,
+    devices: int,
+    tp: int,
+    sequence_parallel: bool = False,
+    copies: bool = False,
 ) -> tuple[Strategy, int]:
-    """The plan at tensor-parallel degree ``tp``, and how many cuts stopped for sizes."""
+    """The plan at tensor-parallel degree ``tp``, and how many cuts stopped for sizes.
+    ``copies``: weight-only ops copied on the devices that read them (``_like_consumer``)."""
     dp = devices // tp
     cut: dict[str, Cut] = {}
     configs: dict[str, ParallelConfig] = {}
@@ -160,8 +171,9 @@ def _plan(
         configs[op.name] = _config(dims, split, dp, tp)
         if output is not None:
             cut[op.output] = output
+    copied = weight_only_ops(graph) if copies else frozenset()
     for op in reversed(later):
-        configs[op.name] = _like_consumer(graph, op, space, configs)
+        configs[op.name] = _like_consumer(graph, op, space, configs, op.name in copied)
     return Strategy(devices, configs), broken
 
 
@@ -418,12 +430,25 @@ def _data_parallel(
     return ParallelConfig(tuple(degrees), tuple(range(math.prod(degrees))))
 
 
+def _task_coords(config: ParallelConfig) -> list[tuple[tuple[int, ...], int]]:
+    """(grid coordinate, device) of every task of ``config``, its copies included."""
+    coords = (c for c in task_coords(config.degrees) for _ in range(config.copies))
+    return list(zip(coords, config.devices, strict=True))
+
+
 def _like_consumer(
-    graph: Graph, op: Op, space: Space, configs: Mapping[str, ParallelConfig]
+    graph: Graph,
+    op: Op,
+    space: Space,
+    configs: Mapping[str, ParallelConfig],
+    copies: bool = False,
 ) -> ParallelConfig:
     """An op computed from weights alone, cut along the axis its first consumer splits
     (other than by samples), on that consumer's devices for the chunks of its first
-    tasks; whole on device 0 where no consumer splits it so."""
+    tasks; whole on device 0 where no consumer splits it so. ``copies`` (a weight-only
+    op, ``soap/copies.py``): each chunk computed on every device of the consumer's
+    tasks that read it (the data-parallel replicas), as the whole op on every device
+    of the consumer where it splits none, so that no reader gathers it each step."""
     dims = space[op.name]
     whole = ParallelConfig((1,) * len(dims), (0,))
     for consumer in graph.ops:
@@ -431,6 +456,8 @@ def _like_consumer(
             continue
         k = consumer.inputs.index(op.output)
         config, cdims = configs[consumer.name], space[consumer.name]
+        if copies:
+            whole = _copied(dims, {(): [d for _, d in _task_coords(config)]}, 1, None) or whole
         for axis in range(len(graph.tensors[op.output].shape)):
             d = _reads(consumer.nest, k, axis)
             if d is None or config.degrees[d] == 1 or cdims[d].kind is DimKind.SAMPLE:
@@ -442,10 +469,28 @@ def _like_consumer(
             if dims[mine].size != cdims[d].size:
                 continue
             # the device of the consumer's first task with each chunk of the dim
-            devices = {}
-            for coord, device in zip(task_coords(config.degrees), config.devices, strict=True):
-                devices.setdefault(coord[d], device)
+            devices: dict[int, list[int]] = {}
+            for coord, device in _task_coords(config):
+                devices.setdefault(coord[d], []).append(device)
             degrees = tuple(degree if i == mine else 1 for i in range(len(dims)))
-            return ParallelConfig(degrees, tuple(devices[c] for c in range(degree)))
+            if copies:
+                copied = _copied(dims, devices, degree, mine)
+                if copied is not None:
+                    return copied
+            return ParallelConfig(degrees, tuple(devices[c][0] for c in range(degree)))
         return whole
     return whole
+
+
+def _copied(
+    dims: Sequence[SoapDim], readers: Mapping, degree: int, mine: int | None
+) -> ParallelConfig | None:
+    """Chunk ``c`` of dim ``mine`` (in ``degree``; the whole op where None) copied on
+    the distinct devices in ``readers[c]`` (``()`` the key for the whole op): None
+    where the chunks' readers are not as many devices each, or only one."""
+    held = [list(dict.fromkeys(readers[c])) for c in (range(degree) if mine is not None else [()])]
+    r = len(held[0])
+    if r < 2 or any(len(h) != r for h in held):
+        return None
+    degrees = tuple(degree if i == mine else 1 for i in range(len(dims)))
+    return ParallelConfig(degrees, tuple(d for h in held for d in h), r)

@@ -30,6 +30,7 @@ from onnx2soap.search.pipeline_stages import balanced_stages
 from onnx2soap.search.replicas import replica_config
 from onnx2soap.sim import Simulator
 from onnx2soap.sim.machine import Machine
+from onnx2soap.soap.copies import weight_only_ops
 from onnx2soap.soap.dims import SoapDim, analyze
 from onnx2soap.soap.partition import ParallelConfig, chunk
 from onnx2soap.soap.partitioned import Partitioner
@@ -66,7 +67,10 @@ def op_seconds(
     """Per op (graph order), its slowest task's forward and backward (and its forward
     again where recomputed) under data parallelism over ``group``: the time it adds to
     its stage's passes, its tasks running side by side."""
-    configs = {op.name: replica_config(space[op.name], group) for op in graph.ops}
+    copied = weight_only_ops(graph)
+    configs = {
+        op.name: replica_config(space[op.name], group, op.name in copied) for op in graph.ops
+    }
     return task_seconds(graph, configs, simulator, recompute)
 
 
@@ -117,11 +121,11 @@ def pipeline_plan(
         narrowest = min(groups, key=len)
         seconds = op_seconds(graph, space, simulator, narrowest, recompute)
         runs = balanced_stages(seconds, stages)
-    configs, names = {}, []
+    configs, names, copied = {}, [], weight_only_ops(graph)
     for group, run in zip(groups, runs, strict=True):
         ops = [graph.ops[i] for i in run]
         for op in ops:
-            configs[op.name] = replica_config(space[op.name], group)
+            configs[op.name] = replica_config(space[op.name], group, op.name in copied)
         names.append(tuple(op.name for op in ops))
     return PipelinePlan(Strategy(devices, configs), Pipeline(tuple(names), microbatches, schedule))
 

@@ -38,10 +38,21 @@ def split_first(dims: tuple[SoapDim, ...], kind: DimKind, group: tuple[int, ...]
     return ParallelConfig(tuple(degrees), group[: math.prod(degrees)])
 
 
-def replica_config(dims: tuple[SoapDim, ...], group: tuple[int, ...]) -> ParallelConfig:
+def replica_config(
+    dims: tuple[SoapDim, ...], group: tuple[int, ...], weight_only: bool = False
+) -> ParallelConfig:
     """The op split over ``group`` as data parallelism splits it: data parallelism's
-    own configs, and the pipeline rule's inside each stage. Whole on a stage's first
-    device, a tied weight's Identity sent the whole weight to every device of the head's
-    stage each microbatch and held it a slot each (GPT-1.3B in 8 stages of 8 V100s:
-    62.7 GiB on the first device, 15.9 on its stage's others; spread, 24.6 on each)."""
+    own configs, and the pipeline rule's inside each stage.
+
+    A weight-only op (``soap/copies.py``; the caller says) is computed whole on every
+    device of the group (``copies``), as DDP computes it: its readers read it where
+    they are and only its weights' gradients are summed. Split along a weight dim
+    instead, every reader gathered it from every replica and sent the gradients back
+    each step (rnntc's LSTM weights, fed through Slice x 4 -> Concat: 758.6 ms a step
+    on alpa-v100:16 where DDP takes about 150-185). Whole on a stage's first device, a
+    tied weight's Identity sent the whole weight to every device of the head's stage
+    each microbatch and held it a slot each (GPT-1.3B in 8 stages of 8 V100s: 62.7 GiB
+    on the first device, 15.9 on its stage's others; spread, 24.6 on each)."""
+    if weight_only and len(group) > 1:
+        return ParallelConfig((1,) * len(dims), tuple(group), len(group))
     return split_first(dims, replica_split_kind(dims), group)

@@ -147,14 +147,25 @@ def input_region(nest: LoopNest, operand: int, box: Rect, shape: Sequence[int]) 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How one op is split: a degree per iteration dim (1 for dims not split) and the
-    device of every task, tasks in row-major order of the degree grid."""
+    device of every task, tasks in row-major order of the degree grid.
+
+    ``copies`` > 1 (a weight-only op alone, ``soap/copies.py``): each box is computed
+    that many times, on distinct devices; task ``box * copies + copy`` (box-major). A
+    reader takes its piece from the copy on its own device where there is one, else
+    from the box's first copy (its owner); each copy's weight gradients are summed over
+    its replica group as any replica's."""
 
     degrees: tuple[int, ...]
     devices: tuple[int, ...]
+    copies: int = 1
 
     @property
     def tasks(self) -> int:
         return len(self.devices)
+
+    @property
+    def boxes(self) -> int:
+        return math.prod(self.degrees)
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,8 @@ def op_tasks(op: Op, config: ParallelConfig, shapes: Sequence[Sequence[int]]) ->
     read = [_dims_read(spec.axes) for spec in nest.inputs]
     regions: dict[tuple, Region] = {}
     tasks = []
-    for index, coord in enumerate(task_coords(config.degrees)):
+    copies = config.copies
+    for b, coord in enumerate(task_coords(config.degrees)):
         box = tuple([chunks[d][c] for d, c in enumerate(coord)])
         inputs = []
         for i, s in enumerate(shapes):
@@ -193,10 +205,25 @@ def op_tasks(op: Op, config: ParallelConfig, shapes: Sequence[Sequence[int]]) ->
             if key not in regions:
                 regions[key] = input_region(nest, i, box, s)
             inputs.append(regions[key])
-        tasks.append(
-            Task(op.name, index, config.devices[index], box, output_rect(nest, box), tuple(inputs))
-        )
+        out, inputs = output_rect(nest, box), tuple(inputs)
+        for index in range(b * copies, (b + 1) * copies):
+            tasks.append(Task(op.name, index, config.devices[index], box, out, inputs))
     return tuple(tasks)
+
+
+def copy_groups(tasks: Sequence[Task]) -> dict[int, dict[int, int]]:
+    """Per box computed more than once (a config with ``copies``), keyed by its first
+    copy's task index (the owner): the copy task on each device, the first where one
+    device had several. Empty for a config without copies. Copies are the tasks with
+    the same box: a split partial dim's tasks differ in their boxes."""
+    by_box: dict[Rect, dict[int, int]] = {}
+    owner: dict[Rect, int] = {}
+    for t in tasks:
+        by_box.setdefault(t.box, {}).setdefault(t.device, t.index)
+        owner.setdefault(t.box, t.index)
+    if len(by_box) == len(tasks):
+        return {}
+    return {owner[box]: on for box, on in by_box.items()}
 
 
 def _dims_read(axes: Sequence[AxisMap]) -> tuple[int, ...]:
@@ -409,10 +436,14 @@ def sum_groups(op: Op, tasks: Sequence[Task]) -> tuple[SumGroup, ...]:
     if not op.nest.partial_dims:
         return ()
     by_tile: dict[Rect, list[Task]] = {}
+    boxes: set[Rect] = set()
     for t in tasks:
         by_tile.setdefault(t.output, []).append(t)
-    if len(by_tile) == len(tasks):
-        return ()
+        boxes.add(t.box)
+    if len(by_tile) == len(boxes):
+        return ()  # every tile whole (computed once, or copied: ``copy_groups``)
+    if len(boxes) < len(tasks):
+        raise ValueError(f"op '{op.name}': copies of partial sums (a split reduction dim)")
     groups = []
     for tile, members in by_tile.items():
         first: dict[int, int] = {}
@@ -444,12 +475,16 @@ def held_rects(groups: Sequence[SumGroup]) -> dict[int, Rect]:
 
 def owners(op: Op, tasks: Sequence[Task]) -> tuple[Task, ...]:
     """The tasks whose output tiles partition the tensor: all of them, or for an op with
-    partial sums the first task of each tile."""
+    partial sums the first task of each tile, or for one with copies each box's first
+    copy."""
     groups = sum_groups(op, tasks)
-    if not groups:
-        return tuple(tasks)
-    first = {g.owner for g in groups}
-    return tuple(t for t in tasks if t.index in first)
+    if groups:
+        first = {g.owner for g in groups}
+        return tuple(t for t in tasks if t.index in first)
+    copied = copy_groups(tasks)
+    if copied:
+        return tuple(t for t in tasks if t.index in copied)
+    return tuple(tasks)
 
 
 def summed_overlaps(
@@ -463,11 +498,19 @@ def summed_overlaps(
     partial sums (``groups``: its sum groups, ``sum_groups``'s when None) each piece comes
     from the holder of the sum on the consumer's device where the tile's group has one
     (no transfer), else from the tile's owner; where the group reduce-scatters, from the
-    holders of the chunks the piece overlaps, one piece per chunk."""
+    holders of the chunks the piece overlaps, one piece per chunk. For an op with copies
+    (``copy_groups``) likewise: from the box's copy on the consumer's device where there
+    is one, else from its first copy."""
     found = overlaps(owners(op, producers), consumers, operand)
     groups = sum_groups(op, producers) if groups is None else groups
     if not groups:
-        return found
+        copied = copy_groups(producers)
+        if not copied:
+            return found
+        return tuple(
+            replace(o, src_task=copied[o.src_task].get(consumers[o.dst_task].device, o.src_task))
+            for o in found
+        )
     group_of = {g.owner: g for g in groups}
     moved = []
     for o in found:

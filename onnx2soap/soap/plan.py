@@ -64,6 +64,7 @@ class OpPlan:
     name: str
     degrees: tuple[tuple[str, int], ...]  # written: dims split with degree > 1
     devices: tuple[int, ...]
+    copies: int = 1  # each box computed this often (a weight-only op); written when > 1
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class Plan:
                     raise PlanError(f"op '{op.name}': degrees.{dim}: no such dim; dims: {names}")
             given = dict(op.degrees)
             degrees = tuple(given.get(n, 1) for n in names)
-            configs[op.name] = ParallelConfig(degrees, op.devices)
+            configs[op.name] = ParallelConfig(degrees, op.devices, op.copies)
         strategy = Strategy(self.devices, configs)
         validate(graph, space, strategy)
         if self.pipeline:
@@ -165,7 +166,7 @@ def plan_ops(
         degrees = tuple(
             (d.name, deg) for d, deg in zip(space[op.name], config.degrees, strict=True) if deg > 1
         )
-        out.append(OpPlan(op.name, degrees, config.devices))
+        out.append(OpPlan(op.name, degrees, config.devices, config.copies))
     return tuple(out)
 
 
@@ -208,10 +209,7 @@ def _to_json(plan: Plan, plan_dir: Path) -> dict:
         **({"pipeline": _pipeline_json(plan.pipeline)} if plan.pipeline else {}),
         **({"recompute": list(plan.recompute)} if plan.recompute else {}),
         **({"bucket_mb": plan.bucket_mb} if plan.bucket_mb != DEFAULT_BUCKET_MB else {}),
-        "ops": [
-            {"name": o.name, "degrees": dict(o.degrees), "devices": list(o.devices)}
-            for o in plan.ops
-        ],
+        "ops": [op_json(o) for o in plan.ops],
         "predicted": None,
         "search": None,
     }
@@ -297,6 +295,14 @@ class _Reader:
         return value
 
 
+def op_json(o: OpPlan) -> dict:
+    """One op's entry: ``copies`` only where > 1, so plans without it read alike."""
+    doc = {"name": o.name, "degrees": dict(o.degrees), "devices": list(o.devices)}
+    if o.copies > 1:
+        doc["copies"] = o.copies
+    return doc
+
+
 def _read_ops(r: _Reader, doc: Mapping) -> tuple[OpPlan, ...]:
     ops = []
     seen = set()
@@ -315,13 +321,17 @@ def _read_ops(r: _Reader, doc: Mapping) -> tuple[OpPlan, ...]:
                 raise r.fail(f"{where}.devices[{j}]", f"must be int, got {json.dumps(d)}")
             if not 0 <= d < MAX_DEVICES:
                 raise r.fail(f"{where}.devices[{j}]", f"must be in [0, {MAX_DEVICES}), got {d}")
-        if len(devices) != math.prod(degrees.values()):
+        copies = 1
+        if "copies" in o:
+            copies = r.positive(o, "copies", f"{where}.copies", most=MAX_DEVICES)
+        tasks = math.prod(degrees.values()) * copies
+        if len(devices) != tasks:
+            made = "the degrees" if copies == 1 else f"the degrees and {copies} copies"
             raise r.fail(
-                f"{where}.devices",
-                f"has {len(devices)} entries; the degrees make {math.prod(degrees.values())} tasks",
+                f"{where}.devices", f"has {len(devices)} entries; {made} make {tasks} tasks"
             )
         # Degree-1 entries are kept so that a misspelt dim name is still caught.
-        ops.append(OpPlan(name, tuple(degrees.items()), tuple(devices)))
+        ops.append(OpPlan(name, tuple(degrees.items()), tuple(devices), copies))
     return tuple(ops)
 
 

@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 from onnx2soap.errors import PlanError
 from onnx2soap.ir import Graph
+from onnx2soap.soap.copies import weight_only_ops
 from onnx2soap.soap.dims import SoapDim
 from onnx2soap.soap.partition import ParallelConfig
 
@@ -58,14 +59,25 @@ def validate_config(
                 f"{where}: degrees.{dim.name} = {degree} exceeds the {dim.max_degree} pieces "
                 f"dim '{dim.name}' (size {dim.size}) can be cut into"
             )
-    need = math.prod(config.degrees)
+    copies = config.copies
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise PlanError(f"{where}: copies must be an integer >= 1, got {copies!r}")
+    need = math.prod(config.degrees) * copies
     if len(config.devices) != need:
+        made = "the degrees" if copies == 1 else f"the degrees and {copies} copies"
         raise PlanError(
-            f"{where}: devices has {len(config.devices)} entries; the degrees make {need} tasks"
+            f"{where}: devices has {len(config.devices)} entries; {made} make {need} tasks"
         )
     for d in config.devices:
         if not 0 <= d < devices:
             raise PlanError(f"{where}: device {d} is outside 0..{devices - 1}")
+    for b in range(0, need, copies):
+        box = config.devices[b : b + copies]
+        if len(set(box)) < copies:
+            raise PlanError(
+                f"{where}: copies: a box's {copies} copies must be on distinct devices, "
+                f"got {list(box)}"
+            )
 
 
 def validate(graph: Graph, space: Mapping[str, tuple[SoapDim, ...]], strategy: Strategy) -> None:
@@ -80,3 +92,24 @@ def validate(graph: Graph, space: Mapping[str, tuple[SoapDim, ...]], strategy: S
         raise PlanError(f"ops in the plan that the model does not have: {unknown}")
     for name in names:
         validate_config(name, space[name], strategy[name], strategy.devices)
+    copied = [op for op in graph.ops if strategy[op.name].copies > 1]
+    if copied:
+        allowed = weight_only_ops(graph)
+        for op in copied:
+            config = strategy[op.name]
+            if op.name not in allowed:
+                raise PlanError(
+                    f"op '{op.name}': copies = {config.copies}, but only an op that reads "
+                    "weights and constants alone (no data, labels or state, not the loss, "
+                    "no random draws) may be computed more than once"
+                )
+            split = [
+                d.name
+                for d, k in zip(space[op.name], config.degrees, strict=True)
+                if k > 1 and d.axis is None
+            ]
+            if split:
+                raise PlanError(
+                    f"op '{op.name}': copies = {config.copies} with split reduction dims "
+                    f"{split}: partial sums cannot be copied"
+                )

@@ -4,6 +4,7 @@ its own ranks, the model split at the microbatch's batch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,6 @@ from onnx2soap.importer import file_sha256, load_model
 from onnx2soap.search.baselines import data_parallel
 from onnx2soap.soap import Plan, analyze, plan_ops, save_plan
 from onnx2soap.soap.pipeline import Pipeline, Schedule
-from onnx2soap.soap.plan import OpPlan
 from onnx2soap.soap.zero import ZeroStage
 
 
@@ -38,9 +38,7 @@ def pipeline_plan(
     for s in range(stages):
         part = within[bounds[s] : bounds[s + 1]]
         names.append(tuple(op.name for op in part))
-        ops += [
-            OpPlan(op.name, op.degrees, tuple(d + s * width for d in op.devices)) for op in part
-        ]
+        ops += [replace(op, devices=tuple(d + s * width for d in op.devices)) for op in part]
     pipeline = None
     if stages > 1 or microbatches > 1:
         pipeline = Pipeline(tuple(names), microbatches, schedule)

@@ -42,10 +42,22 @@ class Given:
 
 
 def derive(
-    op: Op, dims: Sequence[SoapDim], given: Sequence[Given], devices: int, strict: bool
+    op: Op,
+    dims: Sequence[SoapDim],
+    given: Sequence[Given],
+    devices: int,
+    strict: bool,
+    copies: bool = False,
 ) -> ParallelConfig:
+    """``copies``: the op is weight-only (``soap/copies.py``), so where the shardings
+    leave every piece to the same number of devices, each of them computes it (a
+    config with ``copies``, each box's copies in device order)."""
     degrees = _degrees(op, dims, given)
     placing = [g for g in given if all(d is not None for d in g.dims)]
+    if copies and strict:
+        copied = _copies(degrees, placing, devices)
+        if copied is not None:
+            return copied
     everyone = frozenset(range(devices))
     chosen = []
     for coord in task_coords(degrees):
@@ -64,6 +76,24 @@ def derive(
             )
         chosen.append(min(allowed))
     return ParallelConfig(tuple(degrees), tuple(chosen))
+
+
+def _copies(
+    degrees: Sequence[int], placing: Sequence[Given], devices: int
+) -> ParallelConfig | None:
+    """The config with copies where every piece is left to the same r > 1 devices."""
+    if not placing:
+        return None
+    boxes = []
+    for coord in task_coords(degrees):
+        allowed = frozenset(range(devices))
+        for g in placing:
+            allowed = allowed & g.sharding.holders[g.sharding.block([coord[d] for d in g.dims])]
+        boxes.append(sorted(allowed))
+    r = len(boxes[0])
+    if r < 2 or any(len(b) != r for b in boxes):
+        return None
+    return ParallelConfig(tuple(degrees), tuple(d for b in boxes for d in b), r)
 
 
 def _owner(placing: Sequence[Given]) -> str:

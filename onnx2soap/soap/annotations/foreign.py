@@ -25,6 +25,7 @@ from onnx2soap.soap.annotations.metadata import op_document
 from onnx2soap.soap.annotations.nodes import NodeOps, Placement, node_label, place
 from onnx2soap.soap.annotations.parse import Configuration, NodeAnnotation, node_annotations
 from onnx2soap.soap.annotations.sharding import input_dims, output_dims, output_sharding
+from onnx2soap.soap.copies import weight_only_ops
 from onnx2soap.soap.dims import SoapDim, analyze
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.pipeline import Schedule
@@ -87,7 +88,7 @@ def _derived(
     node_of = placement.node_of()
     producer = {op.output: op for op in graph.ops}
     configs: dict[str, ParallelConfig] = {}
-    silent = []
+    silent, copied = [], weight_only_ops(graph)
     for op in graph.ops:
         n = node_of.get(op.name)
         ann = found.get(n.index) if n else None
@@ -101,7 +102,8 @@ def _derived(
             f"node '{node_label(model.graph.node[n.index], n.index)}'" if n else f"op '{op.name}'"
         )
         try:
-            configs[op.name] = derive(op, space[op.name], given, devices, strict)
+            copies = op.name in copied
+            configs[op.name] = derive(op, space[op.name], given, devices, strict, copies)
         except PlanError as e:
             raise PlanError(f"{path}: {where}: {e}") from e
     for op in reversed(silent):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import onnx
 
 from onnx2soap.errors import PlanError
-from onnx2soap.soap.plan import MAX_DEVICES, OpPlan, parse_json
+from onnx2soap.soap.plan import MAX_DEVICES, OpPlan, op_json, parse_json
 
 CONFIGURATION = "onnx2soap"  # the name of our DeviceConfigurationProto
 PREFIX = "onnx2soap."
@@ -31,7 +31,7 @@ OPS_KEY = PREFIX + "ops"
 
 
 def op_document(op: OpPlan) -> dict:
-    return {"name": op.name, "degrees": dict(op.degrees), "devices": list(op.devices)}
+    return op_json(op)
 
 
 def ops_value(ops: Sequence[OpPlan]) -> str:
@@ -97,12 +97,14 @@ def op_entry(entry: object, where: str) -> OpPlan:
         raise PlanError(f"{where}.degrees: must map dim names to degrees in [1, {MAX_DEVICES}]")
     if not isinstance(devices, list) or not all(_device(d) for d in devices):
         raise PlanError(f"{where}.devices: must be a list of device numbers")
-    if len(devices) != math.prod(degrees.values()):
-        raise PlanError(
-            f"{where}.devices: {len(devices)} entries; the degrees make "
-            f"{math.prod(degrees.values())} tasks"
-        )
-    return OpPlan(name, tuple(degrees.items()), tuple(devices))
+    copies = entry.get("copies", 1)
+    if not _count(copies):
+        raise PlanError(f"{where}.copies: must be an integer in [1, {MAX_DEVICES}]")
+    tasks = math.prod(degrees.values()) * copies
+    if len(devices) != tasks:
+        made = "the degrees" if copies == 1 else f"the degrees and {copies} copies"
+        raise PlanError(f"{where}.devices: {len(devices)} entries; {made} make {tasks} tasks")
+    return OpPlan(name, tuple(degrees.items()), tuple(devices), copies)
 
 
 def _count(v: object) -> bool:

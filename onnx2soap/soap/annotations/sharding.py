@@ -110,9 +110,11 @@ def input_dims(
 
 
 def _holders(config: ParallelConfig, dims: Sequence[int]) -> tuple[frozenset[int], ...]:
-    """Per block of the dims ``dims`` (row-major): the devices of the tasks in it."""
+    """Per block of the dims ``dims`` (row-major): the devices of the tasks in it (every
+    copy's: a replicated block's device group)."""
     found: dict[tuple[int, ...], set[int]] = {}
-    for coord, device in zip(task_coords(config.degrees), config.devices, strict=True):
+    coords = (c for c in task_coords(config.degrees) for _ in range(config.copies))
+    for coord, device in zip(coords, config.devices, strict=True):
         found.setdefault(tuple(coord[d] for d in dims), set()).add(device)
     blocks = product(*(range(config.degrees[d]) for d in dims))
     return tuple(frozenset(found[b]) for b in blocks)
