@@ -158,6 +158,26 @@ class NcclTransport:
         # stream's later kernels, which may reuse its memory, run after the reduces.
         return self._started(array, devices, chunks, reduce_scatter_steps, stream, hold=False)
 
+    def reduce_scatter_all(self, arrays: Sequence, devices: tuple[int, ...], runs):
+        """A gradient bucket's sharded groups (soap/buckets.py): every array's reduces
+        (one per shard, as ``reduce_scatter``) in one NCCL group, which NCCL launches as
+        one collective."""
+        stream = self.device.comm_stream()
+        self.device.wait_event(self.device.record(), stream)
+        comm, kind, total = self._groups[devices], self._type(arrays[0]), self.nccl.NCCL_SUM
+        self.nccl.groupStart()
+        for array, chunks in zip(arrays, runs, strict=True):
+            for root, (lo, hi) in enumerate(chunks):
+                ptr = array.data.ptr + lo * array.itemsize
+                comm.reduce(ptr, ptr, hi - lo, kind, total, root, stream.ptr)
+        self.nccl.groupEnd()
+        member = devices.index(self.rank)
+        for array, chunks in zip(arrays, runs, strict=True):
+            steps = reduce_scatter_steps(member, len(devices))
+            self.bytes_sent += chunks_bytes_sent(chunks, steps, array.itemsize)
+        # Not held to the next step, as ``reduce_scatter``'s.
+        return self.device.record(stream)
+
     def all_gather(self, array, devices: tuple[int, ...], chunks: tuple[Interval, ...]):
         """ZeRO's uneven all-gather: one ncclBroadcast per shard from its owner, in one
         NCCL group (ncclAllGather takes equal counts only)."""

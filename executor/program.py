@@ -12,10 +12,10 @@ microbatch. Within a pass:
     backward, the stage's ops in reverse order: per task: wait for its output-gradient
                                     pieces, compute, send input-gradient pieces to
                                     producers; in the stage's last backward, once every
-                                    microbatch's gradient is accumulated, under ZeRO
-                                    reduce-scatter the op's sharded replica groups, and
-                                    start the gradient buckets' all-reduces whose last
-                                    gradient the op made (soap/buckets.py);
+                                    microbatch's gradient is accumulated, start the
+                                    gradient buckets' reduce-scatters (ZeRO's sharded
+                                    groups) and all-reduces whose last gradient the op
+                                    made (soap/buckets.py);
     under ZeRO-3 each op's sharded weights are all-gathered on their groups' members,
     started as the op before it in the phase begins (``GatherWeight``, FSDP's
     prefetch) and complete as its phase begins (``WaitWeight``);
@@ -60,7 +60,13 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from onnx2soap.soap import PartitionedGraph
-from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB, all_rings, gradient_buckets
+from onnx2soap.soap.buckets import (
+    DEFAULT_BUCKET_MB,
+    BucketScatter,
+    all_rings,
+    all_scatters,
+    gradient_buckets,
+)
 from onnx2soap.soap.partition import Rect
 from onnx2soap.soap.pipeline import Pass, Pipeline, Schedule, StagePass, stage_order
 from onnx2soap.soap.saved import backward_reads
@@ -198,11 +204,12 @@ class AllReduce:
 
 @dataclass(frozen=True)
 class ReduceScatter:
-    """ZeRO: start summing a sharded replica group's gradient so that each member ends
-    with the sum of its own shard (soap/zero.py)."""
+    """ZeRO: start summing a gradient bucket's sharded replica groups over ``devices``
+    (one ``BucketScatter``, soap/buckets.py) so that each member ends with the sum of
+    its own rows of each (soap/zero.py); ``members`` ((op, group) pairs) in order."""
 
-    op: int
-    group: int  # index into PartitionedGraph.groups[op name]
+    bucket: int
+    members: tuple[tuple[int, int], ...]  # (op index, index into PartitionedGraph.groups)
     devices: tuple[int, ...]
     microbatch: int = 0
 
@@ -458,28 +465,26 @@ def _with_gathers(pg, phase: Phase, run, zero: Zero, links, sync) -> list:
             order += ahead[j + 1]
         # complete before the op's phase begins
         order += [(d, WaitWeight(phase, i, ins.group)) for d, ins in ahead[j]]
-        order += _phase_of_op(pg, phase, i, op, links, zero, sync)
+        order += _phase_of_op(pg, phase, i, op, links, sync)
     return order
 
 
-def _phase_of_op(pg, phase: Phase, i: int, op, links, zero: Zero, sync) -> list:
+def _phase_of_op(pg, phase: Phase, i: int, op, links, sync) -> list:
     """One phase of one op for one microbatch; after the backward, where ``sync`` (the
-    stage's last backward: the rings by the op they start after), the op's
-    weight-gradient sums."""
+    stage's last backward: the buckets' reduce-scatters and rings by the op they start
+    after), the op's weight-gradient sums."""
     if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
         order = _summed_op(pg, phase, i, op, *links)
     else:
         order = _plain_op(pg, phase, i, op, *links)
     if phase is Phase.BACKWARD and sync is not None:
-        # The op's weight gradients are complete: sum them now, while the rest of the
-        # backward pass is still ahead (as the simulator schedules it): ZeRO's sharded
-        # groups each alone, then the buckets whose last gradient this op made.
-        for g, group in enumerate(pg.groups[op.name]):
-            if group.trainable and len(group.devices) > 1 and zero_group(group, zero):
-                order += [(d, ReduceScatter(i, g, group.devices)) for d in group.devices]
-        for ring in sync.get(i, ()):
-            ins = AllReduce(ring.bucket, ring.members, ring.devices)
-            order += [(d, ins) for d in ring.devices]
+        # The buckets whose last gradient this op made: sum them now, while the rest of
+        # the backward pass is still ahead (as the simulator schedules it): ZeRO's
+        # sharded groups reduce-scattered, then the others all-reduced.
+        for summed in sync.get(i, ()):
+            kind = ReduceScatter if isinstance(summed, BucketScatter) else AllReduce
+            ins = kind(summed.bucket, summed.members, summed.devices)
+            order += [(d, ins) for d in summed.devices]
     return order
 
 
@@ -499,7 +504,10 @@ def global_order(
     graph, zero = pg.graph, Zero.of(zero)
     stages = stages or Stages((0,) * len(graph.ops))
     groups = [pg.groups[op.name] for op in graph.ops]
-    rings = all_rings(gradient_buckets(graph, bucket_mb), groups.__getitem__, zero)
+    buckets = gradient_buckets(graph, bucket_mb)
+    scatters = all_scatters(buckets, groups.__getitem__, zero)
+    rings = all_rings(buckets, groups.__getitem__, zero)
+    sums = {i: (*scatters.get(i, ()), *rings.get(i, ())) for i in {*scatters, *rings}}
     fwd, bwd = _transfers(pg)
     pieces = _pieces(pg, fwd)
     waits: dict[tuple, list[Transfer]] = {}
@@ -531,7 +539,7 @@ def global_order(
             else:  # nothing flows back through ids
                 phase = Phase.BACKWARD
                 run = [(i, op) for i, op in ops[s][::-1] if graph.differentiable(op.output)]
-            made[key] = _with_gathers(pg, phase, run, zero, links, rings if sync else None)
+            made[key] = _with_gathers(pg, phase, run, zero, links, sums if sync else None)
         if p.microbatch == 0:
             order += made[key]
         else:

@@ -110,7 +110,7 @@ class Step:
             self.losses, self.scale = first.losses, first.scale
             return
         self.reductions: list = []  # weight gradients' all-reduces in flight
-        self.scatters: list = []  # ZeRO: (shard key, reduce-scatter in flight)
+        self.scatters: list = []  # ZeRO: (a bucket's shard keys, its reduce-scatter in flight)
         self.losses: list = []
         self.scale = 1.0
         if rt.graph.loss_op is not None:
@@ -714,23 +714,26 @@ class Step:
         self.reductions.append(self.rt.transport.allreduce_all(grads, ins.devices))
 
     def reduce_scatter(self, ins: ReduceScatter) -> None:
-        """ZeRO: start summing a sharded group's gradient into each member's rows. The
-        rank first completes the one it started before (the previous op's): at ZeRO-2
-        that drops its full-size gradient, so that a rank holds at most one in flight
-        besides the one its backward kernel makes (the memory model counts the same)."""
+        """ZeRO: start summing a bucket's sharded groups' gradients into each member's
+        rows, as one collective. The rank first completes the one it started before
+        (the previous bucket's): at ZeRO-2 that drops those full-size gradients, so
+        that a rank holds at most one bucket's in flight besides the bucket its
+        backward fills (the memory model counts the same)."""
         self.finish_scatters()
-        group = self.rt.pg.groups[self.rt.graph.ops[ins.op].name][ins.group]
-        key = (group.weight, group.rect)
-        grad = self.buf.gradient(key, self.xp)
-        chunks = self.rt.zero[key].chunks
-        self.scatters.append((key, self.rt.transport.reduce_scatter(grad, ins.devices, chunks)))
+        groups, ops = self.rt.pg.groups, self.rt.graph.ops
+        keys = [(g.weight, g.rect) for g in (groups[ops[i].name][k] for i, k in ins.members)]
+        grads = [self.buf.gradient(key, self.xp) for key in keys]
+        runs = [self.rt.zero[key].chunks for key in keys]
+        pending = self.rt.transport.reduce_scatter_all(grads, ins.devices, runs)
+        self.scatters.append((tuple(keys), pending))
 
     def finish_scatters(self) -> None:
         """Complete the reduce-scatters in flight; at ZeRO-2 the step keeps only the
         rank's rows of each gradient (a copy: a view would keep the whole buffer)."""
-        for key, pending in self.scatters:
+        for keys, pending in self.scatters:
             self.rt.transport.wait(pending)
-            if self.rt.zero_stages.weight(key[0]).shards_gradients:
-                lo, hi = self.rt.zero[key].rows(self.rt.rank)
-                self.buf.grads[key] = self.buf.grads[key][lo:hi].copy()
+            for key in keys:
+                if self.rt.zero_stages.weight(key[0]).shards_gradients:
+                    lo, hi = self.rt.zero[key].rows(self.rt.rank)
+                    self.buf.grads[key] = self.buf.grads[key][lo:hi].copy()
         self.scatters.clear()

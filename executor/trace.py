@@ -50,7 +50,7 @@ from executor.program import (
     WaitWeight,
 )
 from onnx2soap.files import write_atomic
-from onnx2soap.soap.buckets import ring_name
+from onnx2soap.soap.buckets import ring_name, scatter_name
 
 TRACED_STEPS = 10
 # The first traced step runs under tracemalloc, which slows every allocation: its times
@@ -79,8 +79,7 @@ def task_name(pg, ins) -> tuple[str, str]:
     if isinstance(ins, AllReduce):
         return ring_name(ins.bucket, ins.devices), "allreduce"
     if isinstance(ins, ReduceScatter):
-        weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
-        return f"reduce-scatter {weight}", "allreduce"
+        return scatter_name(ins.bucket, ins.devices), "allreduce"
     if isinstance(ins, GatherWeight | WaitWeight):
         weight = pg.groups[graph.ops[ins.op].name][ins.group].weight
         tag = "fwd" if ins.phase is Phase.FORWARD else "bwd"

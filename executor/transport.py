@@ -44,6 +44,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from executor.device import Device
 from executor.doorbell import LONGEST_NAP_S, Doorbell, GroupBell
 from executor.kinds import DeviceKind, TransportKind
+from onnx2soap.soap.buckets import shard_major
 from onnx2soap.soap.collectives import (
     RingStep,
     all_gather_steps,
@@ -90,6 +91,16 @@ class Transport(Protocol):
         """Start summing a contiguous array over ``devices`` so that member ``i`` (its
         place in ``devices``) ends with the sum of its flat run ``chunks[i]`` (ZeRO; the
         rest of its array is left partly summed)."""
+
+    def reduce_scatter_all(
+        self,
+        arrays: Sequence[Array],
+        devices: tuple[int, ...],
+        runs: Sequence[tuple[Interval, ...]],
+    ) -> Pending:
+        """``reduce_scatter`` of several contiguous arrays of one dtype as one
+        collective (a gradient bucket's sharded groups, soap/buckets.py): member ``i``
+        ends with the sum of run ``runs[a][i]`` of every array ``a``."""
 
     def all_gather(
         self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
@@ -494,6 +505,20 @@ class MpiTransport:
         self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]
     ) -> _MpiReduce:
         return self._ring((array,), devices, chunks, reduce_scatter_steps)
+
+    def reduce_scatter_all(
+        self,
+        arrays: Sequence[Array],
+        devices: tuple[int, ...],
+        runs: Sequence[tuple[Interval, ...]],
+    ) -> _MpiReduce:
+        """One ring over the arrays' runs laid out shard-major (``shard_major``), so
+        that each member's runs of every array are one chunk; the runs are views, so
+        the sums land in the arrays (staged: copied back whole by ``wait``)."""
+        pieces, chunks = shard_major(runs)
+        flats = [a.reshape(-1) for a in arrays]
+        views = [flats[a][lo:hi] for a, (lo, hi) in pieces]
+        return self._ring(views, devices, chunks, reduce_scatter_steps)
 
     def all_gather(
         self, array: Array, devices: tuple[int, ...], chunks: tuple[Interval, ...]

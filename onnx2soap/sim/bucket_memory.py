@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from onnx2soap.soap import PartitionedGraph
-from onnx2soap.soap.buckets import BucketRing, all_rings, gradient_buckets
+from onnx2soap.soap.buckets import (
+    BucketRing,
+    Buckets,
+    BucketScatter,
+    bucket_rings,
+    bucket_scatters,
+    gradient_buckets,
+)
 from onnx2soap.soap.collectives import ring_chunks
 from onnx2soap.soap.zero import Zero, ZeroStage
 
@@ -36,12 +43,17 @@ def ring_scratch_bytes(
     return max(hi - lo for lo, hi in runs) * itemsize
 
 
-def scratch_bytes(ring: BucketRing, itemsize: int) -> int:
-    """A member's receive scratch: the bucket ring's widest chunk."""
+def scratch_bytes(ring: BucketRing | BucketScatter, itemsize: int) -> int:
+    """A member's receive scratch: the bucket ring's widest chunk (a reduce-scatter's:
+    its widest member's runs of its gradients together)."""
+    if isinstance(ring, BucketScatter):
+        return ring_scratch_bytes(ring.numel, len(ring.devices), itemsize, ring.chunks())
     return ring_scratch_bytes(ring.numel, len(ring.devices), itemsize)
 
 
-def widest(rings: Iterable[BucketRing], itemsize: int, into: Widest | None = None) -> Widest:
+def widest(
+    rings: Iterable[BucketRing | BucketScatter], itemsize: int, into: Widest | None = None
+) -> Widest:
     """Per communicator, the widest scratch of ``rings`` (and of those ``into`` holds)."""
     out = {} if into is None else into
     for ring in rings:
@@ -49,13 +61,25 @@ def widest(rings: Iterable[BucketRing], itemsize: int, into: Widest | None = Non
     return out
 
 
+def bucket_sums(
+    buckets: Buckets, groups, zero: Zero | ZeroStage
+) -> Iterable[BucketRing | BucketScatter]:
+    """Every bucket's reduce-scatters and rings."""
+    for b in range(len(buckets.ops)):
+        yield from bucket_scatters(b, buckets.summed(b), groups, zero)
+        yield from bucket_rings(b, buckets.summed(b), groups, zero)
+
+
 def ring_widest(
     pg: PartitionedGraph, bucket_mb: float, itemsize: int, zero: Zero | ZeroStage
 ) -> Widest:
-    """``widest`` of every bucket's rings of ``pg``."""
+    """``widest`` of every bucket's rings and reduce-scatters of ``pg``."""
     ops = pg.graph.ops
-    by_op = all_rings(gradient_buckets(pg.graph, bucket_mb), lambda i: pg.groups[ops[i].name], zero)
-    return widest((r for rings in by_op.values() for r in rings), itemsize)
+
+    def groups(i: int):
+        return pg.groups[ops[i].name]
+
+    return widest(bucket_sums(gradient_buckets(pg.graph, bucket_mb), groups, zero), itemsize)
 
 
 def ring_scratch(held: Mapping[tuple[int, ...], int], devices: int) -> list[int]:

@@ -55,7 +55,7 @@ from onnx2soap.sim.taskgraph import (
     slot_kinds,
 )
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
-from onnx2soap.soap.buckets import bucket_rings, gradient_buckets
+from onnx2soap.soap.buckets import bucket_rings, bucket_scatters, gradient_buckets
 from onnx2soap.soap.partition import SumGroup, stat_groups
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
@@ -132,7 +132,8 @@ class DeltaSimulator:
         tensors = [graph.ops[p].output for p, _, _ in self.lay.edges]
         self.sole = [tensors.count(t) == 1 for t in tensors]  # a tensor's only reader
         roles = (TensorRole.INPUT, TensorRole.LABELS)
-        self.order = order_of(graph)  # how long recomputed tiles and gradients live
+        # how long recomputed tiles and gradients live
+        self.order = order_of(graph, simulator.bucket_mb)
         self.readers = tuple(
             i
             for i, op in enumerate(graph.ops)
@@ -454,9 +455,10 @@ class DeltaSimulator:
         for b, bucket in enumerate(self.buckets.ops):
             key = (b, *(strategy[ops[i].name] for i in bucket))
             if key not in self.ring_memory_memo:
-                summed = self.buckets.summed(b)
-                rings = bucket_rings(b, summed, self._groups_of(strategy), sim.zero)
-                self.ring_memory_memo[key] = widest(rings, sim.itemsize)
+                summed, groups = self.buckets.summed(b), self._groups_of(strategy)
+                rings = bucket_rings(b, summed, groups, sim.zero)
+                scatters = bucket_scatters(b, summed, groups, sim.zero)
+                self.ring_memory_memo[key] = widest((*scatters, *rings), sim.itemsize)
             for devices, n in self.ring_memory_memo[key].items():
                 held[devices] = max(held.get(devices, 0), n)
         return ring_scratch(held, sim.machine.size)

@@ -98,6 +98,7 @@ from onnx2soap.ir import Graph, Op, TensorRole
 from onnx2soap.ops import definition
 from onnx2soap.sim.bucket_memory import ring_scratch, ring_scratch_bytes, ring_widest
 from onnx2soap.soap import Edge, PartitionedGraph
+from onnx2soap.soap.buckets import DEFAULT_BUCKET_MB, gradient_buckets
 from onnx2soap.soap.partition import (
     ParallelConfig,
     Region,
@@ -156,9 +157,9 @@ class OpMemory:
     grads: Pieces  # the weight gradients its backward makes, held until the update
     forward: Pieces
     backward: Pieces
-    # ZeRO-2: the full-size gradient's bytes beyond the rank's rows of the op's last
-    # sharded group, held while its reduce-scatter is in flight (after the op's
-    # backward, until the rank's next reduce-scatter)
+    # ZeRO-2: the full-size gradients' bytes beyond the rank's rows of the op's sharded
+    # groups, held after the op's backward until its bucket's reduce-scatter is done
+    # (the rank's next one's start, ``Order.closes``)
     inflight: Pieces = ()
     update: Pieces = ()  # the optimizer's temporaries while it updates the op's largest shard
     # of ``held``, its weights' share: shards, state, optimizer state, half copies and
@@ -260,6 +261,9 @@ class Order:
     # not known: every reader with a backward), and whether its own backward does
     keepers: tuple[frozenset[int], ...] = ()
     own: tuple[bool, ...] = ()
+    # per op, whether a gradient bucket's reduce-scatters start after its backward (the
+    # bucket's last op with one: ``soap/buckets.py``); () where not known: every op's
+    closes: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -354,7 +358,6 @@ def _op_bytes(
     forward: dict[int, int] = {}
     backward_: dict[int, int] = {}
     excess: dict[int, int] = {}  # ZeRO-2: full-size gradients beyond the rank's rows
-    last: dict[int, int] = {}  # ZeRO-2: of them, the op's last group's, per device
     update: dict[int, int] = {}
     weights: dict[int, int] = {}
     keeps_inputs, keeps_output = kept_for_backward(graph, op, recompute)
@@ -401,9 +404,6 @@ def _op_bytes(
         update[d] = max(update.get(d, 0), temporaries * own)
         if n > grad:
             _add(excess, d, n - grad)
-            # The rank completes each reduce-scatter as it starts the next (the op's
-            # groups in order): the op's last one stays in flight after it.
-            last[d] = n - grad
     adopted: set[tuple] = set()  # (weight, rect, device) whose first gradient is made
     chunks = held_rects(sums)  # a reduce-scattering holder's output and its gradient
     graded = {t.index for t in _graded(tasks, sums)} if backward and not op.is_loss else set()
@@ -557,7 +557,7 @@ def _op_bytes(
         grads,
         forward,
         backward_,
-        last if backward else {},
+        excess if backward else {},
         update,
         weights,
         redone,
@@ -955,9 +955,11 @@ def readers(edges) -> Counter:
     return Counter(e.tensor for e in edges)
 
 
-def order_of(graph: Graph) -> Order:
+def order_of(graph: Graph, bucket_mb: float = DEFAULT_BUCKET_MB) -> Order:
     """Per op (graph order), the ops that read its output (how long a recomputed tile
-    lives) and the op that made each operand (how long its gradient lives): ``total``."""
+    lives), the op that made each operand (how long its gradient lives) and whether
+    its gradient bucket's reduce-scatters start after it (how long ZeRO-2's full-size
+    gradients live): ``total``."""
     producer = {op.output: i for i, op in enumerate(graph.ops)}
     readers: list[set[int]] = [set() for _ in graph.ops]
     for c, op in enumerate(graph.ops):
@@ -972,11 +974,14 @@ def order_of(graph: Graph) -> Order:
             if p is not None:
                 keepers[p].add(c)
     own = tuple(kept_for_backward(graph, op, False)[1] for op in graph.ops)
+    buckets = gradient_buckets(graph, bucket_mb)
+    closing = {buckets.summed(b)[-1] for b in range(len(buckets.ops)) if buckets.summed(b)}
     return Order(
         tuple(tuple(sorted(r)) for r in readers),
         made_by,
         tuple(frozenset(r) for r in keepers),
         own,
+        tuple(i in closing for i in range(len(graph.ops))),
     )
 
 
@@ -1060,8 +1065,10 @@ def total(
         for d, n in m.update:
             update[d] = max(update[d], n)
     made, forward, saved, free = _forward_peaks(devices, ops, order, edges)
-    backward = _backward_peaks(devices, ops, later, order, edges, saved, free)
-    tail = rings or [0] * devices
+    backward, flying = _backward_peaks(devices, ops, later, order, edges, saved, free)
+    # after the backward: the rings' scratch, and ZeRO-2's last bucket's full-size
+    # gradients, its reduce-scatter still running
+    tail = [r + n for r, n in zip(rings or [0] * devices, flying, strict=True)]
     return tuple(
         h + max(b, f - o - g, u - o, t)
         for h, b, f, o, g, u, t in zip(
@@ -1163,7 +1170,7 @@ def _backward_peaks(
     edges: EdgeTotals,
     saved: list[int],
     free: dict[int, dict[int, int]],
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     """Per device, the most its backward kernels hold beyond what is held through the
     step, less the weight gradients not yet made: the kernel's own, what the forward
     left (``saved``: tiles and buffers kept for backwards, each gone after its op's,
@@ -1171,7 +1178,8 @@ def _backward_peaks(
     activation gradients whose producer's backward has yet to gather them (those the
     op gathers go before its kernel runs, but for the pieces of them sent, which the
     transport holds through it),
-    and the op's gathered output gradients (``executor/lifetimes.py``)."""
+    and the op's gathered output gradients (``executor/lifetimes.py``); and per device
+    ZeRO-2's full-size gradients still held when the backward ends."""
     consumers = order.consumers if order is not None else ()
     keepers = order.keepers if order is not None else ()
     own = order.own if order is not None else ()
@@ -1185,7 +1193,11 @@ def _backward_peaks(
     backward = [0] * devices
     live = list(saved)  # and recomputed tiles made again, their op's backward not done
     unmade = list(later)  # no gradient exists when the backward begins
-    pending = [0] * devices  # ZeRO-2: the full gradient of the reduce-scatter in flight
+    # ZeRO-2: the full-size gradients of the bucket being filled, and of the bucket
+    # whose reduce-scatter is in flight; a rank completes that one as it starts the next
+    filling, flying = [0] * devices, [0] * devices
+    pending = [0] * devices  # their sum
+    closes = order.closes if order is not None and order.closes else None
     grads = [0] * devices  # activation gradients not yet gathered, or with the transport
     gather: dict[int, list[tuple[int, int]]] = {}  # producer -> (consumer, operand)
     posts: dict[int, list[tuple[int, int]]] = {}  # consumer -> its gradients' receives
@@ -1241,11 +1253,21 @@ def _backward_peaks(
                 live[d] -= n
         for d, n in free.get(i, {}).items():  # kept for its backward, done now
             live[d] -= n
-        for d, n in m.inflight:  # its reduce-scatter completes the one before it
-            pending[d] = n
+        for d, n in m.inflight:  # its full-size gradients wait for their bucket's
+            filling[d] += n
+        if closes is None or closes[i]:
+            # the bucket's reduce-scatter starts on the ranks it has gradients of, and
+            # completes the one in flight there
+            for d in range(devices):
+                if filling[d]:
+                    flying[d], filling[d] = filling[d], 0
+                pending[d] = filling[d] + flying[d]
+        else:
+            for d, n in m.inflight:
+                pending[d] += n
         for d, n in ahead:
             live[d] -= n
-    return backward
+    return backward, pending
 
 
 def _gathering(backward, sums, m: OpMemory, live, pending, unmade, grads) -> None:
@@ -1342,4 +1364,5 @@ def peak_memory(
     rings = None
     if objects and bucket_mb:
         rings = ring_scratch(ring_widest(pg, bucket_mb, itemsize, zero), devices)
-    return total(held, parts, order_of(graph), edges, rings)
+    order = order_of(graph, bucket_mb or DEFAULT_BUCKET_MB)
+    return total(held, parts, order, edges, rings)

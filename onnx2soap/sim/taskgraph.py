@@ -25,8 +25,8 @@ ops in graph order, each op's tasks in task order (an op with statistics: every 
 half, the statistics rings, every finishing half; an op with partial sums: the tasks,
 then the sums); an op's outgoing transfers right after it, edge by edge; backward in
 reverse graph order (ops whose output takes no gradient run none), each op's gradient
-transfers and then the rings of the buckets whose last gradient it makes (ZeRO's
-reduce-scatters of its sharded groups first); the updates last. Every resource
+transfers and then the rings of the buckets whose last gradient it makes (their
+reduce-scatters of ZeRO's sharded groups first); the updates last. Every resource
 runs its tasks in that order (``simulate.py``).
 
 The graph is built as *slots*, one per (phase, op) or (phase, edge), fixed by the graph
@@ -57,7 +57,9 @@ from onnx2soap.soap.buckets import (
     DEFAULT_BUCKET_MB,
     BucketRing,
     Buckets,
+    BucketScatter,
     bucket_rings,
+    bucket_scatters,
     gradient_buckets,
 )
 from onnx2soap.soap.collectives import (
@@ -878,7 +880,7 @@ class BucketOps:
     def groups(self, i: int) -> tuple[ReplicaGroup, ...]:
         return self.parts[self.ops.index(i)].groups
 
-    def ready(self, ring: BucketRing) -> tuple[Ref, ...]:
+    def ready(self, ring: BucketRing | BucketScatter) -> tuple[Ref, ...]:
         """The tasks that make the ring's gradients: its members' backward tasks."""
         refs: dict[Ref, None] = {}
         for i, g in ring.members:
@@ -891,29 +893,25 @@ class BucketOps:
 def weight_segments(
     costs: Costs, lay: Layout, bucket: BucketOps, names: bool
 ) -> tuple[list[Segment], dict[tuple[int, int], Ref]]:
-    """The weight slot of every op of the bucket: after the op's backward, each of its
-    groups ZeRO shards reduce-scattered alone, then the bucket's rings that start there
-    (``BucketRing.closing``: the ring of each device set after its last gradient is
-    made), while the rest of the backward goes on. Returns the segments and, per (op,
-    group) summed, the task that sums it. (The executor completes a rank's previous
-    reduce-scatter before it starts the next, which may hold its backward a little; not
-    modelled.)"""
+    """The weight slot of every op of the bucket: after the backward of the op that
+    makes its last gradient of a device set (``closing``), the bucket's reduce-scatter
+    of the groups ZeRO shards over those devices, and its ring of the others, while the
+    rest of the backward goes on. Returns the segments and, per (op, group) summed, the
+    task that sums it. (The executor completes a rank's previous reduce-scatter before
+    it starts the next, which may hold its backward a little; not modelled.)"""
+    scatters = bucket_scatters(bucket.bucket, bucket.summed, bucket.groups, costs.zero)
     rings = bucket_rings(bucket.bucket, bucket.summed, bucket.groups, costs.zero)
     summed: dict[tuple[int, int], Ref] = {}
     segments = []
-    for k, i in enumerate(bucket.ops):
+    for i in bucket.ops:
         b = _SegmentBuilder(lay.weights[i], names, costs.turns)
-        parts, last = bucket.parts[k], bucket.last[k]
-        for g, group in enumerate(parts.groups):
-            sharded = zero_group(group, costs.zero)
-            if sharded is None or len(group.devices) < 2:
-                continue
+        for scatter in (x for x in scatters if x.closing == i):
             seconds, links, nbytes = costs.half_ring(
-                group.devices, sharded.chunks, reduce_scatter_steps, costs.itemsize
+                scatter.devices, scatter.chunks(), reduce_scatter_steps, costs.itemsize
             )
-            what = f"reduce-scatter {group.weight}"
-            ready = _group_ready(parts, last, group)
-            summed[(i, g)] = b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what)
+            ready = bucket.ready(scatter)
+            done = b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, scatter.name)
+            summed |= dict.fromkeys(scatter.members, done)
         for ring in (r for r in rings if r.closing == i):
             seconds, links, nbytes = costs.ring(ring.devices, ring.numel)
             done = b.add(TaskKind.ALLREDUCE, seconds, links, bucket.ready(ring), nbytes, ring.name)

@@ -15,7 +15,10 @@ groups over more than one device with the same ``devices``, not sharded by ZeRO)
 summed by one ring all-reduce over their concatenation (``BucketRing``): its members
 in backward order, each op's groups in group order. A ring starts once its last
 member's gradient is made: after the backward of its ``closing`` op, while the rest of
-the backward goes on. The executor (``executor/program.py``) and the simulator
+the backward goes on. The groups ZeRO shards over the same devices are summed alike by
+one reduce-scatter (``BucketScatter``), so that each member ends with the sum of its
+rows of every one of them, as DeepSpeed's ZeRO and FSDP reduce-scatter a bucket (or a
+wrapped unit) at once. The executor (``executor/program.py``) and the simulator
 (``sim/taskgraph.py``) both take their rings from here.
 """
 
@@ -26,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from onnx2soap.ir import Graph, TensorRole
-from onnx2soap.soap.partition import ReplicaGroup, rect_volume
+from onnx2soap.soap.partition import Interval, ReplicaGroup, rect_volume
 from onnx2soap.soap.zero import Zero, ZeroStage, zero_group
 
 DEFAULT_BUCKET_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
@@ -150,6 +153,97 @@ def all_rings(
         for ring in bucket_rings(b, buckets.summed(b), groups, zero):
             closing.setdefault(ring.closing, []).append(ring)
     return {i: tuple(rings) for i, rings in closing.items()}
+
+
+@dataclass(frozen=True)
+class BucketScatter:
+    """One reduce-scatter of a bucket: the gradients of ``members`` ((op index, group
+    index), in backward order), groups ZeRO shards over ``devices``, summed as one flat
+    run laid out shard-major: member position 0's rows of every member in member order,
+    then position 1's, and so on, so that each position's ``chunks`` entry is one run,
+    of which it ends with the sum. ``runs``: per member, its group's shard runs in its
+    own flat buffer (``ZeroGroup.chunks``)."""
+
+    bucket: int
+    devices: tuple[int, ...]
+    members: tuple[tuple[int, int], ...]
+    runs: tuple[tuple[Interval, ...], ...]
+
+    @property
+    def closing(self) -> int:
+        """The op after whose backward it starts: its last member's."""
+        return self.members[-1][0]
+
+    @property
+    def name(self) -> str:
+        return scatter_name(self.bucket, self.devices)
+
+    @property
+    def numel(self) -> int:
+        return sum(hi - lo for runs in self.runs for lo, hi in runs)
+
+    def chunks(self) -> tuple[Interval, ...]:
+        """Each member position's run of the flat run."""
+        return shard_major(self.runs)[1]
+
+
+def shard_major(
+    runs: Sequence[tuple[Interval, ...]],
+) -> tuple[tuple[tuple[int, Interval], ...], tuple[Interval, ...]]:
+    """Arrays whose member position ``p`` owns run ``runs[a][p]`` of array ``a``, laid
+    out as one flat run shard-major: (array index, run) of each piece in that order,
+    and each position's run of the whole (the rings' ``chunks``)."""
+    positions = len(runs[0]) if runs else 0
+    pieces, chunks, at = [], [], 0
+    for p in range(positions):
+        start = at
+        for a, own in enumerate(runs):
+            pieces.append((a, own[p]))
+            at += own[p][1] - own[p][0]
+        chunks.append((start, at))
+    return tuple(pieces), tuple(chunks)
+
+
+def scatter_name(bucket: int, devices: tuple[int, ...]) -> str:
+    """The simulator's and the executor's trace's name of a bucket's reduce-scatter."""
+    return f"reduce-scatter bucket {bucket} on {','.join(map(str, devices))}"
+
+
+def bucket_scatters(
+    bucket: int,
+    ops: Sequence[int],
+    groups: Callable[[int], Sequence[ReplicaGroup]],
+    zero: Zero | ZeroStage,
+) -> tuple[BucketScatter, ...]:
+    """The reduce-scatters of bucket ``bucket`` (its ``ops`` in backward order), one per
+    device set of its sharded groups, in the order their first members come."""
+    members: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    runs: dict[tuple[int, ...], list[tuple[Interval, ...]]] = {}
+    for i in ops:
+        for g, group in enumerate(groups(i)):
+            sharded = zero_group(group, zero)
+            if sharded is None or len(group.devices) < 2:
+                continue
+            members.setdefault(group.devices, []).append((i, g))
+            runs.setdefault(group.devices, []).append(sharded.chunks)
+    return tuple(
+        BucketScatter(bucket, devices, tuple(m), tuple(runs[devices]))
+        for devices, m in members.items()
+    )
+
+
+def all_scatters(
+    buckets: Buckets,
+    groups: Callable[[int], Sequence[ReplicaGroup]],
+    zero: Zero | ZeroStage,
+) -> dict[int, tuple[BucketScatter, ...]]:
+    """Every bucket's reduce-scatters by the op they start after, in the order they
+    start there (before the bucket's rings)."""
+    closing: dict[int, list[BucketScatter]] = {}
+    for b in range(len(buckets.ops)):
+        for scatter in bucket_scatters(b, buckets.summed(b), groups, zero):
+            closing.setdefault(scatter.closing, []).append(scatter)
+    return {i: tuple(s) for i, s in closing.items()}
 
 
 def check_bucket_mb(value: float) -> float:

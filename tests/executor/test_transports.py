@@ -218,6 +218,22 @@ def test_a_bucket_rings_over_its_gradients_as_one_run():
     assert len(sent) == 2 and sent[0][0] is MPI.BOTTOM and sent[1] is not None
 
 
+def test_a_bucket_reduce_scatters_its_gradients_as_one_run():
+    """ZeRO's bucket (soap/buckets.py): rank 0 of 2 owns rows [0, 4) of A and [0, 1) of
+    B, laid out first in the shard-major run; its one step sends its run of the peer's
+    (A[4:6], B[1:4]) and adds the peer's ones into its own, in the arrays themselves."""
+    a, b = np.arange(6, dtype=np.float64), np.arange(10, 14, dtype=np.float64)
+    transport = MpiTransport(MPI.COMM_SELF, CpuDevice())
+    transport._groups[(0, 1)] = _PeerOfOnes()
+    pending = transport.reduce_scatter_all(
+        [a, b.reshape(2, 2)], (0, 1), [((0, 4), (4, 6)), ((0, 1), (1, 4))]
+    )
+    transport.wait(pending)
+    np.testing.assert_array_equal(a, [1, 2, 3, 4, 4, 5])
+    np.testing.assert_array_equal(b, [11, 11, 12, 13])
+    assert transport.bytes_sent == 5 * 8  # the peer's run: 2 + 3 elements
+
+
 def test_closing_frees_the_groups_so_a_process_can_train_plan_after_plan():
     """MPI has about two thousand communicator contexts a process (MPICH: 2046 here):
     a process that trains one plan after another (benchmarks/interleave.py, the

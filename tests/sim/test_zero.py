@@ -22,14 +22,17 @@ from dataclasses import replace
 
 import pytest
 
+from onnx2soap.importer import load_model
 from onnx2soap.precision import Precision
 from onnx2soap.sim import RooflineCost, make_simulator
 from onnx2soap.sim.delta import DeltaSimulator
 from onnx2soap.sim.memory import OpMemory, _op_bytes, total
 from onnx2soap.sim.simulate import simulate
 from onnx2soap.soap import ParallelConfig, Partitioner, Strategy, analyze
+from onnx2soap.soap.buckets import scatter_name
 from onnx2soap.soap.zero import ZeroStage
 from tests.sim.tiny import round_machine, tiny_graph
+from tests.soap.test_buckets import three_gemms
 
 NS, US = 1e-9, 1e-6
 ADAM = 2
@@ -69,7 +72,7 @@ def test_zero_step_by_hand(tmp_path, stage: ZeroStage) -> None:
     named = {}
     for i, name in enumerate(tg.names):
         named.setdefault(name, []).append(i)
-    (scatter,) = named["reduce-scatter W"]
+    (scatter,) = named[scatter_name(0, (0, 1, 2))]  # W's bucket's
     (gather,) = named["all-gather W"]
     updates = named["update W"]
     assert [tg.duration[i] for i in updates] == pytest.approx([24 * NS, 24 * NS, 16 * NS])
@@ -190,3 +193,34 @@ def test_zero3_in_bf16_gathers_the_half_format_copy(tmp_path) -> None:
     (gather,) = [i for i, name in enumerate(tg.names) if name == "all-gather W"]
     assert tg.duration[gather] == pytest.approx(2 * (2 + 24) * US, rel=1e-9)
     assert sim.evaluate(pg).bytes_moved == 2 * 32 * 2 + 2 * 32 * 4
+
+
+def test_a_buckets_sharded_gradients_reduce_scatter_together(tmp_path) -> None:
+    """Three Gemms with biases (tests/soap/test_buckets.py: 484 floats of weights, one
+    bucket), data parallel over 2 devices under ZeRO-2: one reduce-scatter of all six
+    sharded gradients after the first Gemm's backward, where there had been one per
+    weight. Laid out shard-major, each member's runs are 242 floats: one lock-step step
+    of 968 bytes, 2 us + 968 us. Every update waits for it; delta simulation agrees."""
+    graph = load_model(three_gemms(tmp_path / "m.onnx"), batch=4).graph
+    space = analyze(graph)
+    configs = {
+        op.name: ParallelConfig(tuple(2 if d.name == "n" else 1 for d in space[op.name]), (0, 1))
+        for op in graph.ops
+    }
+    strategy = Strategy(2, configs)
+    partitioner = Partitioner(graph)
+    pg = partitioner.partition(strategy)
+    sim = make_simulator(round_machine(2), RooflineCost(), ADAM, zero=ZeroStage.GRADIENTS)
+    tg = sim.task_graph(pg, names=True)
+    timeline = simulate(tg)
+    scatters = [i for i, n in enumerate(tg.names) if n.startswith("reduce-scatter")]
+    assert [tg.names[i] for i in scatters] == [scatter_name(0, (0, 1))]
+    (scatter,) = scatters
+    assert tg.duration[scatter] == pytest.approx((2 + 968) * US)
+    first_backward = max(i for i, n in enumerate(tg.names) if n.startswith("bwd gemm1"))
+    assert timeline.start[scatter] >= timeline.end[first_backward]
+    updates = [i for i, n in enumerate(tg.names) if n.startswith("update ")]
+    assert len(updates) == 2 * 6
+    assert min(timeline.start[i] for i in updates) >= timeline.end[scatter]
+    ev = sim.evaluate(pg)
+    assert DeltaSimulator(sim, partitioner).evaluate(strategy)[0] == ev

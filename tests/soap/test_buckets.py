@@ -14,10 +14,14 @@ from onnx2soap.soap.buckets import (
     MIB,
     BucketRing,
     Buckets,
+    BucketScatter,
     all_rings,
+    all_scatters,
     bucket_rings,
+    bucket_scatters,
     check_bucket_mb,
     gradient_buckets,
+    shard_major,
     weight_bytes,
 )
 from onnx2soap.soap.partition import ReplicaGroup
@@ -120,6 +124,32 @@ def test_zero_reduce_scatters_what_it_shards_outside_the_buckets() -> None:
     w5's halves (2 rows each); the bias (1 row) stays whole and in the bucket's ring."""
     rings = bucket_rings(0, (5, 3, 1), GROUPS.__getitem__, ZeroStage.GRADIENTS)
     assert rings == (BucketRing(0, (0, 1), ((5, 2),), 4),)
+
+
+def test_zero_reduce_scatters_a_buckets_shards_together() -> None:
+    """The groups ZeRO shards in the bucket, per device set: w5's first half and w1 over
+    (0, 1), w5's second half over (2, 3). A group's rows split in two runs of its flat
+    buffer (4 elements a row): w5's half [0, 4) and [4, 8), w1's [0, 16) and [16, 32).
+    Laid out shard-major, member 0 owns w5's first run then w1's: one run [0, 20)."""
+    scatters = bucket_scatters(0, (5, 3, 1), GROUPS.__getitem__, ZeroStage.GRADIENTS)
+    assert scatters == (
+        BucketScatter(0, (0, 1), ((5, 0), (1, 0)), (((0, 4), (4, 8)), ((0, 16), (16, 32)))),
+        BucketScatter(0, (2, 3), ((5, 1),), (((0, 4), (4, 8)),)),
+    )
+    first = scatters[0]
+    assert first.closing == 1 and first.numel == 40
+    assert first.chunks() == ((0, 20), (20, 40))
+    assert first.name == "reduce-scatter bucket 0 on 0,1"
+    pieces, chunks = shard_major(first.runs)
+    assert pieces == ((0, (0, 4)), (1, (0, 16)), (0, (4, 8)), (1, (16, 32)))
+    assert chunks == first.chunks()
+    # without ZeRO nothing is reduce-scattered
+    assert bucket_scatters(0, (5, 3, 1), GROUPS.__getitem__, ZeroStage.NONE) == ()
+    by_op = all_scatters(Buckets(((5, 3), (1,))), GROUPS.__getitem__, ZeroStage.OPTIMIZER)
+    assert {i: [(x.bucket, x.devices) for x in xs] for i, xs in by_op.items()} == {
+        5: [(0, (0, 1)), (0, (2, 3))],
+        1: [(1, (0, 1))],
+    }
 
 
 def test_rings_by_the_op_they_start_after() -> None:
