@@ -24,8 +24,8 @@ cut (its *sharding*: an axis in equal chunks, chunk ``c`` on the node's device o
   first device: ``_data_parallel``); ops computed from weights alone (a
   tied weight's Identity, its Transpose) are cut as their first consumer reads them, on
   the first node; a weight-only one (``soap/copies.py``) each chunk copied on every
-  device that reads it (the LSTM weights' Slice x 4 -> Concat on every replica), but
-  inside a pipeline stage (``megatron_at``).
+  device that reads it (the LSTM weights' Slice x 4 -> Concat on every replica), inside
+  a pipeline stage (``megatron_at``) too.
 
 Every op with a rule is also split by samples over the nodes (task of node ``j`` and
 rank ``i`` on device ``j * tp + i``). ``tp`` is the largest divisor of the node size
@@ -139,7 +139,7 @@ def megatron_at(graph: Graph, space: Space, devices: int, tp: int) -> Strategy:
     aligned block of ``tp`` devices one node's): what a pipeline stage runs inside."""
     if devices % tp:
         raise ValueError(f"tensor-parallel degree {tp} does not divide {devices} devices")
-    return _plan(graph, space, devices, tp)[0]
+    return _plan(graph, space, devices, tp, copies=True)[0]
 
 
 def _plan(

@@ -32,6 +32,7 @@ from onnx2soap.sim.costs import CostModel
 from onnx2soap.soap import Partitioner, Strategy
 from onnx2soap.soap import validate as validate_strategy
 from onnx2soap.soap.candidates import candidates
+from onnx2soap.soap.copies import weight_only_ops
 from onnx2soap.soap.partition import ParallelConfig
 from onnx2soap.soap.pipeline import Pipeline, check_pipeline_plan
 from onnx2soap.soap.zero import ZeroStage, check_zero
@@ -69,6 +70,7 @@ class StageSpace:
         node = node_size(pricing.machine)
         self.degrees = tuple(_degrees(group, node) for group in self.groups)
         groups = find_groups(micro, space)
+        self.copied = weight_only_ops(micro)  # copied on a stage's devices, not split
         self.positions = _positions(micro, groups)
         self.counterparts = groups.counterparts
         self._megatron: dict[tuple[int, int], Strategy] = {}
@@ -77,7 +79,7 @@ class StageSpace:
         """Op name -> its config inside ``stage`` at tensor-parallel ``degree``."""
         group = self.groups[stage]
         if degree == 1:
-            return lambda name: replica_config(self.space[name], group)
+            return lambda name: replica_config(self.space[name], group, name in self.copied)
         key = (len(group), degree)
         if key not in self._megatron:
             self._megatron[key] = megatron_at(self.micro, self.space, len(group), degree)
@@ -85,7 +87,7 @@ class StageSpace:
 
         def config(name: str) -> ParallelConfig:
             c = inside[name]
-            return ParallelConfig(c.degrees, tuple(group[d] for d in c.devices))
+            return replace(c, devices=tuple(group[d] for d in c.devices))
 
         return config
 
@@ -113,9 +115,9 @@ class StageSpace:
         i = int(rng.integers(self.ops))
         s = bisect_right(at.cuts, i) - 1
         group, name = self.groups[s], self.micro.ops[i].name
-        choices = candidates(self.space[name], len(group))
+        choices = candidates(self.space[name], len(group), name in self.copied)
         c = choices[int(rng.integers(len(choices)))]
-        chosen = ParallelConfig(c.degrees, tuple(group[d] for d in c.devices))
+        chosen = replace(c, devices=tuple(group[d] for d in c.devices))
         bounds = (*at.cuts, self.ops)
         stage = {op.name for op in self.micro.ops[bounds[s] : bounds[s + 1]]}
         names = [name]
