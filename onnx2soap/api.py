@@ -91,7 +91,7 @@ def plan(
     built by ``strategy`` (a rule: ``"data-parallel"``, ``"megatron"``, ``"zero"``,
     ``"pipeline"``, ...). ``options``: the rest of ``onnx2soap plan``'s options by their
     names (``loss``, ``devices``, ``stages``, ``microbatches``, ``schedule``,
-    ``search``, ``margin``, ``beta``, ``sequence_parallel``, ``start``,
+    ``search``, ``margin``, ``beta``, ``sequence_parallel``, ``head_tail``, ``start``,
     ``bucket_mb``); docs/cli.md says what each does. Nothing is written: see
     ``Planned.save``."""
     request = PlanRequest(

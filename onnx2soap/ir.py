@@ -254,6 +254,12 @@ class LoopNest:
     # Dims that do no work per point (a lookup's vocabulary: one row is read, not all):
     # FLOPs count the points of the other dims only.
     free_dims: tuple[int, ...] = ()
+    # (queries, keys, block): a causal mask over two dims, query i seeing key j only
+    # where j <= i (global indices, aligned at the top left). The kernel runs a task's
+    # queries in blocks of ``block`` rows from its first, each block over every key up
+    # to its last row's and none past it (``ops/flash.py``): only those (query, key)
+    # pairs do work. None: every point does.
+    causal: tuple[int, int, int] | None = None
 
     @property
     def points(self) -> int:
@@ -264,8 +270,34 @@ class LoopNest:
         return self.work_points(tuple((0, d.size) for d in self.dims)) * self.flops_per_point
 
     def work_points(self, box) -> int:
-        """The points of ``box`` that do work (all but ``free_dims``)."""
-        return math.prod(hi - lo for i, (lo, hi) in enumerate(box) if i not in self.free_dims)
+        """The points of ``box`` that do work: all but ``free_dims``, and of the
+        ``causal`` pair of dims only the pairs the kernel computes."""
+        if self.causal is None:
+            return math.prod(hi - lo for i, (lo, hi) in enumerate(box) if i not in self.free_dims)
+        rows, keys, block = self.causal
+        rest = math.prod(
+            hi - lo
+            for i, (lo, hi) in enumerate(box)
+            if i not in self.free_dims and i != rows and i != keys
+        )
+        return rest * LoopNest.causal_pairs(box[rows], box[keys], block)
+
+    @staticmethod
+    def causal_pairs(rows: tuple[int, int], keys: tuple[int, int], block: int) -> int:
+        """The (query, key) pairs computed for the queries ``rows`` and keys ``keys``
+        (half-open global intervals): each block of ``block`` queries from ``rows[0]``
+        reads the keys of ``keys`` below its last query's index plus one."""
+        (lo, hi), (k0, k1) = rows, keys
+        if hi <= lo or k1 <= k0:
+            return 0
+        full, tail = divmod(hi - lo, block)
+        if k0 == 0 and k1 >= hi:  # no block's keys clipped: blocks j = 1..full end at lo + jb
+            return block * full * lo + block * block * full * (full + 1) // 2 + tail * hi
+        pairs = 0
+        for start in range(lo, hi, block):
+            end = min(hi, start + block)
+            pairs += (end - start) * max(0, min(k1, end) - k0)
+        return pairs
 
     def dim_index(self, name: str) -> int:
         for i, d in enumerate(self.dims):

@@ -81,6 +81,14 @@ def register(sub) -> None:
         "tensor-parallel blocks split along the sequence inside each node (Megatron-LM's "
         "sequence parallelism); their inputs all-gathered, the row-parallel sums scattered",
     )
+    p.add_argument(
+        "--no-head-tail",
+        dest="head_tail",
+        action="store_false",
+        help="with --strategy context: cut the sequence in one contiguous chunk a device; by "
+        "default, where the model has causal attention, it is cut in two chunks a device, "
+        "one from each end (head-tail), so every device has the same causal work",
+    )
     add_pipeline_options(p)
     p.add_argument("--search", choices=["mcmc", "none"], help="default: mcmc unless --strategy")
     p.add_argument(

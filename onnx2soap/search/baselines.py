@@ -155,10 +155,13 @@ def build(
     simulator: Simulator | None = None,
     ilp_options: IlpOptions | None = None,
     sequence_parallel: bool = False,
+    head_tail: bool = True,
 ) -> Built:
     """The strategy of ``rule``. Megatron reads the machine's nodes off ``simulator``
     (without one, all devices are one node), and splits the ops between its blocks by
-    the sequence where ``sequence_parallel``; the ILP prices configs with it (required)."""
+    the sequence where ``sequence_parallel``; the ILP prices configs with it (required);
+    context parallelism balances causal work by head and tail chunks unless not
+    ``head_tail``."""
     if rule is Rule.MEGATRON:
         node = devices if simulator is None else node_size(simulator.machine)
         return Built(megatron(graph, space, devices, node, sequence_parallel))
@@ -169,7 +172,7 @@ def build(
         if result.strategy is None:  # not built in time: data parallelism stands in
             return Built(data_parallel(graph, space, devices), result)
         return Built(result.strategy, result)
-    return Built(by_rule(rule, graph, space, devices, seed, simulator))
+    return Built(by_rule(rule, graph, space, devices, seed, simulator, head_tail))
 
 
 def by_rule(
@@ -179,6 +182,7 @@ def by_rule(
     devices: int,
     seed: int = 0,
     simulator: Simulator | None = None,
+    head_tail: bool = True,
 ) -> Strategy:
     if rule in (Rule.DATA_PARALLEL, Rule.ZERO):  # ZeRO's splits are data parallelism's
         return data_parallel(graph, space, devices)
@@ -192,7 +196,7 @@ def by_rule(
         return staged_strategy(graph, space, simulator)
     if rule is Rule.CONTEXT:
         node = devices if simulator is None else node_size(simulator.machine)
-        return context_parallel(graph, space, devices, node)
+        return context_parallel(graph, space, devices, node, head_tail)
     if rule in (Rule.MEGATRON, Rule.ILP):
         return build(rule, graph, space, devices, seed, simulator).strategy
     return random_strategy(graph, space, devices, np.random.default_rng(seed))

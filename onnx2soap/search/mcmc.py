@@ -526,10 +526,14 @@ def _sequence_starts(graph: Graph, space, simulator: Simulator) -> dict[str, Str
     if devices == 1:
         return {}
     sp = build(Rule.MEGATRON, graph, space, devices, 0, simulator, sequence_parallel=True)
-    return {
-        Rule.CONTEXT.value: build(Rule.CONTEXT, graph, space, devices, 0, simulator).strategy,
-        "megatron-sequence-parallel": sp.strategy,
-    }
+    context = build(Rule.CONTEXT, graph, space, devices, 0, simulator).strategy
+    starts = {Rule.CONTEXT.value: context, "megatron-sequence-parallel": sp.strategy}
+    # the rule balances causal work by head and tail chunks, which moves K and V in
+    # smaller pieces: contiguous chunks start too, and the walk keeps the faster
+    contiguous = build(Rule.CONTEXT, graph, space, devices, 0, simulator, head_tail=False)
+    if contiguous.strategy != context:
+        starts["context-contiguous"] = contiguous.strategy
+    return starts
 
 
 # The most the starts' simulations may hold together, in tasks plus tile overlaps of

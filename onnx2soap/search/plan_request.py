@@ -35,6 +35,7 @@ class PlanRequest:
     strategy: str | None = None  # a rule (search/baselines.py) instead of the search
     zero_stage: int | None = None
     sequence_parallel: bool = False
+    head_tail: bool = True  # context parallelism's causal balancing (--no-head-tail: off)
     stages: int | None = None
     microbatches: int | None = None
     schedule: str | None = None
@@ -118,6 +119,8 @@ def _rule(request: PlanRequest) -> tuple[Rule | None, bool]:
         )
     if r.sequence_parallel and r.strategy != Rule.MEGATRON.value:
         raise UserError("--sequence-parallel goes with --strategy megatron")
+    if not r.head_tail and r.strategy != Rule.CONTEXT.value:
+        raise UserError("--no-head-tail goes with --strategy context")
     if r.start and r.strategy:
         raise UserError("--start gives the plan to start from; it cannot go with --strategy")
     if r.start and r.recompute != "none":

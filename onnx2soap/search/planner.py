@@ -403,6 +403,7 @@ def _by_rule(
             simulator,
             ilp_options,
             sequence_parallel=r.sequence_parallel,
+            head_tail=r.head_tail,
         )
     for b in BASELINES:
         if b not in built:

@@ -204,27 +204,55 @@ def test_sequence_parallel_megatron_trains_like_one_device(llm_onnx, tmp_path: P
 
 
 def test_context_parallel_plan_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
-    """``--strategy context`` on 4 ranks of a Llama: every op along the sequence (8 tokens,
-    2 a rank), the attention along its queries reading every key; the ranks train exactly
-    like one device."""
+    """``--strategy context`` on 4 ranks of a Llama: every op along the sequence, the
+    attention along its queries reading every key; its mask is causal, so the 8 tokens
+    are cut in 8 chunks, rank i holding chunks i and 7 - i (head-tail), and the ops
+    between the attentions (norms, MLP, residual adds) are cut alike, so nothing moves
+    between them; the ranks train exactly like one device. ``--no-head-tail`` cuts one
+    contiguous chunk a rank."""
     from onnx2soap.importer import load_model
-    from onnx2soap.soap import analyze
+    from onnx2soap.soap import Partitioner, analyze
 
     path, data, losses, weights = _llama_reference(llm_onnx, tmp_path)
     plan = tmp_path / "cp.json"
     doc = _rule_plan(path, plan, 4, BATCH, "--strategy", "context")
     graph = load_model(path, BATCH).graph
+    configs = {op.name: op for op in doc.ops}
     degrees = {op.name: dict(op.degrees) for op in doc.ops}
     space = analyze(graph)
+    head_tail = (0, 1, 2, 3, 3, 2, 1, 0)
     for attention in (op for op in graph.ops if op.type == "Attention"):
-        assert degrees[attention.name] == {"m": 4}, degrees[attention.name]
+        assert degrees[attention.name] == {"m": 8}, degrees[attention.name]
+        assert configs[attention.name].devices == head_tail
     tokens = graph.tensors[graph.inputs[0]].shape[1]
     by_sequence = [
         op
         for op in graph.ops
-        if any(d.size == tokens and degrees[op.name].get(d.name) == 4 for d in space[op.name])
+        if any(d.size == tokens and degrees[op.name].get(d.name) == 8 for d in space[op.name])
     ]
     assert len(by_sequence) > len(graph.ops) // 2
+    assert all(configs[op.name].devices == head_tail for op in by_sequence)
+    # tiles cross devices on the edges the contiguous plan's cross alone: into the
+    # attention (K and V), from the tied embedding's weight, from the rotary frequencies
+    types = {op.name: op.type for op in graph.ops}
+
+    def crossing(plan_doc) -> set[tuple[str, str]]:
+        pg = Partitioner(graph).partition(plan_doc.strategy(graph, space))
+        return {
+            (types[e.producer], types[e.consumer])
+            for e in pg.edges
+            for o in e.overlaps
+            if pg.tasks[e.producer][o.src_task].device != pg.tasks[e.consumer][o.dst_task].device
+        }
+
+    contiguous = _rule_plan(
+        path, tmp_path / "cpc.json", 4, BATCH, "--strategy", "context", "--no-head-tail"
+    )
+    for op in contiguous.ops:
+        if types[op.name] == "Attention":
+            assert dict(op.degrees) == {"m": 4} and op.devices == (0, 1, 2, 3)
+    moved = crossing(doc)
+    assert ("Slice", "Attention") in moved and moved == crossing(contiguous), moved
     _trains_like(plan, 4, tmp_path, data, losses, weights)
 
 
@@ -240,8 +268,9 @@ def test_context_parallel_with_zero3_trains_like_one_device(llm_onnx, tmp_path: 
 
 def test_one_long_sequence_over_ranks_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
     """One sequence, context parallelism over 2 ranks: every op, the loss too, splits the
-    positions (the loss's partial sums, as a split batch's); nothing lands whole on one
-    rank, and the ranks train exactly like one device."""
+    positions (the loss's partial sums, as a split batch's), in head and tail chunks (4,
+    on ranks 0, 1, 1, 0: the mask is causal); nothing lands whole on one rank, and the
+    ranks train exactly like one device."""
     from onnx2soap.importer import load_model
 
     path, data, losses, weights = _llama_reference(llm_onnx, tmp_path, batch=1)
@@ -249,5 +278,6 @@ def test_one_long_sequence_over_ranks_trains_like_one_device(llm_onnx, tmp_path:
     doc = _rule_plan(path, plan, 2, 1, "--strategy", "context")
     graph = load_model(path, 1).graph
     ops = {op.name: op for op in doc.ops}
-    assert max(dict(ops[graph.loss_op.name].degrees).values()) == 2  # its positions
+    loss = ops[graph.loss_op.name]
+    assert max(dict(loss.degrees).values()) == 4 and loss.devices == (0, 1, 1, 0)  # positions
     _trains_like(plan, 2, tmp_path, data, losses, weights)

@@ -124,8 +124,8 @@ def convert(
         operands.append(_mask_operand(ctx, mask, (b, h, m, n)))
     causal = bool(is_causal)
     # per point of [b, h, m, d, n]: both products' multiply-adds, the softmax's share;
-    # a causal mask skips the tiles past the diagonal, about half of them
-    per_point = (2 * e + 2 * d + _SOFTMAX_FLOPS) / d / (2 if causal else 1)
+    # under a causal mask only the points the kernel computes count (``_causal_work``)
+    per_point = (2 * e + 2 * d + _SOFTMAX_FLOPS) / d
     scale = 1 / math.sqrt(e) if scale is None else float_attribute(scale)
     if not 0.0 <= dropout_ratio < 1.0:
         raise ctx.fail(f"dropout_ratio={dropout_ratio}; accepted: 0 <= ratio < 1")
@@ -134,11 +134,27 @@ def convert(
         scale, causal, mask is not None, float_attribute(dropout_ratio), int(dropout_seed), boolean
     )
     op = make_op(ctx, operands, attrs, dims, range(4), max(1, round(per_point)))
+    if causal:
+        op = replace(op, nest=replace(op.nest, causal=_causal_work(b * h, n)))
     if group == 1:
         return op
     dims = list(op.nest.dims)
     dims[1] = replace(dims[1], granule=group)
     return replace(op, nest=replace(op.nest, dims=tuple(dims)))
+
+
+def _causal_work(batch_heads: int, keys: int) -> tuple[int, int, int]:
+    """The nest's causal pair (queries ``m``, keys ``k``) and the rows a block the
+    kernel skips by: each block of queries computes every key up to its last row's
+    (the diagonal tile whole, masked), none past it, so a task's work is that staircase,
+    wherever its queries lie (the last of contiguous chunks does the most). The block
+    is the whole op's (``flash.blocks``: 128 rows where batch x heads is at most 64, as
+    LLaMA's 32 heads a sequence; down to 16 beyond, where a task split by samples or
+    heads runs larger blocks than counted: its diagonal tiles, a block/rows share of its
+    work, bigger). A mask given as a tensor is not skipped by, every tile computed: no
+    causal pair."""
+    block, _ = flash.blocks(batch_heads, flash.CAUSAL_BLOCK_Q, keys, flash.Problem(1.0, True))
+    return (2, 4, block)
 
 
 def _mask(ctx: NodeContext) -> Tensor | None:
