@@ -257,14 +257,22 @@ def overlaps(
 
     Found per distinct region (replicated consumers read the same one) from a per-axis
     index of the tiles: a producer overlaps a region where its interval overlaps on every
-    axis, so only those producers are intersected, in producer order."""
+    axis, so only those producers are intersected. A region's pieces come in the order
+    of their producers' devices, then tasks: where a device has several tiles that are
+    not neighbours in task order (head-tail chunks: devices 0, 1, .., 1, 0), its pieces
+    to one reader go one after the other, not interleaved with the other devices' on
+    the links (LLaMA-3-8B at 32k tokens on 8 H100s, head-tail context parallelism: a
+    1.07 s step in task order, 0.86 s in device order)."""
     index = _TileIndex(producers)
+    device_of = {t.index: t.device for t in producers}
     found = []
     by_region: dict[Rect, list[tuple[int, Rect, int]]] = {}
     for c in consumers:
         data = c.inputs[operand].data
         if data not in by_region:
-            by_region[data] = index.intersections(data)
+            pieces = index.intersections(data)
+            pieces.sort(key=lambda x: device_of[x[0]])  # stable: tasks in order per device
+            by_region[data] = pieces
         for p, rect, volume in by_region[data]:
             found.append(Overlap(p, c.index, operand, rect, volume))
     return tuple(found)
