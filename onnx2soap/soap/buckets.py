@@ -148,11 +148,17 @@ def all_rings(
 ) -> dict[int, tuple[BucketRing, ...]]:
     """Every bucket's rings by the op they start after (``BucketRing.closing``), in
     the order they start there."""
-    closing: dict[int, list[BucketRing]] = {}
+    return _by_closing(buckets, lambda b, ops: bucket_rings(b, ops, groups, zero))
+
+
+def _by_closing(buckets: Buckets, made: Callable[[int, tuple[int, ...]], Sequence]) -> dict:
+    """What ``made(bucket, its summed ops)`` gives for every bucket, by the op each one
+    starts after (its ``closing``), in the order they start there."""
+    closing: dict[int, list] = {}
     for b in range(len(buckets.ops)):
-        for ring in bucket_rings(b, buckets.summed(b), groups, zero):
-            closing.setdefault(ring.closing, []).append(ring)
-    return {i: tuple(rings) for i, rings in closing.items()}
+        for summed in made(b, buckets.summed(b)):
+            closing.setdefault(summed.closing, []).append(summed)
+    return {i: tuple(found) for i, found in closing.items()}
 
 
 @dataclass(frozen=True)
@@ -239,11 +245,7 @@ def all_scatters(
 ) -> dict[int, tuple[BucketScatter, ...]]:
     """Every bucket's reduce-scatters by the op they start after, in the order they
     start there (before the bucket's rings)."""
-    closing: dict[int, list[BucketScatter]] = {}
-    for b in range(len(buckets.ops)):
-        for scatter in bucket_scatters(b, buckets.summed(b), groups, zero):
-            closing.setdefault(scatter.closing, []).append(scatter)
-    return {i: tuple(s) for i, s in closing.items()}
+    return _by_closing(buckets, lambda b, ops: bucket_scatters(b, ops, groups, zero))
 
 
 def check_bucket_mb(value: float) -> float:
