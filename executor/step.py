@@ -708,8 +708,7 @@ class Step:
         """Start the sum of a gradient bucket's replica groups, their gradients as one
         run (soap/buckets.py); ``end_step`` completes it (the backward pass goes on
         meanwhile)."""
-        groups, ops = self.rt.pg.groups, self.rt.graph.ops
-        keys = ((g.weight, g.rect) for g in (groups[ops[i].name][k] for i, k in ins.members))
+        keys = self._member_keys(ins.members)
         grads = [self.buf.gradient(key, self.xp) for key in keys]
         self.reductions.append(self.rt.transport.allreduce_all(grads, ins.devices))
 
@@ -720,12 +719,16 @@ class Step:
         that a rank holds at most one bucket's in flight besides the bucket its
         backward fills (the memory model counts the same)."""
         self.finish_scatters()
-        groups, ops = self.rt.pg.groups, self.rt.graph.ops
-        keys = [(g.weight, g.rect) for g in (groups[ops[i].name][k] for i, k in ins.members)]
+        keys = self._member_keys(ins.members)
         grads = [self.buf.gradient(key, self.xp) for key in keys]
         runs = [self.rt.zero[key].chunks for key in keys]
         pending = self.rt.transport.reduce_scatter_all(grads, ins.devices, runs)
         self.scatters.append((tuple(keys), pending))
+
+    def _member_keys(self, members: tuple[tuple[int, int], ...]) -> list[tuple]:
+        """The shard keys of a bucket's (op, group) members, in member order."""
+        groups, ops = self.rt.pg.groups, self.rt.graph.ops
+        return [(g.weight, g.rect) for g in (groups[ops[i].name][k] for i, k in members)]
 
     def finish_scatters(self) -> None:
         """Complete the reduce-scatters in flight; at ZeRO-2 the step keeps only the

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Mapping
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.buckets import (
     BucketRing,
-    Buckets,
     BucketScatter,
     bucket_rings,
     bucket_scatters,
@@ -62,12 +61,13 @@ def widest(
 
 
 def bucket_sums(
-    buckets: Buckets, groups, zero: Zero | ZeroStage
-) -> Iterable[BucketRing | BucketScatter]:
-    """Every bucket's reduce-scatters and rings."""
-    for b in range(len(buckets.ops)):
-        yield from bucket_scatters(b, buckets.summed(b), groups, zero)
-        yield from bucket_rings(b, buckets.summed(b), groups, zero)
+    bucket: int, ops: tuple[int, ...], groups, zero: Zero | ZeroStage
+) -> tuple[BucketRing | BucketScatter, ...]:
+    """Bucket ``bucket``'s reduce-scatters and rings (``ops``: the ops it sums)."""
+    return (
+        *bucket_scatters(bucket, ops, groups, zero),
+        *bucket_rings(bucket, ops, groups, zero),
+    )
 
 
 def ring_widest(
@@ -79,7 +79,11 @@ def ring_widest(
     def groups(i: int):
         return pg.groups[ops[i].name]
 
-    return widest(bucket_sums(gradient_buckets(pg.graph, bucket_mb), groups, zero), itemsize)
+    buckets = gradient_buckets(pg.graph, bucket_mb)
+    sums = (
+        x for b in range(len(buckets.ops)) for x in bucket_sums(b, buckets.summed(b), groups, zero)
+    )
+    return widest(sums, itemsize)
 
 
 def ring_scratch(held: Mapping[tuple[int, ...], int], devices: int) -> list[int]:

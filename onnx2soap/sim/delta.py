@@ -27,7 +27,7 @@ import numpy as np
 
 from onnx2soap.ir import TensorRole
 from onnx2soap.sim import Evaluation, Simulator
-from onnx2soap.sim.bucket_memory import Widest, ring_scratch, widest
+from onnx2soap.sim.bucket_memory import Widest, bucket_sums, ring_scratch, widest
 from onnx2soap.sim.heap import collector_paused
 from onnx2soap.sim.memory import (
     EdgeMemory,
@@ -55,7 +55,7 @@ from onnx2soap.sim.taskgraph import (
     slot_kinds,
 )
 from onnx2soap.soap import Edge, ParallelConfig, PartitionedGraph, Partitioner, Strategy
-from onnx2soap.soap.buckets import bucket_rings, bucket_scatters, gradient_buckets
+from onnx2soap.soap.buckets import gradient_buckets
 from onnx2soap.soap.partition import SumGroup, stat_groups
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
@@ -456,9 +456,8 @@ class DeltaSimulator:
             key = (b, *(strategy[ops[i].name] for i in bucket))
             if key not in self.ring_memory_memo:
                 summed, groups = self.buckets.summed(b), self._groups_of(strategy)
-                rings = bucket_rings(b, summed, groups, sim.zero)
-                scatters = bucket_scatters(b, summed, groups, sim.zero)
-                self.ring_memory_memo[key] = widest((*scatters, *rings), sim.itemsize)
+                sums = bucket_sums(b, summed, groups, sim.zero)
+                self.ring_memory_memo[key] = widest(sums, sim.itemsize)
             for devices, n in self.ring_memory_memo[key].items():
                 held[devices] = max(held.get(devices, 0), n)
         return ring_scratch(held, sim.machine.size)
