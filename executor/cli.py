@@ -40,6 +40,7 @@ ABORT_GRACE_S = 0.3
 MAX_STEPS = 10**9
 MAX_SEED = 2**63 - 1  # numpy seeds are non-negative
 MAX_LR = 1e6
+MAX_RANKS_PER_HOST = 1 << 16
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
 
@@ -178,6 +179,15 @@ def add_device_options(run: argparse.ArgumentParser) -> None:
         "pinned host memory; several ranks may share a GPU), mpi-cuda (a CUDA-aware MPI), "
         "nccl (one rank per GPU); auto: nccl when every rank has its own GPU, else "
         "mpi-host on GPUs and mpi on CPUs",
+    )
+    run.add_argument(
+        "--ranks-per-host",
+        type=int_in(1, MAX_RANKS_PER_HOST),
+        default=0,
+        metavar="N",
+        help="take every N consecutive ranks as one host (default: the hosts MPI reports, "
+        "ranks sharing memory); MPI transports all-reduce over several hosts in two "
+        "levels, inside each host and then across, which this tries on one host",
     )
 
 
@@ -413,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         init_weights=args.init_weights,
         device=DeviceKind(args.device) if args.device else None,
         transport=TransportKind(args.transport),
+        ranks_per_host=args.ranks_per_host,
     )
     progress = Progress(args.steps, args.json, args.metrics, resumed=args.resume is not None)
     try:

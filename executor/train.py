@@ -81,6 +81,7 @@ class RunOptions:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: DeviceKind | None = None  # None: a GPU when cupy sees one, else the CPU
     transport: TransportKind = TransportKind.AUTO
+    ranks_per_host: int = 0  # 0: the hosts MPI sees; N: every N consecutive ranks a host
     checkpoint: Path | None = None  # a folder of checkpoints
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end or a stop)
     resume: Path | None = None  # a checkpoint folder to continue from
@@ -469,7 +470,7 @@ def train(
     bell = Doorbell.open(comm) if nap else None  # ranks that share cores sleep on it
     if nap:
         nap_precisely()
-    transport = make_transport(options.transport, comm, device, nap, bell)
+    transport = make_transport(options.transport, comm, device, nap, bell, options.ranks_per_host)
     s = agreed_setup(comm, options)
     if options.save_model is not None:
         _agree_on(comm, lambda: check_saveable(s.model.path, s.model.graph, options.save_model))

@@ -46,11 +46,14 @@ from executor.doorbell import LONGEST_NAP_S, Doorbell, GroupBell
 from executor.kinds import DeviceKind, TransportKind
 from onnx2soap.soap.buckets import shard_major
 from onnx2soap.soap.collectives import (
+    HostRings,
     RingStep,
     all_gather_steps,
+    host_rings,
     reduce_scatter_steps,
     ring_chunks,
     ring_steps,
+    takes_two_levels,
 )
 from onnx2soap.soap.partition import Interval
 
@@ -273,6 +276,39 @@ class _Ring:
         self.sending = None
 
 
+class _Chain:
+    """Rings one after another as one all-reduce (the two-level form over hosts,
+    ``soap/collectives.py HostRings``): each starts once the one before is complete on
+    this rank. Its rings have communicators of their own, so they match no other
+    ring's messages; chains over one device set run in the program's order (one queue)."""
+
+    def __init__(self, rings: Sequence[_Ring], flat: _Runs) -> None:
+        self.rings, self.flat, self.current = list(rings), flat, 0
+
+    @property
+    def done(self) -> bool:
+        return self.current == len(self.rings)
+
+    def advance(self) -> bool:
+        while self.current < len(self.rings):
+            if not self.rings[self.current].advance():
+                return False
+            self.current += 1
+        return True
+
+
+@dataclass(frozen=True)
+class _HostComms:
+    """A device set's two-level all-reduce on this rank: its host's communicator and
+    its cross-host ring's, with their doorbells (ranks that nap)."""
+
+    rings: HostRings
+    host: MPI.Comm
+    across: MPI.Comm
+    host_bell: GroupBell | None
+    across_bell: GroupBell | None
+
+
 @dataclass
 class _Outgoing:
     """A chunk a ring sends: what ``Isend`` is given, and what must outlive the send."""
@@ -348,9 +384,9 @@ class _RingQueues:
     """The rings started on each communicator, oldest first: only the oldest moves, so
     every member exchanges one ring's messages at a time, in the program's order."""
 
-    queues: dict[tuple[int, ...], deque[_Ring]] = field(default_factory=dict)
+    queues: dict[tuple[int, ...], deque[_Ring | _Chain]] = field(default_factory=dict)
 
-    def start(self, devices: tuple[int, ...], ring: _Ring) -> None:
+    def start(self, devices: tuple[int, ...], ring: _Ring | _Chain) -> None:
         self.queues.setdefault(devices, deque()).append(ring)
         self.progress()
 
@@ -417,7 +453,7 @@ class _MpiReceive:
 
 @dataclass(frozen=True)
 class _MpiReduce:
-    ring: _Ring
+    ring: _Ring | _Chain
     # mpi-host: the device arrays the host sums (``ring.flat``'s) are copied back to
     targets: tuple[Array, ...] = ()
 
@@ -437,11 +473,15 @@ class MpiTransport:
         staged: bool = False,
         nap: bool = False,
         bell: Doorbell | None = None,
+        hosts: tuple[int, ...] | None = None,
     ) -> None:
         """``nap``: sleep while waiting, on ``bell`` if given (see ``wait_patiently``),
-        which is rung for every message posted to a peer and received from one."""
+        which is rung for every message posted to a peer and received from one.
+        ``hosts``: each rank's host (``hosts_of``); all-reduces over ranks of several
+        hosts then take the two-level form (``soap/collectives.py host_rings``)."""
         self.comm, self.device, self.staged, self.nap = comm, device, staged, nap
-        self.bell = bell
+        self.bell, self.hosts = bell, hosts
+        self._host_comms: dict[tuple[int, ...], _HostComms] = {}
         self.rank = comm.Get_rank()
         self._counter = _Counter()
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
@@ -467,6 +507,23 @@ class MpiTransport:
                 self._groups[devices] = sub
                 if self.bell is not None:  # Split kept the world's order: key=rank
                     self._group_bells[devices] = GroupBell(self.bell, tuple(sorted(devices)))
+            rings = host_rings(devices, self.hosts)
+            if rings is not None:  # decided alike on every rank: from the set and hosts
+                self._make_host_comms(devices, rings)
+
+    def _make_host_comms(self, devices: tuple[int, ...], rings: HostRings) -> None:
+        """Two more communicators for the set's two-level all-reduce (every rank takes
+        part in both splits): its host's members, and its cross-host ring."""
+        place = rings.place(self.rank) if self.rank in devices else None
+        host = self.comm.Split(MPI.UNDEFINED if place is None else place[0], key=self.rank)
+        across = self.comm.Split(MPI.UNDEFINED if place is None else place[1], key=self.rank)
+        if place is None:
+            return
+        h, j = place
+        bells = (None, None)
+        if self.bell is not None:
+            bells = (GroupBell(self.bell, rings.hosts[h]), GroupBell(self.bell, rings.across()[j]))
+        self._host_comms[devices] = _HostComms(rings, host, across, *bells)
 
     def _host(self, array: Array) -> np.ndarray:
         if self.staged:
@@ -532,10 +589,35 @@ class MpiTransport:
         (staged: on host copies, copied back whole by ``wait``)."""
         xp = self.device.xp if self._direct_device else np
         flat = _Runs([self._host(a) for a in arrays], xp)
-        bell = self._group_bells.get(devices)
-        ring = _Ring(self._groups[devices], flat, self._counter, self.device, bell, chunks, steps)
+        two_level = None
+        if steps is ring_steps and takes_two_levels(flat.size * flat.itemsize):
+            two_level = self._host_comms.get(devices)
+        if two_level is not None:
+            ring: _Ring | _Chain = self._two_level(two_level, flat)
+        else:
+            bell = self._group_bells.get(devices)
+            comm = self._groups[devices]
+            ring = _Ring(comm, flat, self._counter, self.device, bell, chunks, steps)
         self._rings.start(devices, ring)
         return _MpiReduce(ring, tuple(arrays) if self.staged else ())
+
+    def _two_level(self, c: _HostComms, flat: _Runs) -> _Chain:
+        """The all-reduce's three phases on this rank (``soap/collectives.py``)."""
+        _, j = c.rings.place(self.rank)
+        inside = c.rings.host_chunks(flat.size)
+        across = c.rings.cross_chunks(flat.size, j)
+
+        def ring(comm, bell, chunks, steps) -> _Ring:
+            return _Ring(comm, flat, self._counter, self.device, bell, chunks, steps)
+
+        return _Chain(
+            (
+                ring(c.host, c.host_bell, inside, reduce_scatter_steps),
+                ring(c.across, c.across_bell, across, ring_steps),
+                ring(c.host, c.host_bell, inside, all_gather_steps),
+            ),
+            flat,
+        )
 
     def let_go(self) -> None:
         self._sends.retire()
@@ -575,6 +657,10 @@ class MpiTransport:
         # plan after plan (benchmarks/interleave.py, the probes) made a set each run.
         for sub in self._groups.values():
             sub.Free()
+        for c in self._host_comms.values():
+            c.host.Free()
+            c.across.Free()
+        self._host_comms.clear()
         self._groups.clear()
         self._group_bells.clear()
         self._made.clear()
@@ -629,13 +715,31 @@ def mpi_cuda_aware() -> bool:
     return False
 
 
+def hosts_of(comm: MPI.Comm, ranks_per_host: int = 0) -> tuple[int, ...]:
+    """Each rank's host, numbered by its first rank: the ranks that share memory (MPI's
+    ``COMM_TYPE_SHARED``), or, given ``ranks_per_host``, every so many consecutive
+    ranks (the two-level all-reduce tried on one host)."""
+    if ranks_per_host:
+        return tuple(r - r % ranks_per_host for r in range(comm.Get_size()))
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    first = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
+    shared.Free()
+    return tuple(comm.allgather(first))
+
+
 def make_transport(
-    kind: TransportKind, comm: MPI.Comm, device: Device, nap: bool, bell: Doorbell | None
+    kind: TransportKind,
+    comm: MPI.Comm,
+    device: Device,
+    nap: bool,
+    bell: Doorbell | None,
+    ranks_per_host: int = 0,
 ) -> Transport:
     """``auto``: NCCL when every rank has a GPU of its own, host staging when ranks
     share one, plain MPI on CPU ranks. ``nap``: ranks outnumber the cores
     (``oversubscribed``), and MPI transports' waits nap, or sleep on ``bell``
-    (``Doorbell.open``)."""
+    (``Doorbell.open``). MPI transports learn the ranks' hosts (``hosts_of``) for the
+    two-level all-reduce; NCCL chooses its own forms."""
     from executor.device import gpus_per_rank_ok
     from onnx2soap.errors import UserError
 
@@ -656,6 +760,7 @@ def make_transport(
         from executor.nccl import NcclTransport
 
         return NcclTransport(comm, device)
+    hosts = hosts_of(comm, ranks_per_host)
     if kind is TransportKind.MPI_CUDA:
         if not on_gpu:
             raise UserError("--transport mpi-cuda needs --device cuda")
@@ -664,9 +769,10 @@ def make_transport(
                 f"--transport mpi-cuda: this MPI ({MPI.Get_library_version().split()[0]}) "
                 "does not report CUDA support; use --transport mpi-host or nccl"
             )
-        return MpiTransport(comm, device, nap=nap, bell=bell)
+        return MpiTransport(comm, device, nap=nap, bell=bell, hosts=hosts)
     if kind is TransportKind.MPI and on_gpu:
         raise UserError(
             "--transport mpi moves host arrays; on --device cuda use mpi-host, mpi-cuda or nccl"
         )
-    return MpiTransport(comm, device, staged=kind is TransportKind.MPI_HOST, nap=nap, bell=bell)
+    staged = kind is TransportKind.MPI_HOST
+    return MpiTransport(comm, device, staged=staged, nap=nap, bell=bell, hosts=hosts)

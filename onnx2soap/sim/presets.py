@@ -226,6 +226,40 @@ def cpu(
     return Machine(f"cpu:{ranks}", devices, tuple(b.links), b.routes, transfers_use_compute=True)
 
 
+# A host's Ethernet between CPU hosts (25 Gb/s, and what a message's trip through the
+# kernel's network stack and the switch costs beyond shared memory's).
+HOST_NIC_BANDWIDTH, HOST_NIC_LATENCY = 25e9 / 8, 15e-6
+
+
+def cpu_hosts(
+    hosts: int,
+    per_host: int,
+    device: ComputeDevice = CPU_RANK,
+    bandwidth: float = 4e9,
+    latency: float = 5e-6,
+    nic: tuple[float, float] = (HOST_NIC_BANDWIDTH, HOST_NIC_LATENCY),
+) -> Machine:
+    """MPI ranks on several hosts, ``per_host`` each: a rank's ports into its host's
+    shared memory (as ``cpu``), and one network link each way a host (``nic``:
+    bandwidth, latency), which every message between two hosts crosses. Its ``nodes``
+    say which host each rank is on: all-reduces over several hosts are priced in the
+    transport's two-level form (``soap/collectives.py host_rings``)."""
+    b = _Builder()
+    total = hosts * per_host
+    out, into = _ports(b, "rank", total, bandwidth, latency)
+    nic_out, nic_in = _ports(b, "host-nic", hosts, *nic)
+    for a in range(total):
+        for c in range(total):
+            ha, hc = a // per_host, c // per_host
+            if a != c:
+                across = (nic_out[ha], nic_in[hc]) if ha != hc else ()
+                b.routes[(a, c)] = (out[a], *across, into[c])
+    devices = tuple(ComputeDevice(f"rank{i}", *_fields(device)) for i in range(total))
+    layout = NodeLayout(tuple(d // per_host for d in range(total)))
+    name = f"cpu-hosts:{hosts}x{per_host}"
+    return Machine(name, devices, tuple(b.links), b.routes, True, nodes=layout)
+
+
 def preset_names() -> dict[str, str]:
     return {**{k: v.description for k, v in CLUSTERS.items()}, "cpu": CPU_DESCRIPTION}
 

@@ -63,11 +63,14 @@ from onnx2soap.soap.buckets import (
     gradient_buckets,
 )
 from onnx2soap.soap.collectives import (
+    HostRings,
     RingStep,
     all_gather_steps,
+    host_rings,
     reduce_scatter_steps,
     ring_chunks,
     ring_steps,
+    takes_two_levels,
 )
 from onnx2soap.soap.partition import (
     Interval,
@@ -385,11 +388,16 @@ class Costs:
         says instead."""
         latency, bandwidth, _, _ = self._route(src, dst)
         ring = self.machine.ring_step_latency
+        copies = 2 if self.machine.transfers_use_compute else 1
+        nodes = self.machine.nodes
+        if nodes is not None and nodes.of[src] != nodes.of[dst]:
+            # between hosts: the network's latency where it is the longer, its bandwidth
+            # (the probed figures are a host's own)
+            return max(latency, ring or 0.0) + copies * nbytes / bandwidth
         latency = latency if ring is None else ring
         curve = self.machine.ring_step_curve
         if curve is not None:  # measured: the step's bytes as this host moves them
             return latency + curve.extra(nbytes)
-        copies = 2 if self.machine.transfers_use_compute else 1
         return latency + copies * nbytes / bandwidth
 
     def transfer(self, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float]:
@@ -443,8 +451,71 @@ class Costs:
         return self.memo.rings[key]
 
     def _ring(self, devices: tuple[int, ...], numel: int) -> tuple[float, tuple[int, ...], int]:
+        m = self.machine
+        if (
+            m.nodes is not None
+            and m.transfers_use_compute
+            and takes_two_levels(numel * self.itemsize)
+        ):
+            rings = host_rings(devices, m.nodes.of)
+            if rings is not None:  # ranks on several hosts: the transport's two levels
+                return self._two_level(rings, numel)
         chunks = ring_chunks(numel, len(devices))
         return self._schedule(devices, chunks, ring_steps, self.itemsize)
+
+    def _two_level(self, rings: HostRings, numel: int) -> tuple[float, tuple[int, ...], int]:
+        """The MPI transport's all-reduce over several hosts (``HostRings``): a
+        reduce-scatter inside every host, the hosts' rings side by side, an all-gather
+        inside every host; each phase's rings in lock step together."""
+        width = self.itemsize
+        inside = rings.host_chunks(numel)
+        phases = (
+            self._lockstep(rings.hosts, (inside,) * len(rings.hosts), reduce_scatter_steps, width),
+            self._lockstep(
+                rings.across(),
+                tuple(rings.cross_chunks(numel, j) for j in range(rings.local)),
+                ring_steps,
+                width,
+            ),
+            self._lockstep(rings.hosts, (inside,) * len(rings.hosts), all_gather_steps, width),
+        )
+        links = tuple(sorted({r for _, held, _ in phases for r in held}))
+        return sum(p[0] for p in phases), links, sum(p[2] for p in phases)
+
+    def _lockstep(
+        self,
+        groups: tuple[tuple[int, ...], ...],
+        chunks: tuple[tuple[Interval, ...], ...],
+        steps: Callable[[int, int], tuple[RingStep, ...]],
+        width: int,
+    ) -> tuple[float, tuple[int, ...], int]:
+        """Rings side by side (``groups[g]`` over ``chunks[g]``), a step of each at a
+        time: a step lasts as long as its slowest send, whose bytes are those of every
+        send that shares a link with it (the cross-host rings' sends share their hosts'
+        network links)."""
+        hops = [
+            (g, i, ring[i], ring[(i + 1) % len(ring)])
+            for g, ring in enumerate(groups)
+            for i in range(len(ring))
+        ]
+        routes = {(a, b): self.link_resources(a, b)[2:] for _, _, a, b in hops}
+        sharing: dict[int, int] = {}
+        for links in routes.values():
+            for r in links:
+                sharing[r] = sharing.get(r, 0) + 1
+        share = {key: max((sharing[r] for r in links), default=1) for key, links in routes.items()}
+        schedule = {(g, i): steps(i, len(groups[g])) for g, i, _, _ in hops}
+        seconds, nbytes = 0.0, 0
+        for s in range(len(schedule[0, 0])):
+            slowest = 0.0
+            for g, i, a, b in hops:
+                lo, hi = chunks[g][schedule[g, i][s].send_chunk]
+                sent = (hi - lo) * width
+                nbytes += sent
+                slowest = max(slowest, self.ring_step_time(a, b, sent * share[(a, b)]))
+            seconds += slowest
+        held = {r for _, _, a, b in hops for r in self.link_resources(a, b)}
+        return seconds, tuple(sorted(held)), nbytes
 
     def _schedule(
         self,

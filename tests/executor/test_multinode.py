@@ -57,10 +57,14 @@ def launch(tmp_path: Path) -> tuple[str, ...]:
 def machine_yaml(nodes: int, per_node: int) -> str:
     """A machine file of ``nodes`` nodes of ``per_node`` CPU ranks. Devices are numbered
     node by node, as the hostfile places ranks; within a node a message crosses the two
-    ranks' shared-memory ports, between nodes the two nodes' NICs as well."""
+    ranks' shared-memory ports, between nodes the two nodes' NICs as well. Its
+    ``nodes`` say which node each rank is on: all-reduces over both are priced in the
+    MPI transport's two levels, as the executor, seeing MPI's two nodes, runs them."""
     figures = "peak_flops: 2.0e10, memory_bandwidth: 8.0e9, memory: 2147483648"
     total = nodes * per_node
-    lines = ["name: two-nodes", "transfers_use_compute: true", "devices:"]
+    of = ", ".join(str(d // per_node) for d in range(nodes * per_node))
+    lines = ["name: two-nodes", "transfers_use_compute: true", f"nodes: {{of: [{of}]}}"]
+    lines.append("devices:")
     for d in range(total):
         lines.append(f"  - {{name: node{d // per_node}-rank{d % per_node}, {figures}}}")
     lines.append("links:")
@@ -116,9 +120,9 @@ def test_the_hostfile_makes_two_nodes_and_each_rank_its_gpu_index(
 def test_a_plan_for_two_nodes_trains_like_one_device(
     example_onnx: Path, tmp_path: Path, launch: tuple[str, ...]
 ) -> None:
-    """Data parallelism planned on the two-node machine file: every weight's gradient is
-    summed by a ring over all four ranks, so every ring crosses between the nodes; the
-    losses and final weights equal one device's."""
+    """Data parallelism planned on the two-node machine file: every gradient bucket is
+    summed over all four ranks, in two levels (inside each node, then across: MPI
+    reports the ranks' nodes); the losses and final weights equal one device's."""
     machine = tmp_path / "two-nodes.yaml"
     machine.write_text(machine_yaml(NODES, PER_NODE))
     plan = tmp_path / "two-nodes.json"
