@@ -8,12 +8,17 @@ over n ranks in t seconds. Every simulated figure is ``taskgraph.Costs.ring``'s,
 time the simulator gives an all-reduce in a plan's task graph (``sim/collectives.py``:
 NCCL's model over the preset's links). Each reference row names its source and what it
 measured; the issue's targets: within 20 % at 64 MiB and above, within 2x below.
+
+The last table is CPU ranks on several hosts (``presets.cpu_hosts``: 25 Gb/s Ethernet a
+host), as the executor's MPI transport runs them: the flat ring next to the two-level
+form (``soap/collectives.py HostRings``), which the transport takes up to
+``TWO_LEVEL_MAX_BYTES``.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
@@ -27,10 +32,13 @@ from onnx2soap.sim.collectives import (
     group_shape,
 )
 from onnx2soap.sim.costs import RooflineCost
-from onnx2soap.sim.presets import preset
+from onnx2soap.sim.presets import cpu_hosts, preset
 from onnx2soap.sim.taskgraph import Costs, Memo
+from onnx2soap.soap.collectives import host_rings, takes_two_levels
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+HOST_SIZES = (KiB, 64 * KiB, MiB, 4 * MiB, 64 * MiB)
+HOSTS = ((2, 8), (4, 8), (8, 8), (16, 4))  # (hosts, ranks a host)
 SIZES = (8, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB, GiB, 8 * GiB)
 MACHINES = ("dgx-h100:1", "dgx-h100:2", "dgx-h100:4", "dgx-h100:8", "alpa-v100:1", "alpa-v100:2")
 
@@ -93,6 +101,30 @@ def simulated(machine: str, size: int, only: Algorithm | None = None) -> tuple[f
     return seconds, f"{p.algorithm.value}/{p.protocol.value}"
 
 
+def on_hosts(hosts: int, per_host: int, size: int) -> tuple[float, float]:
+    """(flat ring, two-level form) seconds of an all-reduce of ``size`` bytes (float32)
+    over every rank of ``hosts`` CPU hosts, whichever the transport takes."""
+    machine = cpu_hosts(hosts, per_host)
+    devices = tuple(range(machine.size))
+    costs = Costs(machine, RooflineCost(), 4, Memo())
+    flat = Costs(replace(machine, nodes=None), RooflineCost(), 4, Memo()).ring(devices, size // 4)
+    rings = host_rings(devices, machine.nodes.of)
+    return flat[0], costs.two_level(rings, size // 4)[0]
+
+
+def _host_table() -> None:
+    print("\nCPU ranks on several hosts, the MPI transport (us: flat ring / two levels;")
+    print("the form the transport takes in bold):\n")
+    print("| hosts x ranks | " + " | ".join(_label(s) for s in HOST_SIZES) + " |")
+    print("|---|" + "---|" * len(HOST_SIZES))
+    for hosts, per_host in HOSTS:
+        cells = []
+        for size in HOST_SIZES:
+            flat, two = (f"{t * 1e6:,.0f}" for t in on_hosts(hosts, per_host, size))
+            cells.append(f"{flat} / **{two}**" if takes_two_levels(size) else f"**{flat}** / {two}")
+        print(f"| {hosts} x {per_host} | " + " | ".join(cells) + " |")
+
+
 def _label(size: int) -> str:
     for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
         if size >= unit:
@@ -126,6 +158,7 @@ def main() -> int:
             f"| {ref.machine} | {_label(ref.size)} | {busbw:.3g} ({how}) | {ref.busbw_gbs:.3g} "
             f"| {ratio:.2f} | {verdict} {bound[0]}-{bound[1]} | {ref.source} |"
         )
+    _host_table()
     return 0
 
 

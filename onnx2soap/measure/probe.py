@@ -15,7 +15,11 @@ of the runtime (``Machine.ring_step_latency``: several times a message's there),
 what its chunk's bytes add, by size, from the transport's all-reduces of growing arrays
 (``probe_rings.py``, ``Machine.ring_step_curve``); where
 ranks have a core each, what a ring costs beyond that after a silence
-(``probe_cooling.py``, ``Machine.cooling``); and,
+(``probe_cooling.py``, ``Machine.cooling``); where MPI reports the ranks on several
+hosts (``executor/transport.py hosts_of``; run the module under your own ``mpiexec -f
+HOSTFILE``), the hosts (``Machine.nodes``) and what a message between two of them adds
+in latency and takes in bandwidth, from rank 0's ping-pongs with other hosts' ranks next
+to its own host's (``presets.cpu_hosts``: a network link each way a host); and,
 where ranks share cores (they nap and sleep while they wait), what a rank pays for
 having slept through a long wait, from what handing a chain of matrix products from
 rank to rank adds to its step beyond its messages (``probe_resume.py``,
@@ -33,13 +37,14 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx2soap.errors import MachineError
 from onnx2soap.files import write_atomic
 from onnx2soap.measure.probe_cooling import cooling_cost
 from onnx2soap.measure.probe_messages import ROUNDS, message_costs, ring_step_seconds
 from onnx2soap.measure.probe_resume import PAIRS, resume_cost
 from onnx2soap.measure.probe_rings import ring_step_curve
 from onnx2soap.sim.machine import ComputeDevice, dump_machine
-from onnx2soap.sim.presets import cpu
+from onnx2soap.sim.presets import cpu, cpu_hosts
 
 # The machine's margin (``Machine.margin``) is not probed: it is the simulator's step
 # error on such ranks, which only timing whole plans shows. benchmarks/fidelity.py
@@ -121,6 +126,32 @@ class LinkFigures:
     latency: float
     bandwidth: float
     busy: float  # of a message's latency, what each end rank spends on it
+    # Between hosts, where the ranks span several (``between`` below): a message's
+    # latency beyond one inside a host, and the bandwidth. None: one host.
+    network: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Rank 0's ping-pong with one peer: a small message's one-way seconds and the
+    bandwidth of large ones."""
+
+    small: float
+    bandwidth: float
+    same_host: bool
+
+
+def between(peers: list[Peer]) -> tuple[float, float] | None:
+    """(latency beyond a host's, bandwidth) of messages between hosts, from rank 0's
+    peers on other hosts next to those on its own (none on its own: the other hosts'
+    whole latency); None where every peer shares rank 0's host."""
+    inside = [p for p in peers if p.same_host]
+    outside = [p for p in peers if not p.same_host]
+    if not outside:
+        return None
+    base = float(np.median([p.small for p in inside])) if inside else 0.0
+    extra = max(float(np.median([p.small for p in outside])) - base, 0.0)
+    return extra, float(np.median([p.bandwidth for p in outside]))
 
 
 DEFAULT_SECONDS = 0.3
@@ -132,31 +163,48 @@ def _rounds(seconds: float) -> int:
     return max(1, round(ROUNDS * seconds / DEFAULT_SECONDS))
 
 
-def _links(comm, nap: bool, rounds: int) -> LinkFigures:
-    """``nap``: ranks share cores, and wait as the executor's then do (on doorbells)."""
+def _links(comm, nap: bool, rounds: int, hosts: tuple[int, ...]) -> LinkFigures:
+    """``nap``: ranks share cores, and wait as the executor's then do (on doorbells).
+    ``hosts``: each rank's host: the figures inside rank 0's, and between hosts."""
     from executor.device import CpuDevice
     from executor.doorbell import Doorbell
     from executor.transport import MpiTransport
 
     bell = Doorbell.open(comm) if nap else None
     transport = MpiTransport(comm, CpuDevice(), nap=nap, bell=bell)
-    bandwidths = []
+    peers = []
     size = 4 << 20
     for peer in range(1, comm.Get_size()):
         _ping_pong(comm, transport, peer, size, 2)  # buffers and MPI's paths warmed
         small = _ping_pong(comm, transport, peer, 8, 200)
         large = _ping_pong(comm, transport, peer, size, 20)
-        bandwidths.append(size / max(large - small, 1e-9))
+        bandwidth = size / max(large - small, 1e-9)
+        peers.append(Peer(small, bandwidth, hosts[peer] == hosts[0]))
     if bell is not None:
         bell.close()
     costs = message_costs(comm, nap, rounds)
     if not costs:
         return LinkFigures(5e-6, 4e9, 5e-6)
+    inside = [p.bandwidth for p in peers if p.same_host] or [p.bandwidth for p in peers]
     return LinkFigures(
         float(np.median([c.seconds for c in costs])),
-        float(np.median(bandwidths)),
+        float(np.median(inside)),
         float(np.median([c.busy for c in costs])),
+        between(peers),
     )
+
+
+def host_layout(hosts: tuple[int, ...]) -> tuple[int, int]:
+    """(hosts, ranks a host) of ranks that fill their hosts in order, as many on each
+    (mpiexec's default placement); a one-line error otherwise."""
+    firsts = sorted(set(hosts))
+    per_host = hosts.count(firsts[0])
+    if any(h != r - r % per_host for r, h in enumerate(hosts)):
+        raise MachineError(
+            f"machine probe: the ranks' hosts (by first rank) are {list(hosts)}; the probe "
+            "describes ranks that fill their hosts in order, as many on each (mpiexec -ppn N)"
+        )
+    return len(firsts), per_host
 
 
 def _shared_cores(comm) -> int:
@@ -170,9 +218,11 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     """Measure and return the machine file's YAML (on every rank). Where ranks share
     cores, only one rank per core measures the compute rates (the simulator gives a
     shared core's devices their turns, each at a core's own rate)."""
-    from executor.transport import SLEEPS_AFTER_S, nap_precisely, wait_patiently
+    from executor.transport import SLEEPS_AFTER_S, hosts_of, nap_precisely, wait_patiently
 
     cores = _shared_cores(comm)
+    hosts = hosts_of(comm)
+    layout = host_layout(hosts)  # refused before anything is measured
     if cores:  # the ranks wait as the executor's do
         nap_precisely()
     measuring = not cores or comm.Get_rank() < cores
@@ -180,7 +230,7 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     mine = _compute_rates(seconds) if measuring else None
     wait_patiently(comm.Ibarrier().Test, nap=bool(cores))
     rates = [r for r in comm.allgather(mine) if r is not None]
-    links = _links(comm, nap=bool(cores), rounds=_rounds(seconds))
+    links = _links(comm, nap=bool(cores), rounds=_rounds(seconds), hosts=hosts)
     links = comm.bcast(links, root=0)
     ring = comm.bcast(ring_step_seconds(comm, bool(cores), _rounds(seconds)), root=0)
     curve = comm.bcast(ring_step_curve(comm, bool(cores)), root=0)
@@ -193,8 +243,14 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
         memory=int(memory),
         kernel_overhead=float(max(r[2] for r in rates)),
     )
-    # A route is two links (out-port, in-port), and a transfer pays every link's latency.
-    machine = cpu(ranks, device, links.bandwidth, links.latency / 2)
+    # A route is two links (out-port, in-port), and a transfer pays every link's latency;
+    # between hosts also the hosts' network links, each half of what the network adds.
+    if links.network is None:
+        machine = cpu(ranks, device, links.bandwidth, links.latency / 2)
+    else:
+        extra, bandwidth = links.network
+        nic = (bandwidth, extra / 2)
+        machine = cpu_hosts(*layout, device, links.bandwidth, links.latency / 2, nic)
     # Ranks that nap while they wait give their core away for part of a message; ranks
     # that spin hold it throughout (the machine's default).
     busy = min(links.busy, links.latency) if cores else None

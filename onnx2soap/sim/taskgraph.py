@@ -459,11 +459,11 @@ class Costs:
         ):
             rings = host_rings(devices, m.nodes.of)
             if rings is not None:  # ranks on several hosts: the transport's two levels
-                return self._two_level(rings, numel)
+                return self.two_level(rings, numel)
         chunks = ring_chunks(numel, len(devices))
         return self._schedule(devices, chunks, ring_steps, self.itemsize)
 
-    def _two_level(self, rings: HostRings, numel: int) -> tuple[float, tuple[int, ...], int]:
+    def two_level(self, rings: HostRings, numel: int) -> tuple[float, tuple[int, ...], int]:
         """The MPI transport's all-reduce over several hosts (``HostRings``): a
         reduce-scatter inside every host, the hosts' rings side by side, an all-gather
         inside every host; each phase's rings in lock step together."""

@@ -137,3 +137,18 @@ def test_a_plan_for_two_nodes_trains_like_one_device(
     run = mpirun(plan, RANKS, tmp_path, *args, launch=launch, timeout=300)
     assert_same_training(run, losses, weights, rtol=1e-10)
     assert all(sent > 0 for sent in run.bytes_sent)
+
+
+def test_the_probe_describes_the_two_nodes(launch: tuple[str, ...], tmp_path: Path) -> None:
+    """``machine probe`` under MPI's two nodes writes which node each rank is on, and a
+    route between nodes through the nodes' network links."""
+    out = tmp_path / "probed.yaml"
+    module = [sys.executable, "-m", "onnx2soap.measure.probe", "-o", str(out), "--seconds", "0.05"]
+    command = [str(MPIEXEC), *launch, "-n", str(RANKS), *module]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    machine = load_machine_file(out)
+    assert machine.nodes is not None and machine.nodes.of == (0, 0, 1, 1)
+    names = [machine.links[i].name for i in machine.route(1, 2)]
+    assert names == ["rank1-out", "host-nic0-out", "host-nic1-in", "rank2-in"]
+    assert [machine.links[i].name for i in machine.route(0, 1)] == ["rank0-out", "rank1-in"]

@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from onnx2soap.errors import MachineError
+from onnx2soap.measure.probe import Peer, between, host_layout
 from onnx2soap.sim.costs import RooflineCost
 from onnx2soap.sim.presets import HOST_NIC_BANDWIDTH, HOST_NIC_LATENCY, cpu_hosts
 from onnx2soap.sim.taskgraph import Costs, Memo
@@ -50,3 +52,26 @@ def test_above_the_threshold_the_flat_ring() -> None:
     machine = cpu_hosts(4, 2)
     numel = TWO_LEVEL_MAX_BYTES // 4 + 1
     assert _ring(machine, numel) == _ring(replace(machine, nodes=None), numel)
+
+
+def test_the_probe_reads_the_network_from_rank_0s_peers() -> None:
+    """What a message between hosts adds: the median small ping-pong to other hosts'
+    ranks less that to rank 0's own host's; their median bandwidth."""
+    peers = [
+        Peer(10e-6, 8e9, True),
+        Peer(12e-6, 6e9, True),
+        Peer(40e-6, 1e9, False),
+        Peer(50e-6, 3e9, False),
+        Peer(45e-6, 2e9, False),
+    ]
+    extra, bandwidth = between(peers)
+    assert extra == pytest.approx(45e-6 - 11e-6) and bandwidth == 2e9
+    assert between(peers[:2]) is None  # one host
+    assert between(peers[2:]) == (pytest.approx(45e-6), 2e9)  # a rank a host
+
+
+def test_the_probe_takes_hosts_filled_in_order() -> None:
+    assert host_layout((0, 0, 2, 2, 4, 4)) == (3, 2)
+    assert host_layout((0, 0, 0)) == (1, 3)
+    with pytest.raises(MachineError, match="fill their hosts in order"):
+        host_layout((0, 1, 0, 1))
