@@ -235,7 +235,8 @@ def probe(comm, seconds: float = DEFAULT_SECONDS) -> str:
     ring = comm.bcast(ring_step_seconds(comm, bool(cores), _rounds(seconds)), root=0)
     curve = comm.bcast(ring_step_curve(comm, bool(cores)), root=0)
     ranks = comm.Get_size()
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+    # a host's memory over its own ranks (rank 0's host speaks for every host)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // layout[1]
     device = ComputeDevice(
         "cpu-rank",
         peak_flops=float(min(r[0] for r in rates)),
