@@ -200,10 +200,16 @@ def host_fingerprint(kind: DeviceKind, dtype: str, threads: int | None = None) -
 def cost_key(op: Op, task: Task) -> str:
     """What makes two tasks' kernel calls identical: op type, attributes (their repr: a
     frozen dataclass of plain values), input buffer shapes (padding included), output
-    tile shape."""
+    tile shape; and where the op's work depends on where the task lies (a causal
+    attention: ``LoopNest.causal``), the points that do work, so that a task of the
+    sequence's first queries is not priced as one of its last (the profiler runs each
+    at its own origin)."""
     shapes = ",".join("x".join(map(str, rect_shape(r.buffer))) for r in task.inputs)
     out = "x".join(map(str, rect_shape(task.output)))
-    return f"{op.type} {op.attrs!r} in=[{shapes}] out=[{out}]"
+    key = f"{op.type} {op.attrs!r} in=[{shapes}] out=[{out}]"
+    if op.nest.causal is not None:
+        key += f" work={op.nest.work_points(task.box)}"
+    return key
 
 
 def update_key(numel: int) -> str:

@@ -137,3 +137,24 @@ def test_a_mask_given_as_a_tensor_computes_every_tile(tmp_path: Path, monkeypatc
     flash.forward(np, q, k, v, mask, flash.Problem(0.5, False))
     assert visits.pairs == m * m
     assert op.nest.flops == b * h * m * e * m * op.nest.flops_per_point
+
+
+def test_the_cost_db_tells_causal_tasks_apart_by_where_they_lie(tmp_path: Path) -> None:
+    """Four query quarters of a causal attention have one shape but not one cost: the
+    cost DB's key (``costdb.cost_key``) holds their work; a mask-free, non-causal op's
+    quarters share one key."""
+    from onnx2soap.sim.costdb import cost_key
+    from onnx2soap.soap import Partitioner, analyze
+    from onnx2soap.soap.partition import ParallelConfig
+
+    keys = {}
+    for causal in (1, 0):
+        path = _attention(tmp_path / f"a{causal}.onnx", 1, 2, 512, 8, causal)
+        graph = load_model(path).graph
+        op = next(op for op in graph.ops if op.type == "Attention")
+        dims = analyze(graph)[op.name]
+        degrees = tuple(4 if d.name == "m" else 1 for d in dims)
+        tasks = Partitioner(graph).tasks(op, ParallelConfig(degrees, (0, 1, 2, 3)))
+        keys[causal] = [cost_key(op, t) for t in tasks]
+    assert len(set(keys[1])) == 4
+    assert len(set(keys[0])) == 1
