@@ -29,7 +29,10 @@ backward of m. Every instruction carries its microbatch.
 An op with statistics (BatchNorm in training mode) computes in two halves in each phase:
 every task assembles its inputs and its partial statistics (``Partial``), each group of
 tasks that split the statistics' dims sums them (``ReduceStats``, an all-reduce over the
-group's devices), then every task finishes (``Compute``) and sends.
+group's devices), then every task finishes (``Compute``) and sends. Ops with statistics
+next to each other that do not read one another run as one unit
+(``soap/stats_batches.py``): every member's partials, one ``ReduceStats`` per device
+set holding all their groups there, then every member's finishing halves.
 
 Every transfer is a ``Send`` on its source and a ``Recv`` on its destination at the same
 place in the global order (in the producer's pass: a stage posts the receive of the
@@ -70,6 +73,7 @@ from onnx2soap.soap.buckets import (
 from onnx2soap.soap.partition import Rect
 from onnx2soap.soap.pipeline import Pass, Pipeline, Schedule, StagePass, stage_order
 from onnx2soap.soap.saved import backward_reads
+from onnx2soap.soap.stats_batches import run_of, stats_rings
 from onnx2soap.soap.zero import Zero, ZeroStage, group_stage, zero_group
 
 
@@ -133,9 +137,12 @@ class Partial:
 
 @dataclass(frozen=True)
 class ReduceStats:
+    """Sum the partial statistics of ``members`` ((op, group) pairs: one
+    ``soap.stats_batches.StatsRing``) over ``devices``, side by side in one all-reduce,
+    and combine each member's."""
+
     phase: Phase
-    op: int
-    group: int  # index into PartitionedGraph.stats[op name]
+    members: tuple[tuple[int, int], ...]  # (op index, index into PartitionedGraph.stats)
     devices: tuple[int, ...]
     microbatch: int = 0
 
@@ -384,25 +391,36 @@ def _pieces(pg: PartitionedGraph, fwd: list[Transfer]) -> dict[tuple, list[Piece
 
 
 def _plain_op(pg, phase: Phase, i: int, op, waits, sends, pieces) -> list:
-    """One phase of an op: per task, wait, compute, send; an op with statistics first
-    assembles and reduces them (``Partial``, ``ReduceStats``)."""
+    """One phase of an op: per task, wait, compute, send."""
     order: list[tuple[int, Instruction]] = []
-    tasks = pg.tasks[op.name]
-    synced = bool(op.nest.sync_dims)
-    if synced:
-        for task in tasks:
+    for task in pg.tasks[op.name]:
+        key = (phase, i, task.index)
+        order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
+        order.append((task.device, Compute(phase, i, task.index, tuple(pieces.get(key, [])))))
+        order += _send_recv(sends.get(key, []))
+    return order
+
+
+def _synced_run(pg, phase: Phase, run, links, after) -> list:
+    """One phase of a run of ops with statistics (``soap.stats_batches``; ``run`` in the
+    phase's order): every member's tasks assemble and compute their partial statistics
+    (``Partial``), each ring sums its members' (``ReduceStats``), then each member's
+    tasks finish and send, followed by ``after(i)`` (the backward's gradient sums)."""
+    waits, sends, pieces = links
+    order: list[tuple[int, Instruction]] = []
+    for i, op in run:
+        for task in pg.tasks[op.name]:
             key = (phase, i, task.index)
             order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
             order.append((task.device, Partial(phase, i, task.index, tuple(pieces.get(key, [])))))
-        for g, group in enumerate(pg.stats[op.name]):
-            order += [(d, ReduceStats(phase, i, g, group.devices)) for d in group.devices]
-    for task in tasks:
-        key = (phase, i, task.index)
-        if not synced:
-            order += [(t.dst, Wait(t)) for t in waits.get(key, [])]
-        given = () if synced else tuple(pieces.get(key, []))
-        order.append((task.device, Compute(phase, i, task.index, given)))
-        order += _send_recv(sends.get(key, []))
+    ops = pg.graph.ops
+    for ring in stats_rings([i for i, _ in run], lambda i: pg.stats[ops[i].name]):
+        order += [(d, ReduceStats(phase, ring.members, ring.devices)) for d in ring.devices]
+    for i, op in run:
+        for task in pg.tasks[op.name]:
+            order.append((task.device, Compute(phase, i, task.index, ())))
+            order += _send_recv(sends.get((phase, i, task.index), []))
+        order += after(i)
     return order
 
 
@@ -452,40 +470,66 @@ def _gathers(pg, phase: Phase, i: int, op, zero: Zero) -> list:
     ]
 
 
+def _units(pg, run) -> list[list]:
+    """``run`` (a phase's ops, in its order) cut into units: each run of ops with
+    statistics (``soap.stats_batches.stats_runs``) whose members come one after another
+    here is one unit, any other op a unit of its own."""
+    runs = run_of(pg.graph)
+    units: list[list] = []
+    for i, op in run:
+        if units and i in runs and units[-1][-1][0] in runs[i]:
+            units[-1].append((i, op))
+        else:
+            units.append([(i, op)])
+    return units
+
+
 def _with_gathers(pg, phase: Phase, run, zero: Zero, links, sync) -> list:
-    """The phase of each op of ``run`` in turn, each op's ZeRO-3 gathers started as the
-    op before it begins (the first op's at once): FSDP's prefetch of the next block.
-    Every member of a group starts its gather at the same place in the global order."""
+    """The phase of each op of ``run`` in turn (a run of ops with statistics together),
+    each unit's ZeRO-3 gathers started as the unit before it begins (the first one's at
+    once): FSDP's prefetch of the next block. Every member of a group starts its gather
+    at the same place in the global order."""
     order: list[tuple[int, Instruction]] = []
-    ahead = [_gathers(pg, phase, i, op, zero) for i, op in run]
-    for j, (i, op) in enumerate(run):
+    units = _units(pg, run)
+    ahead = [[g for i, op in unit for g in _gathers(pg, phase, i, op, zero)] for unit in units]
+    for j, unit in enumerate(units):
         if j == 0:
             order += ahead[0]
-        if j + 1 < len(run):
+        if j + 1 < len(units):
             order += ahead[j + 1]
-        # complete before the op's phase begins
-        order += [(d, WaitWeight(phase, i, ins.group)) for d, ins in ahead[j]]
-        order += _phase_of_op(pg, phase, i, op, links, sync)
+        # complete before the unit's phase begins
+        order += [(d, WaitWeight(phase, ins.op, ins.group)) for d, ins in ahead[j]]
+        order += _phase_of_unit(pg, phase, unit, links, sync)
     return order
 
 
-def _phase_of_op(pg, phase: Phase, i: int, op, links, sync) -> list:
-    """One phase of one op for one microbatch; after the backward, where ``sync`` (the
-    stage's last backward: the buckets' reduce-scatters and rings by the op they start
-    after), the op's weight-gradient sums."""
+def _sums_after(phase: Phase, i: int, sync) -> list:
+    """After the backward of op ``i``, where ``sync`` (the stage's last backward: the
+    buckets' reduce-scatters and rings by the op they start after), the sums of the
+    gradients whose last one it made."""
+    if phase is not Phase.BACKWARD or sync is None:
+        return []
+    # Sum them now, while the rest of the backward pass is still ahead (as the simulator
+    # schedules it): ZeRO's sharded groups reduce-scattered, then the others all-reduced.
+    order: list[tuple[int, Instruction]] = []
+    for summed in sync.get(i, ()):
+        kind = ReduceScatter if isinstance(summed, BucketScatter) else AllReduce
+        ins = kind(summed.bucket, summed.members, summed.devices)
+        order += [(d, ins) for d in summed.devices]
+    return order
+
+
+def _phase_of_unit(pg, phase: Phase, unit, links, sync) -> list:
+    """One phase of one unit (``_units``) for one microbatch, each op followed by its
+    weight-gradient sums (``_sums_after``)."""
+    i, op = unit[0]
+    if op.nest.sync_dims and not pg.sums[op.name]:
+        return _synced_run(pg, phase, unit, links, lambda k: _sums_after(phase, k, sync))
     if pg.sums[op.name]:  # a split partial dim: partial tiles, summed
         order = _summed_op(pg, phase, i, op, *links)
     else:
         order = _plain_op(pg, phase, i, op, *links)
-    if phase is Phase.BACKWARD and sync is not None:
-        # The buckets whose last gradient this op made: sum them now, while the rest of
-        # the backward pass is still ahead (as the simulator schedules it): ZeRO's
-        # sharded groups reduce-scattered, then the others all-reduced.
-        for summed in sync.get(i, ()):
-            kind = ReduceScatter if isinstance(summed, BucketScatter) else AllReduce
-            ins = kind(summed.bucket, summed.members, summed.devices)
-            order += [(d, ins) for d in summed.devices]
-    return order
+    return order + _sums_after(phase, i, sync)
 
 
 def global_order(

@@ -487,22 +487,34 @@ class Step:
             self.grad_outputs[(ins.op, t)] = grad
 
     def reduce_stats(self, ins: ReduceStats) -> None:
-        """Gather the group's partials (each task's in its slot, by an exact all-reduce
-        of a zeroed array) and combine them in task order."""
-        op = self.rt.graph.ops[ins.op]
-        group = self.rt.pg.stats[op.name][ins.group]
-        mine = self._local(ins.op, group.tasks)
-        first = self.partials[(ins.phase, ins.op, mine[0])]
-        slots = self._slots((ins.phase, ins.op, ins.group), (len(group.tasks), *first.shape))
-        for t in mine:
-            slots[group.tasks.index(t)] = self.partials.pop((ins.phase, ins.op, t))
-        if len(group.devices) > 1:
-            self.rt.transport.wait(self.rt.transport.allreduce(slots, group.devices))
-        stats = definition(op.type).statistics
-        combine = stats.combine_forward if ins.phase is Phase.FORWARD else stats.combine_backward
-        total = combine(self.xp, slots)
-        for t in mine:
-            self.totals[(ins.phase, ins.op, t)] = total
+        """Gather each member group's partials (each task's in its slot, by an exact
+        all-reduce of a zeroed array: the members' slots side by side in one, so a run of
+        ops pays one ring) and combine each member's in task order."""
+        xp, pg, graph = self.xp, self.rt.pg, self.rt.graph
+        members = []  # (op index, group, the rank's tasks in it, its slots' shape)
+        for i, g in ins.members:
+            group = pg.stats[graph.ops[i].name][g]
+            mine = self._local(i, group.tasks)
+            first = self.partials[(ins.phase, i, mine[0])]
+            members.append((i, group, mine, (len(group.tasks), *first.shape)))
+        sizes = [int(np.prod(shape)) for *_, shape in members]
+        flat = self._slots((ins.phase, ins.members), (sum(sizes),))
+        offsets = np.cumsum([0, *sizes])
+        views = []
+        for (i, group, mine, shape), lo, hi in zip(members, offsets, offsets[1:], strict=False):
+            slots = flat[lo:hi].reshape(shape)
+            for t in mine:
+                slots[group.tasks.index(t)] = self.partials.pop((ins.phase, i, t))
+            views.append(slots)
+        if len(ins.devices) > 1:
+            self.rt.transport.wait(self.rt.transport.allreduce(flat, ins.devices))
+        forward = ins.phase is Phase.FORWARD
+        for (i, _, mine, _), slots in zip(members, views, strict=True):
+            stats = definition(graph.ops[i].type).statistics
+            combine = stats.combine_forward if forward else stats.combine_backward
+            total = combine(xp, slots)
+            for t in mine:
+                self.totals[(ins.phase, i, t)] = total
 
     def forward(self, ins: Compute) -> None:
         key = (ins.op, ins.task)

@@ -51,6 +51,7 @@ from executor.program import (
 )
 from onnx2soap.files import write_atomic
 from onnx2soap.soap.buckets import ring_name, scatter_name
+from onnx2soap.soap.stats_batches import StatsRing
 
 TRACED_STEPS = 10
 # The first traced step runs under tracemalloc, which slows every allocation: its times
@@ -65,11 +66,13 @@ def task_name(pg, ins) -> tuple[str, str]:
     graph = pg.graph
     if isinstance(ins, Reopen | Close):
         return f"{type(ins).__name__.lower()} microbatch {ins.microbatch}", "memory"
-    if isinstance(ins, Compute | Partial | ReduceStats):
+    if isinstance(ins, ReduceStats):
+        tag = "fwd" if ins.phase is Phase.FORWARD else "bwd"
+        ring = StatsRing(ins.devices, ins.members)
+        return ring.name(lambda i: graph.ops[i].name, tag), "allreduce"
+    if isinstance(ins, Compute | Partial):
         tag = "fwd" if ins.phase is Phase.FORWARD else "bwd"
         op = graph.ops[ins.op].name
-        if isinstance(ins, ReduceStats):
-            return f"stats {op} {tag}", "allreduce"
         half = " partial" if isinstance(ins, Partial) else ""
         return f"{tag} {op}[{ins.task}]{half}", "forward" if tag == "fwd" else "backward"
     if isinstance(ins, SumOutputs):

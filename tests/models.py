@@ -171,6 +171,40 @@ def build_bnnet(seed: int = 0, dropout: float = 0.3):
     return BNNet()
 
 
+def build_branches(seed: int = 0):
+    """Two conv -> BatchNorm -> ReLU branches from one input (Inception's, a ResNet
+    block's two paths), added, then a conv -> BatchNorm that depends on both: torch
+    writes the branches one after the other, and the importer puts their independent
+    BatchNorms side by side, whose statistics then share a ring (issue 45); the last
+    BatchNorm keeps its own.
+
+    [B, 3, 8, 8] -> (conv 3x3 -> BN -> ReLU) + (conv 1x1 -> BN -> ReLU) -> conv 1x1 -> BN
+      -> ReLU -> mean over h, w -> fc [B, 5]
+    """
+    import torch
+    from torch import nn
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 6, kernel_size=3, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(6)
+            self.conv2 = nn.Conv2d(3, 6, kernel_size=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(6)
+            self.conv3 = nn.Conv2d(6, 4, kernel_size=1, bias=False)
+            self.bn3 = nn.BatchNorm2d(4)
+            self.fc = nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = torch.relu(self.bn1(self.conv1(x)))
+            b = torch.relu(self.bn2(self.conv2(x)))
+            y = torch.relu(self.bn3(self.conv3(a + b)))
+            return self.fc(y.mean(dim=(2, 3)))
+
+    torch.manual_seed(seed)
+    return Branches()
+
+
 def build_tokens(seed: int = 0, vocabulary: int = 50, width: int = 16, classes: int = 5):
     """A token classifier: ids [B, T] (int64) -> Embedding -> LayerNorm -> GELU -> Linear
     -> token logits [B, T, classes] (the loss: cross-entropy over the last axis)."""
@@ -228,6 +262,7 @@ MODELS: dict[str, ModelSpec] = {
     "spatial": ModelSpec(build_spatial, (3, 32, 32), "logits"),
     "matmul": ModelSpec(build_matmul, (6, 16), "output"),
     "bnnet": ModelSpec(build_bnnet, (3, 16, 16), "logits"),
+    "branches": ModelSpec(build_branches, (3, 8, 8), "logits"),
     "tokens": ModelSpec(build_tokens, (6,), "logits", ids=50),
     "tied": ModelSpec(build_tied, (6,), "logits", ids=40),
 }

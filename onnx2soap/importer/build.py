@@ -10,6 +10,7 @@ import onnx
 
 from onnx2soap.errors import ModelError
 from onnx2soap.importer.prepare import Prepared, compact
+from onnx2soap.importer.stats_order import side_by_side
 from onnx2soap.ir import (
     BatchAt,
     Binding,
@@ -455,6 +456,8 @@ def build_graph(p: Prepared, loss: LossKind | None) -> Graph:
             labels = loss_op.inputs[1]
     _refuse_shared_state(p, ops, b.tensors)
     ops = _share_weights(b, ops)
+    # independent BatchNorms side by side: their statistics share a ring (issue 45)
+    ops = side_by_side(ops)
     used = {t for op in ops for t in op.inputs} | {op.output for op in ops}
     inputs = tuple(n for n in p.graph_inputs if n in used and b.tensors[n].role is TensorRole.INPUT)
     if not inputs:

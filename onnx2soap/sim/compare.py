@@ -42,6 +42,7 @@ from onnx2soap.sim.machine import Machine
 from onnx2soap.sim.simulate import Timeline
 from onnx2soap.sim.taskgraph import TaskGraph, TaskKind
 from onnx2soap.soap import PartitionedGraph
+from onnx2soap.soap.stats_batches import stats_rings, stats_runs
 
 COMPUTE_KINDS = ("forward", "backward", "update")
 _COMPUTE = re.compile(r"(fwd|bwd) (.+)\[\d+\]( partial)?")
@@ -318,22 +319,28 @@ def measured_ranks(
 
 def rings_of(pg: PartitionedGraph) -> dict[tuple[str, int], tuple[int, ...]]:
     """Per (the trace's name of a ring a rank runs to its end, a member rank): the
-    ring's devices. The statistics rings and the partial sums' (forward: the sum or its
-    reduce-scatter; backward: the gradient's all-reduce or all-gather), as
-    ``executor/trace.py`` names them. A name under which one rank joins several rings
-    is left out: its events cannot be told apart."""
+    ring's devices. The statistics rings (a run's shared ones by their joined names) and
+    the partial sums' (forward: the sum or its reduce-scatter; backward: the gradient's
+    all-reduce or all-gather), as ``executor/trace.py`` names them. A name under which
+    one rank joins several rings is left out: its events cannot be told apart."""
     found: dict[tuple[str, int], set[tuple[int, ...]]] = defaultdict(set)
-    for op in pg.graph.ops:
-        for kind, groups in (
-            ("stats", pg.stats.get(op.name, ())),
-            ("partial sums", pg.sums.get(op.name, ())),
-        ):
-            for group in groups:
-                if len(group.devices) < 2:
+    ops = pg.graph.ops
+    for op in ops:
+        for group in pg.sums.get(op.name, ()):
+            if len(group.devices) < 2:
+                continue
+            for tag in ("fwd", "bwd"):
+                for d in group.devices:
+                    found[(f"partial sums {op.name} {tag}", d)].add(tuple(group.devices))
+    # statistics: a ring per device set of a run of independent ops (stats_batches.py)
+    for run in stats_runs(pg.graph):
+        for tag, order in (("fwd", run), ("bwd", run[::-1])):
+            for ring in stats_rings(order, lambda i: pg.stats.get(ops[i].name, ())):
+                if len(ring.devices) < 2:
                     continue
-                for tag in ("fwd", "bwd"):
-                    for d in group.devices:
-                        found[(f"{kind} {op.name} {tag}", d)].add(tuple(group.devices))
+                name = ring.name(lambda i: ops[i].name, tag)
+                for d in ring.devices:
+                    found[(name, d)].add(ring.devices)
     return {key: next(iter(sets)) for key, sets in found.items() if len(sets) == 1}
 
 

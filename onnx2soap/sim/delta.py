@@ -143,8 +143,20 @@ class DeltaSimulator:
     # -- pieces, memoized by the configs they depend on ---------------------------------
 
     def _with_sums(self, changed: list[int]) -> list[int]:
-        """``changed`` and the producers whose sums its ops read (see ``summing``)."""
-        return sorted({*changed, *(p for i in changed for p in self.summing[i])})
+        """``changed``, the producers whose sums its ops read (see ``summing``) and the
+        other members of their runs of ops with statistics (``Layout.runs``: their slots
+        depend on every member's config)."""
+        ops = {*changed, *(p for i in changed for p in self.summing[i])}
+        runs = self.lay.runs
+        return sorted({*ops, *(m for i in ops if i in runs for m in runs[i])})
+
+    def _run_configs(self, i: int, strategy: Strategy) -> tuple:
+        """The configs of op ``i``'s run, where it is in one: what its slots and those
+        of its edges depend on besides its own."""
+        run = self.lay.runs.get(i)
+        if run is None:
+            return ()
+        return tuple(strategy[self.graph.ops[m].name] for m in run)
 
     def sums(self, i: int, strategy: Strategy) -> tuple[SumGroup, ...]:
         op = self.graph.ops[i]
@@ -170,11 +182,26 @@ class DeltaSimulator:
         )
 
     def _op_slots(self, segments: list, i: int, strategy: Strategy) -> None:
+        if i in self.lay.runs:
+            self._run_slots(segments, self.lay.runs[i], strategy)
+            return
         config, sums = strategy[self.graph.ops[i].name], self.sums(i, strategy)
         key = (i, config, sums)
         slots = (self.lay.forward[i], self.lay.backward[i])
         if key not in self.op_segments:
             self.builder.op_slots(segments, i, self.parts(i, config, sums))
+            self.op_segments[key] = tuple(segments[s] for s in slots)
+        for s, seg in zip(slots, self.op_segments[key], strict=True):
+            segments[s] = seg
+
+    def _run_slots(self, segments: list, run: tuple[int, ...], strategy: Strategy) -> None:
+        """A run's forward and backward slots (its members' both), built together."""
+        ops = self.graph.ops
+        parts = [self.parts(m, strategy[ops[m].name], self.sums(m, strategy)) for m in run]
+        key = (run, *((p.config, p.sums) for p in parts))
+        slots = [s for m in run for s in (self.lay.forward[m], self.lay.backward[m])]
+        if key not in self.op_segments:
+            self.builder.run_slots(segments, run, parts)
             self.op_segments[key] = tuple(segments[s] for s in slots)
         for s, seg in zip(slots, self.op_segments[key], strict=True):
             segments[s] = seg
@@ -186,7 +213,9 @@ class DeltaSimulator:
         parts = [
             self.parts(i, strategy[self.graph.ops[i].name], self.sums(i, strategy)) for i in ops
         ]
-        key = (b, *((p.config, p.sums) for p in parts))
+        # a run's member's last tasks stand where the other members' configs put them
+        runs = tuple(self._run_configs(i, strategy) for i in ops)
+        key = (b, *((p.config, p.sums) for p in parts), runs)
         slots = bucket_slots(self.lay, ops)
         if key not in self.bucket_segments:
             self.builder.bucket_slots(segments, b, parts)
@@ -199,7 +228,7 @@ class DeltaSimulator:
         ops = self.graph.ops
         pconf, cconf = strategy[ops[p].name], strategy[ops[c].name]
         configs = edge_configs(pconf, cconf, self.sums(p, strategy))
-        key = (j, *configs)
+        key = (j, *configs, self._run_configs(p, strategy), self._run_configs(c, strategy))
         slots = (self.lay.edge_forward[j], self.lay.edge_backward[j])
         if key not in self.edge_segments:
 
@@ -334,9 +363,11 @@ class DeltaSimulator:
         for b in self._buckets_of(changed):  # their gradients' rings and updates
             dirty |= set(bucket_slots(lay, self.buckets.ops[b]))
         dirty |= {s for j in edges for s in (lay.edge_forward[j], lay.edge_backward[j])}
-        targets = {("fwd", i) for i in changed} | {("bwd", i) for i in changed}
-        targets |= {("fwd", lay.edges[j][1]) for j in edges}
-        targets |= {("bwd", lay.edges[j][0]) for j in edges}
+        # a run's members' edges feed its host's slots (``Layout.fed_forward``)
+        targets = {("fwd", lay.forward_host(i)) for i in changed}
+        targets |= {("bwd", lay.backward_host(i)) for i in changed}
+        targets |= {("fwd", lay.forward_host(lay.edges[j][1])) for j in edges}
+        targets |= {("bwd", lay.backward_host(lay.edges[j][0])) for j in edges}
         dirty |= {lay.forward[i] if p == "fwd" else lay.backward[i] for p, i in targets}
         return edges, dirty, targets
 

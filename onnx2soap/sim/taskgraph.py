@@ -22,18 +22,21 @@ that device shares, if any.
 
 Tasks are numbered in the executor's global order (``executor/program.py``): forward
 ops in graph order, each op's tasks in task order (an op with statistics: every partial
-half, the statistics rings, every finishing half; an op with partial sums: the tasks,
-then the sums); an op's outgoing transfers right after it, edge by edge; backward in
-reverse graph order (ops whose output takes no gradient run none), each op's gradient
-transfers and then the rings of the buckets whose last gradient it makes (their
-reduce-scatters of ZeRO's sharded groups first); the updates last. Every resource
-runs its tasks in that order (``simulate.py``).
+half, the statistics rings, every finishing half, a run of independent ones together,
+``soap/stats_batches.py``; an op with partial sums: the tasks, then the sums); an op's
+outgoing transfers right after it, edge by edge; backward in reverse graph order (ops
+whose output takes no gradient run none), each op's gradient transfers and then the
+rings of the buckets whose last gradient it makes (their reduce-scatters of ZeRO's
+sharded groups first); the updates last. Every resource runs its tasks in that order
+(``simulate.py``).
 
 The graph is built as *slots*, one per (phase, op) or (phase, edge), fixed by the graph
 alone, each holding a ``Segment`` that depends only on the configs of the op or of the
-edge's two ops; an op's weight and update slots, on those of its bucket's ops. A
-proposal that changes one op's config changes only the slots of that op, its edges and
-its bucket: ``delta.py`` rebuilds those and splices them in.
+edge's two ops; an op's weight and update slots, on those of its bucket's ops; the
+slots of a run of ops with statistics (``Layout.runs``) and of their edges and buckets,
+on every member's. A proposal that changes one op's config changes only the slots of
+that op (its run's), its edges and its bucket: ``delta.py`` rebuilds those and splices
+them in.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ from onnx2soap.soap.partition import (
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import backward_reads
+from onnx2soap.soap.stats_batches import stats_rings, stats_runs
 from onnx2soap.soap.zero import NO_ZERO, Zero, ZeroStage, group_stage, zero_group
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
@@ -252,9 +256,41 @@ class Layout:
     outs: tuple[tuple[int, ...], ...]  # per op: its outgoing edges, in edge order
     ins: tuple[tuple[int, ...], ...]  # per op: its incoming edges, in operand order
     size: int
+    # Per op with statistics in a run of two or more (``soap/stats_batches.py``), the
+    # run: its members' partial halves and the rings are in the slot of the run's first
+    # op in the phase (its *host*: the first member's forward slot, the last member's
+    # backward slot), each member's finishing half in its own slot.
+    runs: Mapping[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
 
     def of_op(self, i: int) -> tuple[int, ...]:
         return (self.forward[i], self.backward[i], self.weights[i], self.updates[i])
+
+    def forward_host(self, i: int) -> int:
+        """The op whose forward slot holds op ``i``'s first tasks (where its incoming
+        edges' tiles arrive): its run's first member, else itself."""
+        run = self.runs.get(i)
+        return i if run is None else run[0]
+
+    def backward_host(self, i: int) -> int:
+        """The op whose backward slot holds op ``i``'s first backward tasks: its run's
+        last member (the first the backward reaches), else itself."""
+        run = self.runs.get(i)
+        return i if run is None else run[-1]
+
+    def fed_forward(self, i: int) -> tuple[int, ...]:
+        """The edges whose tiles arrive in op ``i``'s forward slot: a run host's are
+        every member's incoming edges."""
+        if i not in self.runs:
+            return self.ins[i]
+        run = self.runs[i]
+        return tuple(j for m in run for j in self.ins[m]) if i == run[0] else ()
+
+    def fed_backward(self, i: int) -> tuple[int, ...]:
+        """The edges whose gradient pieces arrive in op ``i``'s backward slot."""
+        if i not in self.runs:
+            return self.outs[i]
+        run = self.runs[i]
+        return tuple(j for m in run[::-1] for j in self.outs[m]) if i == run[-1] else ()
 
 
 def graph_edges(graph: Graph) -> tuple[tuple[int, int, int], ...]:
@@ -296,6 +332,7 @@ def layout(graph: Graph) -> Layout:
         outs=tuple(map(tuple, outs)),
         ins=tuple(map(tuple, ins)),
         size=next(slot),
+        runs={i: run for run in stats_runs(graph) if len(run) > 1 for i in run},
     )
 
 
@@ -582,12 +619,11 @@ def _group_ring(costs, b, devices, numel, ready: Sequence[Ref], what) -> tuple[R
     return (b.add(TaskKind.ALLREDUCE, seconds, links, ready, nbytes, what),)
 
 
-def _synced_phase(costs, b, parts, kind, seconds, after) -> tuple[list, list]:
-    """An op with statistics, as the executor runs it: every task's partial half, a ring
-    per statistics group, then every task's finishing half."""
+def _partials(b, parts, kind, seconds, after) -> list[Ref]:
+    """Every task's partial half (half its time): assembly and partial statistics."""
     tag = "fwd" if kind is TaskKind.FORWARD else "bwd"
-    op, tasks = parts.op, parts.tasks
-    starts = [
+    op = parts.op
+    return [
         b.add(
             kind,
             s / 2,
@@ -596,26 +632,52 @@ def _synced_phase(costs, b, parts, kind, seconds, after) -> tuple[list, list]:
             0,
             lambda t=t: f"{tag} {op.name}[{t.index}] partial",
         )
-        for t, s in zip(tasks, seconds, strict=True)
+        for t, s in zip(parts.tasks, seconds, strict=True)
     ]
-    finished: dict[int, tuple[Ref, ...]] = {}
-    for group in parts.stats:
-        numel = group.numel[0 if kind is TaskKind.FORWARD else 1]
-        ready = [starts[i] for i in group.tasks]
-        done = _group_ring(costs, b, group.devices, numel, ready, f"stats {op.name} {tag}")
-        finished |= dict.fromkeys(group.tasks, done)
-    ends = [
+
+
+def _stats_rings(costs, b, run: Sequence[OpParts], starts, kind) -> dict:
+    """The statistics rings of ``run``'s ops (``soap/stats_batches.py``: one per device
+    set, the members' statistics side by side), after their members' partial halves
+    (``starts``: per member, per task); per (member, task), what its finishing half
+    then waits for."""
+    phase = 0 if kind is TaskKind.FORWARD else 1
+    tag = "fwd" if kind is TaskKind.FORWARD else "bwd"
+    finished: dict[tuple[int, int], tuple[Ref, ...]] = {}
+    for ring in stats_rings(range(len(run)), lambda k: run[k].stats):
+        groups = [(k, run[k].stats[g]) for k, g in ring.members]
+        numel = sum(group.numel[phase] for _, group in groups)
+        ready = [starts[k][t] for k, group in groups for t in group.tasks]
+        what = ring.name(lambda k: run[k].op.name, tag)
+        done = _group_ring(costs, b, ring.devices, numel, ready, what)
+        for k, group in groups:
+            finished |= dict.fromkeys(((k, t) for t in group.tasks), done)
+    return finished
+
+
+def _finishing(b, parts, kind, seconds, starts, finished, k: int = 0) -> list[Ref]:
+    """Every task's finishing half, after its partial half and its group's ring."""
+    tag = "fwd" if kind is TaskKind.FORWARD else "bwd"
+    op = parts.op
+    return [
         b.add(
             kind,
             s / 2,
             (t.device,),
-            (starts[t.index], *finished[t.index]),
+            (starts[t.index], *finished[(k, t.index)]),
             0,
             lambda t=t: f"{tag} {op.name}[{t.index}]",
         )
-        for t, s in zip(tasks, seconds, strict=True)
+        for t, s in zip(parts.tasks, seconds, strict=True)
     ]
-    return starts, ends
+
+
+def _synced_phase(costs, b, parts, kind, seconds, after) -> tuple[list, list]:
+    """An op with statistics, as the executor runs it: every task's partial half, a ring
+    per statistics group, then every task's finishing half."""
+    starts = _partials(b, parts, kind, seconds, after)
+    finished = _stats_rings(costs, b, [parts], [starts], kind)
+    return starts, _finishing(b, parts, kind, seconds, starts, finished)
 
 
 def _sum_ring(costs, b, group: SumGroup, ready, what: str, backward: bool) -> tuple[Ref, ...]:
@@ -762,6 +824,66 @@ def backward_segment(
     if redo is not None:  # the output gradient arrives before the forward is rerun
         starts = redo
     return b.segment([x[1] for x in starts], [x[1] for x in ends])
+
+
+def run_segments(
+    costs: Costs, lay: Layout, run: Sequence[int], parts: Sequence[OpParts], names: bool
+) -> dict[int, Segment]:
+    """The forward and backward slots of a run of ops with statistics (``Layout.runs``,
+    ``parts``: theirs, in run order), as the executor runs it: in each phase, in the
+    run's first op's slot (its host), every member's partial halves (its recomputed
+    forward and ZeRO-3 gathers first, as in ``forward_segment``/``backward_segment``)
+    and the rings (``soap/stats_batches.py``); in each member's own slot, its finishing
+    halves. A member's segment's ``starts`` are its first tasks' places in the host's
+    slot, where its incoming edges' data arrives (``Layout.fed_forward``)."""
+    out: dict[int, Segment] = {}
+    fwd_slots = [lay.forward[i] for i in run]
+    host = _SegmentBuilder(fwd_slots[0], names, costs.turns)
+    seconds = [costs.durations(p) for p in parts]
+    after = [_weight_gathers(costs, host, p, [()] * len(p.tasks)) for p in parts]
+    starts = [
+        _partials(host, p, TaskKind.FORWARD, s[0], a)
+        for p, s, a in zip(parts, seconds, after, strict=True)
+    ]
+    out |= _finished_run(costs, host, fwd_slots, parts, starts, TaskKind.FORWARD, seconds, names)
+    # The backward reaches the run's last op first: its slot hosts the run's halves.
+    order = range(len(run) - 1, -1, -1)
+    bwd_slots = [lay.backward[run[k]] for k in order]
+    host = _SegmentBuilder(bwd_slots[0], names, costs.turns)
+    bparts, bseconds, bstarts, firsts = [parts[k] for k in order], [], [], []
+    for k in order:
+        p, fwd = parts[k], out[fwd_slots[k]]
+        ready = [((fwd_slots[k], e),) for e in fwd.ends]
+        redo = None
+        if recomputes(p.op, p.sums, costs.recompute):
+            redo = _recomputed(host, p, seconds[k][0], ready)
+            ready = [(r,) for r in redo]
+        ready = _weight_gathers(costs, host, p, ready, backward=True)
+        bstarts.append(_partials(host, p, TaskKind.BACKWARD, seconds[k][1], ready))
+        bseconds.append(seconds[k][::-1])  # the backward's own seconds first
+        firsts.append(redo)  # the output gradient arrives before the forward is rerun
+    out |= _finished_run(
+        costs, host, bwd_slots, bparts, bstarts, TaskKind.BACKWARD, bseconds, names, firsts
+    )
+    return out
+
+
+def _finished_run(
+    costs, host, slots, parts, starts, kind, seconds, names, firsts=None
+) -> dict[int, Segment]:
+    """The rings after ``starts`` (per member of a run, in the phase's order, its partial
+    halves, all in ``host``, the first slot's builder), each member's finishing halves
+    in its own slot of ``slots``, and the members' segments by slot; ``firsts``: per
+    member, its first tasks where they are not its partial halves (a recomputed
+    forward's)."""
+    finished = _stats_rings(costs, host, parts, starts, kind)
+    out: dict[int, Segment] = {}
+    for k, (slot, p) in enumerate(zip(slots, parts, strict=True)):
+        b = host if k == 0 else _SegmentBuilder(slot, names, costs.turns)
+        ends = _finishing(b, p, kind, seconds[k][0], starts[k], finished, k)
+        first = starts[k] if firsts is None or firsts[k] is None else firsts[k]
+        out[slot] = b.segment([x[1] for x in first], [x[1] for x in ends])
+    return out
 
 
 def _recomputed(b: _SegmentBuilder, parts: OpParts, seconds, after) -> list[Ref]:
@@ -1218,13 +1340,21 @@ class SlotBuilder:
         if key is not None:
             self._ops_built[key] = (i, tuple(segments[s] for s in slots))
 
+    def run_slots(self, segments: list, run: Sequence[int], parts: Sequence[OpParts]) -> None:
+        """The forward and backward slots of a run of ops with statistics (``parts``:
+        theirs, in run order): they depend on every member's config, so they are built
+        together and never moved to another run's slots."""
+        for slot, seg in run_segments(self.costs, self.lay, run, parts, self.names).items():
+            segments[slot] = seg
+
     def bucket_slots(self, segments: list, b: int, parts: Sequence[OpParts]) -> None:
         """The weight and update slots of bucket ``b``'s ops (``parts``: theirs, in the
         bucket's order), after their forward and backward slots are built."""
         lay, ops = self.lay, self.buckets.ops[b]
         slots = bucket_slots(lay, ops)
         key = None
-        if self._shared():
+        # a run's member's last tasks stand where the other members' configs put them
+        if self._shared() and not any(i in lay.runs for i in ops):
             key = tuple(
                 (self.kinds.ops[i], p.config, p.sums) for i, p in zip(ops, parts, strict=True)
             )
@@ -1265,7 +1395,11 @@ class SlotBuilder:
         (both ops' and the producer's sums': ``edge_configs``) was built already; that
         one's segments are moved here."""
         lay = self.lay
-        if self.kinds is None or self.names:
+        p, q, _ = lay.edges[j]
+        # An edge of a run's member feeds its host's slot at places that depend on the
+        # other members' configs: built for its own edge alone (delta simulation keys
+        # it by the run's configs too).
+        if self.kinds is None or self.names or p in lay.runs or q in lay.runs:
             self.edge_slots(segments, j, *make())
             return
         ef, eb = lay.edge_forward[j], lay.edge_backward[j]
@@ -1290,10 +1424,12 @@ class SlotBuilder:
         lay = self.lay
         if phase == "fwd":
             return merged_preds(
-                segments[lay.forward[i]], [segments[lay.edge_forward[j]] for j in lay.ins[i]]
+                segments[lay.forward[i]],
+                [segments[lay.edge_forward[j]] for j in lay.fed_forward(i)],
             )
         return merged_preds(
-            segments[lay.backward[i]], [segments[lay.edge_backward[j]] for j in lay.outs[i]]
+            segments[lay.backward[i]],
+            [segments[lay.edge_backward[j]] for j in lay.fed_backward(i)],
         )
 
 
@@ -1308,7 +1444,11 @@ def all_segments(builder: SlotBuilder, pg: PartitionedGraph) -> list[AnySegment]
     segments: list[AnySegment] = [EMPTY] * lay.size
     parts = [op_parts(pg, op) for op in ops]
     for i in range(len(ops)):
-        builder.op_slots(segments, i, parts[i])
+        run = lay.runs.get(i)
+        if run is None:
+            builder.op_slots(segments, i, parts[i])
+        elif i == run[0]:
+            builder.run_slots(segments, run, [parts[m] for m in run])
     for b, bucket in enumerate(builder.buckets.ops):
         builder.bucket_slots(segments, b, [parts[i] for i in bucket])
     for j, edge in enumerate(pg.edges):
@@ -1338,8 +1478,8 @@ def slot_refs(lay: Layout, segments: Sequence[AnySegment], sources: Sources) -> 
 
     for i in range(len(lay.forward)):
         f, b = lay.forward[i], lay.backward[i]
-        refs[f] = merged(refs[f], feeds([lay.edge_forward[j] for j in lay.ins[i]]))
-        refs[b] = merged(refs[b], feeds([lay.edge_backward[j] for j in lay.outs[i]]))
+        refs[f] = merged(refs[f], feeds([lay.edge_forward[j] for j in lay.fed_forward(i)]))
+        refs[b] = merged(refs[b], feeds([lay.edge_backward[j] for j in lay.fed_backward(i)]))
     return refs
 
 

@@ -223,15 +223,20 @@ RANDOM = seeded_sample([(name, RANDOM_RANKS) for name in sorted(CASES)], "famili
 STEPPED = [
     p for name, r in zip(sorted(CASES), RANDOM, strict=True) for p in (pytest.param(name, 1), r)
 ]
+# Data parallel on 2 ranks: resnet18's downsample BatchNorms beside their blocks' last
+# ones and inception_v3's branches' BatchNorms sum their statistics in shared rings
+# (soap/stats_batches.py).
+SHARED_RANKS = 2
+SHARED = [pytest.param("resnet18", SHARED_RANKS), pytest.param("inception_v3", SHARED_RANKS)]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("name", "ranks"), STEPPED)
+@pytest.mark.parametrize(("name", "ranks"), [*STEPPED, *SHARED])
 def test_one_step_is_torch_sgd(torch_step, tmp_path: Path, name: str, ranks: int) -> None:
     step = torch_step(name)
     plan = tmp_path / f"plan-{ranks}.json"
-    if ranks == 1:
-        make_plan(step.path, plan, 1, BATCH, "data-parallel")
+    if ranks in (1, SHARED_RANKS):
+        make_plan(step.path, plan, ranks, BATCH, "data-parallel")
     else:
         make_plan(step.path, plan, ranks, BATCH, "random", RANDOM_SEED)
     args = ("--steps", "1", "--lr", str(LR), "--dtype", "float64", "--data", str(step.data))

@@ -72,6 +72,8 @@ def per_resource(tg, timeline) -> dict[int, list[tuple[int, float, float]]]:
         ("bnnet", "cpu:4/cores=2/busy=3e-6/resume=1e-6,4e-5"),
         ("tokens", "cpu:4/resume=0,1e-5"),
         ("bnnet", "cpu:4/ring=2e-5/cool=1.7e-4,4e-6"),
+        ("branches", "cpu:4/ring=2e-5"),  # two BatchNorms' statistics in one ring
+        ("branches", "flexflow-p100:1"),
         ("tokens", "cpu:4/cores=2/resume=1e-6,4e-5/cool=5e-5,1e-5"),
         ("tokens", "flexflow-p100:1"),
     ],
@@ -108,6 +110,7 @@ def test_delta_matches_full(export_model, name: str, spec: str, data) -> None:
         ("tokens", "cpu:4/cores=2/busy=3e-6", 400),  # of ops 8, 7, 1 and of op 0
         ("cnn", "flexflow-p100:1", 2048),  # fc2; fc1; both branches' convolutions; conv1
         ("bnnet", "cpu:4/ring=2e-5/cool=1.7e-4,4e-6", 1),  # an op a bucket
+        ("branches", "cpu:4/ring=2e-5", 1),  # an op a bucket, the shared ring's ops too
     ],
 )
 @settings(

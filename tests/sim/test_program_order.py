@@ -16,7 +16,7 @@ from onnx2soap.sim.simulate import simulate
 from onnx2soap.sim.taskgraph import TaskKind
 from onnx2soap.soap import Partitioner, analyze
 
-MODELS = ("mlp", "cnn", "spatial", "bnnet", "tokens", "tied")
+MODELS = ("mlp", "cnn", "spatial", "bnnet", "branches", "tokens", "tied")
 
 
 def executor_order(pg, rank: int) -> list[tuple]:
