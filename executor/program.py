@@ -62,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from onnx2soap.ops import definition
 from onnx2soap.soap import PartitionedGraph
 from onnx2soap.soap.buckets import (
     DEFAULT_BUCKET_MB,
@@ -74,6 +75,7 @@ from onnx2soap.soap.partition import Rect
 from onnx2soap.soap.pipeline import Pass, Pipeline, Schedule, StagePass, stage_order
 from onnx2soap.soap.saved import backward_reads
 from onnx2soap.soap.stats_batches import run_of, stats_rings
+from onnx2soap.soap.streamed import block_of, key_blocks
 from onnx2soap.soap.zero import Zero, ZeroStage, group_stage, zero_group
 
 
@@ -373,6 +375,35 @@ def _transfers(pg: PartitionedGraph) -> tuple[list[Transfer], list[Transfer]]:
     return fwd, bwd
 
 
+def _streamed(pg: PartitionedGraph) -> dict[tuple[int, int], tuple]:
+    """Per (op, task) of a streamed op that takes its keys in blocks (ring attention,
+    ``soap/streamed.py``): (the streamed operands and their key axis, the blocks)."""
+    out = {}
+    for i, op in enumerate(pg.graph.ops):
+        streams = definition(op.type).streams
+        if streams is None:
+            continue
+        tasks = pg.tasks[op.name]
+        for task in tasks:
+            blocks = key_blocks(op, tasks, task)
+            if blocks:
+                out[(i, task.index)] = (streams.operands, streams.axis, blocks)
+    return out
+
+
+def _step(streamed: dict, t: Transfer) -> int | None:
+    """The block of its streamed reader a forward piece arrives for (the ring's step
+    that brings it); None where the reader takes it whole, waiting before its kernel.
+    Each device sends its block to the readers in step order, so on a switch each
+    step's pieces use each device's ports once, as a ring's steps do; the simulator
+    orders them so (``sim/taskgraph.py``'s ``_ring_order``)."""
+    found = streamed.get(t.consumer)
+    if found is None or t.operand not in found[0]:
+        return None
+    _, axis, blocks = found
+    return block_of(blocks, t.rect[axis])
+
+
 def _pieces(pg: PartitionedGraph, fwd: list[Transfer]) -> dict[tuple, list[Piece]]:
     """Pieces each (phase, op, task) assembles, in edge and overlap order."""
     index = {op.name: i for i, op in enumerate(pg.graph.ops)}
@@ -556,9 +587,13 @@ def global_order(
     pieces = _pieces(pg, fwd)
     waits: dict[tuple, list[Transfer]] = {}
     sends: dict[tuple, list[Transfer]] = {}
+    streamed = _streamed(pg)
     for t in fwd:
-        waits.setdefault((Phase.FORWARD, *t.consumer), []).append(t)
+        if _step(streamed, t) is None:  # a streamed task's kernel waits for it itself
+            waits.setdefault((Phase.FORWARD, *t.consumer), []).append(t)
         sends.setdefault((Phase.FORWARD, *t.producer), []).append(t)
+    for sent in sends.values():  # to streamed readers, in the order they take them
+        sent.sort(key=lambda t: _step(streamed, t) or 0)
     for t in bwd:
         waits.setdefault((Phase.BACKWARD, *t.producer), []).append(t)
         sends.setdefault((Phase.BACKWARD, *t.consumer), []).append(t)

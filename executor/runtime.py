@@ -67,6 +67,7 @@ from onnx2soap.soap import PartitionedGraph, analyze
 from onnx2soap.soap.dims import DimKind
 from onnx2soap.soap.partition import Rect, Task, held_rects, owners, rect_shape
 from onnx2soap.soap.saved import backward_reads, wanted_gradients
+from onnx2soap.soap.streamed import KeyBlock, key_blocks
 from onnx2soap.soap.zero import Zero, ZeroGroup, ZeroStage, group_stage, zero_group
 
 WeightKey = tuple[str, Rect]
@@ -127,6 +128,15 @@ class Runtime:
             for t, rect in held_rects(pg.sums[op.name]).items()
         }
         self.roles = [[self.graph.tensors[t].role for t in op.inputs] for op in self.graph.ops]
+        # ring attention: the key blocks each local streamed task takes its keys and
+        # values in (soap/streamed.py); a task absent takes them whole
+        self.key_blocks: dict[TaskKey, tuple[KeyBlock, ...]] = {
+            (i, t.index): blocks
+            for i, op in enumerate(self.graph.ops)
+            if definition(op.type).streams is not None
+            for t in self.tasks[i]
+            if t.device == self.rank and (blocks := key_blocks(op, self.tasks[i], t))
+        }
         self.shards: dict[WeightKey, object] = {}
         self.trainable: set[WeightKey] = set()
         self.zero_stages = zero = Zero.of(zero)

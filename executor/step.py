@@ -49,6 +49,7 @@ from onnx2soap.ir import TensorRole
 from onnx2soap.ops import TaskArgs, definition
 from onnx2soap.ops.base import RandomKey, Released, released
 from onnx2soap.soap.partition import Rect, SumGroup, rect_shape
+from onnx2soap.soap.streamed import KeyBlock, block_of
 
 WeightKey = tuple[str, Rect]
 
@@ -203,21 +204,79 @@ class Step:
         return self.input_grads[copy.peer][copy.operand][copy.source]
 
     def _assemble_inputs(self, key: TaskKey) -> list:
-        buffers = []
-        for source in self.buf.inputs[key]:
-            if isinstance(source, Fixed):
-                buffers.append(source.array)
-            elif isinstance(source, Gathered):
-                buffers.append(self.gathered[source.key])
-            elif isinstance(source, Alias):
-                buffers.append(self.outputs[source.producer])
-            elif isinstance(source, Received):
+        return [self._input(source) for source in self.buf.inputs[key]]
+
+    def _input(self, source):
+        if isinstance(source, Fixed):
+            return source.array
+        if isinstance(source, Gathered):
+            return self.gathered[source.key]
+        if isinstance(source, Alias):
+            return self.outputs[source.producer]
+        if isinstance(source, Received):
+            return self.received.pop(source.transfer)
+        if isinstance(source, Rows):
+            return self._rows(source)
+        return self._assembled(source)
+
+    def _assemble_streamed(self, key: TaskKey, blocks: tuple[KeyBlock, ...]):
+        """Ring attention: the task's inputs, but its streamed operands' received pieces
+        (whose waits the program leaves to the kernel) only waited for and copied in as
+        the kernel reaches their block of keys (``Streamed``): (the buffers, per block
+        what arrives with it: (transfer, operand, where in its buffer or None for the
+        whole, whether this task fills it))."""
+        streams = definition(self.rt.graph.ops[key[0]].type).streams
+        buffers, later = [], [[] for _ in blocks]
+        for k, source in enumerate(self.buf.inputs[key]):
+            if k not in streams.operands or not isinstance(source, Assembled | Received):
+                buffers.append(self._input(source))
+            elif isinstance(source, Received):  # one piece of every key: the first block's
+                later[0].append((source.transfer, k, None, False))
                 buffers.append(self.received.pop(source.transfer))
-            elif isinstance(source, Rows):
-                buffers.append(self._rows(source))
             else:
-                buffers.append(self._assembled(source))
-        return buffers
+                buffers.append(self._streamed_buffer(source, k, streams.axis, blocks, later))
+        return buffers, later
+
+    def _streamed_buffer(self, source: Assembled, k: int, axis: int, blocks, later) -> object:
+        """``_assembled`` with the received pieces left to their blocks (``later``); the
+        local ones copied now. A buffer another local task filled already is taken as
+        it is, this task's own pieces waited for and dropped at their blocks."""
+        readers = self.buf.readers[source.share] if source.share is not None else 1
+        entry = self.assembled.get(source.share) if readers > 1 else None
+        fresh = entry is None
+        if fresh:
+            entry = [source.make(self.xp), readers]
+            if readers > 1:
+                self.assembled[source.share] = entry
+        first = source.region.buffer[axis][0]  # the buffer's first key
+        for copy in source.copies:
+            if copy.transfer is None:
+                if fresh:
+                    entry[0][copy.into] = self._source(copy, forward=True)
+                continue
+            keys = (first + copy.into[axis].start, first + copy.into[axis].stop)
+            later[block_of(blocks, keys)].append((copy.transfer, k, copy.into, fresh))
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.assembled.pop(source.share, None)
+        return entry[0]
+
+    def _arrive(self, arriving, buffers: list, wide: list) -> None:
+        """A block's received pieces: waited for and copied into their buffers; where
+        the kernel reads float32 copies of half-format buffers (made before the pieces
+        were there), those too."""
+        for transfer, k, into, fills in arriving:
+            self.rt.transport.wait(self.pending.pop(transfer))
+            widened = wide[k] is not buffers[k]
+            if into is None:  # the whole buffer, received in place
+                if widened:
+                    wide[k][...] = self.half.widen(buffers[k])
+                continue
+            data = self.received.pop(transfer)  # read once: copied, then gone
+            if fills:
+                buffers[k][into] = data
+                if widened:
+                    wide[k][into] = self.half.widen(data)
 
     def _assembled(self, source: Assembled):
         """The buffer, made and filled by the first local task that reads it, the same
@@ -520,14 +579,26 @@ class Step:
         key = (ins.op, ins.task)
         op = self.rt.graph.ops[ins.op]
         synced = bool(op.nest.sync_dims)
-        buffers = self.inputs[key] if synced else self._assemble_inputs(key)
+        blocks = self.rt.key_blocks.get(key)
+        if blocks:
+            buffers, later = self._assemble_streamed(key, blocks)
+        else:
+            buffers = self.inputs[key] if synced else self._assemble_inputs(key)
         args = self._args(key)
         d = definition(op.type)
         into = self._stored_tile(op, args)
         wide = self.half.widen_all(buffers)
         if d.overwrites and not synced:  # statistics read the copies after the kernel
             args = replace(args, owned=self.half.owned(buffers, wide))
-        out = d.forward(self.xp, op.attrs, wide, args)
+        if blocks:  # ring attention: each block computed on as soon as it is there
+
+            def arrive(j: int) -> None:
+                self._arrive(later[j], buffers, wide)
+
+            spans = [b.spans for b in blocks]
+            out = d.streams.forward(self.xp, op.attrs, wide, args, spans, arrive)
+        else:
+            out = d.forward(self.xp, op.attrs, wide, args)
         if not op.is_loss:
             out = self._stored(out, wide, into)
         self.inputs[key], self.outputs[key] = buffers, out
@@ -574,7 +645,12 @@ class Step:
         d, args = definition(op.type), self._args(key)
         if d.overwrites:  # its float32 copies are the kernel's to write over
             args = replace(args, owned=self.half.owned(self.inputs[key], inputs))
-        grads = d.backward(self.xp, op.attrs, inputs, out, wide_grad, args)
+        blocks = self.rt.key_blocks.get(key)
+        if blocks:  # ring attention's backward, block by block of keys
+            spans = [b.spans for b in blocks]
+            grads = d.streams.backward(self.xp, op.attrs, inputs, out, wide_grad, args, spans)
+        else:
+            grads = d.backward(self.xp, op.attrs, inputs, out, wide_grad, args)
         self.stashes.pop(key, None)
         passed = [g is wide_grad for g in grads]  # the output gradient itself, passed on
         # the float32 copies go before rounding makes its temporaries (as the memory

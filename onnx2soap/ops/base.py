@@ -195,6 +195,39 @@ def output_copies(forward: float, backward: float) -> Workspace:
 
 
 StashBytes = Callable[[Any, tuple[int, ...], int], int]
+
+# Key spans (half-open global intervals along the streamed dim), one tuple a block, in
+# the order the blocks arrive.
+KeyBlocks = Sequence[Sequence[tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """An op whose kernel reads some operands whole along a hidden dim (attention's
+    keys) but can consume them block by block as they arrive, carrying its running
+    state across blocks (the online softmax: the log-sum-exp combination of partial
+    outputs, ring attention's). Where its ``rows`` dim is split over devices and the
+    hidden dim ``keys`` is as long (self-attention), each task's operands come in one
+    block a device, its own first (``soap/streamed.py``): the executor waits for a
+    block's pieces only as the kernel reaches it, the simulator prices a chain of
+    per-block tasks.
+
+    ``forward(xp, attrs, inputs, args, blocks, arrive)``: the output, calling
+    ``arrive(j)`` before it reads block ``j`` of the streamed operands; ``backward(xp,
+    attrs, inputs, output, grad_output, args, blocks)``: the gradients, block by block."""
+
+    operands: tuple[int, ...]  # the streamed operands (attention's K and V)
+    axis: int  # their axis along the hidden dim
+    rows: int  # the nest's dim whose split cuts the blocks (the queries)
+    keys: int  # the nest's hidden dim (the keys)
+    forward: Callable[..., Array]
+    backward: Callable[..., tuple[Array | None, ...]]
+    # (attrs, input buffer shapes, output tile shape, itemsize, the widest span of keys
+    # a block has) -> what a streamed task's kernels hold, forward and backward, in
+    # ``OpDef.workspace``'s stead (a span's temporaries, the running state beside them)
+    workspace: Callable[[Any, Sequence[tuple[int, ...]], tuple[int, ...], int, int], tuple]
+
+
 """(attrs, output tile shape, itemsize) -> bytes of a task's stash (``OpDef.stash_bytes``)."""
 
 
@@ -390,6 +423,9 @@ class OpDef:
     # backward returns the operand's gradient in it, as Megatron-LM's cross-entropy
     # works in place in its float32 logits. The memory model counts neither then.
     overwrites: frozenset[int] = frozenset()
+    # Operands consumed block by block along a hidden dim as they arrive (``Streamed``:
+    # attention's keys and values, ring attention's overlap); None: read whole.
+    streams: Streamed | None = None
 
     @property
     def is_loss(self) -> bool:

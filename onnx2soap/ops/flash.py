@@ -20,6 +20,11 @@ and the backward folds ``- lse`` and ``- rowsum(dO ∘ O)`` into its products (a
 of ones on K and V, the rows' terms on Q and dO). Left per tile: the products, one
 exponential and, in the backward, dS's product with P.
 
+Ring attention (``forward_streamed``, ``backward_streamed``): the keys in blocks that
+arrive one after another, each block's output and log-sum-exp combined with the running
+ones (the online softmax carried across blocks); the backward, given the combined
+log-sum-exp, makes each block's dK and dV and its share of dQ.
+
 Grouped-query attention needs no copy of the keys: the ``g = heads / kv_heads`` query
 heads of a key head are stacked as rows of one product ([b, kv_heads, g, rows, e]).
 
@@ -32,8 +37,8 @@ top left as ONNX's and torch's) needs it where the queries are split.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from onnx2soap.ops.base import Array, RandomKey
 from onnx2soap.ops.kernel_util import matmul
@@ -61,11 +66,12 @@ class Dropout:
     stream: int
     origin: tuple[int, int, int]  # the task's first (sample, head, query)
     full: tuple[int, int, int, int]  # [b, h, m, n] of the whole op
+    first_key: int = 0  # the global index of the call's first key (a block of them)
 
     def keep(self, xp, shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int]):
         """The tile's kept-and-scaled factors, shaped [b, hk, g, rows, cols]."""
         b, hk, g = shape[:3]
-        origin = (*self.origin[:2], self.origin[2] + rows[0], cols[0])
+        origin = (*self.origin[:2], self.origin[2] + rows[0], self.first_key + cols[0])
         tile = (b, hk * g, rows[1] - rows[0], cols[1] - cols[0])
         u = uniform(xp, self.key, origin, tile, self.full, stream=self.stream)
         factor = (u >= self.ratio) * (1.0 / (1.0 - self.ratio))
@@ -521,3 +527,117 @@ class _BiasGradient:
         if shape[4] != 1:
             at[4] = slice(*cols)
         self.total[tuple(at)] += part
+
+
+# -- keys in blocks (ring attention) ----------------------------------------------------
+
+
+def _key_part(xp, mask: Array | None, problem: Problem, span: tuple[int, int]):
+    """The mask and the problem of keys ``span`` alone: the causal diagonal and the
+    dropout's draws shifted to where those keys lie (query i sees key lo + j where
+    lo + j <= first_row + i)."""
+    lo, hi = span
+    if mask is not None and mask.ndim and mask.shape[-1] != 1:
+        mask = mask[..., lo:hi]
+    drop = problem.dropout
+    if drop is not None:
+        drop = replace(drop, first_key=drop.first_key + lo)
+    return mask, replace(problem, first_row=problem.first_row - lo, dropout=drop)
+
+
+def forward_streamed(
+    xp,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    problem: Problem,
+    blocks: Sequence[Sequence[tuple[int, int]]],
+    arrive: Callable[[int], None] | None = None,
+) -> tuple[Array, Array]:
+    """``forward_with_lse`` over the keys in ``blocks`` (spans of them, together every
+    key once), block by block in that order, ``arrive(j)`` called before block ``j``'s
+    keys and values are read (ring attention: a block is computed on while the next
+    ones arrive). Each span's output and log-sum-exp are combined with the running
+    ones by their log-sum-exps: the online softmax carried across spans."""
+    hk, g = k.shape[1], q.shape[1] // k.shape[1]
+    out = lse = None
+    for j, spans in enumerate(blocks):
+        if arrive is not None:
+            arrive(j)
+        for span in spans:
+            lo, hi = span
+            part, sub = _key_part(xp, mask, problem, span)
+            o, s = forward_with_lse(xp, q, k[:, :, lo:hi], v[:, :, lo:hi], part, sub)
+            o = _grouped(o, hk)
+            s = xp.where(s == xp.inf, -xp.inf, s)  # a row seeing none of these keys
+            out, lse = (o, s) if out is None else _combined(xp, out, lse, o, s)
+    if out is None:  # no keys at all: every row sees none
+        b, _, m, _ = q.shape
+        shape = (b, hk, g, m, 1)
+        return xp.zeros((b, hk * g, m, v.shape[-1]), q.dtype), xp.full(shape, xp.inf, q.dtype)
+    b, _, _, m, d = out.shape
+    # a row that sees no key outputs 0 (already) and keeps +inf, as ``forward_with_lse``
+    return out.reshape(b, hk * g, m, d), xp.where(lse == -xp.inf, xp.inf, lse)
+
+
+def _combined(xp, out: Array, lse: Array, o: Array, s: Array) -> tuple[Array, Array]:
+    """Two partial softmaxes' outputs and log-sum-exps (-inf: no key seen) as one, in
+    ``out`` and ``o``'s memory (no third output-sized array)."""
+    top = xp.maximum(lse, s)
+    safe = xp.where(top == -xp.inf, 0, top)  # neither saw a key: both weights 0
+    a, b = xp.exp(lse - safe), xp.exp(s - safe)
+    total = a + b
+    seen = total > 0
+    norm = xp.where(seen, total, 1)
+    out *= a / norm
+    o *= b / norm
+    out += o
+    return out, xp.where(seen, safe + xp.log(norm), -xp.inf)
+
+
+def backward_streamed(
+    xp,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    out: Array,
+    grad_out: Array,
+    problem: Problem,
+    blocks: Sequence[Sequence[tuple[int, int]]],
+    wanted: Wanted = Wanted(),
+    lse: Array | None = None,
+) -> tuple[Array | None, ...]:
+    """``backward`` block by block: given the whole output and its log-sum-exp (the
+    combined ones), each span's probabilities are exactly the whole softmax's, so dQ
+    sums over the spans and dK, dV (and a float mask's gradient) are each span's own."""
+    if lse is None:
+        lse = forward_streamed(xp, q, k, v, mask, problem, blocks)[1]
+    dq = None  # the first span's, the others added into it
+    dk = xp.zeros_like(k) if wanted.k else None
+    dv = xp.zeros_like(v) if wanted.v else None
+    bias = xp.zeros(mask.shape, mask.dtype) if wanted.mask and mask is not None else None
+    for spans in blocks:
+        for lo, hi in spans:
+            part, sub = _key_part(xp, mask, problem, (lo, hi))
+            kv = k[:, :, lo:hi], v[:, :, lo:hi]
+            grads = backward(xp, q, *kv, part, out, grad_out, sub, wanted, lse)
+            if grads[0] is not None:
+                dq = grads[0] if dq is None else xp.add(dq, grads[0], out=dq)
+            if dk is not None:
+                dk[:, :, lo:hi] = grads[1]
+            if dv is not None:
+                dv[:, :, lo:hi] = grads[2]
+            if bias is not None:
+                _add_bias(bias, grads[3], (lo, hi))
+    return dq, dk, dv, bias
+
+
+def _add_bias(total: Array, part: Array, span: tuple[int, int]) -> None:
+    """A span's share of a float mask's gradient: its keys' columns, or summed in where
+    the mask broadcasts along the keys."""
+    if total.ndim and total.shape[-1] != 1:
+        total[..., span[0] : span[1]] += part
+    else:
+        total += part

@@ -4,10 +4,13 @@ node, data parallel across nodes.
 Every op of a transformer but attention works a position at a time, so it splits along
 the sequence with nothing to exchange; the fused attention (``ops/defs/attention.py``)
 splits along its queries, each device reading every key and value: the partitioner
-all-gathers K and V inside the node before it and reduce-scatters their gradients after
-its backward. That is the all-gather form of context parallelism Llama 3 was trained
-with (Dubey et al. 2024, §3.3.2), not the ring form (K and V passed around while each
-block computes).
+moves every device's K and V to the others before it and sums their gradients after
+its backward. The attention takes them as ring attention does (``soap/streamed.py``):
+one block a device, its own first and the others in ring order, computing on each as
+it arrives and combining the blocks by log-sum-exp, so the transfers overlap its work;
+each device holds K and V whole, as in the all-gather form Llama 3 was trained with
+(Dubey et al. 2024, §3.3.2), its backward reading them there. Nothing is chosen for it:
+an attention split along its queries over devices always streams its keys.
 
 Under a causal mask a query's work grows with its position, so contiguous chunks leave
 the last device of N about 2N-1 times the first's. Where the model has causal attention

@@ -60,6 +60,7 @@ from onnx2soap.soap.partition import SumGroup, stat_groups
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import kept_for_backward
+from onnx2soap.soap.streamed import streams_operand
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class DeltaSimulator:
                 sim.host_objects,
                 keeps,
                 sim.stored_itemsize,
+                streams_operand(consumer, ctasks, self.lay.edges[j][2]),
             )
         return self.edge_memory_memo[key]
 

@@ -115,6 +115,7 @@ from onnx2soap.soap.partition import (
 from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import backward_reads, kept_for_backward
+from onnx2soap.soap.streamed import key_blocks, streams_operand, widest_span
 from onnx2soap.soap.zero import Zero, ZeroStage, group_stage, zero_group
 
 # Arrays of optimizer state per trainable shard (the executor's ``--optimizer``).
@@ -248,6 +249,10 @@ class EdgeMemory:
     # a send views: the step drops one once its pieces are sent (executor/lifetimes.py),
     # right after the consumer's backward, not at its producer's
     unread_grads: Pieces = ()
+    # the consumer streams the operand (ring attention, ``soap/streamed.py``): its
+    # kernel copies each received piece in as it reaches the piece's block of keys, so
+    # the receive buffers (``recv_tiles``) live on through the kernel's start
+    streamed: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,6 +308,9 @@ class EdgeTotals:
     staged_grads: dict[tuple[int, int], Pieces] = field(default_factory=dict)
     # per (consumer op, operand): input gradients gone once sent (``EdgeMemory``)
     unread_grads: dict[tuple[int, int], Pieces] = field(default_factory=dict)
+    # per consumer op, the receive buffers of the pieces a streamed kernel (ring
+    # attention) takes block by block: held through its kernel, not gone before it
+    landed_late: dict[int, Pieces] = field(default_factory=dict)
 
 
 def _width(t, itemsize: int) -> int:
@@ -410,6 +418,10 @@ def _op_bytes(
     out_width = _width(graph.tensors[op.output], stored)
     narrowed_out = not op.is_loss and graph.tensors[op.output].dtype.is_float
     workspace = definition(op.type).workspace
+    streams = definition(op.type).streams
+    # ring attention's tasks (``soap/streamed.py``): a span's temporaries and the
+    # running state (``Streamed.workspace``); per task, its widest span of keys
+    streamed = {t.index: widest_span(key_blocks(op, tasks, t)) for t in tasks if streams}
     stash = definition(op.type).stash_bytes if backward else None
     tensors = [graph.tensors[name] for name in op.inputs]
     # Instructions: forward and backward Compute per task, a Partial before each where
@@ -482,9 +494,13 @@ def _op_bytes(
         if stash is not None:  # kept from its forward to its backward, as the inputs it reads
             _add(kept_inputs, t.device, stash(op.attrs, rect_shape(t.output), itemsize))
         shapes = [rect_shape(r.buffer) for r in t.inputs]
-        fw, bw = (
-            workspace(op.attrs, shapes, rect_shape(t.output), itemsize) if workspace else (0, 0)
-        )
+        if streamed.get(t.index):
+            span = streamed[t.index]
+            fw, bw = streams.workspace(op.attrs, shapes, rect_shape(t.output), itemsize, span)
+        elif workspace:
+            fw, bw = workspace(op.attrs, shapes, rect_shape(t.output), itemsize)
+        else:
+            fw, bw = 0, 0
         if stored < itemsize:  # mixed precision: float32 copies beside the kernel's own
             conv_fw, conv_bw, scratch = _conversions(
                 op, t, tensors, keeps_inputs, keeps_output, itemsize
@@ -647,6 +663,7 @@ def _edge_bytes(
     objects: bool = True,
     keeps: bool = True,
     stored: int = 0,
+    streamed: bool = False,
 ) -> EdgeMemory:
     """What one edge adds per device: receive buffers in flight and staging copies where
     a piece crosses devices (both ways when a gradient flows back); minus the input
@@ -665,7 +682,8 @@ def _edge_bytes(
     ``staged_grads``). ``keeps``: whether the consumer keeps the
     operand for its backward (``soap/saved.py``): its buffer, or the producer's tile it
     reads in place, lives until then. ``stored``: bytes an element of the pieces and
-    gradients moved (mixed precision's half format; 0: ``itemsize``)."""
+    gradients moved (mixed precision's half format; 0: ``itemsize``). ``streamed``: the
+    consumer's kernel takes the operand block by block (``EdgeMemory.streamed``)."""
     itemsize = stored or itemsize  # what every buffer here holds
     width = _width(graph.tensors[edge.tensor], itemsize)
     grad = graph.differentiable(edge.tensor)
@@ -772,6 +790,7 @@ def _edge_bytes(
         tuple(staged_tiles.items()),
         tuple(staged_grads.items()),
         tuple(unread.items()),
+        streamed,
     )
 
 
@@ -834,8 +853,9 @@ def add_edges(
         pieces = found.get(key)
         if pieces is None:
             ptasks, ctasks = pg.tasks[p], pg.tasks[c]
+            streamed = streams_operand(consumer, ctasks, edge.operand)
             pieces = _edge_bytes(
-                pg.graph, edge, ptasks, ctasks, itemsize, sole, objects, keeps, stored
+                pg.graph, edge, ptasks, ctasks, itemsize, sole, objects, keeps, stored, streamed
             )
             found[key] = pieces
         for d, n in pieces.held:
@@ -867,6 +887,7 @@ def edge_totals(edges) -> EdgeTotals:
     posted: dict[int, dict[int, int]] = {}
     landed: dict[int, dict[int, int]] = {}
     landed_whole: dict[int, dict[int, int]] = {}
+    landed_late: dict[int, dict[int, int]] = {}
     recv_grads: dict[tuple[int, int], Pieces] = {}
     recv_grad_out: dict[tuple[int, int], Pieces] = {}
     grad_alias: dict[int, dict[int, int]] = {}
@@ -877,7 +898,7 @@ def edge_totals(edges) -> EdgeTotals:
         for d, region, n in m.assembled:
             readers.setdefault((p, d, region), []).append((c, n, m.keeps))
         _sum_into(posted, p, (*m.recv_tiles, *m.recv_whole, *m.staged_tiles))
-        _sum_into(landed, c, m.recv_tiles)
+        _sum_into(landed_late if m.streamed else landed, c, m.recv_tiles)
         _sum_into(landed_whole, c, m.recv_whole)
         _sum_into(unstaged, c, m.staged_tiles)
         if m.recv_grads:
@@ -917,6 +938,7 @@ def edge_totals(edges) -> EdgeTotals:
         {c: tuple(x.items()) for c, x in unstaged.items()},
         staged_grads,
         unread_grads,
+        {c: tuple(x.items()) for c, x in landed_late.items()},
     )
 
 
@@ -1121,8 +1143,13 @@ def _forward_peaks(devices: int, ops: list[OpMemory], order: Order | None, edges
         for d, n in edges.landed.get(i, ()):  # copied into its input buffers: gone
             forward[d] = max(forward[d], made[d] + live[d])
             live[d] -= n
+        late = edges.landed_late.get(i, ())
+        for d, _ in late:  # ring attention's pieces: copied in as its kernel goes
+            forward[d] = max(forward[d], made[d] + live[d])
         for d, n in m.forward:
             forward[d] = max(forward[d], made[d] + live[d] + n)
+        for d, n in late:
+            live[d] -= n
         for d, n in m.outputs:
             made[d] += n
         for d, n in (*m.kept_tiles, *m.read_tiles):

@@ -51,6 +51,7 @@ import numpy as np
 
 from onnx2soap.errors import PlanError
 from onnx2soap.ir import Graph, Op
+from onnx2soap.ops import definition
 from onnx2soap.sim.collectives import Collective, collective_time, group_shape
 from onnx2soap.sim.costs import CostModel
 from onnx2soap.sim.machine import Cooling, Machine, Resume
@@ -88,6 +89,7 @@ from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import backward_reads
 from onnx2soap.soap.stats_batches import stats_rings, stats_runs
+from onnx2soap.soap.streamed import KeyBlock, key_blocks
 from onnx2soap.soap.zero import NO_ZERO, Zero, ZeroStage, group_stage, zero_group
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
@@ -126,10 +128,40 @@ class TaskGraph:
 
 
 @dataclass(frozen=True)
+class Chains:
+    """A streamed op's forward (``soap/streamed.py``, ring attention): each task a chain
+    of per-block tasks, each waiting only for its own block's pieces. ``tasks``: per op
+    task, (its block's task in the segment, the block's key spans) in the order taken
+    (empty for a task that takes its operands whole); ``operands`` the streamed ones,
+    their keys along ``axis``."""
+
+    operands: tuple[int, ...]
+    axis: int
+    tasks: tuple[tuple[tuple[int, tuple[Interval, ...]], ...], ...]
+
+    def step(self, task: int, operand: int, rect) -> int:
+        """Which block of the task's chain a piece ``rect`` of ``operand`` feeds (the
+        first holding any of its keys); 0 where the task takes it whole."""
+        chain = self.tasks[task] if operand in self.operands else ()
+        lo, hi = rect[self.axis] if chain else (0, 0)
+        for j, (_, spans) in enumerate(chain):
+            if any(a < hi and lo < b for a, b in spans):
+                return j
+        return 0
+
+    def target(self, task: int, operand: int, rect) -> int | None:
+        """The block task that a piece ``rect`` of ``operand`` feeds; None where the
+        task's first task reads it (it takes the operand whole)."""
+        chain = self.tasks[task] if operand in self.operands else ()
+        return chain[self.step(task, operand, rect)][0] if chain else None
+
+
+@dataclass(frozen=True)
 class Segment:
     """The tasks of one slot, in program order. ``preds`` name earlier tasks (of this or
     earlier slots). A compute slot says which of its tasks first reads an op task's inputs
-    (``starts``) and which produces its output (``ends``); an edge slot adds ``feeds``:
+    (``starts``) and which produces its output (``ends``), and for a streamed op which
+    reads each block of its streamed operands (``chains``); an edge slot adds ``feeds``:
     (task in the target slot, predecessor) pairs, the edge's data arriving."""
 
     duration: tuple[float, ...] = ()
@@ -141,6 +173,7 @@ class Segment:
     starts: tuple[int, ...] = ()
     ends: tuple[int, ...] = ()
     feeds: tuple[tuple[int, Ref], ...] = ()
+    chains: Chains | None = None
 
 
 EMPTY = Segment()
@@ -176,7 +209,7 @@ class _SegmentBuilder:
             self.names.append(name() if callable(name) else str(name))
         return (self.slot, len(self.duration) - 1)
 
-    def segment(self, starts=(), ends=(), feeds=()) -> Segment:
+    def segment(self, starts=(), ends=(), feeds=(), chains=None) -> Segment:
         return Segment(
             tuple(self.duration),
             tuple(self.kind),
@@ -187,6 +220,7 @@ class _SegmentBuilder:
             tuple(starts),
             tuple(ends),
             tuple(feeds),
+            chains,
         )
 
 
@@ -212,12 +246,15 @@ class Memo:
     # tensor -> how many operands read it: asked per edge, counted once per graph (a
     # count per edge was a fifth to a third of planning a LLaMA shape over 64 GPUs)
     readers: Counter = field(default_factory=Counter)
+    # (op name, config) -> per task, its key blocks (``soap/streamed.py``)
+    blocks: dict[tuple, tuple[tuple[KeyBlock, ...], ...]] = field(default_factory=dict)
 
     def bind(self, graph: Graph) -> None:
         if self.graph is not graph:
             self.graph = graph
             self.compute.clear()
             self.memory.clear()
+            self.blocks.clear()
             self.readers = Counter(t for op in graph.ops for t in op.inputs)
 
     def sharing(self) -> Memo:
@@ -231,12 +268,14 @@ class Memo:
             routes=self.routes,
             groups=self.groups,
             readers=self.readers,
+            blocks=self.blocks,
         )
 
     def forget(self) -> None:
         """Let go of everything memoized, for whoever is done with this memo's plans."""
         self.graph = None
-        for memo in (self.compute, self.rings, self.routes, self.memory, self.groups):
+        memos = (self.compute, self.rings, self.routes, self.memory, self.groups, self.blocks)
+        for memo in memos:
             memo.clear()
         self.readers = Counter()
 
@@ -462,6 +501,14 @@ class Costs:
                 tuple(self.cost.backward(op, t, devices[t.device], size) for t in parts.tasks),
             )
         return self.memo.compute[key]
+
+    def key_blocks(self, parts: OpParts) -> tuple[tuple[KeyBlock, ...], ...]:
+        """Per task of a streamed op, the blocks it takes its keys in (none: whole)."""
+        key = (parts.op.name, parts.config)
+        if key not in self.memo.blocks:
+            op, tasks = parts.op, parts.tasks
+            self.memo.blocks[key] = tuple(key_blocks(op, tasks, t) for t in tasks)
+        return self.memo.blocks[key]
 
     def ring(self, devices: tuple[int, ...], numel: int) -> tuple[float, tuple[int, ...], int]:
         """(seconds, links, bytes) of a ring all-reduce: its 2(k-1) lock-step steps (as
@@ -753,6 +800,34 @@ def _plain_phase(b, parts, kind, seconds, after) -> tuple[list, list]:
     return tasks, list(tasks)
 
 
+def _streamed_phase(b, parts, seconds, after, blocks) -> tuple[list, list, Chains]:
+    """A streamed op's forward (ring attention): each task a chain of one task a block
+    of keys, its share of the task's time (``KeyBlock.share``: the chain costs what the
+    task costs), each after the one before and, through the edges' feeds
+    (``Chains.target``), its own block's pieces alone; a task without blocks is one."""
+    op = parts.op
+    starts, ends, chains = [], [], []
+    for t, s in zip(parts.tasks, seconds, strict=True):
+        name = f"fwd {op.name}[{t.index}]"
+        if not blocks[t.index]:
+            x = b.add(TaskKind.FORWARD, s, (t.device,), after[t.index], 0, name)
+            starts.append(x)
+            ends.append(x)
+            chains.append(())
+            continue
+        chain, preds = [], tuple(after[t.index])
+        for block in blocks[t.index]:
+            what = f"{name} keys of {block.device}"
+            x = b.add(TaskKind.FORWARD, s * block.share, (t.device,), preds, 0, what)
+            chain.append((x[1], block.spans))
+            preds = (x,)
+        starts.append((b.slot, chain[0][0]))
+        ends.append(x)
+        chains.append(tuple(chain))
+    streams = definition(op.type).streams
+    return starts, ends, Chains(streams.operands, streams.axis, tuple(chains))
+
+
 def _weight_gathers(costs: Costs, b, parts: OpParts, after: list, backward: bool = False) -> list:
     """ZeRO-3: an all-gather of each of the op's sharded groups' Rect (for the
     ``backward``, of those it reads), one after another, which the phase's tasks on its
@@ -794,6 +869,9 @@ def forward_segment(costs: Costs, slot: int, parts: OpParts, names: bool) -> Seg
         starts, ends = _synced_phase(costs, b, parts, TaskKind.FORWARD, seconds, none)
     elif parts.sums:  # a split partial dim
         starts, ends = _summed_forward(costs, b, parts, seconds, none)
+    elif any(blocks := costs.key_blocks(parts)):
+        starts, ends, chains = _streamed_phase(b, parts, seconds, none, blocks)
+        return b.segment([x[1] for x in starts], [x[1] for x in ends], chains=chains)
     else:
         starts, ends = _plain_phase(b, parts, TaskKind.FORWARD, seconds, none)
     return b.segment([x[1] for x in starts], [x[1] for x in ends])
@@ -956,7 +1034,7 @@ def edge_forward_segment(
     width = costs.edge_width(edge.tensor)
     pieces = Counter(o.dst_task for o in edge.overlaps)
     feeds = []
-    for o in edge.overlaps:
+    for o in _ring_order(edge, dst):
         p, c = ptasks[o.src_task], ctasks[o.dst_task]
         produced = (src[0], src[1].ends[p.index])
         nbytes = o.volume * width
@@ -968,7 +1046,7 @@ def edge_forward_segment(
                 produced = b.add(
                     TaskKind.TRANSFER, copy, (c.device,), (produced,), 0, lambda w=what: f"copy {w}"
                 )
-            feeds.append((dst.starts[c.index], produced))
+            feeds.append((_reader(dst, c.index, edge.operand, o.rect), produced))
             continue
         if not rect_contiguous(o.rect, edge.source(p)):  # staged: the sender copies it first
             produced = _copy_after(
@@ -983,8 +1061,28 @@ def edge_forward_segment(
         if not (pieces[o.dst_task] == 1 and o.rect == c.inputs[edge.operand].buffer):
             x = _copy_after(b, costs, c.device, nbytes, 2, x, lambda w=what: f"copy {w}")
         x = _in_flight(b, x, free, f"send {what}")
-        feeds.append((dst.starts[c.index], x))
+        feeds.append((_reader(dst, c.index, edge.operand, o.rect), x))
     return b.segment(feeds=feeds)
+
+
+def _ring_order(edge: Edge, dst: AnySegment):
+    """The edge's overlaps, to a streamed consumer (ring attention) in the order its
+    tasks take their blocks: every task's first block's pieces, then every second's,
+    ...; on a switch each step's transfers then use each device's ports once, as a
+    ring's steps do (``executor/program.py`` sends in the same order)."""
+    chains = dst.chains
+    if chains is None or edge.operand not in chains.operands:
+        return edge.overlaps
+    steps = [chains.step(o.dst_task, edge.operand, o.rect) for o in edge.overlaps]
+    order = sorted(range(len(steps)), key=steps.__getitem__)
+    return [edge.overlaps[i] for i in order]
+
+
+def _reader(dst: AnySegment, task: int, operand: int, rect) -> int:
+    """The consumer's task that first reads a piece: its block's, where the consumer
+    streams the operand (ring attention), else the task's first."""
+    at = None if dst.chains is None else dst.chains.target(task, operand, rect)
+    return dst.starts[task] if at is None else at
 
 
 def edge_backward_segment(
@@ -1257,6 +1355,10 @@ class Moved:
     @property
     def ends(self) -> tuple[int, ...]:
         return self.source.ends
+
+    @property
+    def chains(self) -> Chains | None:
+        return self.source.chains
 
     @property
     def preds(self) -> tuple[tuple[Ref, ...], ...]:

@@ -253,7 +253,44 @@ def test_context_parallel_plan_trains_like_one_device(llm_onnx, tmp_path: Path) 
             assert dict(op.degrees) == {"m": 4} and op.devices == (0, 1, 2, 3)
     moved = crossing(doc)
     assert ("Slice", "Attention") in moved and moved == crossing(contiguous), moved
+    _streams_keys(graph, doc.strategy(graph, space), 4)
     _trains_like(plan, 4, tmp_path, data, losses, weights)
+
+
+def _streams_keys(graph, strategy, ranks: int) -> None:
+    """Ring attention: every attention task takes its keys in one block a rank, its own
+    rank's first and the others in ring order (rank r: r, r-1, ...), and no rank's
+    program waits for a K or V piece before the attention's kernel (the kernel waits
+    for each block as it reaches it)."""
+    from executor.program import Compute, Phase, Wait, compile_program
+    from onnx2soap.soap import Partitioner
+    from onnx2soap.soap.streamed import key_blocks
+
+    pg = Partitioner(graph).partition(strategy)
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    attentions = [op for op in graph.ops if op.type == "Attention"]
+    for op in attentions:
+        for task in pg.tasks[op.name]:
+            blocks = key_blocks(op, pg.tasks[op.name], task)
+            order = [b.device for b in blocks]
+            assert sorted(order) == list(range(ranks)) and order[0] == task.device, order
+            # the blocks it works on in ring order; those past its causal diagonal last
+            working = [b.device for b in blocks if b.share > 0]
+            ring = [(task.device - s) % ranks for s in range(ranks)]
+            assert working == [d for d in ring if d in working]
+            assert order[: len(working)] == working
+            assert sum(b.share for b in blocks) == pytest.approx(1.0)
+    streamed = {index[op.name] for op in attentions}
+    for rank in range(ranks):
+        program = compile_program(pg, rank).instructions
+        waited = {
+            ins.transfer.consumer[0]
+            for ins in program
+            if isinstance(ins, Wait) and ins.transfer.phase is Phase.FORWARD
+            if ins.transfer.operand in (1, 2)
+        }
+        assert not waited & streamed
+        assert any(isinstance(i, Compute) and i.op in streamed for i in program)
 
 
 def test_context_parallel_with_zero3_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
@@ -281,3 +318,57 @@ def test_one_long_sequence_over_ranks_trains_like_one_device(llm_onnx, tmp_path:
     loss = ops[graph.loss_op.name]
     assert max(dict(loss.degrees).values()) == 4 and loss.devices == (0, 1, 1, 0)  # positions
     _trains_like(plan, 2, tmp_path, data, losses, weights)
+
+
+@pytest.mark.gpu
+def test_context_parallel_on_gpus_trains_like_one_device(llm_onnx, tmp_path: Path) -> None:
+    """Ring attention over NCCL (4 ranks, a GPU each): each attention kernel waits for
+    its blocks' K and V pieces as it reaches them, on device arrays; exactly one CPU
+    device's training."""
+    from tests.optional import cupy_or_skip
+
+    cp = cupy_or_skip()
+    if cp.cuda.runtime.getDeviceCount() < 4:
+        pytest.skip("needs 4 GPUs (NCCL takes one per rank)")
+    path, data, losses, weights = _llama_reference(llm_onnx, tmp_path)
+    plan = tmp_path / "cp.json"
+    _rule_plan(path, plan, 4, BATCH, "--strategy", "context")
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--dtype", "float64", "--data", str(data))
+    run = mpirun(plan, 4, tmp_path, *args, "--device", "cuda", "--transport", "nccl")
+    assert_same_training(run, losses, weights, rtol=RTOL)
+
+
+def test_context_parallel_trains_like_one_device_in_bf16(llm_onnx, tmp_path: Path) -> None:
+    """Ring attention in mixed precision: the blocks' K and V pieces are stored in bf16
+    and widened into the kernel's float32 copies as they arrive (made before they
+    were there); 4 ranks against one device in bf16, within a few half-format ulps
+    (sums in other orders move values across rounding boundaries: up to 1.6e-4 here),
+    where a block read before it was copied in would be garbage."""
+    from mpi4py import MPI
+
+    from executor.kinds import DeviceKind
+    from executor.train import RunOptions, train
+    from onnx2soap.precision import Precision
+
+    path, data, _, _ = _llama_reference(llm_onnx, tmp_path)
+    plan = tmp_path / "cp.json"
+    _rule_plan(path, plan, 4, BATCH, "--strategy", "context")
+
+    def one(precision: Precision):
+        options = RunOptions(
+            plan=tmp_path / "one.json",
+            steps=STEPS,
+            lr=LR,
+            data=data,
+            device=DeviceKind.CPU,
+            precision=precision,
+        )
+        return train(MPI.COMM_SELF, options, gather=True)
+
+    ref = one(Precision.BF16)
+    args = ("--steps", str(STEPS), "--lr", str(LR), "--data", str(data), "--precision", "bf16")
+    run = mpirun(plan, 4, tmp_path, *args)
+    assert run.returncode == 0, run.stderr[-2000:]
+    np.testing.assert_allclose(run.losses, [r.loss for r in ref.steps], rtol=2e-3)
+    for name, w in ref.weights.items():
+        np.testing.assert_allclose(run.weights[name], w, rtol=0, atol=1e-3, err_msg=name)

@@ -3,7 +3,7 @@ small batches (lstm_lm 32, gpt2 16), where the runtime's own Python objects (abo
 an instruction and 0.95 kB a piece: ``memory.PER_INSTRUCTION``, ``PER_PIECE``) are a
 third of a rank's peak: without them the model missed lstm_lm by up to 36 % and gpt2 by
 up to 35 %. Plans with few tasks (data parallel) and many (random: hundreds of
-instructions and transfers a rank)."""
+instructions and transfers a rank), and context parallelism's streamed attention."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ CASES = [  # model, batch, strategy, seed
     ("lstm_lm", 32, "random", 2),
     ("gpt2", 16, "data-parallel", 0),
     ("gpt2", 16, "random", 4),
+    # context parallelism: each attention task takes K and V block by block (ring
+    # attention), the received pieces copied in as its kernel reaches them
+    ("gpt2", 16, "context", 0),
 ]
 
 

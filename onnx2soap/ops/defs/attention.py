@@ -11,8 +11,10 @@ Inputs: Q [b, h, m, e], K [b, hk, n, e], V [b, hk, n, d] (4-D: heads given as an
 Its dims: the batch and the heads split as Megatron-LM splits them (a key head with its
 ``h / hk`` query heads: ``Grouped``), the queries split too (each task reads every key:
 the global row of its first query is its tile's origin, for the causal mask). The keys
-and the value width are read whole: splitting the keys needs the log-sum-exp combination
-of context parallelism, splitting the value width would remake the scores per part.
+and the value width are read whole (splitting the value width would remake the scores
+per part), but a task whose queries are split over devices takes its keys and values
+block by block as they arrive, the partial outputs combined by log-sum-exp (ring
+attention: ``OpDef.streams``, ``soap/streamed.py``).
 
 The backward reads Q, K, V, the mask, the output and each row's log-sum-exp, as
 FlashAttention's (the executor keeps that in ``TaskArgs.stash``), and remakes the
@@ -26,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from onnx2soap.ir import AxisMap, Broadcast, Grouped, Operand, Tensor, Whole, identity
 from onnx2soap.ops import flash
-from onnx2soap.ops.base import NONE, C, OpDef, Saved, W, X, case, wants
+from onnx2soap.ops.base import NONE, C, OpDef, Saved, Streamed, W, X, case, wants
 from onnx2soap.ops.context import NodeContext, float_attribute, make_op
 
 # Forward work per (query, key) pair beyond the two products: the softmax's max,
@@ -207,6 +209,33 @@ def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
     return grads if attrs.has_mask else grads[:3]
 
 
+def forward_streamed(xp, attrs: AttentionAttrs, inputs, args, blocks, arrive):
+    """``forward`` with the keys and values taken block by block as they arrive (ring
+    attention: ``OpDef.streams``), the partial outputs combined by log-sum-exp."""
+    q, k, v = inputs[:3]
+    mask = _mask_of(attrs, inputs)
+    problem = _problem(attrs, args, k.shape[2])
+    out, lse = flash.forward_streamed(xp, q, k, v, mask, problem, blocks, arrive)
+    if args.stash is not None:
+        args.stash["lse"] = lse
+    return out
+
+
+def backward_streamed(xp, attrs: AttentionAttrs, inputs, output, grad_output, args, blocks):
+    """``backward`` block by block of keys: dQ summed over the blocks, each block's dK
+    and dV its own."""
+    q, k, v = inputs[:3]
+    mask = _mask_of(attrs, inputs)
+    bias = attrs.has_mask and mask.dtype.kind == "f" and wants(args, 3)
+    wanted = flash.Wanted(wants(args, 0), wants(args, 1), wants(args, 2), bias)
+    problem = _problem(attrs, args, k.shape[2])
+    lse = args.stash.get("lse") if args.stash is not None else None
+    grads = flash.backward_streamed(
+        xp, q, k, v, mask, output, grad_output, problem, blocks, wanted, lse
+    )
+    return grads if attrs.has_mask else grads[:3]
+
+
 def workspace(attrs: AttentionAttrs, shapes, out_shape, itemsize: int) -> tuple[int, int]:
     """Beyond the buffers, the output and the gradients returned: a few score tiles at
     once (the scores, their exponentials, the causal triangle or the dropout's draws),
@@ -227,6 +256,19 @@ def workspace(attrs: AttentionAttrs, shapes, out_shape, itemsize: int) -> tuple[
     return forward_bytes, (backward_tiles * tile + keys + 2 * b * h * m) * itemsize
 
 
+def streamed_workspace(attrs: AttentionAttrs, shapes, out_shape, itemsize: int, span: int):
+    """``workspace`` of a streamed task (ring attention), its widest span of keys
+    ``span``: each span's call holds what a call on those keys alone does (copies of
+    the span's keys and values, not of all), and besides it the forward the running
+    output, the backward the summed dQ and the span's dK and dV."""
+    q, k, v = shapes[:3]
+    part = [q, (*k[:2], span, k[3]), (*v[:2], span, v[3]), *shapes[3:]]
+    forward_bytes, backward_bytes = workspace(attrs, part, out_shape, itemsize)
+    running = math.prod(out_shape) * itemsize
+    grads = (math.prod(q) + math.prod(part[1]) + math.prod(part[2])) * itemsize
+    return forward_bytes + running, backward_bytes + grads
+
+
 def _causal_mask(size: int) -> C:
     values = [0.0 if j <= i else -1e9 for i in range(size) for j in range(size)]
     return C(values, "float32", shape=(1, 1, size, size))
@@ -242,6 +284,8 @@ ATTENTION = OpDef(
     saves=Saved(inputs=None, output=True),
     random=True,  # the fused dropout (tests/ops/test_attention.py)
     stashes=True,  # each row's log-sum-exp, from the forward to the backward
+    # K and V by blocks of keys along the queries' split (ring attention): dims m, k
+    streams=Streamed((1, 2), 2, 2, 4, forward_streamed, backward_streamed, streamed_workspace),
     cases=(
         case("attention_plain", "Attention", X(2, 2, 5, 3), W(2, 2, 6, 3), W(2, 2, 6, 4), opset=23),
         case(
