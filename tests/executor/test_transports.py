@@ -192,30 +192,36 @@ def test_a_ring_holds_its_scratch_only_while_it_runs():
 def test_a_bucket_rings_over_its_gradients_as_one_run():
     """A gradient bucket's ring (soap/buckets.py) works on the arrays' concatenation,
     never made: of the 7 elements, chunk 0, [0, 4), spans both arrays. Rank 0 sends it
-    first, as one message of a derived datatype over both arrays in place (freed once
-    sent), adds the peer's ones into chunk 1, then takes chunk 0 from the peer, piece
-    by piece."""
+    first, a message a piece, each a view of its array in place (a derived datatype over
+    both had crawled through MPICH's shared-memory cells where ranks nap), adds the
+    peer's ones into chunk 1, then takes chunk 0 from the peer into its scratch, a
+    receive a piece, and lands it piece by piece."""
     from executor.transport import _Counter, _Ring, _Runs
 
     first, second = np.arange(3, dtype=np.float64), np.arange(10, 14, dtype=np.float64)
-    sent = []
+    sent, received = [], []
 
     class Peer(_PeerOfOnes):
         def Isend(self, buf, dest):
             sent.append(buf)
             return MPI.REQUEST_NULL
 
+        def Irecv(self, buf, source):
+            received.append(buf.size)
+            return super().Irecv(buf, source)
+
     runs = _Runs([first, second.reshape(2, 2)], np)
     assert runs.size == 7
-    outgoing = runs.outgoing(0, 4)
-    assert outgoing.datatype is not None and outgoing.datatype.Get_size() == 4 * 8
-    assert [a.base is first or a.base is second for a in outgoing.held] == [True, True]
-    outgoing.release()
+    assert runs.spans(0, 4) == [(0, 3), (3, 4)]
+    assert [a.base is first or a.base is second for a in runs.pieces(0, 4)] == [True, True]
     ring = _Ring(Peer(), runs, _Counter(), CpuDevice())
     assert ring.advance() and ring.done
     np.testing.assert_array_equal(first, [1, 1, 1])
     np.testing.assert_array_equal(second, [1, 12, 13, 14])
-    assert len(sent) == 2 and sent[0][0] is MPI.BOTTOM and sent[1] is not None
+    # step 1 sends chunk 0 in two pieces (3 and 1) and receives chunk 1 (3 elements of
+    # the second array) in one; step 2 sends chunk 1 and receives chunk 0 in two
+    assert [a.size for a in sent] == [3, 1, 3]
+    assert received == [3, 3, 1]
 
 
 def test_a_bucket_reduce_scatters_its_gradients_as_one_run():
