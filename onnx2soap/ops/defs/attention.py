@@ -196,7 +196,8 @@ def forward(xp, attrs: AttentionAttrs, inputs, args):
     return out
 
 
-def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
+def _backward_args(attrs: AttentionAttrs, inputs, args) -> tuple:
+    """(q, k, v, mask, problem, wanted, lse): what both backwards take."""
     q, k, v = inputs[:3]
     mask = _mask_of(attrs, inputs)
     # a float mask is an additive bias: its gradient is the scores' (T5's relative
@@ -205,6 +206,11 @@ def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
     wanted = flash.Wanted(wants(args, 0), wants(args, 1), wants(args, 2), bias)
     problem = _problem(attrs, args, k.shape[2])
     lse = args.stash.get("lse") if args.stash is not None else None
+    return q, k, v, mask, problem, wanted, lse
+
+
+def backward(xp, attrs: AttentionAttrs, inputs, output, grad_output, args):
+    q, k, v, mask, problem, wanted, lse = _backward_args(attrs, inputs, args)
     grads = flash.backward(xp, q, k, v, mask, output, grad_output, problem, wanted, lse)
     return grads if attrs.has_mask else grads[:3]
 
@@ -224,12 +230,7 @@ def forward_streamed(xp, attrs: AttentionAttrs, inputs, args, blocks, arrive):
 def backward_streamed(xp, attrs: AttentionAttrs, inputs, output, grad_output, args, blocks):
     """``backward`` block by block of keys: dQ summed over the blocks, each block's dK
     and dV its own."""
-    q, k, v = inputs[:3]
-    mask = _mask_of(attrs, inputs)
-    bias = attrs.has_mask and mask.dtype.kind == "f" and wants(args, 3)
-    wanted = flash.Wanted(wants(args, 0), wants(args, 1), wants(args, 2), bias)
-    problem = _problem(attrs, args, k.shape[2])
-    lse = args.stash.get("lse") if args.stash is not None else None
+    q, k, v, mask, problem, wanted, lse = _backward_args(attrs, inputs, args)
     grads = flash.backward_streamed(
         xp, q, k, v, mask, output, grad_output, problem, blocks, wanted, lse
     )
