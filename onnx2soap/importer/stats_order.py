@@ -26,6 +26,8 @@ def side_by_side(ops: Sequence[Op]) -> list[Op]:
     a few ops longer). The order stays topological: what moves ahead depends on nothing
     that now comes after it. Without two such ops the order is the same list."""
     order = list(ops)
+    if sum(map(_stats_op, order)) < 2:  # no run to make: the dependency sets not built
+        return order
     producer = {op.output: k for k, op in enumerate(order)}
     # per op (by identity), the ops it depends on, as a bit set of original positions
     below: dict[int, int] = {}

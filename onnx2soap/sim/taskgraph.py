@@ -89,7 +89,7 @@ from onnx2soap.soap.partitioned import edge_configs, op_kinds_held
 from onnx2soap.soap.recompute import recomputes
 from onnx2soap.soap.saved import backward_reads
 from onnx2soap.soap.stats_batches import stats_rings, stats_runs
-from onnx2soap.soap.streamed import KeyBlock, key_blocks
+from onnx2soap.soap.streamed import KeyBlock, key_blocks, span_of
 from onnx2soap.soap.zero import NO_ZERO, Zero, ZeroStage, group_stage, zero_group
 
 Ref = tuple[int, int]  # (slot, task index in the slot's segment)
@@ -143,11 +143,7 @@ class Chains:
         """Which block of the task's chain a piece ``rect`` of ``operand`` feeds (the
         first holding any of its keys); 0 where the task takes it whole."""
         chain = self.tasks[task] if operand in self.operands else ()
-        lo, hi = rect[self.axis] if chain else (0, 0)
-        for j, (_, spans) in enumerate(chain):
-            if any(a < hi and lo < b for a, b in spans):
-                return j
-        return 0
+        return span_of([spans for _, spans in chain], rect[self.axis]) if chain else 0
 
     def target(self, task: int, operand: int, rect) -> int | None:
         """The block task that a piece ``rect`` of ``operand`` feeds; None where the
@@ -582,7 +578,7 @@ class Costs:
             for g, ring in enumerate(groups)
             for i in range(len(ring))
         ]
-        routes = {(a, b): self.link_resources(a, b)[2:] for _, _, a, b in hops}
+        routes = {(a, b): self.machine.route(a, b) for _, _, a, b in hops}
         sharing: dict[int, int] = {}
         for links in routes.values():
             for r in links:

@@ -89,7 +89,7 @@ def chunks_bytes_sent(
 # network about as fast as a host's ring (25 Gb/s Ethernet next to a ring's 4-7 GB/s
 # a member here) costs more than the flat ring from a few MiB: like MPI libraries'
 # short-message algorithms, it runs up to ``TWO_LEVEL_MAX_BYTES`` and the flat ring
-# above (the simulator's ``benchmarks/collectives.py --hosts`` table prices both).
+# above (``benchmarks/collectives.py``'s last table prices both).
 TWO_LEVEL_MAX_BYTES = 1 << 20
 
 
@@ -149,10 +149,10 @@ def host_rings(devices: tuple[int, ...], host_of: tuple[int, ...] | None) -> Hos
 
 def host_ring_bytes_sent(numel: int, rings: HostRings, device: int, itemsize: int) -> int:
     """Bytes ``device`` sends during one two-level all-reduce."""
-    _, j = rings.place(device)
+    host, j = rings.place(device)
     m, h = rings.local, len(rings.hosts)
     chunks = rings.host_chunks(numel)
     inside = chunks_bytes_sent(chunks, reduce_scatter_steps(j, m), itemsize)
     inside += chunks_bytes_sent(chunks, all_gather_steps(j, m), itemsize)
     lo, hi = chunks[j]
-    return inside + ring_bytes_sent(hi - lo, h, rings.place(device)[0], itemsize)
+    return inside + ring_bytes_sent(hi - lo, h, host, itemsize)

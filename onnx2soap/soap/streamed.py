@@ -80,9 +80,14 @@ def _same_but(a: Rect, b: Rect, dim: int) -> bool:
 def block_of(blocks: Sequence[KeyBlock], keys: Interval) -> int:
     """The first block (in the order taken) holding any of ``keys``: the one a piece
     over them must be there for."""
+    return span_of([b.spans for b in blocks], keys)
+
+
+def span_of(spans: Sequence[Sequence[Interval]], keys: Interval) -> int:
+    """``block_of`` over the blocks' key spans alone."""
     lo, hi = keys
-    for j, block in enumerate(blocks):
-        if any(a < hi and lo < b for a, b in block.spans):
+    for j, block in enumerate(spans):
+        if any(a < hi and lo < b for a, b in block):
             return j
     raise ValueError(f"keys {keys} lie in no block")
 
